@@ -1,0 +1,299 @@
+"""Dataclass schemas for the composed Hydra config.
+
+Hydra composes plain YAML values; `validate(cfg)` turns them into these frozen dataclasses and rejects a bad
+value before any work starts, with one line naming the field, the value and what is allowed. Every other
+module receives these typed objects (or plain values taken from them), never the raw DictConfig.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work. The message is one line meant for the user."""
+
+
+DType = Literal["float32", "float16", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    epochs: int = 2
+    max_steps: Optional[int] = None
+    batch_size: int = 64
+    eval_batch_size: int = 256
+    device: str = "auto"
+    target_acc: Optional[float] = None
+    on_nonfinite: Literal["stop", "skip", "continue"] = "stop"
+    deterministic: bool = False
+    cudnn_benchmark: bool = True
+    channels_last: bool = True
+    warmup_steps: int = 5
+    log_every: int = 50
+    grad_clip: Optional[float] = None
+
+    def check(self) -> None:
+        _at_least(self, "epochs", 1)
+        _at_least(self, "batch_size", 1)
+        _at_least(self, "eval_batch_size", 1)
+        _at_least(self, "warmup_steps", 0)
+        _at_least(self, "log_every", 1)
+        if self.max_steps is not None:
+            _at_least(self, "max_steps", 1)
+        if self.target_acc is not None and not 0.0 < self.target_acc <= 1.0:
+            raise ConfigError(f"trainer.target_acc={self.target_acc}: must be a fraction in (0, 1], e.g. 0.94, or null")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"trainer.grad_clip={self.grad_clip}: must be a positive number or null")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"trainer.device={self.device!r}: allowed values are auto, cpu, cuda, cuda:N")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: Literal["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "small_cnn"]
+    stem: Literal["cifar", "imagenet"] = "cifar"
+    width: int = 32
+
+    def check(self) -> None:
+        _at_least(self, "width", 1, section="model")
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    name: Literal["synthetic"]
+    num_classes: int = 10
+    train_size: int = 2048
+    test_size: int = 512
+    image_size: int = 32
+    noise: float = 2.0
+    augment: bool = True
+    crop_padding: int = 4
+    seed: int = 1234
+
+    def check(self) -> None:
+        if self.num_classes not in (10, 100):
+            raise ConfigError(f"dataset.num_classes={self.num_classes}: allowed values are 10, 100")
+        for name in ("train_size", "test_size"):
+            _at_least(self, name, 1, section="dataset")
+        _at_least(self, "image_size", 8, section="dataset")
+        _at_least(self, "crop_padding", 0, section="dataset")
+        if not self.noise >= 0:
+            raise ConfigError(f"dataset.noise={self.noise}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    name: str
+    autocast_dtype: Optional[Literal["float16", "bfloat16"]] = None
+    param_dtype: DType = "float32"
+    master_weights: bool = False
+    keep_bn_fp32: bool = True
+    loss_scale: Union[float, str] = "none"   # "dynamic" | "none" | a positive number (static scale)
+    init_scale: float = 65536.0
+    growth_interval: int = 2000
+    tf32: bool = False
+
+    def check(self) -> None:
+        ls = self.loss_scale
+        if isinstance(ls, str) and ls not in ("dynamic", "none"):
+            raise ConfigError(f"precision.loss_scale={ls!r}: allowed values are dynamic, none, or a positive number (static scale)")
+        if not isinstance(ls, str) and not (math.isfinite(ls) and ls > 0):
+            raise ConfigError(f"precision.loss_scale={ls}: a static loss scale must be a positive finite number")
+        if not self.init_scale > 0:
+            raise ConfigError(f"precision.init_scale={self.init_scale}: must be > 0")
+        _at_least(self, "growth_interval", 1, section="precision")
+        if self.master_weights and self.param_dtype == "float32":
+            raise ConfigError("precision.master_weights=true: only meaningful with param_dtype float16 or bfloat16")
+        if self.loss_scale == "dynamic" and self.param_dtype != "float32" and not self.master_weights:
+            raise ConfigError(
+                f"precision.loss_scale=dynamic with param_dtype={self.param_dtype}: GradScaler needs fp32 gradients; "
+                "set precision.master_weights=true (apex O2) or a static loss scale (a number) or none")
+
+    @property
+    def scaled(self) -> bool:
+        return self.loss_scale != "none"
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    name: str = "auto"
+    match: Optional[str] = None
+    peak_tflops: dict = field(default_factory=dict)
+    memory_gb: Optional[float] = None
+    bandwidth_gbs: Optional[float] = None
+    source: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Literal["sgd", "adam", "adamw"]
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def check(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"optimizer.lr={self.lr}: must be a positive number")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optimizer.momentum={self.momentum}: must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay={self.weight_decay}: must be >= 0")
+        if self.eps <= 0:
+            raise ConfigError(f"optimizer.eps={self.eps}: must be > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optimizer.betas={list(self.betas)}: must be two numbers in [0, 1)")
+        if self.nesterov and (self.name != "sgd" or self.momentum == 0):
+            raise ConfigError("optimizer.nesterov=true: needs optimizer=sgd with momentum > 0")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    name: str = "constant"
+    knots: tuple = (0.0, 1.0)
+    values: tuple = (1.0, 1.0)
+
+    def check(self) -> None:
+        k = list(self.knots)
+        if len(k) < 2 or len(k) != len(self.values):
+            raise ConfigError(f"schedule.knots/values: need two or more knots and one value per knot (got {len(k)} and {len(self.values)})")
+        if k[0] != 0.0 or k[-1] != 1.0 or any(b < a for a, b in zip(k, k[1:])):
+            raise ConfigError(f"schedule.knots={k}: must rise from 0.0 to 1.0 (fractions of the run's steps)")
+        if any(v < 0 for v in self.values):
+            raise ConfigError(f"schedule.values={list(self.values)}: lr multipliers must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrickConfig:
+    name: str = "none"
+    label_smoothing: float = 0.0
+
+    def check(self) -> None:
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"trick.label_smoothing={self.label_smoothing}: must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    name: Literal["wandb", "none"] = "none"
+    mode: Literal["offline", "online", "disabled"] = "disabled"
+    project: str = "mixprec"
+    entity: Optional[str] = None
+    tags: tuple = ()
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    seed: int
+    trainer: TrainerConfig
+    model: ModelConfig
+    dataset: DatasetConfig
+    precision: PrecisionConfig
+    gpu: GpuConfig
+    optimizer: OptimizerConfig
+    schedule: ScheduleConfig
+    trick: TrickConfig
+    logger: LoggerConfig
+
+
+def validate(cfg: DictConfig | dict) -> Config:
+    """Resolve and check a composed config; raise ConfigError naming the first bad field."""
+    if isinstance(cfg, DictConfig):
+        try:
+            data = OmegaConf.to_container(cfg, resolve=True)
+        except Exception as e:  # an interpolation that does not resolve
+            raise ConfigError(f"config does not resolve: {e}") from None
+    else:
+        data = dict(cfg)
+    data.pop("hydra", None)
+    return _build(Config, data, "")
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown field; allowed fields are {', '.join(sorted(names))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{key}: missing (no default); set it in the config or on the command line")
+            continue
+        kwargs[f.name] = _coerce(hints[f.name], data[f.name], key)
+    obj = cls(**kwargs)
+    if hasattr(obj, "check"):
+        obj.check()
+    return obj
+
+
+def _coerce(tp, value, key):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    if origin is Union:
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{key}: must be set (null is not allowed)")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[-1] if len(errors) == 1 else f"{key}={value!r}: not a valid value ({'; '.join(errors)})")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(str, allowed))}")
+        return value
+    if value is None:
+        raise ConfigError(f"{key}: must be set (null is not allowed)")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r}: must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r}: must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r}: must be a string")
+        return value
+    if tp is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: must be a list")
+        return tuple(value)
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r}: must be a mapping")
+        return dict(value)
+    return value
+
+
+def _at_least(obj, name: str, low: int, section: str = "trainer") -> None:
+    value = getattr(obj, name)
+    if value < low:
+        raise ConfigError(f"{section}.{name}={value}: must be an integer >= {low}")

@@ -1,0 +1,55 @@
+"""Models: torchvision ResNets with a CIFAR or ImageNet stem, and a small CNN."""
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+from .config import ModelConfig
+
+
+def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
+    if cfg.arch.startswith("resnet"):
+        return resnet(cfg.arch, cfg.stem, num_classes)
+    if cfg.arch == "small_cnn":
+        return small_cnn(cfg.width, num_classes)
+    raise ValueError(f"unknown model.arch {cfg.arch!r}")  # unreachable: the schema allows only the above
+
+
+def resnet(arch: str, stem: str, num_classes: int) -> nn.Module:
+    model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
+    if stem == "cifar":
+        # 32x32 inputs: a 3x3 stride-1 first conv and no max-pool keep the spatial resolution for layer1.
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    return model
+
+
+def small_cnn(width: int, num_classes: int) -> nn.Module:
+    def block(cin, cout):
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+
+    return nn.Sequential(
+        *block(3, width), nn.MaxPool2d(2),
+        *block(width, 2 * width), nn.MaxPool2d(2),
+        *block(2 * width, 4 * width), nn.MaxPool2d(2),
+        *block(4 * width, 4 * width),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes),
+    )
+
+
+def forward_flops(model: nn.Module, sample: torch.Tensor) -> float | None:
+    """FLOPs of one forward pass per sample (matmuls and convolutions, 2 per multiply-add), counted by
+    torch.utils.flop_counter on a real forward in eval mode; None where the counter cannot run."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(sample)
+        return counter.get_total_flops() / sample.shape[0]
+    except Exception:  # an op the counter does not know; MFU is then left out, not guessed
+        return None
+    finally:
+        model.train(was_training)

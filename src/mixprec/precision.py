@@ -1,0 +1,131 @@
+"""Precision policy: every precision mode of conf/precision in a few plain lines.
+
+A mode is four decisions, each made once here:
+  1. the dtype the model's weights live in (param_dtype), with BatchNorm optionally kept in fp32;
+  2. whether the forward runs under torch.autocast, and to which dtype;
+  3. whether the optimizer steps fp32 master copies (apex O2) that are copied back into the low-precision model;
+  4. how the loss is scaled: torch.amp.GradScaler (dynamic), a static factor (apex --loss-scale N), or none.
+The engine calls: prepare_model -> optimizer_params -> [autocast(), cast_input, backward, step] per step.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import PrecisionConfig
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class StaticScaler:
+    """apex-style static loss scale: multiply the loss by S, divide the gradients by S before the step.
+    Like apex's static scaler it never skips a step: an overflow reaches the weights (and the NaN policy)."""
+
+    def __init__(self, scale: float):
+        self.value = float(scale)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.value
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.value)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def update(self) -> None:
+        pass
+
+    def get_scale(self) -> float:
+        return self.value
+
+    def state_dict(self) -> dict:
+        return {"scale": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["scale"])
+
+
+class PrecisionPolicy:
+    def __init__(self, cfg: PrecisionConfig, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.param_dtype = DTYPES[cfg.param_dtype]
+        self.autocast_dtype = DTYPES[cfg.autocast_dtype] if cfg.autocast_dtype else None
+        if cfg.loss_scale == "dynamic":
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale,
+                                               growth_interval=cfg.growth_interval)
+        elif cfg.loss_scale == "none":
+            self.scaler = torch.amp.GradScaler(device.type, enabled=False)  # a pass-through
+        else:
+            self.scaler = StaticScaler(cfg.loss_scale)
+        self.model_params: list[nn.Parameter] = []
+        self.master_params: list[torch.Tensor] | None = None
+        self.scale_value = self.scaler.get_scale() if cfg.scaled else None
+
+    # -- 1. weights ---------------------------------------------------------------------------------------
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        if self.param_dtype != torch.float32:
+            model.to(self.param_dtype)
+            if self.cfg.keep_bn_fp32:
+                for m in model.modules():
+                    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                        m.float()
+        return model
+
+    # -- 3. what the optimizer steps ----------------------------------------------------------------------
+    def optimizer_params(self, model: nn.Module) -> list[torch.Tensor]:
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        if not self.cfg.master_weights:
+            return self.model_params
+        self.master_params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+        return self.master_params
+
+    # -- 2. forward ----------------------------------------------------------------------------------------
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                              enabled=self.autocast_dtype is not None)
+
+    def cast_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Inputs of a low-precision model must match its weights (autocast modes take fp32 inputs)."""
+        return x.to(self.param_dtype) if x.is_floating_point() and self.param_dtype != torch.float32 else x
+
+    # -- 4. backward and step ------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, grad_clip: float | None = None) -> bool:
+        """Unscale, clip, step, update the scale; returns True when the step was skipped (an overflow under a
+        dynamic loss scale: GradScaler skips the step and halves the scale)."""
+        if self.master_params is not None:
+            for master, p in zip(self.master_params, self.model_params):
+                master.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        self.scaler.unscale_(optimizer)
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.stepped_params(), grad_clip)
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        if self.master_params is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.model_params, self.master_params)
+        if self.scale_value is None:
+            return False
+        previous, self.scale_value = self.scale_value, self.scaler.get_scale()
+        return self.scale_value < previous
+
+    def stepped_params(self) -> list[torch.Tensor]:
+        return self.master_params if self.master_params is not None else self.model_params
+
+    def fp32_state_dict(self, model: nn.Module) -> dict:
+        """The model's weights in fp32 whatever the training precision (apex's promise for checkpoints);
+        under master weights, the fp32 masters themselves rather than the rounded fp16 copies."""
+        state = {k: v.detach().float() if v.is_floating_point() else v.detach() for k, v in model.state_dict().items()}
+        if self.master_params is not None:
+            names = {id(p): n for n, p in model.named_parameters()}
+            for p, master in zip(self.model_params, self.master_params):
+                state[names[id(p)]] = master.detach().clone()
+        return state

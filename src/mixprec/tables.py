@@ -1,0 +1,87 @@
+"""Plain-text tables of job summaries: the end-of-job block and the end-of-sweep table."""
+from __future__ import annotations
+
+
+def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
+    if v is None:
+        return none
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def baseline_key(summary: dict) -> tuple:
+    """Jobs that differ only in precision share this key: the overrides without the precision ones."""
+    return tuple(sorted(o for o in summary.get("overrides", []) if not o.startswith("precision")))
+
+
+def sweep_rows(summaries: list[dict]) -> list[dict]:
+    """One row per job; speedup = fp32 train time / this job's train time, for the fp32 job with the same
+    other overrides (None where the sweep has no such fp32 job)."""
+    fp32_time = {}
+    for s in summaries:
+        if s.get("choices", {}).get("precision") == "fp32" and s.get("status") == "completed":
+            fp32_time[baseline_key(s)] = (s.get("metrics") or {}).get("train_time_s")
+    rows = []
+    for s in summaries:
+        m = s.get("metrics") or {}
+        base = fp32_time.get(baseline_key(s))
+        t = m.get("train_time_s")
+        rows.append({
+            "job": s.get("job", {}).get("num"),
+            "model": s.get("choices", {}).get("model"),
+            "precision": s.get("choices", {}).get("precision"),
+            "status": s.get("status"),
+            "epochs": m.get("epochs"),
+            "train_time_s": t,
+            "samples_per_s": m.get("throughput"),
+            "speedup": base / t if base and t and s.get("status") == "completed" else None,
+            "test_acc": m.get("final_test_acc"),
+            "peak_mem_mb": m.get("peak_memory_mb"),
+            "note": s.get("reason") or s.get("error") or "",
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = [("job", "job", "d"), ("model", "model", "s"), ("precision", "precision", "s"), ("status", "status", "s"),
+            ("epochs", "epochs", ".2f"), ("train_time_s", "time s", ".2f"), ("samples_per_s", "samples/s", ".1f"),
+            ("speedup", "vs fp32", ".2f"), ("test_acc", "test acc", ".4f"), ("peak_mem_mb", "peak MB", ".0f"),
+            ("note", "note", "s")]
+    cells = [[h for _, h, _ in cols]]
+    for r in rows:
+        cells.append([_fmt(r[k], spec if spec not in ("s", "d") else "") if not isinstance(r[k], str) else r[k]
+                      for k, _, spec in cols])
+    cells = [[c if len(c) <= 60 else c[:57] + "..." for c in row] for row in cells]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def job_block(summary: dict) -> str:
+    """The one-screen summary printed when a job ends."""
+    m = summary.get("metrics") or {}
+    ch = summary.get("choices", {})
+    env = summary.get("env", {})
+    ls = m.get("loss_scale")
+    warm = ("warm-up included: too few steps" if m.get("throughput_includes_warmup")
+            else f"first {m.get('warmup_steps')} steps excluded")
+    scale = "none" if not ls else f"min {ls['min']:g}, max {ls['max']:g}, final {ls['final']:g}"
+    lines = [
+        f"status      {summary.get('status')}" + (f"  ({summary.get('reason') or summary.get('error')})"
+                                                   if summary.get("reason") or summary.get("error") else ""),
+        f"job         model={ch.get('model')} precision={ch.get('precision')} dataset={ch.get('dataset')} "
+        f"optimizer={ch.get('optimizer')}",
+        f"device      {env.get('device_name')} ({env.get('device')}), torch {env.get('torch')}",
+        f"training    {_fmt(m.get('epochs'), '.2f')} epochs, {m.get('steps')} steps, "
+        f"{_fmt(m.get('train_time_s'), '.2f')} s (eval excluded), epochs {[round(t, 2) for t in m.get('epoch_times_s') or []]}",
+        f"throughput  {_fmt(m.get('throughput'), '.1f')} samples/s ({warm})",
+        f"accuracy    final {_fmt(m.get('final_test_acc'), '.4f')}, best {_fmt(m.get('best_test_acc'), '.4f')}"
+        + (f", {_fmt(m.get('time_to_target_s'), '.2f')} s to {m.get('target_acc')}" if m.get("target_acc") else ""),
+        f"memory      peak {_fmt(m.get('peak_memory_mb'), '.0f')} MB ({m.get('peak_memory_kind')})",
+        f"loss scale  {scale}; skipped steps {m.get('skipped_steps')}",
+    ]
+    if m.get("mfu") is not None:
+        lines.append(f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} peak")
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""W&B mirror of a job's records: one run per job, its files inside the job's output dir.
+
+Offline by default (`logger.mode=offline`): nothing leaves the machine; `wandb sync <job dir>/wandb/offline-run-*`
+uploads later. wandb is imported only when a job asks for it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .config import LoggerConfig
+
+
+class WandbMirror:
+    def __init__(self, cfg: LoggerConfig, out_dir: Path, config: dict, group: str | None, name: str,
+                 job_type: str):
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=str(out_dir),
+                              config=config, group=group, name=name, job_type=job_type, tags=list(cfg.tags),
+                              reinit="finish_previous")
+
+    def log(self, row: dict) -> None:
+        self.run.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+
+    def summary(self, summary: dict) -> None:
+        flat = {"status": summary.get("status")}
+        for k, v in (summary.get("metrics") or {}).items():
+            if isinstance(v, dict):
+                flat.update({f"{k}/{kk}": vv for kk, vv in v.items()})
+            elif v is not None:
+                flat[k] = v
+        self.run.summary.update(flat)
+
+    def finish(self, ok: bool) -> None:
+        self.run.finish(exit_code=0 if ok else 1)
+
+    @property
+    def run_dir(self) -> str:
+        """The offline run's folder (what `wandb sync` takes)."""
+        return str(Path(self.run.dir).parent)
