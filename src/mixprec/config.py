@@ -207,15 +207,16 @@ class Config:
 
 def validate(cfg: DictConfig | dict) -> Config:
     """Resolve and check a composed config; raise ConfigError naming the first bad field."""
-    if isinstance(cfg, DictConfig):
-        try:
-            data = OmegaConf.to_container(cfg, resolve=True)
-        except Exception as e:  # an interpolation that does not resolve
-            raise ConfigError(f"config does not resolve: {e}") from None
-    else:
-        data = dict(cfg)
-    data.pop("hydra", None)
+    data = plain_config(cfg) if isinstance(cfg, DictConfig) else {k: v for k, v in cfg.items() if k != "hydra"}
     return _build(Config, data, "")
+
+
+def plain_config(cfg: DictConfig) -> dict:
+    """The job's config as plain resolved values, without Hydra's own node."""
+    try:
+        return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+    except Exception as e:  # an interpolation that does not resolve
+        raise ConfigError(f"config does not resolve: {e}".splitlines()[0]) from None
 
 
 def _build(cls, data: Any, prefix: str):

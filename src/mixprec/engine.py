@@ -137,7 +137,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
                 out = model(policy.cast_input(x))
             loss = F.cross_entropy(out.float(), y, label_smoothing=label_smoothing)
             if trainer.on_nonfinite == "skip" and not torch.isfinite(loss):
-                state["nonfinite_steps"] += 1   # the step is skipped: no backward, no update
+                # the step is skipped: no backward, no update (the window check below counts it)
                 if state["nonfinite"] is None:
                     state["nonfinite"] = {"step": state["step"] + 1, "what": f"loss {loss.item()} (step skipped)",
                                           "policy": "skip"}

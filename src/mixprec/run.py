@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from . import engine, hardware
-from .config import Config, ConfigError, validate
+from .config import Config, ConfigError, plain_config, validate
 from .data import DeviceBatches, synthetic_images
 from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
@@ -34,10 +34,11 @@ def run_job(cfg: DictConfig) -> dict:
         "overrides": list(hc.overrides.task),
         "job": {"name": hc.job.name, "num": hc.job.num if multirun else None, "output_dir": str(out_dir),
                 "sweep_dir": str(Path(hc.sweep.dir)) if multirun else None, "override_dirname": hc.job.override_dirname},
-        "config": _plain(cfg),
+        "config": None,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     try:
+        summary["config"] = plain_config(cfg)
         config = validate(cfg)
     except ConfigError as e:
         summary["error"] = f"config error: {e}"
@@ -143,12 +144,3 @@ def _warn_if_slow(config: Config, device: torch.device, profile: dict) -> None:
         print(f"mixprec: note: {low} on a CPU without native support (AVX512-FP16/AMX) runs PyTorch's slow "
               "reference kernels, often 10-50x slower than fp32: CPU timings say nothing about GPUs",
               file=sys.stderr)
-
-
-def _plain(cfg: DictConfig) -> dict:
-    try:
-        data = OmegaConf.to_container(cfg, resolve=True)
-    except Exception:
-        data = OmegaConf.to_container(cfg, resolve=False)
-    data.pop("hydra", None)
-    return data
