@@ -66,25 +66,56 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    name: Literal["synthetic"]
+    name: Literal["synthetic", "cifar10", "cifar100", "wikitext2", "synthetic_text"]
     num_classes: int = 10
-    train_size: int = 2048
-    test_size: int = 512
-    image_size: int = 32
+    train_size: Optional[int] = 2048      # synthetic only (images, or tokens for synthetic_text); real splits are whole
+    test_size: Optional[int] = 512
+    image_size: int = 32                  # synthetic: the generated size; CIFAR: resized to this on the device
     noise: float = 2.0
     augment: bool = True
     crop_padding: int = 4
+    cutout: int = 0                       # side of the square zeroed after normalisation (0 = off)
+    pipeline: Literal["device", "dataloader"] = "device"
+    workers: int = 2                      # dataloader pipeline only
+    pin_memory: bool = True               # dataloader pipeline only (used on CUDA)
+    data_dir: Optional[str] = None        # null: $MIXPREC_DATA_DIR, else data/ under the project
+    download: bool = True
+    urls: tuple = ()                      # CIFAR: archive URLs; wikitext2: folder URLs the file names are appended to
+    bptt: int = 35                        # text: tokens per (input, target) window
+    vocab_size: int = 10000               # synthetic_text only
     seed: int = 1234
 
     def check(self) -> None:
+        fixed = {"cifar10": 10, "cifar100": 100}
         if self.num_classes not in (10, 100):
             raise ConfigError(f"dataset.num_classes={self.num_classes}: allowed values are 10, 100")
+        if self.name in fixed and self.num_classes != fixed[self.name]:
+            raise ConfigError(f"dataset.num_classes={self.num_classes}: {self.name} has {fixed[self.name]} classes")
         for name in ("train_size", "test_size"):
-            _at_least(self, name, 1, section="dataset")
+            value = getattr(self, name)
+            if self.name.startswith("synthetic"):
+                if value is None:
+                    raise ConfigError(f"dataset.{name}: must be set for {self.name} data")
+                _at_least(self, name, 1, section="dataset")
+            elif value is not None:
+                raise ConfigError(f"dataset.{name}={value}: only synthetic data has a size; {self.name} splits are "
+                                  "used whole (trainer.max_steps makes a short run)")
         _at_least(self, "image_size", 8, section="dataset")
         _at_least(self, "crop_padding", 0, section="dataset")
+        _at_least(self, "cutout", 0, section="dataset")
+        _at_least(self, "workers", 0, section="dataset")
+        _at_least(self, "bptt", 1, section="dataset")
+        _at_least(self, "vocab_size", 2, section="dataset")
+        if self.cutout > self.image_size:
+            raise ConfigError(f"dataset.cutout={self.cutout}: must be at most dataset.image_size={self.image_size}")
         if not self.noise >= 0:
             raise ConfigError(f"dataset.noise={self.noise}: must be >= 0")
+        if any(not isinstance(u, str) or "://" not in u for u in self.urls):
+            raise ConfigError(f"dataset.urls={list(self.urls)}: must be a list of URLs (scheme://...)")
+
+    @property
+    def is_text(self) -> bool:
+        return self.name in ("wikitext2", "synthetic_text")
 
 
 @dataclass(frozen=True)

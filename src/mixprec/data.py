@@ -1,18 +1,26 @@
-"""Data: image datasets as uint8 tensors, and the device-resident batch pipeline.
+"""Data: image datasets as uint8 tensors, and the two batch pipelines that feed the engine.
 
-The whole split is moved to the device once as uint8 [N, 3, H, W]. Each epoch draws a permutation on the
-device; a batch is a slice of it, augmented (random crop from a reflect-padded image, horizontal flip) and
-normalised on the device. No DataLoader and no host round trip in the hot loop (Page's first trick).
+`build_image_data(cfg)` gives the dataset (synthetic here; CIFAR from cifar.py); `image_loaders(...)` the
+train and test batches, by `dataset.pipeline`:
+- device (the default): the whole split is moved to the device once as uint8 [N, 3, H, W]. Each epoch draws a
+  permutation on the device; a batch is a slice of it, augmented (random crop from a reflect-padded image,
+  horizontal flip), resized to `dataset.image_size` if that differs, normalised with the training set's channel
+  mean/std and optionally cut out, all on the device in batches. No DataLoader and no host round trip in the
+  hot loop (Page's first trick).
+- dataloader: the classic torch.utils.data.DataLoader, the same transforms applied per sample in worker
+  processes on the CPU, batches pinned and copied to the device: kept for comparison (scripts/bench_pipeline.py).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
 
-from .config import DatasetConfig
+from .config import ConfigError, DatasetConfig, TrainerConfig
 
 
 @dataclass
@@ -24,6 +32,36 @@ class ImageData:
     num_classes: int
     mean: tuple             # per-channel mean of the training images, in [0, 1]
     std: tuple
+    classes: tuple = ()     # class names, index = label
+    train_coarse: Optional[torch.Tensor] = None   # CIFAR-100's 20 superclass labels (int64 [N])
+    test_coarse: Optional[torch.Tensor] = None
+    coarse_classes: tuple = ()
+    info: dict = field(default_factory=dict)      # where it came from (source, cache), for the job's records
+
+
+def build_image_data(cfg: DatasetConfig) -> ImageData:
+    """The dataset `cfg` names, as uint8 tensors on the CPU (raises datafiles.DataError if it cannot be read)."""
+    if cfg.is_text:
+        raise ConfigError(f"dataset={cfg.name}: language-model training arrives with model=lstm (issue 5); for now "
+                          f"the corpus is served by mixprec.wikitext and `python scripts/data_stats.py "
+                          f"dataset={cfg.name}` shows it")
+    if cfg.name == "synthetic":
+        return synthetic_images(cfg)
+    from .cifar import load_cifar   # cifar.py builds on this module's ImageData
+
+    return load_cifar(cfg.name, cfg.data_dir, cfg.download, cfg.urls)
+
+
+def image_loaders(data: ImageData, cfg: DatasetConfig, trainer: TrainerConfig, device: torch.device, seed: int):
+    """(train batches, test batches) by `cfg.pipeline`; both have len() and yield (x float [B,3,S,S], y) on `device`."""
+    common = dict(device=device, size=cfg.image_size, channels_last=trainer.channels_last)
+    augment = dict(crop_padding=cfg.crop_padding, flip=True, cutout=cfg.cutout) if cfg.augment else {}
+    if cfg.pipeline == "dataloader":
+        common.update(workers=cfg.workers, pin_memory=cfg.pin_memory)
+    cls = DeviceBatches if cfg.pipeline == "device" else LoaderBatches
+    return (cls(data.train_x, data.train_y, trainer.batch_size, data.mean, data.std, train=True, seed=seed,
+                **augment, **common),
+            cls(data.test_x, data.test_y, trainer.eval_batch_size, data.mean, data.std, train=False, **common))
 
 
 def synthetic_images(cfg: DatasetConfig) -> ImageData:
@@ -46,34 +84,44 @@ def synthetic_images(cfg: DatasetConfig) -> ImageData:
     train_x, train_y = draw(cfg.train_size)
     test_x, test_y = draw(cfg.test_size)
     mean, std = channel_stats(train_x)
-    return ImageData(train_x, train_y, test_x, test_y, c, mean, std)
+    return ImageData(train_x, train_y, test_x, test_y, c, mean, std, info={"name": "synthetic"})
 
 
 def channel_stats(images: torch.Tensor) -> tuple[tuple, tuple]:
-    x = images.to(torch.float64).div_(255)
-    return tuple(x.mean(dim=(0, 2, 3)).tolist()), tuple(x.std(dim=(0, 2, 3)).tolist())
+    """Per-channel mean and (unbiased) std of uint8 [N, C, H, W] images, in [0, 1]. Exact, from each channel's
+    256-bin histogram, so a whole CIFAR training set needs no float copy of itself."""
+    values = torch.arange(256, dtype=torch.float64)
+    mean, std = [], []
+    for c in range(images.shape[1]):
+        hist = torch.bincount(images[:, c].reshape(-1), minlength=256).to(torch.float64)
+        n = hist.sum()
+        m = (hist * values).sum() / n
+        mean.append(m.item() / 255)
+        std.append(((hist * (values - m).square()).sum() / (n - 1)).sqrt().item() / 255)
+    return tuple(mean), tuple(std)
 
 
 class DeviceBatches:
     """Batches of a device-resident uint8 split, augmented and normalised on the device.
 
     train=True: a fresh permutation each epoch (from this loader's own generator, so the same seed gives the
-    same batches), the last incomplete batch dropped, crop/flip applied. train=False: in order, every sample.
+    same batches), the last incomplete batch dropped, crop/flip/cutout applied. train=False: in order, every
+    sample. `size`: the side of the batches served (resized on the device when it differs from the images').
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
-                 device: torch.device, train: bool, crop_padding: int = 0, flip: bool = False, seed: int = 0,
-                 channels_last: bool = False):
+                 device: torch.device, train: bool, crop_padding: int = 0, flip: bool = False, cutout: int = 0,
+                 size: int | None = None, seed: int = 0, channels_last: bool = False):
         self.images = images.to(device, non_blocking=True)
         self.labels = labels.to(device, non_blocking=True)
         self.batch_size = batch_size
         self.device = device
         self.train = train
-        self.crop_padding = crop_padding if train else 0
-        self.flip = flip and train
+        self.augment = dict(pad=crop_padding if train else 0, flip=flip and train, cutout=cutout if train else 0)
+        self.size = size
+        self.image_shape = (images.shape[1], size or images.shape[2], size or images.shape[3])
         self.channels_last = channels_last
-        self.mean = torch.tensor(mean, device=device, dtype=torch.float32).view(1, -1, 1, 1) * 255
-        self.std = torch.tensor(std, device=device, dtype=torch.float32).view(1, -1, 1, 1) * 255
+        self.mean, self.std = norm_tensors(mean, std, device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         n = len(self.images)
@@ -92,16 +140,74 @@ class DeviceBatches:
             yield self.transform(self.images[idx]), self.labels[idx]
 
     def transform(self, batch: torch.Tensor) -> torch.Tensor:
-        x = batch.float()
-        if self.crop_padding:
-            x = random_crop(x, self.crop_padding, self.generator)
-        if self.flip:
-            x = random_flip(x, self.generator)
-        x = (x - self.mean) / self.std
+        x = prepare(batch, self.mean, self.std, size=self.size, generator=self.generator, **self.augment)
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 
 
-def random_crop(x: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
+class LoaderBatches:
+    """The classic path: a torch DataLoader over the uint8 split on the CPU, the same transforms as
+    DeviceBatches applied per sample in `workers` processes, batches pinned (on CUDA) and copied to the device.
+    The order comes from a generator seeded with `seed`; each worker's augmentation RNG from the DataLoader's
+    per-worker seeds (the process's global RNG when workers=0)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
+                 device: torch.device, train: bool, crop_padding: int = 0, flip: bool = False, cutout: int = 0,
+                 size: int | None = None, seed: int = 0, channels_last: bool = False, workers: int = 2,
+                 pin_memory: bool = True):
+        augment = dict(pad=crop_padding if train else 0, flip=flip and train, cutout=cutout if train else 0)
+        samples = _PreparedSamples(images.cpu(), labels.cpu(), *norm_tensors(mean, std, torch.device("cpu")),
+                                   size=size, **augment)
+        self.loader = DataLoader(samples, batch_size, shuffle=train, drop_last=train and len(images) >= batch_size,
+                                 num_workers=workers, pin_memory=pin_memory and device.type == "cuda",
+                                 persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
+        self.device = device
+        self.channels_last = channels_last
+        self.image_shape = (images.shape[1], size or images.shape[2], size or images.shape[3])
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for x, y in self.loader:
+            x = x.to(self.device, non_blocking=True)
+            yield (x.contiguous(memory_format=torch.channels_last) if self.channels_last else x,
+                   y.to(self.device, non_blocking=True))
+
+
+class _PreparedSamples(Dataset):
+    def __init__(self, images, labels, mean, std, **transform):
+        self.images, self.labels, self.mean, self.std, self.transform = images, labels, mean, std, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        return prepare(self.images[i:i + 1], self.mean, self.std, **self.transform)[0], self.labels[i]
+
+
+def norm_tensors(mean, std, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channel mean/std in [0, 1] as [1, C, 1, 1] tensors on the 0..255 pixel scale."""
+    as_tensor = lambda v: torch.tensor(v, device=device, dtype=torch.float32).view(1, -1, 1, 1) * 255  # noqa: E731
+    return as_tensor(mean), as_tensor(std)
+
+
+def prepare(batch: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, *, pad: int = 0, flip: bool = False,
+            cutout: int = 0, size: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """uint8 [B, C, H, W] -> float32 batch: random crop (reflect pad), flip, resize to `size`, normalise, cutout."""
+    x = batch.float()
+    if pad:
+        x = random_crop(x, pad, generator)
+    if flip:
+        x = random_flip(x, generator)
+    if size and tuple(x.shape[-2:]) != (size, size):
+        x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=size < x.shape[-1])
+    x = (x - mean) / std
+    if cutout:
+        x = random_cutout(x, cutout, generator)
+    return x
+
+
+def random_crop(x: torch.Tensor, pad: int, generator: torch.Generator | None) -> torch.Tensor:
     """Per-sample random crop of the original size from the reflect-padded batch (offsets 0..2*pad)."""
     b, _, h, w = x.shape
     padded = F.pad(x, (pad, pad, pad, pad), mode="reflect")
@@ -113,6 +219,18 @@ def random_crop(x: torch.Tensor, pad: int, generator: torch.Generator) -> torch.
     return padded.permute(0, 2, 3, 1)[batch_idx, rows, cols].permute(0, 3, 1, 2)
 
 
-def random_flip(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def random_flip(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     mask = torch.rand(x.shape[0], device=x.device, generator=generator) < 0.5
     return torch.where(mask[:, None, None, None], x.flip(3), x)
+
+
+def random_cutout(x: torch.Tensor, side: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Zero one side x side square per sample, placed uniformly where it fits inside the image (DeVries & Taylor
+    2017, as in Page's ResNet-9 runs); applied after normalisation, so the square reads as the mean colour."""
+    b, _, h, w = x.shape
+    y0 = torch.randint(0, h - side + 1, (b, 1, 1), device=x.device, generator=generator)
+    x0 = torch.randint(0, w - side + 1, (b, 1, 1), device=x.device, generator=generator)
+    rows = torch.arange(h, device=x.device)[None, :, None]
+    cols = torch.arange(w, device=x.device)[None, None, :]
+    inside = (rows >= y0) & (rows < y0 + side) & (cols >= x0) & (cols < x0 + side)   # [B, H, W]
+    return x.masked_fill(inside[:, None], 0.0)

@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 
 from . import engine, hardware
 from .config import Config, ConfigError, plain_config, validate
-from .data import DeviceBatches, synthetic_images
+from .data import build_image_data, image_loaders
+from .datafiles import DataError
 from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
 from .precision import PrecisionPolicy
@@ -84,6 +85,8 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
     except KeyboardInterrupt:
         summary.update(status="interrupted", error="interrupted by the user (KeyboardInterrupt)")
         raise
+    except (DataError, ConfigError) as e:  # data missing/unreadable, or a config the data cannot serve: one line
+        summary.update(status="failed", error=f"{'data' if isinstance(e, DataError) else 'config'} error: {e}")
     except Exception as e:  # the job failed: record why; a sweep goes on with its other jobs
         summary.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
     finally:
@@ -98,15 +101,11 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
 
 def train_job(config: Config, device: torch.device, recorder: Recorder) -> dict:
     tr = config.trainer
-    data = synthetic_images(config.dataset)
-    train_batches = DeviceBatches(data.train_x, data.train_y, tr.batch_size, data.mean, data.std, device=device,
-                                  train=True, crop_padding=config.dataset.crop_padding if config.dataset.augment else 0,
-                                  flip=config.dataset.augment, seed=config.seed, channels_last=tr.channels_last)
-    test_batches = DeviceBatches(data.test_x, data.test_y, tr.eval_batch_size, data.mean, data.std, device=device,
-                                 train=False, channels_last=tr.channels_last)
+    data = build_image_data(config.dataset)
+    train_batches, test_batches = image_loaders(data, config.dataset, tr, device, seed=config.seed)
 
     model = build_model(config.model, data.num_classes)
-    flops = forward_flops(model, torch.zeros(1, *data.train_x.shape[1:]))
+    flops = forward_flops(model, torch.zeros(1, *train_batches.image_shape))
     n_params = sum(p.numel() for p in model.parameters())
     policy = PrecisionPolicy(config.precision, device)
     model = policy.prepare_model(model)
@@ -123,6 +122,8 @@ def train_job(config: Config, device: torch.device, recorder: Recorder) -> dict:
                           progress=sys.stderr.isatty())
     result["metrics"].update(params=n_params, forward_flops_per_sample=flops,
                              train_flops_per_sample=None if flops is None else 3 * flops)
+    result["data"] = {**data.info, "train": len(data.train_y), "test": len(data.test_y), "mean": data.mean,
+                      "std": data.std}
     return result
 
 
