@@ -187,7 +187,7 @@ class _PreparedSamples(Dataset):
 
 def norm_tensors(mean, std, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Channel mean/std in [0, 1] as [1, C, 1, 1] tensors on the 0..255 pixel scale."""
-    as_tensor = lambda v: torch.tensor(v, device=device, dtype=torch.float32).view(1, -1, 1, 1) * 255  # noqa: E731
+    as_tensor = lambda v: (torch.tensor(v, dtype=torch.float64) * 255).to(device, torch.float32).view(1, -1, 1, 1)  # noqa: E731
     return as_tensor(mean), as_tensor(std)
 
 

@@ -125,7 +125,7 @@ def _tokenize(path: Path, vocab: dict) -> tuple[np.ndarray, int]:
                 ids.append(vocab.setdefault(EOS, len(vocab)))
                 n_lines += 1
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); the file is corrupt: delete it and "
+        raise DataError(f"{path}: not UTF-8 text ({e.reason}); the file is corrupt: delete it and "
                         "fetch it again") from None
     if n_lines == 0:
         raise DataError(f"{path}: empty; expected tokenized text, one sentence or paragraph per line")
