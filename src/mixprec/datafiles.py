@@ -53,16 +53,15 @@ def fetch(urls, dest: Path, *, md5: str | None = None, sha256: str | None = None
     Raises DataError listing every URL tried and why it failed."""
     from torchvision.datasets.utils import download_url
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
     failures = []
     for url in urls:
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-        os.close(fd)
-        os.unlink(tmp)   # download_url skips a file that already exists
+        tmp = dest.parent / f".{dest.name}.{os.getpid()}.part"
         try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
             print(f"mixprec: downloading {url} -> {dest}", file=sys.stderr)
-            download_url(url, str(dest.parent), filename=Path(tmp).name)
-            got = md5sum(Path(tmp)) if md5 else sha256sum(Path(tmp)) if sha256 else None
+            tmp.unlink(missing_ok=True)   # download_url keeps a file that is already there
+            download_url(url, str(dest.parent), filename=tmp.name)
+            got = md5sum(tmp) if md5 else sha256sum(tmp) if sha256 else None
             if got != (md5 or sha256):
                 raise ValueError(f"{'md5' if md5 else 'sha256'} {got} is not the published {md5 or sha256}")
             os.replace(tmp, dest)
@@ -70,7 +69,7 @@ def fetch(urls, dest: Path, *, md5: str | None = None, sha256: str | None = None
         except Exception as e:  # unreachable, refused, redirected to an error page, wrong checksum...
             failures.append(f"{url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "))
         finally:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
     raise DataError("; ".join(failures) or "no download URL configured (dataset.urls is empty)")
 
 
@@ -105,10 +104,10 @@ class ArrayCache:
 
     def save(self, arrays: dict, meta: dict) -> bool:
         """Write the arrays, then the manifest. False (with a note) where the folder cannot be written."""
+        entries = {}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.manifest.unlink(missing_ok=True)
-            entries = {}
             for key, value in arrays.items():
                 path = self.folder / f"{key}.npy"
                 fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key}.", suffix=".npy.tmp")
@@ -125,6 +124,8 @@ class ArrayCache:
                                               "meta": meta})
             return True
         except OSError as e:
+            for entry in entries.values():   # a disk that filled up: leave no arrays without their manifest
+                (self.folder / entry["file"]).unlink(missing_ok=True)
             print(f"mixprec: note: no cache written in {self.folder} ({type(e).__name__}: {e.strerror or e}); "
                   "the data is decoded again next time", file=sys.stderr)
             return False
