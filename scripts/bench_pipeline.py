@@ -77,7 +77,7 @@ def main() -> int:
     aug = (f"crop (pad {cfg.crop_padding}) + flip" + (f" + cutout {cfg.cutout}" if cfg.cutout else "")
            if cfg.augment else "none")
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else f"{os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads")
+            else f"{os.cpu_count()} CPU cores, torch threads: {torch.get_num_threads()}")
     print(f"data      {cfg.name}: {len(data.train_y):,} train images, uint8 {'x'.join(map(str, data.train_x.shape[1:]))}"
           f" -> {cfg.image_size}x{cfg.image_size}, augment {aug}, normalised")
     print(f"batches   {args.batch_size} per step, {args.epochs} epoch(s), channels_last={config.trainer.channels_last}")

@@ -125,12 +125,14 @@ def test_offline_and_missing_says_where_what_and_how(tmp_path, name):
         build_image_data(dataset(name, tmp_path, f"dataset.urls=[{UNREACHABLE}{FOLDERS[name][1]}]"))
     msg = str(e.value)
     folder, archive = FOLDERS[name]
-    assert msg.startswith(f"{title} not found: {tmp_path / folder} lacks") and "\n" not in msg
+    assert msg.startswith(f"{title} not found in {tmp_path}: expected {folder}/ with ") and "\n" not in msg
     assert all(f in msg for f in cifar.SPECS[name].files) and archive in msg
     assert cifar.SPECS[name].url in msg and "dataset=synthetic" in msg and "MIXPREC_DATA_DIR" in msg
     assert "the download failed" in msg and "Connection refused" in msg
     assert [p.name for p in tmp_path.iterdir()] == []     # no partial download left behind
-    with pytest.raises(DataError, match="dataset.download=false"):
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / cifar.SPECS[name].test_files[0]).write_bytes(b"")
+    with pytest.raises(DataError, match=f"{folder}/ is there but lacks .*; dataset.download=false. Get "):
         load(name, tmp_path)
 
 
@@ -210,6 +212,6 @@ def test_cli_offline_and_missing_is_one_line_and_a_non_zero_exit(tmp_path):
                 "model=small_cnn", "logger=none", f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("mixprec: the job failed")]
-    assert len(errors) == 1 and errors[0].startswith("mixprec: the job failed: data error: CIFAR-10 not found: ")
+    assert len(errors) == 1 and errors[0].startswith("mixprec: the job failed: data error: CIFAR-10 not found in ")
     assert "dataset=synthetic" in errors[0] and "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz" in errors[0]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"

@@ -123,11 +123,12 @@ def _locate(spec: CifarSpec, root: Path, download: bool, urls: tuple) -> list[Pa
     else:
         why = "dataset.download=false"
     missing = [f.name for f in files if not f.is_file()]
+    lacking = f" ({spec.folder}/ is there but lacks {', '.join(missing)})" if folder.is_dir() else ""
     raise DataError(
-        f"{spec.title} not found: {folder} lacks {', '.join(missing)} (expected {', '.join(spec.files)}, the official "
-        f"python version) and there is no {archive.name} in {root}; {why}. Get {spec.url} (md5 {spec.md5}) and unpack "
-        f"it in {root}, or point dataset.data_dir or ${ENV_DATA_DIR} at a folder that has it, or run without data "
-        f"with dataset=synthetic" + (f" dataset.num_classes={spec.num_classes}" if spec.num_classes != 10 else ""))
+        f"{spec.title} not found in {root}: expected {spec.folder}/ with {', '.join(spec.files)} (the official python "
+        f"version) or {spec.archive}{lacking}; {why}. Get {spec.url} (md5 {spec.md5}) and unpack it in {root}, or "
+        f"point dataset.data_dir or ${ENV_DATA_DIR} at a folder that has it, or run without data with dataset=synthetic"
+        + (f" dataset.num_classes={spec.num_classes}" if spec.num_classes != 10 else ""))
 
 
 def _decode(spec: CifarSpec, paths: list[Path]) -> tuple[dict, dict]:
