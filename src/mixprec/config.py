@@ -59,6 +59,7 @@ class ModelConfig:
     arch: Literal["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "small_cnn"]
     stem: Literal["cifar", "imagenet"] = "cifar"
     width: int = 32
+    bn_eval: bool = False   # BatchNorm stays in eval mode while training (frozen statistics, as in fine-tuning)
 
     def check(self) -> None:
         _at_least(self, "width", 1, section="model")
@@ -222,6 +223,14 @@ class LoggerConfig:
 
 
 @dataclass(frozen=True)
+class CaseConfig:
+    """A named case of an experiment whose outcome is the finding (e.g. a half-precision pitfall)."""
+    name: str
+    expect: Literal["completed", "diverged"]
+    finding: str = ""
+
+
+@dataclass(frozen=True)
 class Config:
     name: str
     seed: int
@@ -234,6 +243,7 @@ class Config:
     schedule: ScheduleConfig
     trick: TrickConfig
     logger: LoggerConfig
+    case: Optional[CaseConfig] = None
 
 
 def validate(cfg: DictConfig | dict) -> Config:

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from .config import TrainerConfig
 from .hardware import synchronize
+from .models import set_bn_eval
 from .precision import PrecisionPolicy
 
 
@@ -81,8 +82,8 @@ def all_finite(tensors) -> bool:
 
 
 def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, test_batches,
-          trainer: TrainerConfig, *, label_smoothing: float = 0.0, log=lambda row: None,
-          progress: bool = True) -> dict:
+          trainer: TrainerConfig, *, label_smoothing: float = 0.0, bn_eval: bool = False,
+          log=lambda row: None, progress: bool = True) -> dict:
     device = policy.device
     clock = TrainClock(device)
     steps_per_epoch = len(train_batches)
@@ -128,6 +129,8 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
         if not running or state["step"] >= total_steps:
             break
         model.train()
+        if bn_eval:
+            set_bn_eval(model)
         bar = tqdm(total=min(steps_per_epoch, total_steps - state["step"]), desc=f"epoch {epoch + 1}/{trainer.epochs}",
                    disable=not progress, leave=False, dynamic_ncols=True)
         window = Window(first_step=state["step"] + 1)

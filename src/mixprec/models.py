@@ -38,6 +38,13 @@ def small_cnn(width: int, num_classes: int) -> nn.Module:
     )
 
 
+def set_bn_eval(model: nn.Module) -> None:
+    """Put every BatchNorm layer in eval mode (running statistics, no updates) inside a training model."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+
+
 def forward_flops(model: nn.Module, sample: torch.Tensor) -> float | None:
     """FLOPs of one forward pass per sample (matmuls and convolutions, 2 per multiply-add), counted by
     torch.utils.flop_counter on a real forward in eval mode; None where the counter cannot run."""

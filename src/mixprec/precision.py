@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import PrecisionConfig
+from .config import OptimizerConfig, PrecisionConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -129,3 +129,17 @@ class PrecisionPolicy:
             for p, master in zip(self.model_params, self.master_params):
                 state[names[id(p)]] = master.detach().clone()
         return state
+
+
+def hazards(precision: PrecisionConfig, optimizer: OptimizerConfig) -> list[str]:
+    """Known ways a precision + optimizer combination breaks, found from the config before training."""
+    found = []
+    stepped = "float32" if precision.master_weights else precision.param_dtype
+    if optimizer.name in ("adam", "adamw") and stepped != "float32":
+        dt = DTYPES[stepped]
+        if torch.tensor(optimizer.eps, dtype=dt).item() == 0.0:
+            tiniest = torch.finfo(dt).tiny * torch.finfo(dt).eps   # the smallest subnormal: 2^-24 for fp16
+            found.append(f"optimizer.eps={optimizer.eps:g} rounds to 0 in {stepped} (smallest subnormal "
+                         f"{tiniest:.3g}): where Adam's second moment underflows to 0 its update is 0/0 = NaN; "
+                         "keep the optimizer state in fp32 (amp, o2) or raise eps (1e-4 works in fp16)")
+    return found

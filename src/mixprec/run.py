@@ -4,6 +4,7 @@ This is the only module that puts the parts together; each part takes plain valu
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import traceback
@@ -20,7 +21,7 @@ from .data import build_image_data, image_loaders
 from .datafiles import DataError
 from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
-from .precision import PrecisionPolicy
+from .precision import PrecisionPolicy, hazards
 from .records import Recorder
 from .tables import job_block
 
@@ -69,7 +70,8 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
     hardware.configure(device, config.trainer, config.precision, config.seed)
     env = hardware.describe(device)
     profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type == "cuda" else "cpu")
-    summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name)
+    summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
+                   hazards=hazards(config.precision, config.optimizer))
     _warn_if_slow(config, device, profile)
 
     mirror = None
@@ -82,6 +84,8 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
     try:
         summary.update(train_job(config, device, recorder))
         summary["metrics"]["mfu"] = mfu(summary["metrics"], profile, hardware.peak_kind(config.precision))
+        if summary["status"] == "diverged" and summary["hazards"]:
+            summary["reason"] += f"; likely cause: {summary['hazards'][0]}"
     except KeyboardInterrupt:
         summary.update(status="interrupted", error="interrupted by the user (KeyboardInterrupt)")
         raise
@@ -90,6 +94,9 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
     except Exception as e:  # the job failed: record why; a sweep goes on with its other jobs
         summary.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
     finally:
+        if config.case is not None:
+            summary["case"] = dataclasses.asdict(config.case)
+            summary["case"]["as_expected"] = summary["status"] == config.case.expect
         summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         summary.setdefault("metrics", {}).update(zip(("peak_memory_mb", "peak_memory_kind"), hardware.peak_memory_mb(device)))
         recorder.write_summary(summary)
@@ -118,7 +125,8 @@ def train_job(config: Config, device: torch.device, recorder: Recorder) -> dict:
     schedule = build_schedule(config.schedule, optimizer, total_steps)
 
     result = engine.train(model, policy, optimizer, schedule, train_batches, test_batches, tr,
-                          label_smoothing=config.trick.label_smoothing, log=recorder.log,
+                          label_smoothing=config.trick.label_smoothing, bn_eval=config.model.bn_eval,
+                          log=recorder.log,
                           progress=sys.stderr.isatty())
     result["metrics"].update(params=n_params, forward_flops_per_sample=flops,
                              train_flops_per_sample=None if flops is None else 3 * flops)

@@ -1,6 +1,8 @@
 """Plain-text tables of job summaries: the end-of-job block and the end-of-sweep table."""
 from __future__ import annotations
 
+import json
+
 
 def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
     if v is None:
@@ -10,14 +12,15 @@ def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
     return str(v)
 
 
-def baseline_key(summary: dict) -> tuple:
-    """Jobs that differ only in precision share this key: the overrides without the precision ones."""
-    return tuple(sorted(o for o in summary.get("overrides", []) if not o.startswith("precision")))
+def baseline_key(summary: dict) -> str:
+    """Jobs whose resolved configs differ only in precision (and in the case label) share this key."""
+    config = {k: v for k, v in (summary.get("config") or {}).items() if k not in ("precision", "case")}
+    return json.dumps(config, sort_keys=True)
 
 
 def sweep_rows(summaries: list[dict]) -> list[dict]:
-    """One row per job; speedup = fp32 train time / this job's train time, for the fp32 job with the same
-    other overrides (None where the sweep has no such fp32 job)."""
+    """One row per job; speedup = fp32 train time / this job's train time, for the fp32 job whose config is the
+    same but for precision (None where the sweep has no such fp32 job)."""
     fp32_time = {}
     for s in summaries:
         if s.get("choices", {}).get("precision") == "fp32" and s.get("status") == "completed":
@@ -38,9 +41,16 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
             "speedup": base / t if base and t and s.get("status") == "completed" else None,
             "test_acc": m.get("final_test_acc"),
             "peak_mem_mb": m.get("peak_memory_mb"),
-            "note": s.get("reason") or s.get("error") or "",
+            "note": _case_note(s.get("case")) + (s.get("reason") or s.get("error") or ""),
         })
     return rows
+
+
+def _case_note(case: dict | None) -> str:
+    if not case:
+        return ""
+    verdict = "as expected" if case.get("as_expected") else f"NOT as expected ({case.get('expect')})"
+    return f"[{case.get('name')}: {verdict}] "
 
 
 def format_table(rows: list[dict]) -> str:
@@ -52,7 +62,7 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         cells.append([_fmt(r[k], spec if spec not in ("s", "d") else "") if not isinstance(r[k], str) else r[k]
                       for k, _, spec in cols])
-    cells = [[c if len(c) <= 60 else c[:57] + "..." for c in row] for row in cells]
+    cells = [[c if len(c) <= 90 else c[:87] + "..." for c in row] for row in cells]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))

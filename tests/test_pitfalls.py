@@ -1,0 +1,117 @@
+"""Issue 6: the half-precision pitfalls as real runs, the BN-eval case, the opt-level and pitfall sweeps, and
+the batch-size search."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, compose_config, run_cli
+from mixprec.config import validate
+from mixprec.models import set_bn_eval, small_cnn
+from mixprec.precision import PrecisionPolicy, hazards
+from mixprec.search import largest_fitting
+
+SMALL = ["dataset.train_size=64", "dataset.test_size=16", "trainer.batch_size=8", "trainer.eval_batch_size=16",
+         "dataset.image_size=16", "logger=none"]
+
+
+def test_adam_in_pure_fp16_diverges_for_real_and_says_why(tiny, tmp_path):
+    s = tiny("pitfall=adam_fp16", "trainer.max_steps=6", "trainer.log_every=1")
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["status"] == "diverged" and 1 <= on_disk["nonfinite"]["step"] <= 3
+    assert "optimizer.eps=1e-08 rounds to 0 in float16" in on_disk["reason"]
+    assert on_disk["case"] == {"name": "adam_fp16", "expect": "diverged", "as_expected": True,
+                               "finding": s["case"]["finding"]}
+
+
+@pytest.mark.parametrize("case", ["adam_fp16_eps1e4", "adam_amp"])
+def test_the_fixes_train(tiny, case):
+    s = tiny(f"pitfall={case}", "trainer.max_steps=6", "trainer.log_every=1")
+    assert s["status"] == "completed" and s["nonfinite"] is None and s["case"]["as_expected"]
+    assert s["hazards"] == []
+
+
+def test_hazards_are_found_from_the_config():
+    def found(*overrides):
+        c = validate(compose_config(*overrides))
+        return hazards(c.precision, c.optimizer)
+    assert found("precision=half", "optimizer=adam") and found("precision=o3", "optimizer=adamw")
+    assert not found("precision=half", "optimizer=adam", "optimizer.eps=1e-4")
+    assert not found("precision=o2", "optimizer=adam")      # fp32 masters: fp32 optimizer state
+    assert not found("precision=amp", "optimizer=adam")
+    assert not found("precision=bf16", "optimizer=adam")    # 1e-8 is representable in bf16
+    assert not found("precision=half", "optimizer=sgd")
+
+
+@pytest.mark.parametrize("keep_bn_fp32", [True, False])
+def test_bn_in_eval_mode_inside_a_half_model(keep_bn_fp32):
+    """The article's fine-tuning case (apex O2 keeps BN fp32; BN in eval mode). It failed with a dtype error in
+    the PyTorch of the time; today's PyTorch runs it on the CPU: fp16 in, fp32 BN parameters, fp16 out. The fix
+    the article used (BN cast to half) runs all in fp16."""
+    c = validate(compose_config("precision=half", f"precision.keep_bn_fp32={keep_bn_fp32}"))
+    policy = PrecisionPolicy(c.precision, torch.device("cpu"))
+    model = policy.prepare_model(small_cnn(8, 10))
+    model.train()
+    set_bn_eval(model)
+    bn = model[1]
+    stats = bn.running_mean.clone()
+    x = policy.cast_input(torch.randn(4, 3, 32, 32))
+    out = model(x)
+    bn_out = bn(model[0](x))
+    assert not bn.training and model[0].training
+    assert bn.weight.dtype == (torch.float32 if keep_bn_fp32 else torch.float16)
+    assert bn.running_mean.dtype == bn.weight.dtype
+    assert bn_out.dtype == torch.float16 and out.dtype == torch.float16
+    out.float().sum().backward()
+    assert torch.equal(bn.running_mean, stats)   # eval mode: running statistics frozen
+
+
+def test_bn_eval_runs_keep_running_statistics(tiny):
+    s = tiny("pitfall=bn_eval_fp32bn", "trainer.max_steps=3")
+    assert s["status"] == "completed" and s["config"]["model"]["bn_eval"] is True
+
+
+def test_pitfall_and_opt_level_sweeps_run_every_job_with_their_tables(tmp_path):
+    expected = {"adam_fp16": "diverged", "adam_fp16_eps1e-4": "completed", "adam_amp": "completed",
+                "bn_eval_fp32bn": "completed", "bn_eval_half": "completed", "small_fp32": "completed",
+                "small_half": "completed", "large_fp32": "completed", "large_half": "completed"}
+    r = run_cli("-m", "experiment=half_pitfalls", "trainer.max_steps=3", *SMALL, f"hydra.sweep.dir={tmp_path / 'hp'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summaries = [json.loads(p.read_text()) for p in (tmp_path / "hp").glob("*/summary.json")]
+    assert {s["case"]["name"]: s["status"] for s in summaries} == expected
+    assert all(s["case"]["as_expected"] for s in summaries)
+    assert "sweep" in r.stdout and r.stdout.count("as expected]") == len(expected)
+
+    r = run_cli("-m", "experiment=opt_levels", "trainer.max_steps=3", *SMALL, f"hydra.sweep.dir={tmp_path / 'ol'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summaries = {s["choices"]["precision"]: s for s in
+                 (json.loads(p.read_text()) for p in (tmp_path / "ol").glob("*/summary.json"))}
+    assert sorted(summaries) == ["o0", "o1", "o2", "o3"] and all(s["status"] == "completed" for s in summaries.values())
+    assert summaries["o0"]["metrics"]["loss_scale"] is None and summaries["o3"]["metrics"]["loss_scale"] is None
+    assert summaries["o1"]["metrics"]["loss_scale"]["final"] == 65536.0
+    assert summaries["o2"]["metrics"]["loss_scale"]["final"] == 65536.0
+    rows = [json.loads(line) for line in
+            (next((tmp_path / "ol").glob("*precision=o2*")) / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["loss_scale"] == 65536.0 for row in rows if row["kind"] == "train")   # the scale trace
+    for p in ("o0", "o1", "o2", "o3"):
+        assert any(line.split()[2:3] == [p] for line in r.stdout.splitlines())
+
+
+def test_largest_fitting_doubles_then_bisects():
+    calls = []
+    best, probes = largest_fitting(lambda b: calls.append(b) or b <= 37)
+    assert best == 37 and [b for b, _ in probes] == calls
+    assert calls[:7] == [1, 2, 4, 8, 16, 32, 64] and calls[7:] == [48, 40, 36, 38, 37]
+    assert largest_fitting(lambda b: True, limit=100)[0] == 100
+    assert largest_fitting(lambda b: b <= 64, start=8)[0] == 64
+    assert largest_fitting(lambda b: False) == (0, [(1, False)])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
+def test_max_batch_without_a_gpu_says_so():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "max_batch.py"), "model=resnet50", "precision=fp32,amp"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "max_batch: no CUDA GPU is visible here; the search measures GPU memory, so it needs one")
