@@ -77,9 +77,6 @@ def hand_throughput(overrides: list[str]) -> dict:
     """The minimal loop a user would write by hand: no mixprec code in the timed part."""
     config, _ = compose(overrides)
     p, tr = config.precision, config.trainer
-    if p.param_dtype != "float32":
-        raise SystemExit(f"benchmark: the hand-written loop covers the autocast family (fp32, tf32, amp, "
-                         f"amp_bf16, o0, o1), not precision={p.name}")
     device = hardware.select_device(tr.device)
     hardware.configure(device, tr, p, config.seed)
     data = synthetic_images(config.dataset)
@@ -119,6 +116,10 @@ def hand_throughput(overrides: list[str]) -> dict:
 
 def overhead(args) -> dict:
     overrides = sized(args.overrides, args.steps, args.warmup)
+    precision = compose(overrides)[0].precision
+    if precision.param_dtype != "float32":
+        raise SystemExit(f"benchmark: the hand-written loop covers the autocast family (fp32, tf32, amp, "
+                         f"amp_bf16, o0, o1), not precision={precision.name}")
     mixprec_throughput(overrides), hand_throughput(overrides)   # a discarded round: process-level first-use costs
     ours, hand = [], []
     for _ in range(args.repeats):
