@@ -1,0 +1,184 @@
+"""Benchmarks of the harness itself and of models x precisions.
+
+  python scripts/benchmark.py overhead [train.py overrides]   e.g. model=resnet18 precision=amp trainer.batch_size=512
+      mixprec's training loop (engine.train through mixprec.run.execute, records and all) against a minimal
+      hand-written PyTorch loop with the same model, batch, data on the device and precision; reports the
+      steady-state samples/s of each and the harness overhead = hand / mixprec - 1. After one discarded round
+      (first-use costs of the process: kernel caches, allocator), repeated --repeats times, alternating, median
+      taken.
+  python scripts/benchmark.py table --models resnet18,resnet50 --precisions fp32,tf32,amp,amp_bf16 [overrides]
+      steady-state samples/s per model and precision, speed-up over fp32, and model FLOP utilisation against the
+      GPU profile's peak (pass gpu=h100 etc.; gpu=auto has no peaks).
+
+Both run on the CPU too (use small sizes there: model=small_cnn trainer.batch_size=32 --steps 20). What is
+timed: the same thing for both loops: training steps only (batch slicing and normalisation on the device,
+forward, loss, backward, optimizer step, loss-scale update), after --warmup steps, with the device synchronized
+before each clock reading; no evaluation, no data generation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from mixprec import hardware  # noqa: E402
+from mixprec.config import Config, ConfigError, plain_config, validate  # noqa: E402
+from mixprec.data import synthetic_images  # noqa: E402
+from mixprec.models import build_model  # noqa: E402
+from mixprec.precision import DTYPES  # noqa: E402
+
+
+def compose(overrides: list[str]) -> tuple[Config, dict]:
+    """The validated config, and the summary fields a job gets from Hydra (choices, overrides, config)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=["logger=none", *overrides], return_hydra_config=True)
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
+    return validate(cfg), {"choices": choices, "overrides": overrides, "config": plain_config(cfg)}
+
+
+def sized(overrides: list[str], steps: int, warmup: int) -> list[str]:
+    """One epoch of exactly warmup + steps batches, no augmentation, the smallest eval split."""
+    config, _ = compose(overrides)
+    b = config.trainer.batch_size
+    return [*overrides, f"dataset.train_size={(warmup + steps) * b}", f"dataset.test_size={b}",
+            "dataset.augment=false", "trainer.epochs=1", f"trainer.warmup_steps={warmup}",
+            f"trainer.log_every={max(steps, 1)}", "trainer.max_steps=null"]
+
+
+def mixprec_throughput(overrides: list[str]) -> dict:
+    """Steady samples/s of a full mixprec job (records written to a temp dir)."""
+    from mixprec.run import execute
+
+    config, fields = compose(overrides)
+    with tempfile.TemporaryDirectory() as out:
+        summary = execute(config, {"status": "failed", **fields}, Path(out))
+    if summary["status"] != "completed":
+        raise SystemExit(f"benchmark: the mixprec job did not complete: {summary.get('error') or summary.get('reason')}")
+    m = summary["metrics"]
+    if m["throughput_includes_warmup"]:
+        raise SystemExit("benchmark: too few steps for a steady-state measurement; raise --steps")
+    return {"samples_per_s": m["throughput"], "mfu": m.get("mfu"), "device": summary["env"]["device_name"],
+            "peak_memory_mb": m["peak_memory_mb"]}
+
+
+def hand_throughput(overrides: list[str]) -> dict:
+    """The minimal loop a user would write by hand: no mixprec code in the timed part."""
+    config, _ = compose(overrides)
+    p, tr = config.precision, config.trainer
+    device = hardware.select_device(tr.device)
+    hardware.configure(device, tr, p, config.seed)
+    data = synthetic_images(config.dataset)
+    x_all, y_all = data.train_x.to(device), data.train_y.to(device)
+    mean = torch.tensor(data.mean, device=device).view(1, -1, 1, 1) * 255
+    std = torch.tensor(data.std, device=device).view(1, -1, 1, 1) * 255
+    model = build_model(config.model, data.num_classes).to(device)
+    if tr.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    o = config.optimizer
+    opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+                          weight_decay=o.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=p.loss_scale == "dynamic")
+    amp_dtype = DTYPES[p.autocast_dtype] if p.autocast_dtype else None
+    b, warmup = tr.batch_size, tr.warmup_steps
+    steps = len(x_all) // b
+    perm = torch.randperm(len(x_all), device=device)
+    t0 = None
+    for i in range(steps):
+        if i == warmup:
+            hardware.synchronize(device)
+            t0 = time.perf_counter()
+        idx = perm[i * b:(i + 1) * b]
+        x = (x_all[idx].float() - mean) / std
+        if tr.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            out = model(x)
+        loss = F.cross_entropy(out.float(), y_all[idx])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    hardware.synchronize(device)
+    return {"samples_per_s": (steps - warmup) * b / (time.perf_counter() - t0)}
+
+
+def overhead(args) -> dict:
+    overrides = sized(args.overrides, args.steps, args.warmup)
+    precision = compose(overrides)[0].precision
+    if precision.param_dtype != "float32":
+        raise SystemExit(f"benchmark: the hand-written loop covers the autocast family (fp32, tf32, amp, "
+                         f"amp_bf16, o0, o1), not precision={precision.name}")
+    mixprec_throughput(overrides), hand_throughput(overrides)   # a discarded round: process-level first-use costs
+    ours, hand = [], []
+    for _ in range(args.repeats):
+        ours.append(mixprec_throughput(overrides)["samples_per_s"])
+        hand.append(hand_throughput(overrides)["samples_per_s"])
+    m, h = statistics.median(ours), statistics.median(hand)
+    result = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+              "mixprec_samples_per_s": ours, "hand_samples_per_s": hand,
+              "median_mixprec": m, "median_hand": h, "overhead": h / m - 1}
+    print(f"{'loop':10s} {'samples/s (median of ' + str(args.repeats) + ')':>28s}  runs")
+    print(f"{'mixprec':10s} {m:>28.1f}  {', '.join(f'{v:.1f}' for v in ours)}")
+    print(f"{'hand':10s} {h:>28.1f}  {', '.join(f'{v:.1f}' for v in hand)}")
+    print(f"harness overhead: {100 * result['overhead']:+.2f}% (hand / mixprec - 1)")
+    return result
+
+
+def table(args) -> dict:
+    rows = []
+    for model in args.models.split(","):
+        base = None
+        for prec in args.precisions.split(","):
+            overrides = sized([f"model={model}", f"precision={prec}", *args.overrides], args.steps, args.warmup)
+            r = mixprec_throughput(overrides)
+            base = r["samples_per_s"] if prec == "fp32" else base
+            rows.append({"model": model, "precision": prec, **r,
+                         "speedup": r["samples_per_s"] / base if base else None})
+            row = rows[-1]
+            mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+            speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}"
+            print(f"{model:10s} {prec:9s} {row['samples_per_s']:>10.1f} samples/s  x{speedup} vs fp32  "
+                  f"MFU {mfu}  peak {row['peak_memory_mb']:.0f} MB", flush=True)
+    return {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup, "rows": rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("what", choices=["overhead", "table"])
+    parser.add_argument("overrides", nargs="*", help="train.py overrides")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    parser.add_argument("--repeats", type=int, default=3, help="overhead: alternating repetitions")
+    parser.add_argument("--models", default="resnet18,resnet50")
+    parser.add_argument("--precisions", default="fp32,tf32,amp,amp_bf16")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_intermixed_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be >= 1")
+    try:
+        result = overhead(args) if args.what == "overhead" else table(args)
+    except ConfigError as e:
+        print(f"benchmark: config error: {e}", file=sys.stderr)
+        return 2
+    result.update(torch=torch.__version__, command=" ".join(["python scripts/benchmark.py", *sys.argv[1:]]))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
