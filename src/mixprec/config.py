@@ -71,7 +71,7 @@ class DatasetConfig:
     num_classes: int = 10
     train_size: Optional[int] = 2048      # synthetic only (images, or tokens for synthetic_text); real splits are whole
     test_size: Optional[int] = 512
-    image_size: int = 32                  # synthetic: the generated size; CIFAR: resized to this on the device
+    image_size: int = 32                  # batches are resized to this on the device when it is not 32
     noise: float = 2.0
     augment: bool = True
     crop_padding: int = 4

@@ -65,9 +65,10 @@ def image_loaders(data: ImageData, cfg: DatasetConfig, trainer: TrainerConfig, d
 
 
 def synthetic_images(cfg: DatasetConfig) -> ImageData:
-    """CIFAR-shaped, learnable images, a pure function of cfg (its own seed, not the run's)."""
+    """CIFAR-shaped (3x32x32), learnable images, a pure function of cfg (its own seed, not the run's). Like CIFAR,
+    they are resized to `dataset.image_size` on the device when that is not 32."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    c, s = cfg.num_classes, cfg.image_size
+    c, s = cfg.num_classes, 32
     # A smooth random pattern per class: 4x4 colour noise upsampled to the image size, unit contrast.
     protos = F.interpolate(torch.randn(c, 3, 4, 4, generator=gen), size=(s, s), mode="bicubic", align_corners=False)
     protos = (protos - protos.mean(dim=(1, 2, 3), keepdim=True)) / protos.std(dim=(1, 2, 3), keepdim=True)
