@@ -91,6 +91,13 @@ class DeviceBatches:
             idx = order[sl] if order is not None else sl
             yield self.transform(self.images[idx]), self.labels[idx]
 
+    def state_dict(self) -> dict:
+        """The data order's state (this loader's generator): restored, the loader replays the same batches."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
     def transform(self, batch: torch.Tensor) -> torch.Tensor:
         x = batch.float()
         if self.crop_padding:

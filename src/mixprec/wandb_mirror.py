@@ -13,16 +13,18 @@ from .config import LoggerConfig
 
 class WandbMirror:
     def __init__(self, cfg: LoggerConfig, out_dir: Path, config: dict, group: str | None, name: str,
-                 job_type: str):
+                 job_type: str, run_id: str | None = None):
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
         self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=str(out_dir),
                               config=config, group=group, name=name, job_type=job_type, tags=list(cfg.tags),
-                              reinit="finish_previous")
+                              reinit="finish_previous", id=run_id, resume="allow" if run_id else None)
 
     def log(self, row: dict) -> None:
-        self.run.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        # W&B's step is the optimizer step, so a resumed run's rows continue its history at the right step
+        self.run.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+                     step=row.get("step"))
 
     def summary(self, summary: dict) -> None:
         flat = {"status": summary.get("status")}
