@@ -74,7 +74,8 @@ def run_job(cfg: DictConfig) -> dict:
         sys.exit(128 + signal.Signals[summary["interrupted_by"]].value)
     if summary["status"] == "failed" and not multirun:
         print(f"mixprec: the job failed: {summary.get('error')}", file=sys.stderr)
-        if (out_dir / checkpoint.CHECKPOINT).exists():
+        ckpt = out_dir / checkpoint.CHECKPOINT
+        if ckpt.exists() and str(ckpt) not in summary.get("error", ""):   # not when the checkpoint is what failed
             print(f"mixprec: to retry from its last checkpoint: {checkpoint.resume_hint(out_dir, None)}", file=sys.stderr)
         sys.exit(1)
     return summary
