@@ -42,9 +42,9 @@ def rows(run_dir):
     return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
 
 
-def signal_in_epoch_2(run_dir, sig):
+def signal_in_epoch_2(run_dir, sig, *extra):
     """Start a job, send `sig` once it has logged a training row of epoch 2, and wait for it to end."""
-    p = train(*KILLABLE, f"hydra.run.dir={run_dir}", wait=False)
+    p = train(*KILLABLE, *extra, f"hydra.run.dir={run_dir}", wait=False)
     deadline = time.monotonic() + 240
     while not any(r["kind"] == "train" and r["epoch"] == 2 for r in _rows_so_far(run_dir)):
         assert p.poll() is None, f"the job ended before epoch 2: {p.communicate()[1][-2000:]}"
@@ -94,20 +94,25 @@ def uninterrupted(tmp_path_factory):
 
 def test_sigkill_in_epoch_2_then_resume_gives_the_uninterrupted_run(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    code, _, _ = signal_in_epoch_2(run_dir, signal.SIGKILL)
+    code, _, _ = signal_in_epoch_2(run_dir, signal.SIGKILL, "logger=wandb")
     assert code == -signal.SIGKILL
     killed = json.loads((run_dir / SUMMARY).read_text())
     assert killed["status"] == "running"       # no handler runs on SIGKILL: the start-of-job summary stays
+    run_id = killed["wandb"]["run_id"]
+    assert (run_dir / "wandb" / killed["wandb"]["dir"].rsplit("/", 1)[1] / f"run-{run_id}.wandb").is_file()
     done = rows(run_dir)
     assert [r["epoch"] for r in done if r["kind"] == "epoch"] == [1]            # killed inside epoch 2 ...
     assert any(r["kind"] == "train" and r["epoch"] == 2 for r in done)          # ... after some of its steps
     assert torch.load(run_dir / CHECKPOINT, weights_only=True)["loop"]["epoch"] == 1   # the epoch-1 checkpoint
 
-    r = train(*KILLABLE, f"hydra.run.dir={run_dir}", "trainer.resume=auto")
+    r = train(*KILLABLE, "logger=wandb", f"hydra.run.dir={run_dir}", "trainer.resume=auto")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming" in r.stderr and "it was running" in r.stderr
     s = assert_same_run(run_dir, uninterrupted)
     assert s["resumed"]["from_step"] == 64 and s["resumed"]["from_epoch"] == 1.0 and not s["resumed"]["mid_epoch"]
+    # W&B: the same run continues; each process left an offline folder with that id, for `wandb sync` in order
+    assert s["wandb"]["run_id"] == run_id and s["wandb"]["dir"] != killed["wandb"]["dir"]
+    assert len([d for d in (run_dir / "wandb").glob(f"offline-run-*-{run_id}") if (d / f"run-{run_id}.wandb").is_file()]) == 2
 
 
 def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues(tmp_path, uninterrupted):
