@@ -55,8 +55,8 @@ def prior_summary(out_dir: Path) -> dict | None:
     return summary
 
 
-def read(out_dir: Path, config: dict) -> dict | None:
-    """The job's checkpoint (None when there is none), checked to belong to this config."""
+def read(out_dir: Path, config: dict, device_type: str) -> dict | None:
+    """The job's checkpoint (None when there is none), checked to belong to this config and kind of device."""
     path = Path(out_dir) / CHECKPOINT
     if not path.exists():
         return None
@@ -68,6 +68,9 @@ def read(out_dir: Path, config: dict) -> dict | None:
         raise CheckpointError(f"{path}: not a readable checkpoint ({msg}); {fix}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or not {"loop", "parts", "rng", "config"} <= set(ckpt):
         raise CheckpointError(f"{path}: not a mixprec checkpoint (format {FORMAT}); {fix}")
+    if ckpt.get("device_type") != device_type:   # the RNG and data-order states are per kind of device
+        raise CheckpointError(f"{path}: written on {ckpt.get('device_type')}, this job runs on {device_type}; "
+                              f"resume on the same kind of device, or {fix}")
     diff = config_diff(ckpt["config"], config)
     if diff:
         raise CheckpointError(f"{path}: written by a different config ({diff}); resume with the job's own "

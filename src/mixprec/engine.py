@@ -81,6 +81,11 @@ def evaluate(model, batches, policy: PrecisionPolicy) -> tuple[float, float]:
     return loss_sum.item() / n, correct.item() / n
 
 
+def data_state(batches) -> dict | None:
+    """The loader's data-order state (None for a loader that cannot save it: a resume then draws a new order)."""
+    return batches.state_dict() if hasattr(batches, "state_dict") else None
+
+
 def all_finite(tensors) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
@@ -106,7 +111,8 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
         best_acc, time_to_target, epochs_to_target, test_loss, test_acc = resume["accumulators"]
         clock.total, clock.steady = resume["clock"]
         start_epoch, skip, carried, saved_window = resume["epoch"], resume["batch"], resume["epoch_time"], resume["window"]
-        train_batches.load_state_dict(resume["data"])
+        if resume["data"] is not None:
+            train_batches.load_state_dict(resume["data"])
     warm_at = state["step"] + trainer.warmup_steps   # warm-up is excluded again in a resumed process
 
     def snapshot(next_epoch: int, batch: int = 0, data=None, epoch_time: float = 0.0, window=None) -> dict:
@@ -114,7 +120,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
         return {"state": dict(state), "epochs": list(epochs), "clock": (clock.total, clock.steady),
                 "accumulators": (best_acc, time_to_target, epochs_to_target, test_loss, test_acc),
                 "epoch": next_epoch, "batch": batch, "steps_per_epoch": steps_per_epoch, "epoch_time": epoch_time,
-                "data": train_batches.state_dict() if data is None else data,
+                "data": data_state(train_batches) if data is None else data,
                 "window": None if window is None else {"first_step": window.first_step, "losses": window.losses,
                                                        "correct": window.correct, "samples": window.samples,
                                                        "elapsed": time.perf_counter() - window.t0}}
@@ -152,14 +158,15 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
         if not running or state["step"] >= total_steps:
             break
         model.train()
-        bar = tqdm(total=min(steps_per_epoch - skip, total_steps - state["step"]), desc=f"epoch {epoch + 1}/{trainer.epochs}",
+        bar = tqdm(total=min(steps_per_epoch, total_steps - state["step"]), desc=f"epoch {epoch + 1}/{trainer.epochs}",
                    disable=not progress, leave=False, dynamic_ncols=True)
         window = Window(first_step=state["step"] + 1)
-        if saved_window is not None:
+        if saved_window is not None:   # resumed mid-epoch
+            bar.update(skip)
             w = saved_window
             window = Window(w["first_step"], [t.to(device) for t in w["losses"]], [t.to(device) for t in w["correct"]],
                             w["samples"], time.perf_counter() - w["elapsed"])
-        data_at_start = train_batches.state_dict()
+        data_at_start = data_state(train_batches)
         clock.start()
         for i, (x, y) in enumerate(train_batches):
             if i < skip:   # resumed mid-epoch: replay this epoch's data order up to the checkpoint, untimed

@@ -99,14 +99,15 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
     if config.trainer.resume == "auto":
         try:
             prior = checkpoint.prior_summary(out_dir)
-            resume = checkpoint.read(out_dir, summary["config"])
+            resume = checkpoint.read(out_dir, summary["config"], device.type)
         except checkpoint.CheckpointError as e:
             summary["error"] = str(e)
             Recorder(out_dir).write_summary(summary)
             return summary
     if checkpoint.prepare_dir(out_dir, resume) and resume is None:
         print(f"mixprec: note: {out_dir} held records of an earlier run: starting over "
-              f"({'no checkpoint to resume from' if prior else 'trainer.resume=never'})", file=sys.stderr)
+              f"({'no checkpoint to resume from' if config.trainer.resume == 'auto' else 'trainer.resume=never'})",
+              file=sys.stderr)
     if resume is not None:
         summary["resumed"] = checkpoint.resumed_info(resume, prior)
         print(f"mixprec: resuming {out_dir} at step {summary['resumed']['from_step']} "
@@ -120,7 +121,8 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
                              job_type=config.name, run_id=resume.get("wandb_run_id") if resume else None)
         summary["wandb"] = {"mode": config.logger.mode, "run_id": mirror.run.id, "dir": mirror.run_dir}
     recorder = Recorder(out_dir, mirror)
-    saver = checkpoint.Checkpointer(out_dir, meta={"config": summary["config"], "wandb_run_id": mirror and mirror.run.id,
+    saver = checkpoint.Checkpointer(out_dir, meta={"config": summary["config"], "device_type": device.type,
+                                                   "wandb_run_id": mirror and mirror.run.id,
                                                    "resumes": summary.get("resumed", {}).get("history", [])})
     recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
     stop = checkpoint.StopSignals()
