@@ -7,6 +7,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from .checkpoint import resume_hint
 from .records import SUMMARY, read_summary
 from .tables import format_table, sweep_rows
 
@@ -39,4 +40,5 @@ class SweepTable(Callback):
         failed = [s for s in summaries if s.get("status") not in ("completed", "diverged")]
         if failed or problems:
             print(f"{len(failed) + len(problems)} job(s) did not complete; see their summary.json", file=sys.stderr)
+            print(f"to retry them (completed jobs are skipped): {resume_hint(None, sweep_dir)}", file=sys.stderr)
             raise SystemExit(1)

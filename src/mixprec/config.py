@@ -37,6 +37,7 @@ class TrainerConfig:
     warmup_steps: int = 5
     log_every: int = 50
     grad_clip: Optional[float] = None
+    resume: Literal["auto", "never"] = "never"
 
     def check(self) -> None:
         _at_least(self, "epochs", 1)

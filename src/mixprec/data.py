@@ -140,6 +140,13 @@ class DeviceBatches:
             idx = order[sl] if order is not None else sl
             yield self.transform(self.images[idx]), self.labels[idx]
 
+    def state_dict(self) -> dict:
+        """The data order's state (this loader's generator): restored, the loader replays the same batches."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
     def transform(self, batch: torch.Tensor) -> torch.Tensor:
         x = prepare(batch, self.mean, self.std, size=self.size, generator=self.generator, **self.augment)
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
@@ -167,6 +174,14 @@ class LoaderBatches:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def state_dict(self) -> dict:
+        """The order's generator (restored, a resume replays the epoch's order; augmentation draws are exact only
+        with workers=0, since persistent workers keep the seeds they were started with)."""
+        return {"generator": self.loader.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.generator.set_state(state["generator"])
 
     def __iter__(self):
         for x, y in self.loader:

@@ -6,6 +6,11 @@ synchronizes the device first, so queued GPU work is always counted. Steady-stat
 first `trainer.warmup_steps` steps (cuDNN autotuning, allocator growth, lazy init); the summary says so.
 Host syncs in the loop: one per `trainer.log_every` steps for the loss/weight check (plus the one GradScaler
 itself makes each step when a dynamic loss scale is on, and one per step under on_nonfinite=skip).
+
+Checkpoints (src/mixprec/checkpoint.py writes them): `checkpoint(loop)` is called with the loop's own state at each
+epoch end (except the last) and when `stop()` returns a reason (SIGTERM/SIGINT): then mid-epoch, after the
+current step. `resume=loop` continues from such a state: the epoch's data order is replayed from its start and
+the done batches skipped. After a resume the first `warmup_steps` steps are excluded from throughput again.
 """
 from __future__ import annotations
 
@@ -77,13 +82,19 @@ def evaluate(model, batches, policy: PrecisionPolicy) -> tuple[float, float]:
     return loss_sum.item() / n, correct.item() / n
 
 
+def data_state(batches) -> dict | None:
+    """The loader's data-order state (None for a loader that cannot save it: a resume then draws a new order)."""
+    return batches.state_dict() if hasattr(batches, "state_dict") else None
+
+
 def all_finite(tensors) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, test_batches,
           trainer: TrainerConfig, *, label_smoothing: float = 0.0, bn_eval: bool = False,
-          log=lambda row: None, progress: bool = True) -> dict:
+          log=lambda row: None, progress: bool = True, resume: dict | None = None, checkpoint=None,
+          stop=lambda: None) -> dict:
     device = policy.device
     clock = TrainClock(device)
     steps_per_epoch = len(train_batches)
@@ -95,6 +106,26 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
     epochs, best_acc, time_to_target, epochs_to_target = [], None, None, None
     status, reason = "completed", None
     test_loss = test_acc = None
+    start_epoch, skip, carried, saved_window = 0, 0, 0.0, None   # where a resumed run picks up
+    if resume is not None:
+        state.update(resume["state"])
+        epochs = list(resume["epochs"])
+        best_acc, time_to_target, epochs_to_target, test_loss, test_acc = resume["accumulators"]
+        clock.total, clock.steady = resume["clock"]
+        start_epoch, skip, carried, saved_window = resume["epoch"], resume["batch"], resume["epoch_time"], resume["window"]
+        if resume["data"] is not None:
+            train_batches.load_state_dict(resume["data"])
+    warm_at = state["step"] + trainer.warmup_steps   # warm-up is excluded again in a resumed process
+
+    def snapshot(next_epoch: int, batch: int = 0, data=None, epoch_time: float = 0.0, window=None) -> dict:
+        """The loop's state: resuming from it continues at batch `batch` of epoch `next_epoch` (0-based)."""
+        return {"state": dict(state), "epochs": list(epochs), "clock": (clock.total, clock.steady),
+                "accumulators": (best_acc, time_to_target, epochs_to_target, test_loss, test_acc),
+                "epoch": next_epoch, "batch": batch, "steps_per_epoch": steps_per_epoch, "epoch_time": epoch_time,
+                "data": data_state(train_batches) if data is None else data,
+                "window": None if window is None else {"first_step": window.first_step, "losses": window.losses,
+                                                       "correct": window.correct, "samples": window.samples,
+                                                       "elapsed": time.perf_counter() - window.t0}}
 
     def flush(window: Window, epoch: int) -> bool:
         """Sync once: check the window's losses and the weights; log a row. False = stop the run."""
@@ -125,7 +156,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
         return True
 
     running = True
-    for epoch in range(trainer.epochs):
+    for epoch in range(start_epoch, trainer.epochs):
         if not running or state["step"] >= total_steps:
             break
         model.train()
@@ -134,8 +165,18 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
         bar = tqdm(total=min(steps_per_epoch, total_steps - state["step"]), desc=f"epoch {epoch + 1}/{trainer.epochs}",
                    disable=not progress, leave=False, dynamic_ncols=True)
         window = Window(first_step=state["step"] + 1)
+        if saved_window is not None:   # resumed mid-epoch
+            bar.update(skip)
+            w = saved_window
+            window = Window(w["first_step"], [t.to(device) for t in w["losses"]], [t.to(device) for t in w["correct"]],
+                            w["samples"], time.perf_counter() - w["elapsed"])
+        data_at_start = data_state(train_batches)
         clock.start()
         for i, (x, y) in enumerate(train_batches):
+            if i < skip:   # resumed mid-epoch: replay this epoch's data order up to the checkpoint, untimed
+                if i + 1 == skip:
+                    clock.start()
+                continue
             with policy.autocast():
                 out = model(policy.cast_input(x))
             loss = F.cross_entropy(out.float(), y, label_smoothing=label_smoothing)
@@ -154,13 +195,13 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
             schedule.step()
             state["step"] += 1
             state["samples"] += len(y)
-            if state["step"] > trainer.warmup_steps:
+            if state["step"] > warm_at:
                 state["steady_samples"] += len(y)
             window.losses.append(loss.detach())
             window.correct.append((out.detach().argmax(1) == y).sum())
             window.samples += len(y)
             bar.update(1)
-            if state["step"] == trainer.warmup_steps:
+            if state["step"] == warm_at:
                 clock.mark_warm()
             last = i + 1 == steps_per_epoch or state["step"] >= total_steps
             if state["step"] % trainer.log_every == 0 or last:
@@ -170,8 +211,17 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
                 window = Window(first_step=state["step"] + 1)
             if not running or state["step"] >= total_steps:
                 break
-        epoch_time = clock.stop()
+            why = stop()
+            if why:
+                status, reason, running = "interrupted", f"{why} after step {state['step']}", False
+                break
+        epoch_time = carried + clock.stop()
         bar.close()
+        if status == "interrupted":
+            if checkpoint is not None:
+                checkpoint(snapshot(epoch, i + 1, data_at_start, epoch_time, window))
+            break
+        skip, carried, saved_window = 0, 0.0, None
         record = {"kind": "epoch", "epoch": epoch + 1, "step": state["step"], "epoch_time_s": epoch_time,
                   "train_time_s": clock.total, "lr": optimizer.param_groups[0]["lr"]}
         if running:
@@ -183,6 +233,12 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
                 time_to_target, epochs_to_target = clock.total, epoch + 1
         epochs.append(record)
         log(record)
+        more = running and state["step"] < total_steps and epoch + 1 < trainer.epochs
+        if more and checkpoint is not None:
+            checkpoint(snapshot(epoch + 1))
+        why = stop() if more else None
+        if why:   # a signal during evaluation: the checkpoint just written holds everything
+            status, reason, running = "interrupted", f"{why} after step {state['step']} (epoch {epoch + 1} done)", False
 
     steady = clock.steady > 0 and state["steady_samples"] > 0
     return {

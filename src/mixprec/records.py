@@ -5,6 +5,7 @@ sees half a file; metrics.jsonl gets one complete line per row, flushed as it is
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -16,12 +17,20 @@ METRICS = "metrics.jsonl"
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
+    with atomic_file(path, "w") as f:
+        json.dump(jsonable(data), f, indent=2, allow_nan=False)
+        f.write("\n")
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb"):
+    """Write `path` all or nothing: into a temp file in the same directory, fsynced, then os.replace'd over it.
+    A reader (or a process killed mid-write) never sees half a file; on an error the temp file is removed."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(jsonable(data), f, indent=2, allow_nan=False)
-            f.write("\n")
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)

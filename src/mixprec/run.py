@@ -5,6 +5,7 @@ This is the only module that puts the parts together; each part takes plain valu
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 import time
 import traceback
@@ -15,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from . import engine, hardware
+from . import checkpoint, engine, hardware
 from .config import Config, ConfigError, plain_config, validate
 from .data import build_image_data, image_loaders
 from .datafiles import DataError
@@ -49,12 +50,35 @@ def run_job(cfg: DictConfig) -> dict:
         if multirun:
             return summary
         sys.exit(2)
-    summary = execute(config, summary, out_dir, group=Path(hc.sweep.dir).name if multirun else None,
-                      name=hc.job.override_dirname or out_dir.name)
+    sweep_dir = Path(hc.sweep.dir) if multirun else None
+    if config.trainer.resume == "auto":
+        try:
+            prior = checkpoint.prior_summary(out_dir)
+        except checkpoint.CheckpointError as e:   # left as it is: the sweep table lists it as unreadable
+            print(f"mixprec: {e}", file=sys.stderr)
+            if multirun:
+                return {"status": "unreadable", "error": str(e)}
+            sys.exit(2)
+        if prior is not None and prior["status"] in checkpoint.FINAL:
+            print(f"mixprec: {out_dir}: already {prior['status']}, skipped (trainer.resume=auto; its records are left as they are)")
+            return prior
+    try:
+        summary = execute(config, summary, out_dir, group=sweep_dir.name if multirun else None,
+                          name=hc.job.override_dirname or out_dir.name)
+    except KeyboardInterrupt:
+        print(f"\nmixprec: interrupted; to continue: {checkpoint.resume_hint(out_dir, sweep_dir)}", file=sys.stderr)
+        sys.exit(130)
     print(job_block(summary))
     print(f"records     {out_dir}")
+    if summary["status"] == "interrupted":   # a sweep stops too: the signal was meant for the whole command
+        print(f"mixprec: {summary['reason']}; checkpoint saved. To continue: "
+              f"{checkpoint.resume_hint(out_dir, sweep_dir)}", file=sys.stderr)
+        sys.exit(128 + signal.Signals[summary["interrupted_by"]].value)
     if summary["status"] == "failed" and not multirun:
         print(f"mixprec: the job failed: {summary.get('error')}", file=sys.stderr)
+        ckpt = out_dir / checkpoint.CHECKPOINT
+        if ckpt.exists() and str(ckpt) not in summary.get("error", ""):   # not when the checkpoint is what failed
+            print(f"mixprec: to retry from its last checkpoint: {checkpoint.resume_hint(out_dir, None)}", file=sys.stderr)
         sys.exit(1)
     return summary
 
@@ -74,18 +98,46 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
                    hazards=hazards(config.precision, config.optimizer))
     _warn_if_slow(config, device, profile)
 
+    resume = prior = None
+    if config.trainer.resume == "auto":
+        try:
+            prior = checkpoint.prior_summary(out_dir)
+            resume = checkpoint.read(out_dir, summary["config"], device.type)
+        except checkpoint.CheckpointError as e:
+            summary["error"] = str(e)
+            Recorder(out_dir).write_summary(summary)
+            return summary
+    if checkpoint.prepare_dir(out_dir, resume) and resume is None:
+        print(f"mixprec: note: {out_dir} held records of an earlier run: starting over "
+              f"({'no checkpoint to resume from' if config.trainer.resume == 'auto' else 'trainer.resume=never'})",
+              file=sys.stderr)
+    if resume is not None:
+        summary["resumed"] = checkpoint.resumed_info(resume, prior)
+        print(f"mixprec: resuming {out_dir} at step {summary['resumed']['from_step']} "
+              f"(epoch {summary['resumed']['from_epoch']:.2f}; it was {summary['resumed']['previous_status']})",
+              file=sys.stderr)
+
     mirror = None
     if config.logger.name == "wandb" and config.logger.mode != "disabled":
         from .wandb_mirror import WandbMirror
         mirror = WandbMirror(config.logger, out_dir, summary["config"], group=group, name=name,
-                             job_type=config.name)
+                             job_type=config.name, run_id=resume.get("wandb_run_id") if resume else None)
         summary["wandb"] = {"mode": config.logger.mode, "run_id": mirror.run.id, "dir": mirror.run_dir}
     recorder = Recorder(out_dir, mirror)
+    saver = checkpoint.Checkpointer(out_dir, meta={"config": summary["config"], "device_type": device.type,
+                                                   "wandb_run_id": mirror and mirror.run.id,
+                                                   "resumes": summary.get("resumed", {}).get("history", [])})
+    recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
+    stop = checkpoint.StopSignals()
     try:
-        summary.update(train_job(config, device, recorder))
+        with stop:
+            summary.update(train_job(config, device, recorder, saver, resume, stop))
         summary["metrics"]["mfu"] = mfu(summary["metrics"], profile, hardware.peak_kind(config.precision))
         if summary["status"] == "diverged" and summary["hazards"]:
             summary["reason"] += f"; likely cause: {summary['hazards'][0]}"
+        summary["metrics"]["checkpoint_time_s"] = saver.seconds
+        if summary["status"] == "interrupted":
+            summary["interrupted_by"] = stop()
     except KeyboardInterrupt:
         summary.update(status="interrupted", error="interrupted by the user (KeyboardInterrupt)")
         raise
@@ -100,13 +152,16 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
         summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         summary.setdefault("metrics", {}).update(zip(("peak_memory_mb", "peak_memory_kind"), hardware.peak_memory_mb(device)))
         recorder.write_summary(summary)
+        if summary["status"] in checkpoint.FINAL:
+            saver.discard()
         if mirror is not None:
             mirror.finish(ok=summary["status"] in ("completed", "diverged"))
         recorder.close()
     return summary
 
 
-def train_job(config: Config, device: torch.device, recorder: Recorder) -> dict:
+def train_job(config: Config, device: torch.device, recorder: Recorder, saver: checkpoint.Checkpointer | None = None,
+              resume: dict | None = None, stop=None) -> dict:
     tr = config.trainer
     data = build_image_data(config.dataset)
     train_batches, test_batches = image_loaders(data, config.dataset, tr, device, seed=config.seed)
@@ -123,15 +178,20 @@ def train_job(config: Config, device: torch.device, recorder: Recorder) -> dict:
     if tr.max_steps is not None:
         total_steps = min(total_steps, tr.max_steps)
     schedule = build_schedule(config.schedule, optimizer, total_steps)
+    if saver is not None:
+        saver.parts.update(model=model, optimizer=optimizer, schedule=schedule, precision=checkpoint.PolicyState(policy))
+    loop = saver.restore(resume) if resume is not None else None   # last before training: it sets the RNG states
 
     result = engine.train(model, policy, optimizer, schedule, train_batches, test_batches, tr,
                           label_smoothing=config.trick.label_smoothing, bn_eval=config.model.bn_eval,
-                          log=recorder.log,
-                          progress=sys.stderr.isatty())
+                          log=recorder.log, progress=sys.stderr.isatty(), resume=loop,
+                          checkpoint=saver and saver.save, stop=stop or (lambda: None))
     result["metrics"].update(params=n_params, forward_flops_per_sample=flops,
                              train_flops_per_sample=None if flops is None else 3 * flops)
     result["data"] = {**data.info, "train": len(data.train_y), "test": len(data.test_y), "mean": data.mean,
                       "std": data.std}
+    if result["status"] in checkpoint.FINAL:
+        result["weights"] = checkpoint.save_weights(recorder.out_dir, policy.fp32_state_dict(model), data.num_classes)
     return result
 
 

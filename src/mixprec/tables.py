@@ -92,6 +92,10 @@ def job_block(summary: dict) -> str:
         f"memory      peak {_fmt(m.get('peak_memory_mb'), '.0f')} MB ({m.get('peak_memory_kind')})",
         f"loss scale  {scale}; skipped steps {m.get('skipped_steps')}",
     ]
+    if summary.get("resumed"):
+        r = summary["resumed"]
+        lines.append(f"resumed     at step {r['from_step']} (epoch {r['from_epoch']:.2f}), {len(r['history'])} time(s); "
+                     "the time before is included")
     if m.get("mfu") is not None:
         lines.append(f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} peak")
     return "\n".join(lines)

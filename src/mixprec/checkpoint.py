@@ -1,0 +1,279 @@
+"""Checkpoints and resume: a job's full training state on disk, so an interrupted job continues exactly.
+
+`checkpoint.pt` (in the job's output dir) is written atomically at every epoch end but the last, and mid-epoch when
+the job gets SIGTERM/SIGINT (after the current step). It holds the engine's loop state (step counters, epoch
+records, best accuracy, time to target, loss-scale min/max, clock totals, the position in the epoch and the data
+order at its start), every registered part's state_dict (model, optimizer, lr schedule, precision policy: loss
+scaler and fp32 master weights; a trick adds its own, e.g. `saver.parts["ema"] = ema`), every RNG state (python,
+numpy, torch CPU and CUDA; the loaders' generators are in the loop state), the config and the W&B run id.
+A SIGKILL (no handler can run) loses the work since the last epoch end. A completed job's checkpoint is deleted;
+its final weights stay in `model_fp32.pt` (fp32 whatever the training precision; `load_fp32_model` rebuilds the
+model from the job's summary and loads them).
+
+`trainer.resume=auto`: a job whose summary.json says completed or diverged is final and skipped (nothing is
+rewritten); otherwise (running = killed, interrupted, failed) it continues from its checkpoint when there is one,
+else starts over. metrics.jsonl is cut back to the rows up to the checkpoint's step, so no row appears twice.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .records import METRICS, SUMMARY, atomic_file
+
+CHECKPOINT = "checkpoint.pt"
+WEIGHTS = "model_fp32.pt"
+FORMAT = 1
+FINAL = ("completed", "diverged")        # a job in these states is done: resume=auto skips it
+VOLATILE = ("trainer.resume", "trainer.device", "logger")   # config that may differ between a run and its resume
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or summary.json that cannot be used; the message names the file and what to do."""
+
+
+# -- what a job dir holds --------------------------------------------------------------------------------------
+def prior_summary(out_dir: Path) -> dict | None:
+    """The summary.json already in out_dir (None when there is none); CheckpointError when it is unreadable."""
+    path = Path(out_dir) / SUMMARY
+    if not path.exists():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (ValueError, OSError) as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: not a readable summary.json ({e}); move it away to re-run that job") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("status"), str):
+        raise CheckpointError(f"{path}: not a mixprec summary (no status); move it away to re-run that job")
+    return summary
+
+
+def read(out_dir: Path, config: dict, device_type: str) -> dict | None:
+    """The job's checkpoint (None when there is none), checked to belong to this config and kind of device."""
+    path = Path(out_dir) / CHECKPOINT
+    if not path.exists():
+        return None
+    fix = f"delete {path} to start the job over, or run with trainer.resume=never"
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:   # truncated, garbage, or not a torch file: the reason is one line
+        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: not a readable checkpoint ({msg}); {fix}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or not {"loop", "parts", "rng", "config"} <= set(ckpt):
+        raise CheckpointError(f"{path}: not a mixprec checkpoint (format {FORMAT}); {fix}")
+    if ckpt.get("device_type") != device_type:   # the RNG and data-order states are per kind of device
+        raise CheckpointError(f"{path}: written on {ckpt.get('device_type')}, this job runs on {device_type}; "
+                              f"resume on the same kind of device, or {fix}")
+    diff = config_diff(ckpt["config"], config)
+    if diff:
+        raise CheckpointError(f"{path}: written by a different config ({diff}); resume with the job's own "
+                              f"overrides, or {fix}")
+    return ckpt
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> str | None:
+    """The first setting that differs between two plain configs (ignoring VOLATILE ones), as 'key: old -> new'."""
+    for key in sorted(set(old) | set(new)):
+        name = prefix + key
+        if name in VOLATILE:
+            continue
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found = config_diff(a, b, name + ".")
+            if found:
+                return found
+        elif a != b:
+            return f"{name}: {json.dumps(a)} -> {json.dumps(b)}"
+    return None
+
+
+def prepare_dir(out_dir: Path, ckpt: dict | None) -> bool:
+    """Make out_dir's records match where the job starts: cut metrics.jsonl back to the checkpoint's step (all
+    rows when starting over), remove a stale checkpoint and leftover temp files. True when it held records."""
+    out_dir = Path(out_dir)
+    held = (out_dir / SUMMARY).exists() or (out_dir / METRICS).exists()
+    for tmp in out_dir.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+    if ckpt is None:
+        (out_dir / CHECKPOINT).unlink(missing_ok=True)
+    truncate_metrics(out_dir / METRICS, ckpt["loop"]["state"]["step"] if ckpt else 0)
+    return held
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the complete rows of metrics.jsonl up to `step` (a killed writer may leave half a last line)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or row["step"] <= step:
+            keep.append(line + "\n")
+    with atomic_file(path, "w") as f:
+        f.writelines(keep)
+
+
+def resumed_info(ckpt: dict, prior: dict | None) -> dict:
+    """What the summary says about a resume: from which step/epoch, and all earlier resumes of the job."""
+    loop = ckpt["loop"]
+    this = {"from_step": loop["state"]["step"], "from_epoch": loop["epoch"] + loop["batch"] / max(loop["steps_per_epoch"], 1),
+            "mid_epoch": loop["batch"] > 0, "previous_status": (prior or {}).get("status"),
+            "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {**this, "history": [*ckpt.get("resumes", []), this]}
+
+
+# -- saving and restoring ----------------------------------------------------------------------------------------
+class PolicyState:
+    """The precision policy's state: the loss scaler (GradScaler or static) and the fp32 master weights (o2)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def state_dict(self) -> dict:
+        p = self.policy
+        return {"scaler": p.scaler.state_dict(), "scale_value": p.scale_value,
+                "master_params": None if p.master_params is None else [m.detach() for m in p.master_params]}
+
+    def load_state_dict(self, state: dict) -> None:
+        p = self.policy
+        p.scaler.load_state_dict(state["scaler"])
+        p.scale_value = state["scale_value"]
+        if p.master_params is not None:
+            with torch.no_grad():
+                for master, saved in zip(p.master_params, state["master_params"], strict=True):
+                    master.copy_(saved)
+
+
+def rng_state() -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), int(pos), int(has_gauss), float(gauss)),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+class Checkpointer:
+    """Writes out_dir/checkpoint.pt from the registered parts (name -> object with state_dict/load_state_dict)
+    and the engine's loop state; `meta` (config, W&B run id, earlier resumes) is stored alongside."""
+
+    def __init__(self, out_dir: Path, meta: dict):
+        self.path = Path(out_dir) / CHECKPOINT
+        self.meta = meta
+        self.parts: dict = {}
+        self.seconds = 0.0        # time spent writing checkpoints (never inside the training clock)
+
+    def save(self, loop: dict) -> None:
+        t0 = time.perf_counter()
+        data = {"format": FORMAT, **self.meta, "loop": loop,
+                "parts": {name: part.state_dict() for name, part in self.parts.items()}, "rng": rng_state(),
+                "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        with atomic_file(self.path) as f:
+            torch.save(data, f)
+        self.seconds += time.perf_counter() - t0
+
+    def restore(self, ckpt: dict) -> dict:
+        """Load every part and the RNG states (call it last, just before training); returns the loop state."""
+        missing = sorted(set(self.parts) - set(ckpt["parts"]))
+        if missing:
+            raise CheckpointError(f"{self.path}: holds no state for {', '.join(missing)}; delete it to start over")
+        for name, part in self.parts.items():
+            part.load_state_dict(ckpt["parts"][name])
+        set_rng_state(ckpt["rng"])
+        return ckpt["loop"]
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def save_weights(out_dir: Path, state_dict: dict, num_classes: int) -> dict:
+    """The final fp32 weights, written atomically; returns what the summary records about them."""
+    with atomic_file(Path(out_dir) / WEIGHTS) as f:
+        torch.save(state_dict, f)
+    return {"file": WEIGHTS, "dtype": "float32", "num_classes": num_classes}
+
+
+def load_fp32_model(run_dir: Path):
+    """An fp32 model with a finished job's final weights, rebuilt from its summary.json config (for evaluation).
+    Returns (model, config). CheckpointError, naming the file, when the run has no usable weights."""
+    from .config import validate
+    from .models import build_model
+
+    run_dir = Path(run_dir)
+    summary = prior_summary(run_dir)
+    if summary is None or not summary.get("weights"):
+        raise CheckpointError(f"{run_dir}: no final weights recorded (summary.json status "
+                              f"{(summary or {}).get('status')}); only a finished job has {WEIGHTS}")
+    config = validate(summary["config"])
+    model = build_model(config.model, summary["weights"]["num_classes"])
+    path = run_dir / summary["weights"]["file"]
+    try:
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as e:
+        raise CheckpointError(f"{path}: not loadable into {config.model.arch} ({str(e).splitlines()[0][:200]})") from None
+    return model.float().eval(), config
+
+
+# -- signals and hints ---------------------------------------------------------------------------------------------
+class StopSignals:
+    """While active, SIGTERM/SIGINT ask the job to stop after the current step (the engine writes a checkpoint
+    first); a second signal acts at once (SIGINT: KeyboardInterrupt; SIGTERM: the default, terminate).
+    Calling the object returns the first signal's name, or None."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum = None
+        self._previous = {}
+
+    def __call__(self) -> str | None:
+        return None if self.signum is None else signal.Signals(self.signum).name
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:   # the second one: stop now
+            self._restore()
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+        print(f"\nmixprec: {signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "StopSignals":
+        try:
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        except ValueError:   # not the main thread: signals keep their defaults
+            self._previous = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        self._previous = {}
+
+
+def resume_hint(out_dir: Path, sweep_dir: Path | None) -> str:
+    """The command that continues this job (or its sweep): the same arguments, trainer.resume=auto and the dir."""
+    drop = ("trainer.resume=", "hydra.run.dir=", "hydra.sweep.dir=", "+trainer.resume=")
+    args = [a for a in sys.argv[1:] if not a.startswith(drop)]
+    where = f"hydra.sweep.dir={sweep_dir}" if sweep_dir else f"hydra.run.dir={out_dir}"
+    return " ".join(shlex.quote(a) for a in ["python", "train.py", *args, "trainer.resume=auto", where])

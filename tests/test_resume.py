@@ -1,0 +1,298 @@
+"""Checkpoints and resume: killed jobs continue exactly, sweeps survive a failing job, bad files give one clear line."""
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec.engine
+import mixprec.run
+from conftest import ROOT, TINY, compose_config, run_tiny
+from mixprec.checkpoint import CHECKPOINT, WEIGHTS, load_fp32_model
+from mixprec.records import METRICS, SUMMARY
+
+# 64 steps an epoch (about a second on a CPU core): long enough to land a signal in the middle of epoch 2.
+KILLABLE = ["model=small_cnn", "model.width=8", "dataset.train_size=1024", "dataset.test_size=64",
+            "trainer.batch_size=16", "trainer.eval_batch_size=64", "trainer.epochs=2", "trainer.deterministic=true",
+            "trainer.log_every=4", "logger=none"]
+TIMING = {"samples_per_s", "epoch_time_s", "train_time_s", "eval_time_s"}
+SIZES = [o for o in TINY if not o.startswith(("model", "logger", "trainer.max_steps"))]
+
+
+def train(*args, wait=True):
+    """train.py in a subprocess (one thread: the same math in every process)."""
+    env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT / "src"))
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if wait:
+        out, err = p.communicate(timeout=300)
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return p
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
+
+
+def signal_in_epoch_2(run_dir, sig, *extra):
+    """Start a job, send `sig` once it has logged a training row of epoch 2, and wait for it to end."""
+    p = train(*KILLABLE, *extra, f"hydra.run.dir={run_dir}", wait=False)
+    deadline = time.monotonic() + 240
+    while not any(r["kind"] == "train" and r["epoch"] == 2 for r in _rows_so_far(run_dir)):
+        assert p.poll() is None, f"the job ended before epoch 2: {p.communicate()[1][-2000:]}"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    return p.returncode, out, err
+
+
+def _rows_so_far(run_dir):
+    try:
+        lines = (run_dir / METRICS).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def assert_same_run(run_dir, reference_dir):
+    """Same final metrics, same metrics.jsonl rows (timings aside) and bit-identical final weights."""
+    a, b = (json.loads((d / SUMMARY).read_text()) for d in (run_dir, reference_dir))
+    assert a["status"] == b["status"] == "completed"
+    for key in ("final_test_acc", "final_test_loss", "best_test_acc", "steps", "epochs", "skipped_steps"):
+        assert a["metrics"][key] == b["metrics"][key], key
+    strip = [[{k: v for k, v in r.items() if k not in TIMING} for r in rows(d)] for d in (run_dir, reference_dir)]
+    assert strip[0] == strip[1]   # every row once, the same values: nothing lost, nothing duplicated
+    wa, wb = (torch.load(d / WEIGHTS) for d in (run_dir, reference_dir))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    m = a["metrics"]   # a resumed job's training time is the sum over all its epochs, before and after
+    assert len(m["epoch_times_s"]) == 2 and m["train_time_s"] == pytest.approx(sum(m["epoch_times_s"]))
+    assert not (run_dir / CHECKPOINT).exists()   # a completed job keeps only its final weights
+    return a
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The same job run through in this process, on one thread like the subprocesses."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert run_tiny(run_dir, *KILLABLE, "trainer.max_steps=null")["status"] == "completed"
+    finally:
+        torch.set_num_threads(threads)
+    return run_dir
+
+
+def test_sigkill_in_epoch_2_then_resume_gives_the_uninterrupted_run(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    code, _, _ = signal_in_epoch_2(run_dir, signal.SIGKILL, "logger=wandb")
+    assert code == -signal.SIGKILL
+    killed = json.loads((run_dir / SUMMARY).read_text())
+    assert killed["status"] == "running"       # no handler runs on SIGKILL: the start-of-job summary stays
+    run_id = killed["wandb"]["run_id"]
+    assert (run_dir / "wandb" / killed["wandb"]["dir"].rsplit("/", 1)[1] / f"run-{run_id}.wandb").is_file()
+    done = rows(run_dir)
+    assert [r["epoch"] for r in done if r["kind"] == "epoch"] == [1]            # killed inside epoch 2 ...
+    assert any(r["kind"] == "train" and r["epoch"] == 2 for r in done)          # ... after some of its steps
+    assert torch.load(run_dir / CHECKPOINT, weights_only=True)["loop"]["epoch"] == 1   # the epoch-1 checkpoint
+
+    r = train(*KILLABLE, "logger=wandb", f"hydra.run.dir={run_dir}", "trainer.resume=auto")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming" in r.stderr and "it was running" in r.stderr
+    s = assert_same_run(run_dir, uninterrupted)
+    assert s["resumed"]["from_step"] == 64 and s["resumed"]["from_epoch"] == 1.0 and not s["resumed"]["mid_epoch"]
+    # W&B: the same run continues; each process left an offline folder with that id, for `wandb sync` in order
+    assert s["wandb"]["run_id"] == run_id and s["wandb"]["dir"] != killed["wandb"]["dir"]
+    assert len([d for d in (run_dir / "wandb").glob(f"offline-run-*-{run_id}") if (d / f"run-{run_id}.wandb").is_file()]) == 2
+
+
+def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    code, _, err = signal_in_epoch_2(run_dir, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    s = json.loads((run_dir / SUMMARY).read_text())
+    assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM" and "SIGTERM after step" in s["reason"]
+    ckpt = torch.load(run_dir / CHECKPOINT, weights_only=True)
+    loop = ckpt["loop"]
+    assert loop["epoch"] == 1 and 0 < loop["batch"] < 64              # mid-epoch 2, right after the signal's step
+    assert loop["state"]["step"] == s["metrics"]["steps"] == 64 + loop["batch"]
+    assert "Traceback" not in err
+    hint = err.strip().splitlines()[-1]
+    assert "To continue: python train.py" in hint and "trainer.resume=auto" in hint
+    cmd = shlex.split(hint.split("To continue: ", 1)[1])[2:]   # the printed command, as a user would paste it
+
+    r = train(*cmd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = assert_same_run(run_dir, uninterrupted)
+    assert s["resumed"]["mid_epoch"] and s["resumed"]["from_step"] == loop["state"]["step"]
+    assert s["resumed"]["previous_status"] == "interrupted"
+
+
+class SignalAt(nn.Module):
+    """Wraps a model; its `at`-th training forward sends this process SIGTERM (a pre-emption, in-process)."""
+
+    def __init__(self, inner, at):
+        super().__init__()
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return self.inner(x)
+
+
+def test_resume_restores_master_weights_loss_scaler_and_optimizer_exactly(tmp_path, monkeypatch):
+    build = mixprec.run.build_model
+    # fp16 weights with fp32 masters (apex O2) stepped by Adam, under a dynamic loss scale that grows every
+    # 2 steps, overflows and backs off: each piece of state must come back exactly for the same result
+    args = ["precision=o2", "precision.init_scale=524288", "precision.growth_interval=2", "optimizer=adam",
+            "optimizer.lr=0.01", "trainer.max_steps=null", "trainer.epochs=2", "trainer.deterministic=true"]
+    monkeypatch.setattr(mixprec.run, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=0))
+    reference = run_tiny(tmp_path / "reference", *args)
+
+    monkeypatch.setattr(mixprec.run, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=6))   # epoch 2, step 2
+    with pytest.raises(SystemExit) as e:
+        run_tiny(tmp_path / "run", *args)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert json.loads((tmp_path / "run" / SUMMARY).read_text())["status"] == "interrupted"
+    monkeypatch.setattr(mixprec.run, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=0))
+    resumed = run_tiny(tmp_path / "run", *args, "trainer.resume=auto")
+    assert resumed["resumed"]["from_step"] == 6 and resumed["resumed"]["mid_epoch"]
+    m, ref = resumed["metrics"], reference["metrics"]
+    assert m["loss_scale"] == ref["loss_scale"] and m["skipped_steps"] == ref["skipped_steps"]
+    assert 0 < ref["skipped_steps"] < 6 and ref["loss_scale"]["min"] < 524288   # the scale did back off
+    assert_same_run(tmp_path / "run", tmp_path / "reference")
+
+
+def test_sweep_records_a_failing_job_goes_on_and_resume_skips_completed_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "seed=1,2,3", "model=small_cnn", *SIZES, "trainer.epochs=2", "logger=none"]
+    # Job 1 fails inside the job, at its very end: its weights file cannot be written (a directory is in the way).
+    job1 = "1_" + compose_config("seed=2", *args[2:]).hydra.job.override_dirname   # Hydra's name for job 1
+    (sweep / job1 / WEIGHTS).mkdir(parents=True)
+    r = train(*args, f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 1, r.stderr[-3000:]
+    s = {int(p.parent.name.split("_")[0]): json.loads(p.read_text()) for p in sweep.glob(f"*/{SUMMARY}")}
+    assert [s[i]["status"] for i in range(3)] == ["completed", "failed", "completed"]
+    assert "IsADirectoryError" in s[1]["error"] and "Traceback" in s[1]["traceback"]
+    table = r.stdout[r.stdout.index(f"sweep {sweep}: 3 jobs"):].splitlines()
+    assert table[4].split()[:4] == ["1", "small_cnn", "fp32", "failed"] and "IsADirectoryError" in table[4]
+    assert "trainer.resume=auto" in r.stderr and f"hydra.sweep.dir={sweep}" in r.stderr
+    done = {i: [(p.read_bytes(), p.stat().st_mtime_ns) for p in (sweep / s[i]["job"]["output_dir"]).iterdir()
+                if p.is_file()] for i in (0, 2)}
+
+    (sweep / job1 / WEIGHTS).rmdir()   # the obstacle is gone: the retry can finish
+    r = train(*args, f"hydra.sweep.dir={sweep}", "trainer.resume=auto")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("skipped (trainer.resume=auto") == 2
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == sorted(v["job"]["output_dir"].rsplit("/", 1)[1]
+                                                                            for v in s.values())   # no new job dirs
+    for i in (0, 2):   # completed jobs: every file byte- and mtime-identical (summary, metrics, weights)
+        out = sweep / s[i]["job"]["output_dir"]
+        assert [(p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir() if p.is_file()] == done[i]
+    retried = json.loads((sweep / job1 / SUMMARY).read_text())
+    assert retried["status"] == "completed" and retried["metrics"]["steps"] == 8
+    assert retried["resumed"]["from_epoch"] == 1.0 and retried["resumed"]["previous_status"] == "failed"
+    assert (sweep / job1 / WEIGHTS).is_file() and not (sweep / job1 / CHECKPOINT).exists()
+    assert f"sweep {sweep}: 3 jobs" in r.stdout and r.stdout.count("completed") >= 3
+
+
+def test_a_corrupt_summary_gives_one_line_naming_the_file(tmp_path, capsys):
+    run_tiny(tmp_path)
+    path = tmp_path / SUMMARY
+    path.write_text('{"status": "compl')
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_tiny(tmp_path, "trainer.resume=auto")
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mixprec: {path}: not a readable summary.json")
+    assert path.read_text() == '{"status": "compl'   # left as it was
+
+
+def fail_at_the_end(monkeypatch):
+    def no_space(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(mixprec.run.checkpoint, "save_weights", no_space)
+
+
+EPOCHS2 = ["trainer.max_steps=null", "trainer.epochs=2"]
+
+
+@pytest.fixture(scope="module")
+def failed_job(tmp_path_factory):
+    """A job that failed after training (its weights could not be written): its epoch-1 checkpoint stays."""
+    run_dir = tmp_path_factory.mktemp("failed")
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit):
+        fail_at_the_end(mp)
+        run_tiny(run_dir, *EPOCHS2)
+    assert (run_dir / CHECKPOINT).exists()
+    return run_dir
+
+
+@pytest.mark.parametrize("damage,expect", [
+    (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "not a readable checkpoint"),
+    (lambda p: p.write_bytes(b"\x00garbage" * 100), "not a readable checkpoint"),
+    (lambda p: torch.save({"weights": torch.zeros(3)}, p), "not a mixprec checkpoint"),
+    (None, "written by a different config (optimizer.lr: 0.1 -> 0.05)"),
+])
+def test_a_bad_checkpoint_gives_one_line_naming_the_file(tmp_path, failed_job, capsys, damage, expect):
+    path = tmp_path / CHECKPOINT
+    shutil.copy(failed_job / CHECKPOINT, path)
+    args = EPOCHS2 if damage else [*EPOCHS2, "optimizer.lr=0.05"]
+    if damage:
+        damage(path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_tiny(tmp_path, *args, "trainer.resume=auto")
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mixprec: the job failed: {path}: {expect}" + err[0].split(expect, 1)[1]]
+    s = json.loads((tmp_path / SUMMARY).read_text())
+    assert s["status"] == "failed" and s["error"].startswith(f"{path}: {expect}")
+    if damage is None:   # trainer.resume=never starts over in the same dir: the records are those of one run
+        s = run_tiny(tmp_path, *args, "trainer.resume=never")
+        assert s["status"] == "completed" and "resumed" not in s and not path.exists()
+        assert [r["epoch"] for r in rows(tmp_path) if r["kind"] == "epoch"] == [1, 2]
+
+
+def test_final_weights_are_fp32_and_load_into_a_rebuilt_model(tmp_path):
+    s = run_tiny(tmp_path, "precision=o2")
+    assert s["weights"] == {"file": WEIGHTS, "dtype": "float32", "num_classes": 10}
+    model, config = load_fp32_model(tmp_path)
+    assert config.model.arch == "small_cnn" and config.precision.name == "o2"
+    saved = torch.load(tmp_path / WEIGHTS)
+    state = model.state_dict()
+    assert all(state[k].dtype == torch.float32 for k in state if state[k].is_floating_point())
+    assert all(torch.equal(state[k], saved[k]) for k in saved) and not model.training
+
+
+def test_a_run_without_final_weights_is_refused_by_name(tmp_path, monkeypatch):
+    fail_at_the_end(monkeypatch)
+    with pytest.raises(SystemExit):
+        run_tiny(tmp_path)
+    with pytest.raises(ValueError, match=f"{tmp_path}: no final weights recorded .*status failed"):
+        load_fp32_model(tmp_path)
+
+
+def test_the_training_clock_syncs_the_device_at_every_reading(tiny, monkeypatch):
+    calls = []
+    monkeypatch.setattr(mixprec.engine, "synchronize", lambda device: calls.append(device.type))
+    s = tiny("trainer.max_steps=null", "trainer.epochs=2", "trainer.warmup_steps=2", "dataset.train_size=32")
+    # start and stop of each epoch, and the end of the warm-up: no epoch time is read without a sync first
+    assert calls == ["cpu"] * (2 * 2 + 1) and len(s["metrics"]["epoch_times_s"]) == 2
+    clock = mixprec.engine.TrainClock(torch.device("cuda"))   # the clock itself, for a GPU device
+    calls.clear()
+    clock.start(), clock.mark_warm(), clock.stop()
+    assert calls == ["cuda"] * 3
