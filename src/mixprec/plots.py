@@ -44,9 +44,11 @@ def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "
         if not pts:
             continue
         spread = [v[1] or 0.0 for _, v in pts]
-        bars = ax.bar([x for x, _ in pts], [v[0] for _, v in pts], width * 0.95, label=precision,
-                      color=color(precision), yerr=spread if any(spread) else None, capsize=3)
-        ax.bar_label(bars, labels=[fmt.format(v[0]) for _, v in pts], fontsize=8, padding=2)
+        ax.bar([x for x, _ in pts], [v[0] for _, v in pts], width * 0.95, label=precision,
+               color=color(precision), yerr=spread if any(spread) else None, capsize=3)
+        for (x, v), sd in zip(pts, spread):   # the value, above its error bar
+            ax.annotate(fmt.format(v[0]), (x, v[0] + sd), xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(labels)), labels, rotation=20 if max(map(len, labels), default=0) > 12 else 0,
                   ha="right" if max(map(len, labels), default=0) > 12 else "center")
     ax.set_ylabel(ylabel)
@@ -69,12 +71,12 @@ def speedup_bars(path: Path, title: str, labels: list[str], series: dict, publis
 
 
 def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict, mem_series: dict,
-                    mem_label: str) -> Path:
+                    mem_kind: str) -> Path:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(10.0, 2.4 * len(labels) + 5), 4.2))
-    _grouped_bars(a1, labels, time_series, "training time (s, eval excluded)", "{:.3g}")
-    a1.set_title("training time")
-    _grouped_bars(a2, labels, mem_series, mem_label, "{:.0f}")
-    a2.set_title("peak memory")
+    _grouped_bars(a1, labels, time_series, "training time (s)", "{:.3g}")
+    a1.set_title("training time (eval excluded)")
+    _grouped_bars(a2, labels, mem_series, "peak memory (MB)", "{:.0f}")
+    a2.set_title(f"peak memory ({mem_kind})" if mem_kind else "peak memory")
     for ax in (a1, a2):
         ax.legend(title="precision", fontsize=8)
     fig.suptitle(title)

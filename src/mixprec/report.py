@@ -386,11 +386,11 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
     _, mems = series("peak_memory_mb", labs=time_labels)
     if times:
         kinds = sorted({k for g in groups for k in _group_data(g)["peak_memory_kind"] if k != "?"})
-        what = {"process_peak_rss": "process peak RSS, CPU run", "max_memory_allocated": "torch.cuda.max_memory_allocated"}
-        mem_label = "peak memory (MB" + (", " + " / ".join(what.get(k, k) for k in kinds) if kinds else "") + ")"
+        what = {"process_peak_rss": "process peak RSS: CPU run", "cuda_max_allocated": "torch.cuda.max_memory_allocated"}
+        mem_kind = " / ".join(what.get(k, k) for k in kinds)
         figs.append({"path": plots.time_and_memory(pdir / f"{slug}_time_memory.png",
                                                    f"{exp['name']}: training time and peak memory",
-                                                   time_labels, times, mems, mem_label),
+                                                   time_labels, times, mems, mem_kind),
                      "caption": "Training time (eval excluded) and peak memory per model and precision, mean over "
                                 "completed runs; error bars: standard deviation over seeds."})
     curves = _curves(groups)
@@ -548,7 +548,7 @@ class Doc:
                "</style></head><body>"]
         for b in self.blocks:
             if b[0] == "h":
-                out.append(f"<h{b[1]}>{e(b[2])}</h{b[1]}>")
+                out.append(f"<h{b[1]}>{_inline(b[2])}</h{b[1]}>")
             elif b[0] == "p":
                 out.append(f"<p>{_inline(b[1])}</p>")
             elif b[0] == "table":
