@@ -250,3 +250,20 @@ def test_a_bad_published_file_names_the_file_and_field(tmp_path, text, expect):
     with pytest.raises(SourceError) as e:
         load_source(path)
     assert str(e.value).startswith(f"{path}: {expect}")
+
+
+def test_variants_name_what_sets_jobs_apart_and_nothing_it_implies(tmp_path):
+    from mixprec.report import Job, by_experiment
+
+    def summary(case, optimizer, precision, extra=()):
+        return {"name": "half_pitfalls", "status": "completed", "seed": 0, "config": {"seed": 0},
+                "choices": {"model": "small_cnn", "precision": precision, "optimizer": optimizer, "pitfall": case},
+                "overrides": [f"pitfall={case}", "trainer.max_steps=3", *extra], "metrics": {"train_time_s": 1.0}}
+
+    jobs = [Job(tmp_path / str(i), s) for i, s in enumerate([
+        summary("adam_fp16", "adam", "half"), summary("small_fp32", "sgd", "fp32"), summary("small_half", "sgd", "half"),
+        summary("small_half", "sgd", "half", ["dataset.train_size=4096", "trainer.batch_size=256"])])]
+    by_experiment(jobs)
+    # the case implies its optimizer: only the case is named; a long difference gets a short name
+    assert [j.variant for j in jobs] == ["pitfall=adam_fp16", "pitfall=small_fp32", "pitfall=small_half", "[v1]"]
+    assert jobs[3].variant_full == "dataset.train_size=4096,pitfall=small_half,trainer.batch_size=256"

@@ -35,35 +35,39 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "{:.2f}") -> None:
-    """series: precision -> list over labels of (mean, std) or None; bars side by side per label."""
-    width = 0.8 / max(len(series), 1)
-    for i, (precision, values) in enumerate(series.items()):
-        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
-        pts = [(x, v) for x, v in zip(xs, values) if v is not None]
-        if not pts:
-            continue
+def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "{:.2f}") -> list[float]:
+    """series: precision -> list over labels of (mean, std) or None. The bars a label has sit side by side,
+    centred on it; returns, per label, the x of each precision's bar (for markers drawn on top)."""
+    present = [[p for p in series if series[p][j] is not None] for j in range(len(labels))]
+    width = 0.8 / max(max((len(ps) for ps in present), default=1), 1)
+    xpos = {}
+    for j, ps in enumerate(present):
+        for i, p in enumerate(ps):
+            xpos[(j, p)] = j + (i - (len(ps) - 1) / 2) * width
+    for p, values in series.items():
+        pts = [(xpos[(j, p)], v) for j, v in enumerate(values) if v is not None]
         spread = [v[1] or 0.0 for _, v in pts]
-        ax.bar([x for x, _ in pts], [v[0] for _, v in pts], width * 0.95, label=precision,
-               color=color(precision), yerr=spread if any(spread) else None, capsize=3)
+        ax.bar([x for x, _ in pts], [v[0] for _, v in pts], width * 0.95, label=p, color=color(p),
+               yerr=spread if any(spread) else None, capsize=3)
         for (x, v), sd in zip(pts, spread):   # the value, above its error bar
             ax.annotate(fmt.format(v[0]), (x, v[0] + sd), xytext=(0, 2), textcoords="offset points",
                         ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(labels)), labels, rotation=20 if max(map(len, labels), default=0) > 12 else 0,
-                  ha="right" if max(map(len, labels), default=0) > 12 else "center")
+    long = max(map(len, labels), default=0) > 12
+    ax.set_xticks(range(len(labels)), labels, rotation=20 if long else 0, ha="right" if long else "center")
     ax.set_ylabel(ylabel)
     ax.margins(y=0.15)
     ax.grid(axis="y", alpha=0.3)
+    return xpos
 
 
 def speedup_bars(path: Path, title: str, labels: list[str], series: dict, published: list) -> Path:
     """Speed-up of each precision over fp32 per model; published: (label index, precision, value or (lo, hi), text)."""
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(labels) + 3), 4.2))
-    _grouped_bars(ax, labels, series, "speed-up over fp32 (x, fp32 time / time)")
+    fig, ax = plt.subplots(figsize=(min(14.0, max(6.0, 1.4 * len(labels) + 3)), 4.5))
+    xpos = _grouped_bars(ax, labels, series, "speed-up over fp32 (x, fp32 time / time)")
     ax.axhline(1.0, color="black", lw=1, ls="--", label="fp32 = 1x")
     for n, (j, precision, value, text) in enumerate(published):
         lo, hi = value if isinstance(value, tuple) else (value, value)
-        ax.errorbar([j], [(lo + hi) / 2], yerr=[[(hi - lo) / 2], [(hi - lo) / 2]], fmt="D", color="black",
+        ax.errorbar([xpos.get((j, precision), j)], [(lo + hi) / 2], yerr=[[(hi - lo) / 2], [(hi - lo) / 2]], fmt="D", color="black",
                     ms=7, capsize=4, label="published" if n == 0 else None)
     ax.set_title(title)
     ax.legend(title="precision", fontsize=8)
@@ -72,7 +76,10 @@ def speedup_bars(path: Path, title: str, labels: list[str], series: dict, publis
 
 def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict, mem_series: dict,
                     mem_kind: str) -> Path:
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(10.0, 2.4 * len(labels) + 5), 4.2))
+    if len(labels) <= 3:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(10.0, 2.4 * len(labels) + 5), 4.4))
+    else:   # many models or variants: one above the other, each as wide as a page
+        fig, (a1, a2) = plt.subplots(2, 1, figsize=(min(14.0, 1.3 * len(labels) + 4), 9.0))
     _grouped_bars(a1, labels, time_series, "training time (s)", "{:.3g}")
     a1.set_title("training time (eval excluded)")
     _grouped_bars(a2, labels, mem_series, "peak memory (MB)", "{:.0f}")

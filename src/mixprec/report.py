@@ -190,7 +190,7 @@ def by_experiment(jobs: list[Job]) -> dict[str, list[Job]]:
                 if j.precision == "fp32" and j.status == "completed"}
         described = [_describe(j.summary) for j in exp_jobs]
         keys = sorted({k for d in described for k in d})
-        varying = [k for k in keys if len({d.get(k) for d in described}) > 1]
+        varying = _independent([k for k in keys if len({d.get(k) for d in described}) > 1], described)
         names: dict[str, str] = {}
         for j, d in zip(exp_jobs, described):
             j.fp32 = fp32.get(baseline_key(j.summary))
@@ -200,6 +200,17 @@ def by_experiment(jobs: list[Job]) -> dict[str, list[Job]]:
                 names[j.variant_full] = j.variant_full if len(j.variant_full) <= MAX_VARIANT else f"[v{short + 1}]"
             j.variant = names[j.variant_full]
     return out
+
+
+def _independent(keys: list[str], described: list[dict]) -> list[str]:
+    """Leave out a key whose value a finer key's value always implies (a case that sets its optimizer)."""
+    n = {k: len({d.get(k) for d in described}) for k in keys}
+
+    def implies(a: str, b: str) -> bool:
+        seen: dict = {}
+        return all(seen.setdefault(d.get(a), d.get(b)) == d.get(b) for d in described)
+
+    return [k for k in keys if not any(n[k2] > n[k] and implies(k2, k) for k2 in keys)]
 
 
 def _describe(summary: dict) -> dict:
