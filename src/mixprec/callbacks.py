@@ -29,6 +29,9 @@ def _job_num(name: str) -> tuple:
 
 
 class SweepTable(Callback):
+    def __init__(self, report: bool = False):
+        self.report = report   # also write the sweep's report (scripts/make_report.py) into <sweep dir>/report
+
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         summaries, problems = collect(sweep_dir)
@@ -37,8 +40,23 @@ class SweepTable(Callback):
             print(format_table(sweep_rows(summaries)))
         for p in problems:
             print(f"unreadable: {p}")
+        if self.report and summaries:
+            sweep_report(sweep_dir)
         failed = [s for s in summaries if s.get("status") not in ("completed", "diverged")]
         if failed or problems:
             print(f"{len(failed) + len(problems)} job(s) did not complete; see their summary.json", file=sys.stderr)
             print(f"to retry them (completed jobs are skipped): {resume_hint(None, sweep_dir)}", file=sys.stderr)
             raise SystemExit(1)
+
+
+def sweep_report(sweep_dir: Path) -> None:
+    """The sweep's report, made by the same code as scripts/make_report.py; a failure here is reported in one
+    line and never fails the sweep (its jobs' records are what counts)."""
+    try:
+        from .report import make_report
+
+        data = make_report([str(sweep_dir)], out=sweep_dir / "report")
+        print(f"report      {Path(data['out']) / 'report.html'} (and report.md)")
+    except Exception as e:
+        print(f"mixprec: the sweep's report was not made ({type(e).__name__}: {e}); the jobs' records are intact; "
+              f"retry with: python scripts/make_report.py {sweep_dir}", file=sys.stderr)

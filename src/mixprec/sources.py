@@ -1,0 +1,164 @@
+"""The published numbers: one YAML per source article under src/mixprec/published/, loaded and checked here.
+
+A source lists the experiment names it applies to (summary["name"], set by experiment presets) and its values.
+Each value says what it measures (`metric`), the number as published (a number, a [low, high] range, or an
+outcome such as `diverged`), its unit, the hardware it was measured on, the sentence or table it comes from,
+and `match`: which runs it is compared with, by config-group choice (`precision: amp`) or dotted config path
+(`trainer.epochs: 50`); a list means any of those values.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+PUBLISHED_DIR = Path(__file__).parent / "published"
+
+# metrics a value can name besides any key of summary["metrics"] (the report computes these per run)
+DERIVED = {
+    "speedup": "fp32 training time / this run's, same other overrides",
+    "status": "the run's outcome: completed, diverged, failed",
+    "test_ppl": "test perplexity: metrics.final_test_ppl, else exp(final_test_loss)",
+    "test_acc_pct": "final test accuracy in percent",
+    "acc_change_vs_fp32": "final test accuracy minus the fp32 run's, in percentage points",
+    "batch_gain": "metrics.max_batch_size / the fp32 run's",
+}
+COMPARE = ("ratio", "difference")
+OUTCOMES = ("completed", "diverged", "failed", "interrupted")
+
+
+class SourceError(ValueError):
+    """A published-numbers file that is not as described above; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Published:
+    source: str                 # the source's id (its file name)
+    id: str
+    label: str
+    metric: str
+    value: object               # float, (low, high), or an outcome string
+    unit: str
+    hardware: str
+    quote: str                  # the article's sentence or table the value comes from
+    match: dict
+    compare: str = "ratio"      # ratio (reproduced / published) or difference (reproduced - published)
+
+    def format_value(self) -> str:
+        if isinstance(self.value, tuple):
+            return f"{self.value[0]:g}-{self.value[1]:g} {self.unit}"
+        if isinstance(self.value, str):
+            return self.value
+        return f"{self.value:g} {self.unit}"
+
+
+@dataclass(frozen=True)
+class Source:
+    id: str
+    title: str
+    author: str | None
+    date: str | None
+    url: str | None
+    experiments: tuple
+    values: tuple
+    path: Path
+
+
+def load_sources(directory: Path | None = None) -> list[Source]:
+    """Every *.yaml under `directory` (default: the package's published/), sorted by file name."""
+    directory = Path(directory or PUBLISHED_DIR)
+    if not directory.is_dir():
+        raise SourceError(f"{directory}: no such folder of published numbers")
+    return [load_source(p) for p in sorted(directory.glob("*.yaml"))]
+
+
+def load_source(path: Path) -> Source:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SourceError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise SourceError(f"{path}: expected a mapping with id, title, experiments, values")
+
+    def need(d: dict, key: str, where: str, types=(str,)):
+        if d.get(key) is None or not isinstance(d[key], types):
+            raise SourceError(f"{path}: {where}{key}: missing or not a {'/'.join(t.__name__ for t in types)}")
+        return d[key]
+
+    sid = need(data, "id", "")
+    if sid != path.stem:
+        raise SourceError(f"{path}: id: {sid!r} must equal the file name {path.stem!r}")
+    experiments = need(data, "experiments", "", (list,))
+    values, seen = [], set()
+    for i, v in enumerate(need(data, "values", "", (list,))):
+        where = f"values[{i}]."
+        if not isinstance(v, dict):
+            raise SourceError(f"{path}: {where[:-1]}: expected a mapping")
+        vid = need(v, "id", where)
+        where = f"values[{i}] ({vid})."
+        if vid in seen:
+            raise SourceError(f"{path}: {where}id: duplicate id")
+        seen.add(vid)
+        hardware = v.get("hardware", data.get("hardware"))
+        if not isinstance(hardware, str):
+            raise SourceError(f"{path}: {where}hardware: missing (set it on the value or the source)")
+        metric = need(v, "metric", where)
+        compare = v.get("compare", "ratio")
+        if compare not in COMPARE:
+            raise SourceError(f"{path}: {where}compare: {compare!r}; allowed values are {', '.join(COMPARE)}")
+        match = v.get("match")
+        if not isinstance(match, dict) or not match:
+            raise SourceError(f"{path}: {where}match: missing; name the runs it compares with, e.g. {{precision: amp}}")
+        values.append(Published(source=sid, id=vid, label=str(v.get("label", vid)), metric=metric,
+                                value=_value(v.get("value"), metric, f"{path}: {where}value"),
+                                unit=need(v, "unit", where), hardware=hardware, quote=need(v, "source", where),
+                                match=dict(match), compare=compare))
+    return Source(id=sid, title=need(data, "title", ""), author=_opt_str(data.get("author")),
+                  date=_opt_str(data.get("date")), url=_opt_str(data.get("url")),
+                  experiments=tuple(str(e) for e in experiments), values=tuple(values), path=path)
+
+
+def _value(x, metric: str, where: str):
+    if metric == "status":
+        if x not in OUTCOMES:
+            raise SourceError(f"{where}: {x!r}; a status value is one of {', '.join(OUTCOMES)}")
+        return x
+    if isinstance(x, list) and len(x) == 2 and all(_is_number(e) for e in x) and x[0] <= x[1]:
+        return (float(x[0]), float(x[1]))
+    if _is_number(x):
+        return float(x)
+    raise SourceError(f"{where}: {x!r}; expected a number or a [low, high] range")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _opt_str(x) -> str | None:
+    return None if x is None else str(x)
+
+
+def matches(match: dict, summary: dict) -> bool:
+    """Whether a run's summary has every value `match` asks for (choices first, then dotted config paths)."""
+    choices = summary.get("choices") or {}
+    for key, want in match.items():
+        if key in choices:
+            have = choices[key]
+        else:
+            have = summary.get("config") or {}
+            for part in key.split("."):
+                if not isinstance(have, dict) or part not in have:
+                    return False
+                have = have[part]
+        if not any(_same(have, w) for w in (want if isinstance(want, list) else [want])):
+            return False
+    return True
+
+
+def _same(have, want) -> bool:
+    if _is_number(have) and _is_number(want):
+        return math.isclose(float(have), float(want), rel_tol=1e-9, abs_tol=0.0)
+    return str(have) == str(want)
