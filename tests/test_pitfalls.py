@@ -115,3 +115,24 @@ def test_max_batch_without_a_gpu_says_so():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == (
         "max_batch: no CUDA GPU is visible here; the search measures GPU memory, so it needs one")
+
+
+@pytest.mark.parametrize("precision", ["o2", "half"])
+def test_saved_weights_are_fp32_and_reproduce_the_runs_accuracy(tiny, tmp_path, precision):
+    s = tiny(f"precision={precision}", "trainer.max_steps=null", "trainer.epochs=2", "dataset.test_size=256",
+             "trainer.eval_batch_size=64")
+    state = torch.load(tmp_path / "model_fp32.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(tmp_path), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.splitlines()[-1])
+    assert result["recorded_test_acc"] == s["metrics"]["final_test_acc"]
+    assert abs(result["test_acc"] - s["metrics"]["final_test_acc"]) <= 0.001   # within 0.1 points
+    assert result["test_loss"] == pytest.approx(s["metrics"]["final_test_loss"], rel=0.01)
+
+
+def test_evaluate_without_weights_says_so(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("evaluate: ") and "Traceback" not in r.stderr

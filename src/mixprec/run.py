@@ -195,6 +195,27 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
     return result
 
 
+def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
+    """Evaluate a finished job's saved weights (model_fp32.pt) in an fp32 model, with fp32 math, on the job's own
+    test split: apex's promise that whatever the training precision, the saved model is fp32 and usable."""
+    from .config import PrecisionConfig
+
+    model, config = checkpoint.load_fp32_model(run_dir)
+    fp32 = PrecisionConfig(name="fp32")
+    device = hardware.select_device(device)
+    hardware.configure(device, config.trainer, fp32, config.seed)
+    data = build_image_data(config.dataset)
+    _, test_batches = image_loaders(data, config.dataset, config.trainer, device, seed=config.seed)
+    policy = PrecisionPolicy(fp32, device)
+    model = policy.prepare_model(model)
+    if config.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    loss, acc = engine.evaluate(model, test_batches, policy)
+    recorded = checkpoint.prior_summary(Path(run_dir))["metrics"]
+    return {"test_acc": acc, "test_loss": loss, "recorded_test_acc": recorded.get("final_test_acc"),
+            "recorded_test_loss": recorded.get("final_test_loss"), "precision": config.precision.name}
+
+
 def mfu(metrics: dict, profile: dict, peak_kind: str) -> float | None:
     """Model FLOP utilisation: 3 x forward FLOPs per sample x steady samples/s, over the matched GPU profile's
     dense peak for the precision's math (None without a matched profile or a known peak)."""

@@ -1,0 +1,40 @@
+"""Evaluate a finished job's saved fp32 weights on its test split, in an fp32 model with fp32 math.
+
+    python scripts/evaluate.py outputs/runs/<time>      [--device cpu]
+
+Whatever precision the job trained in (half, o2, amp ...), it saved model_fp32.pt; this loads it into a fresh fp32
+model rebuilt from the job's summary.json and prints the accuracy beside the one the job recorded.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from mixprec.checkpoint import CheckpointError  # noqa: E402
+from mixprec.config import ConfigError  # noqa: E402
+from mixprec.datafiles import DataError  # noqa: E402
+from mixprec.run import evaluate_saved  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
+    try:
+        r = evaluate_saved(args.run_dir, args.device)
+    except (CheckpointError, ConfigError, DataError) as e:
+        print(f"evaluate: {e}", file=sys.stderr)
+        return 2
+    print(f"trained in {r['precision']}; fp32 evaluation of model_fp32.pt: test acc {r['test_acc']:.4f} "
+          f"(the job recorded {r['recorded_test_acc']:.4f}), test loss {r['test_loss']:.4f} "
+          f"(recorded {r['recorded_test_loss']:.4f})")
+    print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
