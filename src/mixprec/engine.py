@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,10 @@ from .config import TrainerConfig
 from .hardware import synchronize
 from .models import set_bn_eval
 from .precision import PrecisionPolicy
+
+# GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the torch.amp
+# recipe); PyTorch's warning about a scheduler step before an optimizer step says nothing useful then.
+warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
 
 
 class TrainClock:
