@@ -105,8 +105,9 @@ def train_job(config: Config, device: torch.device, recorder: Recorder) -> dict:
     test_batches = DeviceBatches(data.test_x, data.test_y, tr.eval_batch_size, data.mean, data.std, device=device,
                                  train=False, channels_last=tr.channels_last)
 
-    options, setup_s = resnet9_options(config.trick, data, device) if config.model.arch == "resnet9" else ({}, 0.0)
-    model = build_model(config.model, data.num_classes, **options)
+    t, resnet9 = config.trick, config.model.arch == "resnet9"
+    whitening, setup_s = fit_whitening(t, data, device) if resnet9 else (None, 0.0)
+    model = build_model(config.model, data.num_classes, **(resnet9_options(t, whitening) if resnet9 else {}))
     flops = forward_flops(model, torch.zeros(1, *data.train_x.shape[1:]))
     n_params = sum(p.numel() for p in model.parameters())
     policy = PrecisionPolicy(config.precision, device)
@@ -114,16 +115,15 @@ def train_job(config: Config, device: torch.device, recorder: Recorder) -> dict:
     if tr.channels_last:
         model = model.to(memory_format=torch.channels_last)
     params = policy.optimizer_params(model)
-    if config.trick.bn_bias_lr != 1.0:
-        params = tricks.bn_bias_groups(model, policy.model_params, params, config.trick.bn_bias_lr,
-                                       config.optimizer.lr, config.optimizer.weight_decay)
+    if t.bn_bias_lr != 1.0:
+        params = tricks.bn_bias_groups(model, policy.model_params, params, t.bn_bias_lr, config.optimizer.lr,
+                                       config.optimizer.weight_decay)
     optimizer = build_optimizer(config.optimizer, params)
     total_steps = tr.epochs * len(train_batches)
     if tr.max_steps is not None:
         total_steps = min(total_steps, tr.max_steps)
     schedule = build_schedule(config.schedule, optimizer, total_steps)
 
-    t = config.trick
     ema = tricks.EMA(model, t.ema_momentum, t.ema_every) if t.ema else None
     result = engine.train(model, policy, optimizer, schedule, train_batches, test_batches, tr,
                           label_smoothing=t.label_smoothing, loss_sum=t.loss_sum, ema=ema, tta=t.tta,
@@ -133,21 +133,26 @@ def train_job(config: Config, device: torch.device, recorder: Recorder) -> dict:
     return result
 
 
-def resnet9_options(t: TrickConfig, data, device: torch.device) -> tuple[dict, float]:
-    """The trick flags that shape ResNet-9, as its arguments; and the seconds the whitening fit took, which count
-    as training time (DAWNBench counts preprocessing; Page fitted it outside his timer, in milliseconds on a GPU)."""
-    whitening, seconds = None, 0.0
-    if t.whitening:
-        start = time.perf_counter()
-        whitening = tricks.fit_patch_whitening(data.train_x[:t.whitening_images], data.mean, data.std,
-                                               t.whitening_eps, device)
-        hardware.synchronize(device)
-        seconds = time.perf_counter() - start
+def resnet9_options(t: TrickConfig, whitening: torch.Tensor | None = None) -> dict:
+    """The trick flags that shape ResNet-9, as its arguments. whitening: the fitted filters when trick.whitening
+    (any [27, 3, 3, 3] tensor to rebuild a model whose saved weights hold them)."""
     return dict(activation="celu" if t.celu else "relu", celu_alpha=t.celu_alpha,
                 ghost_splits=t.ghost_splits if t.ghost_bn else 1,
                 frozen_bn_scale=t.bn_scale if t.frozen_bn_scale else None,
                 pool_order="conv_pool_bn_act" if t.maxpool_reorder else "conv_bn_act_pool",
-                whitening=whitening), seconds
+                whitening=whitening if t.whitening else None)
+
+
+def fit_whitening(t: TrickConfig, data, device: torch.device) -> tuple[torch.Tensor | None, float]:
+    """trick.whitening's filters, fitted on the first training images, and the seconds the fit took: they count as
+    training time (DAWNBench counts preprocessing; Page fitted them outside his timer, milliseconds on a GPU)."""
+    if not t.whitening:
+        return None, 0.0
+    start = time.perf_counter()
+    filters = tricks.fit_patch_whitening(data.train_x[:t.whitening_images], data.mean, data.std, t.whitening_eps,
+                                         device)
+    hardware.synchronize(device)
+    return filters, time.perf_counter() - start
 
 
 def mfu(metrics: dict, profile: dict, peak_kind: str) -> float | None:
