@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from .checkpoint import resume_hint
 from .records import SUMMARY, read_summary
-from .tables import format_table, sweep_rows
+from .tables import LADDER_COLUMNS, format_table, ladder_rows, sweep_rows
 
 
 def collect(sweep_dir: Path) -> tuple[list[dict], list[str]]:
@@ -38,6 +38,9 @@ class SweepTable(Callback):
         print(f"\nsweep {sweep_dir}: {len(summaries)} jobs")
         if summaries:
             print(format_table(sweep_rows(summaries)))
+        ladder = ladder_rows(summaries)
+        if ladder:  # a sweep over Page's ladder steps: per step, beside the article's V100 times
+            print(f"\nPage's ladder (article: one V100, time to 94%):\n{format_table(ladder, LADDER_COLUMNS)}")
         for p in problems:
             print(f"unreadable: {p}")
         if self.report and summaries:

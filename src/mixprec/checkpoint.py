@@ -215,6 +215,7 @@ def load_fp32_model(run_dir: Path):
     Returns (model, config). CheckpointError, naming the file, when the run has no usable weights."""
     from .config import validate
     from .models import build_model
+    from .resnet9 import resnet9_options
 
     run_dir = Path(run_dir)
     summary = prior_summary(run_dir)
@@ -222,7 +223,10 @@ def load_fp32_model(run_dir: Path):
         raise CheckpointError(f"{run_dir}: no final weights recorded (summary.json status "
                               f"{(summary or {}).get('status')}); only a finished job has {WEIGHTS}")
     config = validate(summary["config"])
-    model = build_model(config.model, summary["weights"]["num_classes"])
+    options = {}
+    if config.model.arch == "resnet9":   # the whitening filters are in the saved weights: any tensor of their shape
+        options = resnet9_options(config.trick, torch.zeros(27, 3, 3, 3) if config.trick.whitening else None)
+    model = build_model(config.model, summary["weights"]["num_classes"], **options)
     path = run_dir / summary["weights"]["file"]
     try:
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

@@ -57,13 +57,21 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: Literal["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "small_cnn"]
+    arch: Literal["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "small_cnn", "resnet9"]
     stem: Literal["cifar", "imagenet"] = "cifar"
     width: int = 32
     bn_eval: bool = False   # BatchNorm stays in eval mode while training (frozen statistics, as in fine-tuning)
+    channels: tuple = (64, 128, 256, 512)   # resnet9: prep, layer1, layer2, layer3
+    output_scale: float = 0.125             # resnet9: logits = scale * linear(features)
 
     def check(self) -> None:
         _at_least(self, "width", 1, section="model")
+        if len(self.channels) != 4 or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
+                                              for c in self.channels):
+            raise ConfigError(f"model.channels={list(self.channels)}: must be 4 positive integers (prep, layer1, "
+                              "layer2, layer3)")
+        if not self.output_scale > 0:
+            raise ConfigError(f"model.output_scale={self.output_scale}: must be > 0")
 
 
 @dataclass(frozen=True)
@@ -206,12 +214,44 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class TrickConfig:
+    """Training tricks, each a plain flag (conf/trick/none.yaml documents them); Page's ladder steps set them."""
     name: str = "none"
     label_smoothing: float = 0.0
+    loss_sum: bool = False          # sum the loss over the batch instead of averaging it
+    maxpool_reorder: bool = False   # resnet9: conv-pool-BN-act instead of conv-BN-act-pool
+    celu: bool = False              # resnet9: CELU(celu_alpha) instead of ReLU
+    celu_alpha: float = 0.075
+    ghost_bn: bool = False          # resnet9: BN statistics per split of ghost_splits in a training batch
+    ghost_splits: int = 16
+    frozen_bn_scale: bool = False   # resnet9: BN weights fixed at bn_scale, biases learnt
+    bn_scale: float = 1.0
+    bn_bias_lr: float = 1.0         # lr multiplier of BN biases (their weight decay is divided by it)
+    whitening: bool = False         # resnet9: fixed 3x3 patch-whitening stem fitted on the training images
+    whitening_eps: float = 0.01
+    whitening_images: int = 10000
+    ema: bool = False               # evaluate an exponential moving average of the weights
+    ema_momentum: float = 0.99
+    ema_every: int = 5
+    tta: bool = False               # score the average of the logits of each test image and its mirror
 
     def check(self) -> None:
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"trick.label_smoothing={self.label_smoothing}: must be in [0, 1)")
+        for name in ("celu_alpha", "bn_scale", "bn_bias_lr", "whitening_eps"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"trick.{name}={getattr(self, name)}: must be > 0")
+        for name in ("ghost_splits", "whitening_images", "ema_every"):
+            _at_least(self, name, 1, section="trick")
+        if not 0.0 <= self.ema_momentum < 1.0:
+            raise ConfigError(f"trick.ema_momentum={self.ema_momentum}: must be in [0, 1)")
+
+    def check_for(self, arch: str, batch_size: int) -> None:
+        """The tricks that reshape the network exist in ResNet-9 only; ghost splits must divide the batch."""
+        for name in ("maxpool_reorder", "celu", "ghost_bn", "frozen_bn_scale", "whitening"):
+            if getattr(self, name) and arch != "resnet9":
+                raise ConfigError(f"trick.{name}=true: only model=resnet9 has this switch (model={arch})")
+        if self.ghost_bn and batch_size % self.ghost_splits:
+            raise ConfigError(f"trick.ghost_splits={self.ghost_splits}: must divide trainer.batch_size={batch_size}")
 
 
 @dataclass(frozen=True)
@@ -245,6 +285,9 @@ class Config:
     trick: TrickConfig
     logger: LoggerConfig
     case: Optional[CaseConfig] = None
+
+    def check(self) -> None:
+        self.trick.check_for(self.model.arch, self.trainer.batch_size)
 
 
 def validate(cfg: DictConfig | dict) -> Config:

@@ -27,6 +27,7 @@ from .config import TrainerConfig
 from .hardware import synchronize
 from .models import set_bn_eval
 from .precision import PrecisionPolicy
+from .tricks import cross_entropy, tta_logits
 
 # GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the torch.amp
 # recipe); PyTorch's warning about a scheduler step before an optimizer step says nothing useful then.
@@ -71,20 +72,25 @@ class Window:
     t0: float = field(default_factory=time.perf_counter)
 
 
-def evaluate(model, batches, policy: PrecisionPolicy) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy over every sample of `batches` (no label smoothing)."""
+def evaluate(model, batches, policy: PrecisionPolicy, tta: bool = False) -> tuple[float, float, float | None]:
+    """Mean cross-entropy and accuracy over every sample of `batches` (no label smoothing), and with tta the
+    accuracy of the mean logits of each image and its mirror (None without)."""
     model.eval()
     loss_sum = torch.zeros((), device=policy.device, dtype=torch.float64)
     correct = torch.zeros((), device=policy.device, dtype=torch.int64)
+    correct_tta = torch.zeros_like(correct)
     n = 0
     with torch.no_grad(), policy.autocast():
         for x, y in batches:
-            out = model(policy.cast_input(x)).float()
+            x = policy.cast_input(x)
+            out, out_tta = tta_logits(model, x) if tta else (model(x).float(), None)
             loss_sum += F.cross_entropy(out, y, reduction="sum")
             correct += (out.argmax(1) == y).sum()
+            if tta:
+                correct_tta += (out_tta.argmax(1) == y).sum()
             n += len(y)
     model.train()
-    return loss_sum.item() / n, correct.item() / n
+    return loss_sum.item() / n, correct.item() / n, correct_tta.item() / n if tta else None
 
 
 def data_state(batches) -> dict | None:
@@ -97,11 +103,17 @@ def all_finite(tensors) -> bool:
 
 
 def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, test_batches,
-          trainer: TrainerConfig, *, label_smoothing: float = 0.0, bn_eval: bool = False,
-          log=lambda row: None, progress: bool = True, resume: dict | None = None, checkpoint=None,
-          stop=lambda: None) -> dict:
+          trainer: TrainerConfig, *, label_smoothing: float = 0.0, loss_sum: bool = False, ema=None,
+          tta: bool = False, setup_time_s: float = 0.0, bn_eval: bool = False, log=lambda row: None,
+          progress: bool = True, resume: dict | None = None, checkpoint=None, stop=lambda: None) -> dict:
+    """ema: a tricks.EMA, updated after every optimizer step (training time) and evaluated instead of the model.
+    tta: test accuracy (and time to target) from flip test-time augmentation; the final evaluation reports the
+    accuracy with and without it in any case. setup_time_s: preparation done before the loop that counts as
+    training (DAWNBench: preprocessing is included), e.g. fitting the whitening filters. bn_eval: BatchNorm layers
+    stay in eval mode while training. resume/checkpoint/stop: see checkpoint.py."""
     device = policy.device
     clock = TrainClock(device)
+    clock.total = setup_time_s
     steps_per_epoch = len(train_batches)
     total_steps = trainer.epochs * steps_per_epoch
     if trainer.max_steps is not None:
@@ -110,7 +122,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
              "scale_min": policy.scale_value, "scale_max": policy.scale_value}
     epochs, best_acc, time_to_target, epochs_to_target = [], None, None, None
     status, reason = "completed", None
-    test_loss = test_acc = None
+    test_loss = test_acc = acc_plain = acc_tta = None
     start_epoch, skip, carried, saved_window = 0, 0, 0.0, None   # where a resumed run picks up
     if resume is not None:
         state.update(resume["state"])
@@ -184,7 +196,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
                 continue
             with policy.autocast():
                 out = model(policy.cast_input(x))
-            loss = F.cross_entropy(out.float(), y, label_smoothing=label_smoothing)
+            loss = cross_entropy(out, y, label_smoothing, summed=loss_sum)
             if trainer.on_nonfinite == "skip" and not torch.isfinite(loss):
                 # the step is skipped: no backward, no update (the window check below counts it)
                 if state["nonfinite"] is None:
@@ -197,12 +209,14 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
                     state["scale_min"] = min(state["scale_min"], policy.scale_value)
                     state["scale_max"] = max(state["scale_max"], policy.scale_value)
             optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update(model)
             schedule.step()
             state["step"] += 1
             state["samples"] += len(y)
             if state["step"] > warm_at:
                 state["steady_samples"] += len(y)
-            window.losses.append(loss.detach())
+            window.losses.append(loss.detach() / len(y) if loss_sum else loss.detach())
             window.correct.append((out.detach().argmax(1) == y).sum())
             window.samples += len(y)
             bar.update(1)
@@ -231,8 +245,12 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
                   "train_time_s": clock.total, "lr": optimizer.param_groups[0]["lr"]}
         if running:
             t_eval = time.perf_counter()
-            test_loss, test_acc = evaluate(model, test_batches, policy)
-            record.update(test_loss=test_loss, test_acc=test_acc, eval_time_s=time.perf_counter() - t_eval)
+            final = state["step"] >= total_steps
+            test_loss, acc_plain, acc_tta = evaluate(model if ema is None else ema.model, test_batches, policy,
+                                                     tta=tta or final)
+            test_acc = acc_tta if tta else acc_plain
+            record.update(test_loss=test_loss, test_acc=test_acc, test_acc_no_tta=acc_plain, test_acc_tta=acc_tta,
+                          eval_time_s=time.perf_counter() - t_eval)
             best_acc = test_acc if best_acc is None else max(best_acc, test_acc)
             if trainer.target_acc is not None and time_to_target is None and test_acc >= trainer.target_acc:
                 time_to_target, epochs_to_target = clock.total, epoch + 1
@@ -258,11 +276,15 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
             "nonfinite_steps": state["nonfinite_steps"],
             "final_test_acc": test_acc if status == "completed" else None,
             "final_test_loss": test_loss if status == "completed" else None,
+            "final_test_acc_no_tta": acc_plain if status == "completed" else None,
+            "final_test_acc_tta": acc_tta if status == "completed" else None,
             "best_test_acc": best_acc,
             "train_time_s": clock.total,
+            "setup_time_s": setup_time_s,
             "epoch_times_s": [e["epoch_time_s"] for e in epochs],
             "eval_time_s": sum(e.get("eval_time_s", 0.0) for e in epochs),
-            "throughput": (state["steady_samples"] / clock.steady) if steady else state["samples"] / clock.total,
+            "throughput": (state["steady_samples"] / clock.steady) if steady else
+            state["samples"] / (clock.total - setup_time_s),
             "throughput_includes_warmup": not steady,
             "warmup_steps": trainer.warmup_steps,
             "time_to_target_s": time_to_target,

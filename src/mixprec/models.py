@@ -1,4 +1,4 @@
-"""Models: torchvision ResNets with a CIFAR or ImageNet stem, and a small CNN."""
+"""Models: torchvision ResNets with a CIFAR or ImageNet stem, a small CNN, and Page's ResNet-9 (resnet9.py)."""
 from __future__ import annotations
 
 import torch
@@ -6,9 +6,13 @@ import torchvision
 from torch import nn
 
 from .config import ModelConfig
+from .resnet9 import ResNet9
 
 
-def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
+def build_model(cfg: ModelConfig, num_classes: int, **resnet9_options) -> nn.Module:
+    """resnet9_options: ResNet9's trick switches (activation, ghost_splits, ...), which run.py maps from `trick`."""
+    if cfg.arch == "resnet9":
+        return ResNet9(num_classes, cfg.channels, cfg.output_scale, **resnet9_options)
     if cfg.arch.startswith("resnet"):
         return resnet(cfg.arch, cfg.stem, num_classes)
     if cfg.arch == "small_cnn":

@@ -122,14 +122,14 @@ class PrecisionPolicy:
 
     def fp32_state_dict(self, model: nn.Module) -> dict:
         """The model's weights in fp32 whatever the training precision (apex's promise for checkpoints);
-        under master weights, the fp32 masters themselves rather than the rounded fp16 copies."""
+        for the model this policy trains under master weights, the fp32 masters rather than the rounded fp16
+        copies (another model, e.g. an EMA copy, is simply cast)."""
         state = {k: v.detach().float() if v.is_floating_point() else v.detach() for k, v in model.state_dict().items()}
-        if self.master_params is not None:
-            names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in model.named_parameters()}
+        if self.master_params is not None and all(id(p) in names for p in self.model_params):
             for p, master in zip(self.model_params, self.master_params):
                 state[names[id(p)]] = master.detach().clone()
         return state
-
 
 def hazards(precision: PrecisionConfig, optimizer: OptimizerConfig) -> list[str]:
     """Known ways a precision + optimizer combination breaks, found from the config before training."""

@@ -16,11 +16,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from . import checkpoint, engine, hardware
-from .config import Config, ConfigError, plain_config, validate
+from . import checkpoint, engine, hardware, tricks
+from .config import Config, ConfigError, TrickConfig, plain_config, validate
 from .data import build_image_data, image_loaders
 from .datafiles import DataError
 from .models import build_model, forward_flops
+from .resnet9 import resnet9_options
 from .optim import build_optimizer, build_schedule
 from .precision import PrecisionPolicy, hazards
 from .records import Recorder
@@ -166,32 +167,42 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
     data = build_image_data(config.dataset)
     train_batches, test_batches = image_loaders(data, config.dataset, tr, device, seed=config.seed)
 
-    model = build_model(config.model, data.num_classes)
+    t, resnet9 = config.trick, config.model.arch == "resnet9"
+    whitening, setup_s = fit_whitening(t, data, device) if resnet9 else (None, 0.0)
+    model = build_model(config.model, data.num_classes, **(resnet9_options(t, whitening) if resnet9 else {}))
     flops = forward_flops(model, torch.zeros(1, *train_batches.image_shape))
     n_params = sum(p.numel() for p in model.parameters())
     policy = PrecisionPolicy(config.precision, device)
     model = policy.prepare_model(model)
     if tr.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer(config.optimizer, policy.optimizer_params(model))
+    params = policy.optimizer_params(model)
+    if t.bn_bias_lr != 1.0:
+        params = tricks.bn_bias_groups(model, policy.model_params, params, t.bn_bias_lr, config.optimizer.lr,
+                                       config.optimizer.weight_decay)
+    optimizer = build_optimizer(config.optimizer, params)
     total_steps = tr.epochs * len(train_batches)
     if tr.max_steps is not None:
         total_steps = min(total_steps, tr.max_steps)
     schedule = build_schedule(config.schedule, optimizer, total_steps)
+    ema = tricks.EMA(model, t.ema_momentum, t.ema_every) if t.ema else None
     if saver is not None:
         saver.parts.update(model=model, optimizer=optimizer, schedule=schedule, precision=checkpoint.PolicyState(policy))
+        if ema is not None:
+            saver.parts["ema"] = ema
     loop = saver.restore(resume) if resume is not None else None   # last before training: it sets the RNG states
-
     result = engine.train(model, policy, optimizer, schedule, train_batches, test_batches, tr,
-                          label_smoothing=config.trick.label_smoothing, bn_eval=config.model.bn_eval,
-                          log=recorder.log, progress=sys.stderr.isatty(), resume=loop,
-                          checkpoint=saver and saver.save, stop=stop or (lambda: None))
+                          label_smoothing=t.label_smoothing, loss_sum=t.loss_sum, ema=ema, tta=t.tta,
+                          setup_time_s=setup_s, bn_eval=config.model.bn_eval, log=recorder.log,
+                          progress=sys.stderr.isatty(), resume=loop, checkpoint=saver and saver.save,
+                          stop=stop or (lambda: None))
     result["metrics"].update(params=n_params, forward_flops_per_sample=flops,
                              train_flops_per_sample=None if flops is None else 3 * flops)
     result["data"] = {**data.info, "train": len(data.train_y), "test": len(data.test_y), "mean": data.mean,
                       "std": data.std}
-    if result["status"] in checkpoint.FINAL:
-        result["weights"] = checkpoint.save_weights(recorder.out_dir, policy.fp32_state_dict(model), data.num_classes)
+    if result["status"] in checkpoint.FINAL:   # the weights that were evaluated: the EMA's when trick.ema
+        final = policy.fp32_state_dict(model if ema is None else ema.model)
+        result["weights"] = checkpoint.save_weights(recorder.out_dir, final, data.num_classes)
     return result
 
 
@@ -210,10 +221,22 @@ def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
     model = policy.prepare_model(model)
     if config.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    loss, acc = engine.evaluate(model, test_batches, policy)
+    loss, acc, _ = engine.evaluate(model, test_batches, policy)
     recorded = checkpoint.prior_summary(Path(run_dir))["metrics"]
     return {"test_acc": acc, "test_loss": loss, "recorded_test_acc": recorded.get("final_test_acc"),
             "recorded_test_loss": recorded.get("final_test_loss"), "precision": config.precision.name}
+
+
+def fit_whitening(t: TrickConfig, data, device: torch.device) -> tuple[torch.Tensor | None, float]:
+    """trick.whitening's filters, fitted on the first training images, and the seconds the fit took: they count as
+    training time (DAWNBench counts preprocessing; Page fitted them outside his timer, milliseconds on a GPU)."""
+    if not t.whitening:
+        return None, 0.0
+    start = time.perf_counter()
+    filters = tricks.fit_patch_whitening(data.train_x[:t.whitening_images], data.mean, data.std, t.whitening_eps,
+                                         device)
+    hardware.synchronize(device)
+    return filters, time.perf_counter() - start
 
 
 def mfu(metrics: dict, profile: dict, peak_kind: str) -> float | None:

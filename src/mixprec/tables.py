@@ -1,7 +1,23 @@
-"""Plain-text tables of job summaries: the end-of-job block and the end-of-sweep table."""
+"""Plain-text tables of job summaries: the end-of-job block, the end-of-sweep table, and Page's ladder table."""
 from __future__ import annotations
 
 import json
+import statistics
+
+# Page, "How to train your ResNet 8: bag of tricks" (myrtle.ai, 2019; davidcpage/cifar10-fast bag_of_tricks.ipynb):
+# per ladder step, the trick, the training time to 94% test accuracy on one V100 (s) and the epochs it took.
+PAGE_LADDER = {
+    "page_01_baseline": ("baseline", 75.0, 24),
+    "page_02_gpu_preproc": ("GPU preprocessing", 70.0, 24),
+    "page_03_maxpool_reorder": ("max-pool order", 64.0, 25),
+    "page_04_label_smoothing": ("label smoothing", 59.0, 23),
+    "page_05_celu": ("CELU", 52.0, 20),
+    "page_06_ghost_bn": ("ghost BN", 46.0, 18),
+    "page_07_frozen_bn_scale": ("frozen BN scale", 43.0, 17),
+    "page_08_whitening": ("patch whitening", 36.0, 14),
+    "page_09_ema": ("EMA", 34.0, 13),       # "33.5s" in the heading, "below 34s" in the text
+    "page_10_tta": ("flip TTA", 26.0, 10),
+}
 
 
 def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
@@ -53,11 +69,14 @@ def _case_note(case: dict | None) -> str:
     return f"[{case.get('name')}: {verdict}] "
 
 
-def format_table(rows: list[dict]) -> str:
-    cols = [("job", "job", "d"), ("model", "model", "s"), ("precision", "precision", "s"), ("status", "status", "s"),
-            ("epochs", "epochs", ".2f"), ("train_time_s", "time s", ".2f"), ("samples_per_s", "samples/s", ".1f"),
-            ("speedup", "vs fp32", ".2f"), ("test_acc", "test acc", ".4f"), ("peak_mem_mb", "peak MB", ".0f"),
-            ("note", "note", "s")]
+SWEEP_COLUMNS = [("job", "job", "d"), ("model", "model", "s"), ("precision", "precision", "s"),
+                 ("status", "status", "s"), ("epochs", "epochs", ".2f"), ("train_time_s", "time s", ".2f"),
+                 ("samples_per_s", "samples/s", ".1f"), ("speedup", "vs fp32", ".2f"), ("test_acc", "test acc", ".4f"),
+                 ("peak_mem_mb", "peak MB", ".0f"), ("note", "note", "s")]
+
+
+def format_table(rows: list[dict], cols: list[tuple] = SWEEP_COLUMNS) -> str:
+    """rows as aligned text columns; cols: (row key, header, format spec) per column."""
     cells = [[h for _, h, _ in cols]]
     for r in rows:
         cells.append([_fmt(r[k], spec if spec not in ("s", "d") else "") if not isinstance(r[k], str) else r[k]
@@ -99,3 +118,52 @@ def job_block(summary: dict) -> str:
     if m.get("mfu") is not None:
         lines.append(f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} peak")
     return "\n".join(lines)
+
+
+LADDER_COLUMNS = [("step", "step", "s"), ("variant", "variant", "s"), ("runs", "runs", "s"),
+                  ("epochs", "epochs", ".2f"), ("train_time_s", "time s", ".2f"), ("to_94_s", "to target s", ".2f"),
+                  ("reached", "reached", "s"), ("acc", "acc (no TTA)", "s"), ("acc_tta", "acc (TTA)", "s"),
+                  ("page_s", "Page s", ".1f"), ("page_epochs", "Page ep", "d"), ("note", "note", "s")]
+
+
+def ladder_rows(summaries: list[dict]) -> list[dict]:
+    """One row per ladder step (and per variant: the overrides other than seed and trick that differ between the
+    sweep's jobs), in ladder order: means over the repeated runs (seeds) of epochs, training time (DAWNBench: eval
+    excluded) and time to the target accuracy (over the runs that reached it), accuracy without and with flip TTA
+    as mean +- sample std, beside Page's time and epochs. Empty when the sweep ran no ladder step."""
+    jobs = [s for s in summaries if s.get("choices", {}).get("trick") in PAGE_LADDER]
+    common = set.intersection(*(set(s.get("overrides", [])) for s in jobs)) if jobs else set()
+    groups: dict[tuple, list[dict]] = {}
+    for s in jobs:
+        variant = ",".join(sorted(o for o in set(s.get("overrides", [])) - common
+                                  if not o.startswith(("seed=", "trick="))))
+        groups.setdefault((s["choices"]["trick"], variant), []).append(s)
+    order = list(PAGE_LADDER)
+    rows = []
+    for (step, variant), group in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
+        done = [s["metrics"] for s in group if s.get("status") == "completed"]
+        targets = [m["time_to_target_s"] for m in done if m.get("time_to_target_s") is not None]
+        _, page_s, page_epochs = PAGE_LADDER[step]
+        rows.append({
+            "step": step, "variant": variant, "runs": f"{len(done)}/{len(group)}",
+            "epochs": _mean([m.get("epochs") for m in done]),
+            "train_time_s": _mean([m.get("train_time_s") for m in done]),
+            "to_94_s": _mean(targets), "reached": f"{len(targets)}/{len(done)}",
+            "acc": _mean_sd([m.get("final_test_acc_no_tta", m.get("final_test_acc")) for m in done]),
+            "acc_tta": _mean_sd([m.get("final_test_acc_tta") for m in done]),
+            "page_s": page_s, "page_epochs": page_epochs,
+            "note": "; ".join(sorted({s.get("reason") or s.get("error") or "" for s in group} - {""})),
+        })
+    return rows
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _mean_sd(values: list) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{statistics.fmean(values):.4f}" + (f" +- {statistics.stdev(values):.4f}" if len(values) > 1 else "")

@@ -1,0 +1,85 @@
+"""Training tricks of Page's bag-of-tricks ladder that are not layers (those are in resnet9.py), each a few plain lines.
+
+run.py maps the `trick` flags onto these; the engine calls `cross_entropy`, `EMA.update` and `tta_logits`.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, label_smoothing: float = 0.0,
+                  summed: bool = False) -> torch.Tensor:
+    """The training loss. Label smoothing a: (1 - a) * CE + a * mean over classes of -log p (PyTorch's definition,
+    and Page's). summed: the sum over the batch rather than the mean (Page's convention: with lr / batch and weight
+    decay * batch it is the same SGD, and in fp16 the sum acts as a loss scale of the batch size)."""
+    return F.cross_entropy(logits.float(), y, label_smoothing=label_smoothing, reduction="sum" if summed else "mean")
+
+
+def tta_logits(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of x, mean of the logits of x and of its left-right mirror): flip test-time augmentation."""
+    out = model(x).float()
+    return out, (out + model(x.flip(3)).float()) / 2
+
+
+@torch.no_grad()
+def fit_patch_whitening(images: torch.Tensor, mean, std, eps: float, device: torch.device) -> torch.Tensor:
+    """Page's 3x3 patch whitening: the 27 eigenvectors of the (uncentred) covariance of every 3x3x3 patch of the
+    normalised uint8 `images` [N, 3, H, W], each divided by sqrt(eigenvalue + eps), as conv filters [27, 3, 3, 3]
+    (largest eigenvalue first). Filtered patches then have covariance V^T S V / (L + eps) = diag(L / (L + eps)):
+    the identity, up to eps. Computed on `device` in chunks, accumulated in float64."""
+    m = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
+    s = torch.tensor(std, device=device).view(1, -1, 1, 1) * 255
+    cov, count = torch.zeros(27, 27, dtype=torch.float64, device=device), 0
+    for chunk in images.split(500):
+        x = (chunk.to(device).float() - m) / s
+        patches = x.unfold(2, 3, 1).unfold(3, 3, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 27).double()  # (c,kh,kw)
+        cov += patches.T @ patches
+        count += len(patches)
+    eigenvalues, vectors = torch.linalg.eigh(cov.cpu() / (count - 1))   # 27x27: on the CPU, no solver start-up
+    eigenvalues, vectors = eigenvalues.flip(0), vectors.flip(1)     # largest first, as Page
+    return (vectors.T / torch.sqrt(eigenvalues + eps)[:, None]).float().reshape(27, 3, 3, 3)
+
+
+class EMA:
+    """An exponential moving average of a model's weights and float buffers (BN statistics), updated every
+    `every` optimizer steps with rho = momentum ** every: v_ema <- rho * v_ema + (1 - rho) * v (Page: momentum 0.99
+    every 5 steps, starting from the initial weights, updates at steps 1, 6, 11, ...). `model` is the averaged copy
+    the engine evaluates; state_dict() holds everything a checkpoint needs."""
+
+    def __init__(self, model: nn.Module, momentum: float, every: int):
+        self.model = copy.deepcopy(model).requires_grad_(False)
+        self.rho = momentum ** every
+        self.every = every
+        self.steps = 0
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        """Call after every optimizer step."""
+        self.steps += 1
+        if (self.steps - 1) % self.every:
+            return
+        for ema_v, v in zip(self.model.state_dict().values(), model.state_dict().values()):
+            if ema_v.is_floating_point():
+                ema_v.lerp_(v, 1 - self.rho)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.steps = state["steps"]
+
+
+def bn_bias_groups(model: nn.Module, model_params: list, stepped: list, factor: float, lr: float,
+                   weight_decay: float) -> list[dict]:
+    """Optimizer parameter groups with the BatchNorm biases at lr * factor and weight decay / factor (Page's step
+    7: frozen scales, bias lr x64). `stepped[i]` is what the optimizer steps for model_params[i] (the parameter
+    itself, or its fp32 master copy)."""
+    bn_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    biases = [s for p, s in zip(model_params, stepped) if id(p) in bn_biases]
+    others = [s for p, s in zip(model_params, stepped) if id(p) not in bn_biases]
+    return [{"params": others}, {"params": biases, "lr": lr * factor, "weight_decay": weight_decay / factor}]

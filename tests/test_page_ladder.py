@@ -1,0 +1,114 @@
+"""Page's bag-of-tricks ladder: every step's settings, a real run of the last step, the whole ladder as a sweep, and
+the ladder table's summary of repeated runs."""
+import json
+
+import pytest
+
+from conftest import compose_config, run_cli, run_tiny
+from mixprec.config import validate
+from mixprec.tables import PAGE_LADDER, ladder_rows
+
+STEPS = list(PAGE_LADDER)
+# the tiny version of a ladder job: synthetic data (the sweep's cifar10 is overridden), narrow ResNet-9, 2 steps
+LADDER_TINY = ["dataset=synthetic", "dataset.train_size=64", "dataset.test_size=32", "dataset.image_size=16",
+               "trainer.batch_size=32", "trainer.eval_batch_size=32", "trainer.max_steps=2", "logger=none",
+               "model.channels=[8,16,32,64]"]
+# per step: the flags it turns on (on top of the step before) and Page's max lr for a mean loss (his lr x 512)
+NEW_FLAGS = {
+    "page_01_baseline": ({"loss_sum"}, 0.4), "page_02_gpu_preproc": (set(), 0.4),
+    "page_03_maxpool_reorder": ({"maxpool_reorder"}, 0.4), "page_04_label_smoothing": (set(), 0.4),
+    "page_05_celu": ({"celu"}, 0.4), "page_06_ghost_bn": ({"ghost_bn"}, 0.6),
+    "page_07_frozen_bn_scale": ({"frozen_bn_scale"}, 0.6), "page_08_whitening": ({"whitening"}, 1.0),
+    "page_09_ema": ({"ema"}, 1.0), "page_10_tta": ({"tta"}, 1.0),
+}
+FLAGS = ("loss_sum", "maxpool_reorder", "celu", "ghost_bn", "frozen_bn_scale", "whitening", "ema", "tta")
+
+
+@pytest.mark.parametrize("i,step", list(enumerate(STEPS)))
+def test_each_step_has_pages_settings_and_keeps_the_steps_before(i, step):
+    c = validate(compose_config(f"trick={step}"))
+    on = {f for f in FLAGS if getattr(c.trick, f)}
+    before = {f for s in STEPS[:i + 1] for f in NEW_FLAGS[s][0]}
+    assert c.trick.name == step and on == before
+    assert c.model.arch == "resnet9" and c.trainer.epochs == PAGE_LADDER[step][2] and c.trainer.batch_size == 512
+    assert c.trainer.target_acc == 0.94
+    # Page's parametrisation: summed loss, lr / 512 and weight decay 5e-4 * 512; Nesterov SGD
+    assert c.optimizer.lr * 512 == pytest.approx(NEW_FLAGS[step][1]) and c.optimizer.weight_decay == 0.256
+    assert c.optimizer.name == "sgd" and c.optimizer.nesterov and c.optimizer.momentum == 0.9
+    # lr: linear warm-up to the peak at epoch 5 of 24, then at a fifth of training; EMA steps floor it at 0.1
+    peak = 5 / 24 if i < 2 else 0.2
+    assert c.schedule.knots[1] == pytest.approx(peak, abs=1e-6) and c.schedule.values[:2] == (0.0, 1.0)
+    if c.trick.ema:
+        assert c.schedule.knots[2] * c.trainer.epochs == pytest.approx(c.trainer.epochs - 2, abs=1e-5)
+        assert c.schedule.values[2:] == (0.1, 0.1)
+    else:
+        assert c.schedule.values[-1] == 0.0
+    # fp16 weights with BatchNorm in fp32, no master weights, no loss scale (the summed loss is Page's)
+    assert c.precision.name == "half" and c.precision.keep_bn_fp32 and c.precision.loss_scale == "none"
+    assert c.dataset.pipeline == ("dataloader" if i == 0 else "device")
+    assert c.dataset.cutout == (8 if i < 7 else 5 if i < 9 else 0)
+    assert c.trick.label_smoothing == (0.2 if i >= 3 else 0.0)
+    assert (c.trick.celu_alpha, c.trick.bn_bias_lr, c.model.output_scale) == (
+        (0.3, 64.0, 0.0625) if c.trick.frozen_bn_scale else (0.075, 1.0, 0.125))
+
+
+def test_a_trick_flag_combines_alone_and_the_precision_can_be_swept_over_a_step():
+    c = validate(compose_config("model=resnet9", "trick.ghost_bn=true", "trick.tta=true", "trainer.batch_size=64"))
+    assert c.trick.ghost_bn and c.trick.tta and not c.trick.celu and c.trick.name == "none"
+    c = validate(compose_config("trick=page_10_tta", "precision=amp"))
+    assert c.precision.name == "amp" and c.precision.loss_scale == "dynamic" and c.trick.tta
+
+
+def test_the_last_step_trains_with_every_trick_in_its_own_precision(tmp_path):
+    s = run_tiny(tmp_path, "trick=page_10_tta", base=LADDER_TINY)   # fp16 weights, BN fp32, ghost BN, whitening...
+    m = s["metrics"]
+    assert s["status"] == "completed" and s["choices"]["precision"] == "half" and m["steps"] == 2
+    assert m["final_test_acc"] == m["final_test_acc_tta"] and m["final_test_acc_no_tta"] is not None
+    assert m["setup_time_s"] > 0 and m["train_time_s"] == pytest.approx(m["setup_time_s"] + sum(m["epoch_times_s"]))
+    assert m["time_to_target_s"] is None and m["target_acc"] == 0.94
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["test_acc_tta"] for r in rows if r["kind"] == "epoch"] == [m["final_test_acc"]]
+    assert all(r["loss"] < 10 for r in rows if r["kind"] == "train")   # logged per sample, not summed
+
+
+def test_the_ladder_sweep_runs_all_ten_steps_and_prints_them_beside_the_article(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run_cli("-m", "experiment=page_ladder", "precision=fp32", *LADDER_TINY, f"hydra.sweep.dir={sweep}",
+                "hydra.sweep.subdir=${hydra.job.num}")   # the overrides would make too long a directory name
+    assert r.returncode == 0, r.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sweep.glob("*/summary.json")]
+    assert sorted(s["choices"]["trick"] for s in summaries) == sorted(STEPS)
+    for s in summaries:
+        assert s["status"] == "completed" and s["metrics"]["steps"] == 2 and s["choices"]["precision"] == "fp32"
+        assert s["config"]["trainer"]["epochs"] == PAGE_LADDER[s["choices"]["trick"]][2]
+    out = r.stdout
+    table = out[out.index("Page's ladder"):].splitlines()
+    assert table[1].split()[:3] == ["step", "variant", "runs"] and "acc (TTA)" in table[1]
+    rows = [line.split() for line in table[3:13]]
+    assert [row[0] for row in rows] == STEPS
+    for row, step in zip(rows, STEPS):
+        assert row[1] == "1/1" and row[-2:] == [f"{PAGE_LADDER[step][1]:.1f}", str(PAGE_LADDER[step][2])]
+
+
+def fake(step, seed, acc, acc_tta, to_target, extra=()):
+    return {"status": "completed", "choices": {"trick": step},
+            "overrides": ["experiment=page_ladder", f"trick={step}", f"seed={seed}", *extra],
+            "metrics": {"epochs": 10.0, "train_time_s": 100.0 + seed, "time_to_target_s": to_target,
+                        "final_test_acc": acc_tta or acc, "final_test_acc_no_tta": acc, "final_test_acc_tta": acc_tta}}
+
+
+def test_the_ladder_table_summarises_repeated_runs_per_step():
+    summaries = [fake("page_10_tta", 0, 0.93, 0.940, 30.0), fake("page_10_tta", 1, 0.92, 0.942, None),
+                 fake("page_01_baseline", 0, 0.93, 0.94, None), fake("page_01_baseline", 1, 0.94, 0.95, 80.0),
+                 fake("page_01_baseline", 2, 0.95, 0.96, 70.0), fake("page_01_baseline", 0, 0.9, 0.9, None,
+                                                                      ["precision=amp"]),
+                 {"status": "completed", "choices": {"trick": "none"}, "overrides": [], "metrics": {}}]
+    rows = ladder_rows(summaries)
+    assert [(r["step"], r["variant"]) for r in rows] == [("page_01_baseline", ""), ("page_01_baseline", "precision=amp"),
+                                                         ("page_10_tta", "")]
+    base, amp, tta = rows
+    assert base["runs"] == "3/3" and base["acc"] == "0.9400 +- 0.0100" and base["acc_tta"] == "0.9500 +- 0.0100"
+    assert base["reached"] == "2/3" and base["to_94_s"] == pytest.approx(75.0) and base["train_time_s"] == 101.0
+    assert (base["page_s"], base["page_epochs"]) == (75.0, 24) and amp["acc"] == "0.9000" and amp["runs"] == "1/1"
+    assert tta["acc_tta"] == "0.9410 +- 0.0014" and tta["reached"] == "1/2" and tta["to_94_s"] == 30.0
+    assert ladder_rows([summaries[-1]]) == []
