@@ -1,4 +1,5 @@
-"""Entry point: `python train.py [overrides]` or `python train.py -m ...` for a sweep. See README.md."""
+"""Entry point: `python train.py [overrides]` or `python train.py -m ...` for a sweep; `torchrun
+--nproc_per_node=N train.py ...` runs one job as N DDP ranks. See README.md."""
 import hydra
 from omegaconf import DictConfig
 
@@ -11,4 +12,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from mixprec.dist import mute_other_ranks, share_run_time
+
+    share_run_time()   # under torchrun: every rank takes rank 0's clock for Hydra's dir name (one output dir)
+    mute_other_ranks()  # and rank 0 alone reports a bad override
     main()
