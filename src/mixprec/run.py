@@ -72,6 +72,12 @@ def run_job(cfg: DictConfig) -> dict:
     except KeyboardInterrupt:
         print(f"\nmixprec: interrupted; to continue: {checkpoint.resume_hint(out_dir, sweep_dir)}", file=sys.stderr)
         sys.exit(130)
+    except ConfigError as e:   # one the device or the ranks cannot serve (recorded in summary.json by rank 0)
+        if ranks.main:
+            print(f"mixprec: config error: {e}", file=sys.stderr)
+        if multirun:
+            return {**summary, "error": f"config error: {e}"}
+        sys.exit(2)
     if not ranks.main:   # rank 0 reports the job
         if summary["status"] in checkpoint.FINAL or multirun:
             return summary
