@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY
+from mixprec import data, dist
+from mixprec.config import ConfigError
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -66,17 +68,31 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path):
         torch.testing.assert_close(w_ddp[k], w_one[k], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("override, line", [
-    ("trainer.batch_size=0", "mixprec: config error: trainer.batch_size=0: must be an integer >= 1"),
-    ("trainer.batch_size=15", "mixprec: config error: trainer.batch_size=15: the global batch must divide by the 2 ranks"),
-])
-def test_bad_override_under_torchrun_is_one_line(tmp_path, override, line):
-    r = run([*TINY, override, f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path, timeout=120)
+def test_bad_override_under_torchrun_is_one_line(tmp_path):
+    r = run([*TINY, "trainer.batch_size=0", f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path, timeout=120)
     assert r.returncode != 0
     out = r.stdout + r.stderr
-    assert out.count(line) == 1, out[-3000:]
+    line = "mixprec: config error: trainer.batch_size=0: must be an integer >= 1"
+    assert out.count(line) == 1, out[-3000:]                       # rank 0 says it; rank 1 exits quietly
     assert "mixprec/" not in out and "train.py\", line" not in out   # no traceback from any rank
     assert json.loads((tmp_path / "job" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_ranks_checks():
+    ranks = dist.Ranks(rank=1, world=2)
+    assert dist.check(16, False, torch.device("cpu"), ranks) == 8
+    with pytest.raises(ConfigError, match="trainer.batch_size=15: the global batch must divide by the 2 ranks"):
+        dist.check(15, False, torch.device("cpu"), ranks)
+    with pytest.raises(ConfigError, match="trainer.sync_bn=true: SyncBatchNorm runs on GPUs only"):
+        dist.check(16, True, torch.device("cpu"), ranks)
+    # rank 1's slices of a global batch: its samples and its share of the random draws
+    assert data.shard_of(torch.arange(16), (1, 2)).tolist() == list(range(8, 16))
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    images = torch.randint(0, 256, (16, 3, 8, 8), dtype=torch.uint8)
+    mean, std = data.norm_tensors((0.5,) * 3, (0.25,) * 3, torch.device("cpu"))
+    whole = data.prepare(images, mean, std, pad=2, flip=True, cutout=3, generator=gen())
+    half = data.prepare(images[8:], mean, std, pad=2, flip=True, cutout=3, generator=gen(), shard=(1, 2))
+    assert torch.equal(whole[8:], half)
 
 
 def test_submitit_local_sweep(tmp_path):
