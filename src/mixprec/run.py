@@ -137,8 +137,9 @@ def _execute(config: Config, summary: dict, out_dir: Path, group: str | None, na
     ranks.barrier()   # every rank has read the dir (rank 0's checkpoint) before rank 0 writes to it
     if not ranks.main:   # the same training, restored from rank 0's checkpoint; rank 0 alone writes records
         try:
-            summary.update(train_job(config, device, dist.Silent(out_dir), checkpoint.Checkpointer(out_dir, {}),
-                                     resume, ranks.agreed_stop(lambda: None), ranks))
+            with checkpoint.StopSignals() as stop:   # torchrun forwards a SIGTERM to every rank
+                summary.update(train_job(config, device, dist.Silent(out_dir), checkpoint.Checkpointer(out_dir, {}),
+                                         resume, ranks.agreed_stop(stop), ranks))
         except Exception as e:   # rank 0 records the job's error; a failure of this rank alone is said here
             summary.update(status="failed", error=f"{type(e).__name__}: {e}")
             print(f"mixprec: rank {ranks.rank}: {summary['error']}".splitlines()[0], file=sys.stderr)
