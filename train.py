@@ -1,6 +1,14 @@
-"""Entry point: `python train.py [overrides]` or `python train.py -m ...` for a sweep. See README.md."""
+"""Entry point: `python train.py [overrides]` or `python train.py -m ...` for a sweep; `torchrun
+--nproc_per_node=N train.py ...` runs one job as N DDP ranks. See README.md."""
+import warnings
+
 import hydra
 from omegaconf import DictConfig
+
+# conf/hydra/launcher/submitit_*.yaml are complete launcher configs that keep the plugin's names (so that
+# `hydra/launcher=submitit_slurm` uses our defaults); Hydra validates them against the plugin's schema of the same
+# name and warns that this matching is deprecated: the files do not depend on it.
+warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_\w+' is validated against ConfigStore schema")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -11,4 +19,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from mixprec.dist import mute_other_ranks, share_run_time
+
+    share_run_time()   # under torchrun: every rank takes rank 0's clock for Hydra's dir name (one output dir)
+    mute_other_ranks()  # and rank 0 alone reports a bad override
     main()

@@ -8,6 +8,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from .checkpoint import resume_hint
+from .dist import from_env
 from .records import SUMMARY, read_summary
 from .tables import LADDER_COLUMNS, format_table, ladder_rows, sweep_rows
 
@@ -33,6 +34,8 @@ class SweepTable(Callback):
         self.report = report   # also write the sweep's report (scripts/make_report.py) into <sweep dir>/report
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        if not from_env().main:   # `torchrun ... train.py -m`: rank 0 prints the table (jobs under a launcher
+            return                # end in the submitting process, which has no rank)
         sweep_dir = Path(config.hydra.sweep.dir)
         summaries, problems = collect(sweep_dir)
         print(f"\nsweep {sweep_dir}: {len(summaries)} jobs")

@@ -38,6 +38,7 @@ class TrainerConfig:
     log_every: int = 50
     grad_clip: Optional[float] = None
     resume: Literal["auto", "never"] = "never"
+    sync_bn: bool = False   # under DDP (torchrun): BatchNorm statistics over the global batch (SyncBatchNorm, GPUs)
 
     def check(self) -> None:
         _at_least(self, "epochs", 1)

@@ -7,6 +7,9 @@ train and test batches, by `dataset.pipeline`:
   horizontal flip), resized to `dataset.image_size` if that differs, normalised with the training set's channel
   mean/std and optionally cut out, all on the device in batches. No DataLoader and no host round trip in the
   hot loop (Page's first trick).
+  Under DDP (`shard=(rank, world)`) every rank draws the same permutation from the shared seed and takes its
+  slice of each global batch (trainer.batch_size / world samples); the crop/flip/cutout draws are made for the
+  whole global batch and sliced too, so N ranks see exactly the batches one process would (tests/test_ddp.py).
 - dataloader: the classic torch.utils.data.DataLoader, the same transforms applied per sample in worker
   processes on the CPU, batches pinned and copied to the device: kept for comparison (scripts/bench_pipeline.py).
 """
@@ -52,15 +55,24 @@ def build_image_data(cfg: DatasetConfig) -> ImageData:
     return load_cifar(cfg.name, cfg.data_dir, cfg.download, cfg.urls)
 
 
-def image_loaders(data: ImageData, cfg: DatasetConfig, trainer: TrainerConfig, device: torch.device, seed: int):
-    """(train batches, test batches) by `cfg.pipeline`; both have len() and yield (x float [B,3,S,S], y) on `device`."""
+def image_loaders(data: ImageData, cfg: DatasetConfig, trainer: TrainerConfig, device: torch.device, seed: int,
+                  shard: tuple[int, int] = (0, 1)):
+    """(train batches, test batches) by `cfg.pipeline`; both have len() and yield (x float [B,3,S,S], y) on `device`.
+    `shard=(rank, world)`: the training batches are this rank's slice of each global batch (the test batches
+    are whole: every rank evaluates the full test set)."""
+    if shard[1] > 1 and cfg.pipeline != "device":
+        raise ConfigError(f"dataset.pipeline={cfg.pipeline}: not sharded across DDP ranks; use dataset.pipeline=device")
+    if shard[1] > 1 and len(data.train_y) < trainer.batch_size:
+        raise ConfigError(f"trainer.batch_size={trainer.batch_size}: larger than the training set "
+                          f"({len(data.train_y)}); under DDP every step needs a full global batch")
     common = dict(device=device, size=cfg.image_size, channels_last=trainer.channels_last)
     augment = dict(crop_padding=cfg.crop_padding, flip=True, cutout=cfg.cutout) if cfg.augment else {}
     if cfg.pipeline == "dataloader":
         common.update(workers=cfg.workers, pin_memory=cfg.pin_memory)
     cls = DeviceBatches if cfg.pipeline == "device" else LoaderBatches
+    train = dict(shard=shard) if shard[1] > 1 else {}
     return (cls(data.train_x, data.train_y, trainer.batch_size, data.mean, data.std, train=True, seed=seed,
-                **augment, **common),
+                **augment, **common, **train),
             cls(data.test_x, data.test_y, trainer.eval_batch_size, data.mean, data.std, train=False, **common))
 
 
@@ -108,11 +120,13 @@ class DeviceBatches:
     train=True: a fresh permutation each epoch (from this loader's own generator, so the same seed gives the
     same batches), the last incomplete batch dropped, crop/flip/cutout applied. train=False: in order, every
     sample. `size`: the side of the batches served (resized on the device when it differs from the images').
+    `shard=(rank, world)`: serve this rank's slice (batch_size / world samples) of each global batch.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
                  device: torch.device, train: bool, crop_padding: int = 0, flip: bool = False, cutout: int = 0,
-                 size: int | None = None, seed: int = 0, channels_last: bool = False):
+                 size: int | None = None, seed: int = 0, channels_last: bool = False,
+                 shard: tuple[int, int] = (0, 1)):
         self.images = images.to(device, non_blocking=True)
         self.labels = labels.to(device, non_blocking=True)
         self.batch_size = batch_size
@@ -127,6 +141,7 @@ class DeviceBatches:
         self.generator.manual_seed(seed)
         n = len(self.images)
         self.drop_last = train and n >= batch_size
+        self.shard = shard
 
     def __len__(self) -> int:
         n = len(self.images)
@@ -138,6 +153,8 @@ class DeviceBatches:
         for i in range(len(self)):
             sl = slice(i * self.batch_size, min((i + 1) * self.batch_size, n))
             idx = order[sl] if order is not None else sl
+            if self.shard[1] > 1:
+                idx = shard_of(idx, self.shard)
             yield self.transform(self.images[idx]), self.labels[idx]
 
     def state_dict(self) -> dict:
@@ -148,7 +165,8 @@ class DeviceBatches:
         self.generator.set_state(state["generator"])
 
     def transform(self, batch: torch.Tensor) -> torch.Tensor:
-        x = prepare(batch, self.mean, self.std, size=self.size, generator=self.generator, **self.augment)
+        x = prepare(batch, self.mean, self.std, size=self.size, generator=self.generator, shard=self.shard,
+                    **self.augment)
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 
 
@@ -208,44 +226,56 @@ def norm_tensors(mean, std, device: torch.device) -> tuple[torch.Tensor, torch.T
 
 
 def prepare(batch: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, *, pad: int = 0, flip: bool = False,
-            cutout: int = 0, size: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """uint8 [B, C, H, W] -> float32 batch: random crop (reflect pad), flip, resize to `size`, normalise, cutout."""
+            cutout: int = 0, size: int | None = None, generator: torch.Generator | None = None,
+            shard: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """uint8 [B, C, H, W] -> float32 batch: random crop (reflect pad), flip, resize to `size`, normalise, cutout.
+    `shard=(rank, world)`: `batch` is this rank's slice of a global batch of B * world; the random draws are made
+    for the global batch and sliced alike, so they equal one process's draws for the whole batch."""
     x = batch.float()
     if pad:
-        x = random_crop(x, pad, generator)
+        x = random_crop(x, pad, generator, shard)
     if flip:
-        x = random_flip(x, generator)
+        x = random_flip(x, generator, shard)
     if size and tuple(x.shape[-2:]) != (size, size):
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=size < x.shape[-1])
     x = (x - mean) / std
     if cutout:
-        x = random_cutout(x, cutout, generator)
+        x = random_cutout(x, cutout, generator, shard)
     return x
 
 
-def random_crop(x: torch.Tensor, pad: int, generator: torch.Generator | None) -> torch.Tensor:
+def shard_of(t: torch.Tensor, shard: tuple[int, int]) -> torch.Tensor:
+    """Rank `shard[0]`'s equal slice (along dim 0) of `t`, split into `shard[1]` parts."""
+    rank, world = shard
+    b = len(t) // world
+    return t[rank * b:(rank + 1) * b]
+
+
+def random_crop(x: torch.Tensor, pad: int, generator: torch.Generator | None,
+                shard: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """Per-sample random crop of the original size from the reflect-padded batch (offsets 0..2*pad)."""
     b, _, h, w = x.shape
     padded = F.pad(x, (pad, pad, pad, pad), mode="reflect")
-    oy = torch.randint(0, 2 * pad + 1, (b,), device=x.device, generator=generator)
-    ox = torch.randint(0, 2 * pad + 1, (b,), device=x.device, generator=generator)
+    oy = shard_of(torch.randint(0, 2 * pad + 1, (b * shard[1],), device=x.device, generator=generator), shard)
+    ox = shard_of(torch.randint(0, 2 * pad + 1, (b * shard[1],), device=x.device, generator=generator), shard)
     rows = (oy[:, None] + torch.arange(h, device=x.device))[:, :, None]      # [B, H, 1]
     cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, :]      # [B, 1, W]
     batch_idx = torch.arange(b, device=x.device)[:, None, None]
     return padded.permute(0, 2, 3, 1)[batch_idx, rows, cols].permute(0, 3, 1, 2)
 
 
-def random_flip(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    mask = torch.rand(x.shape[0], device=x.device, generator=generator) < 0.5
+def random_flip(x: torch.Tensor, generator: torch.Generator | None, shard: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    mask = shard_of(torch.rand(x.shape[0] * shard[1], device=x.device, generator=generator), shard) < 0.5
     return torch.where(mask[:, None, None, None], x.flip(3), x)
 
 
-def random_cutout(x: torch.Tensor, side: int, generator: torch.Generator | None) -> torch.Tensor:
+def random_cutout(x: torch.Tensor, side: int, generator: torch.Generator | None,
+                  shard: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """Zero one side x side square per sample, placed uniformly where it fits inside the image (DeVries & Taylor
     2017, as in Page's ResNet-9 runs); applied after normalisation, so the square reads as the mean colour."""
     b, _, h, w = x.shape
-    y0 = torch.randint(0, h - side + 1, (b, 1, 1), device=x.device, generator=generator)
-    x0 = torch.randint(0, w - side + 1, (b, 1, 1), device=x.device, generator=generator)
+    y0 = shard_of(torch.randint(0, h - side + 1, (b * shard[1], 1, 1), device=x.device, generator=generator), shard)
+    x0 = shard_of(torch.randint(0, w - side + 1, (b * shard[1], 1, 1), device=x.device, generator=generator), shard)
     rows = torch.arange(h, device=x.device)[None, :, None]
     cols = torch.arange(w, device=x.device)[None, None, :]
     inside = (rows >= y0) & (rows < y0 + side) & (cols >= x0) & (cols < x0 + side)   # [B, H, W]

@@ -11,6 +11,12 @@ Checkpoints (src/mixprec/checkpoint.py writes them): `checkpoint(loop)` is calle
 epoch end (except the last) and when `stop()` returns a reason (SIGTERM/SIGINT): then mid-epoch, after the
 current step. `resume=loop` continues from such a state: the epoch's data order is replayed from its start and
 the done batches skipped. After a resume the first `warmup_steps` steps are excluded from throughput again.
+
+Under DDP (`ranks`, src/mixprec/dist.py) each rank trains on its slice of every global batch: the logged loss and
+accuracy are summed over the ranks at each host sync (so every rank takes the same stop decision), samples are
+counted for the global batch (throughput = global samples/s), and the clock waits for every rank (a barrier
+after each device sync). Evaluation: every rank evaluates the whole test set (the weights are the same on all
+ranks, so the numbers are; no communication, and the wall time is that of one rank alone).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .config import TrainerConfig
+from .dist import SINGLE, Ranks
 from .hardware import synchronize
 from .models import set_bn_eval
 from .precision import PrecisionPolicy
@@ -37,8 +44,9 @@ warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step
 class TrainClock:
     """Accumulates training time; each start/stop/mark synchronizes the device before reading the clock."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, barrier=lambda: None):
         self.device = device
+        self.barrier = barrier  # under DDP: the clock reads after every rank is done
         self.total = 0.0        # all training time, warm-up included
         self.steady = 0.0       # training time after the warm-up mark
         self._t0 = None
@@ -46,14 +54,17 @@ class TrainClock:
 
     def start(self) -> None:
         synchronize(self.device)
+        self.barrier()
         self._t0 = time.perf_counter()
 
     def mark_warm(self) -> None:
         synchronize(self.device)
+        self.barrier()
         self._warm = time.perf_counter()
 
     def stop(self) -> float:
         synchronize(self.device)
+        self.barrier()
         now = time.perf_counter()
         elapsed = now - self._t0
         self.total += elapsed
@@ -105,14 +116,15 @@ def all_finite(tensors) -> bool:
 def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, test_batches,
           trainer: TrainerConfig, *, label_smoothing: float = 0.0, loss_sum: bool = False, ema=None,
           tta: bool = False, setup_time_s: float = 0.0, bn_eval: bool = False, log=lambda row: None,
-          progress: bool = True, resume: dict | None = None, checkpoint=None, stop=lambda: None) -> dict:
+          progress: bool = True, resume: dict | None = None, checkpoint=None, stop=lambda: None,
+          ranks: Ranks = SINGLE) -> dict:
     """ema: a tricks.EMA, updated after every optimizer step (training time) and evaluated instead of the model.
     tta: test accuracy (and time to target) from flip test-time augmentation; the final evaluation reports the
     accuracy with and without it in any case. setup_time_s: preparation done before the loop that counts as
     training (DAWNBench: preprocessing is included), e.g. fitting the whitening filters. bn_eval: BatchNorm layers
-    stay in eval mode while training. resume/checkpoint/stop: see checkpoint.py."""
+    stay in eval mode while training. resume/checkpoint/stop: see checkpoint.py; ranks: see dist.py."""
     device = policy.device
-    clock = TrainClock(device)
+    clock = TrainClock(device, ranks.barrier)
     clock.total = setup_time_s
     steps_per_epoch = len(train_batches)
     total_steps = trainer.epochs * steps_per_epoch
@@ -147,7 +159,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
     def flush(window: Window, epoch: int) -> bool:
         """Sync once: check the window's losses and the weights; log a row. False = stop the run."""
         nonlocal status, reason
-        losses = torch.stack(window.losses).float().cpu()
+        losses = (ranks.sum_(torch.stack(window.losses).float()) / ranks.world).cpu()   # the global batches' losses
         finite = torch.isfinite(losses)
         bad_step = None
         if not finite.all():
@@ -161,7 +173,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
         elapsed = time.perf_counter() - window.t0
         row = {"kind": "train", "step": state["step"], "epoch": epoch + 1,
                "loss": losses[finite].mean().item() if finite.any() else math.nan,
-               "acc": torch.stack(window.correct).sum().item() / max(window.samples, 1),
+               "acc": ranks.sum_(torch.stack(window.correct).sum()).item() / max(window.samples, 1),
                "lr": optimizer.param_groups[0]["lr"], "loss_scale": policy.scale_value,
                "samples_per_s": window.samples / elapsed if elapsed > 0 else None}
         log(row)
@@ -197,7 +209,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
             with policy.autocast():
                 out = model(policy.cast_input(x))
             loss = cross_entropy(out, y, label_smoothing, summed=loss_sum)
-            if trainer.on_nonfinite == "skip" and not torch.isfinite(loss):
+            if trainer.on_nonfinite == "skip" and ranks.any(not torch.isfinite(loss)):   # all ranks skip alike
                 # the step is skipped: no backward, no update (the window check below counts it)
                 if state["nonfinite"] is None:
                     state["nonfinite"] = {"step": state["step"] + 1, "what": f"loss {loss.item()} (step skipped)",
@@ -213,12 +225,13 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
                 ema.update(model)
             schedule.step()
             state["step"] += 1
-            state["samples"] += len(y)
+            n = len(y) * ranks.world   # the global batch
+            state["samples"] += n
             if state["step"] > warm_at:
-                state["steady_samples"] += len(y)
+                state["steady_samples"] += n
             window.losses.append(loss.detach() / len(y) if loss_sum else loss.detach())
             window.correct.append((out.detach().argmax(1) == y).sum())
-            window.samples += len(y)
+            window.samples += n
             bar.update(1)
             if state["step"] == warm_at:
                 clock.mark_warm()

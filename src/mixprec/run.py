@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from . import checkpoint, engine, hardware, tricks
+from . import checkpoint, dist, engine, hardware, tricks
 from .config import Config, ConfigError, TrickConfig, plain_config, validate
 from .data import build_image_data, image_loaders
 from .datafiles import DataError
@@ -30,6 +30,7 @@ from .tables import job_block
 
 def run_job(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
+    ranks = dist.from_env()   # one rank, or one of the N of a torchrun / submitit multi-task job (see dist.py)
     out_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     summary = {
@@ -46,8 +47,9 @@ def run_job(cfg: DictConfig) -> dict:
         config = validate(cfg)
     except ConfigError as e:
         summary["error"] = f"config error: {e}"
-        Recorder(out_dir).write_summary(summary)
-        print(f"mixprec: config error: {e}", file=sys.stderr)
+        if ranks.main:   # rank 0 speaks for the job; the other ranks exit quietly with the same status
+            Recorder(out_dir).write_summary(summary)
+            print(f"mixprec: config error: {e}", file=sys.stderr)
         if multirun:
             return summary
         sys.exit(2)
@@ -61,14 +63,26 @@ def run_job(cfg: DictConfig) -> dict:
                 return {"status": "unreadable", "error": str(e)}
             sys.exit(2)
         if prior is not None and prior["status"] in checkpoint.FINAL:
-            print(f"mixprec: {out_dir}: already {prior['status']}, skipped (trainer.resume=auto; its records are left as they are)")
+            if ranks.main:
+                print(f"mixprec: {out_dir}: already {prior['status']}, skipped (trainer.resume=auto; its records are left as they are)")
             return prior
+    dist.quiet_unless_main(ranks)
     try:
         summary = execute(config, summary, out_dir, group=sweep_dir.name if multirun else None,
-                          name=hc.job.override_dirname or out_dir.name)
+                          name=hc.job.override_dirname or out_dir.name, ranks=ranks)
     except KeyboardInterrupt:
         print(f"\nmixprec: interrupted; to continue: {checkpoint.resume_hint(out_dir, sweep_dir)}", file=sys.stderr)
         sys.exit(130)
+    except ConfigError as e:   # one the device or the ranks cannot serve (recorded in summary.json by rank 0)
+        if ranks.main:
+            print(f"mixprec: config error: {e}", file=sys.stderr)
+        if multirun:
+            return {**summary, "error": f"config error: {e}"}
+        sys.exit(2)
+    if not ranks.main:   # rank 0 reports the job
+        if summary["status"] in checkpoint.FINAL or multirun:
+            return summary
+        sys.exit(1)
     print(job_block(summary))
     print(f"records     {out_dir}")
     if summary["status"] == "interrupted":   # a sweep stops too: the signal was meant for the whole command
@@ -84,14 +98,26 @@ def run_job(cfg: DictConfig) -> dict:
     return summary
 
 
-def execute(config: Config, summary: dict, out_dir: Path, group: str | None = None, name: str = "run") -> dict:
-    """Run one validated job, write its records, and return its summary (failed jobs included)."""
+def execute(config: Config, summary: dict, out_dir: Path, group: str | None = None, name: str = "run",
+            ranks: dist.Ranks = dist.SINGLE) -> dict:
+    """Run one validated job, write its records (rank 0), and return its summary (failed jobs included)."""
     try:
-        device = hardware.select_device(config.trainer.device)
+        device = hardware.select_device(dist.device_name(config.trainer.device, ranks))
+        dist.check(config.trainer.batch_size, config.trainer.sync_bn, device, ranks)
     except ConfigError as e:
         summary["error"] = f"config error: {e}"
-        Recorder(out_dir).write_summary(summary)
+        if ranks.main:
+            Recorder(out_dir).write_summary(summary)
         raise
+    made = dist.init(ranks)   # joins the job's process group (torchrun's is joined already, in train.py)
+    try:
+        return _execute(config, summary, out_dir, group, name, device, ranks)
+    finally:
+        dist.close(made)
+
+
+def _execute(config: Config, summary: dict, out_dir: Path, group: str | None, name: str, device: torch.device,
+             ranks: dist.Ranks) -> dict:
     hardware.configure(device, config.trainer, config.precision, config.seed)
     env = hardware.describe(device)
     profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type == "cuda" else "cpu")
@@ -106,8 +132,19 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
             resume = checkpoint.read(out_dir, summary["config"], device.type)
         except checkpoint.CheckpointError as e:
             summary["error"] = str(e)
-            Recorder(out_dir).write_summary(summary)
+            if ranks.main:
+                Recorder(out_dir).write_summary(summary)
             return summary
+    ranks.barrier()   # every rank has read the dir (rank 0's checkpoint) before rank 0 writes to it
+    if not ranks.main:   # the same training, restored from rank 0's checkpoint; rank 0 alone writes records
+        try:
+            with checkpoint.StopSignals() as stop:   # torchrun forwards a SIGTERM to every rank
+                summary.update(train_job(config, device, dist.Silent(out_dir), checkpoint.Checkpointer(out_dir, {}),
+                                         resume, ranks.agreed_stop(stop), ranks))
+        except Exception as e:   # rank 0 records the job's error; a failure of this rank alone is said here
+            summary.update(status="failed", error=f"{type(e).__name__}: {e}")
+            print(f"mixprec: rank {ranks.rank}: {summary['error']}".splitlines()[0], file=sys.stderr)
+        return summary
     if checkpoint.prepare_dir(out_dir, resume) and resume is None:
         print(f"mixprec: note: {out_dir} held records of an earlier run: starting over "
               f"({'no checkpoint to resume from' if config.trainer.resume == 'auto' else 'trainer.resume=never'})",
@@ -132,7 +169,7 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
     stop = checkpoint.StopSignals()
     try:
         with stop:
-            summary.update(train_job(config, device, recorder, saver, resume, stop))
+            summary.update(train_job(config, device, recorder, saver, resume, ranks.agreed_stop(stop), ranks))
         summary["metrics"]["mfu"] = mfu(summary["metrics"], profile, hardware.peak_kind(config.precision))
         if summary["status"] == "diverged" and summary["hazards"]:
             summary["reason"] += f"; likely cause: {summary['hazards'][0]}"
@@ -162,10 +199,11 @@ def execute(config: Config, summary: dict, out_dir: Path, group: str | None = No
 
 
 def train_job(config: Config, device: torch.device, recorder: Recorder, saver: checkpoint.Checkpointer | None = None,
-              resume: dict | None = None, stop=None) -> dict:
+              resume: dict | None = None, stop=None, ranks: dist.Ranks = dist.SINGLE) -> dict:
     tr = config.trainer
     data = build_image_data(config.dataset)
-    train_batches, test_batches = image_loaders(data, config.dataset, tr, device, seed=config.seed)
+    train_batches, test_batches = image_loaders(data, config.dataset, tr, device, seed=config.seed,
+                                                shard=(ranks.rank, ranks.world))
 
     t, resnet9 = config.trick, config.model.arch == "resnet9"
     whitening, setup_s = fit_whitening(t, data, device) if resnet9 else (None, 0.0)
@@ -176,6 +214,7 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
     model = policy.prepare_model(model)
     if tr.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    net = dist.wrap(model, device, tr.sync_bn, ranks)   # what the loop trains: DDP under several ranks, else model
     params = policy.optimizer_params(model)
     if t.bn_bias_lr != 1.0:
         params = tricks.bn_bias_groups(model, policy.model_params, params, t.bn_bias_lr, config.optimizer.lr,
@@ -191,16 +230,22 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
         if ema is not None:
             saver.parts["ema"] = ema
     loop = saver.restore(resume) if resume is not None else None   # last before training: it sets the RNG states
-    result = engine.train(model, policy, optimizer, schedule, train_batches, test_batches, tr,
+
+    result = engine.train(net, policy, optimizer, schedule, train_batches, test_batches, tr,
                           label_smoothing=t.label_smoothing, loss_sum=t.loss_sum, ema=ema, tta=t.tta,
                           setup_time_s=setup_s, bn_eval=config.model.bn_eval, log=recorder.log,
-                          progress=sys.stderr.isatty(), resume=loop, checkpoint=saver and saver.save,
-                          stop=stop or (lambda: None))
+                          progress=sys.stderr.isatty() and ranks.main, resume=loop,
+                          checkpoint=saver.save if saver is not None and ranks.main else None,
+                          stop=stop or (lambda: None), ranks=ranks)
+    if ranks.active:
+        result["distributed"] = {"world_size": ranks.world, "per_rank_batch": tr.batch_size // ranks.world,
+                                 "sync_bn": tr.sync_bn, "backend": str(torch.distributed.get_backend()),
+                                 "weight_spread": dist.spread(policy.stepped_params(), ranks)}
     result["metrics"].update(params=n_params, forward_flops_per_sample=flops,
                              train_flops_per_sample=None if flops is None else 3 * flops)
     result["data"] = {**data.info, "train": len(data.train_y), "test": len(data.test_y), "mean": data.mean,
                       "std": data.std}
-    if result["status"] in checkpoint.FINAL:   # the weights that were evaluated: the EMA's when trick.ema
+    if result["status"] in checkpoint.FINAL and ranks.main:   # the weights that were evaluated: the EMA's if any
         final = policy.fp32_state_dict(model if ema is None else ema.model)
         result["weights"] = checkpoint.save_weights(recorder.out_dir, final, data.num_classes)
     return result

@@ -1,0 +1,191 @@
+"""Data-parallel runs: one job as N ranks (PyTorch DDP), started by torchrun or by a submitit task array.
+
+Where the ranks come from (`from_env`): torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT; a
+hydra-submitit-launcher job with `tasks_per_node=N` runs N tasks whose rank comes from submitit's JobEnvironment
+(SLURM_PROCID/SLURM_LOCALID on Slurm, SUBMITIT_LOCAL_* locally) and whose rendezvous is the job's first host and
+a port derived from the job id. One rank (WORLD_SIZE unset or 1) is the ordinary single-process job.
+
+The process group has the gloo backend for CPU tensors and, where CUDA is available, nccl for GPU tensors
+("cpu:gloo,cuda:nccl"); each rank on a GPU uses cuda:LOCAL_RANK. `Ranks` is what the engine sees: the rank, the
+world size, sums across ranks, a barrier; with one rank every method is a no-op, so the single-process path is
+unchanged. Rank 0 alone writes the records (summary.json, metrics.jsonl, checkpoints, W&B).
+
+The output dir under torchrun: every rank runs Hydra, which names the dir from the clock; `share_run_time()`
+(train.py, before Hydra starts) has rank 0's clock reading sent to every rank through the process group's store
+and put in MIXPREC_RUN_TIME, which conf/config.yaml's `hydra.run.dir`/`hydra.sweep.dir` use in place of `now`,
+so all ranks share one dir. Under the submitit launcher the launcher names the dirs once, before the tasks start.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+from .config import ConfigError
+
+RUN_TIME = "MIXPREC_RUN_TIME"
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place (and return it)."""
+        if self.active:
+            tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.active:
+            tdist.barrier()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any."""
+        if not self.active:
+            return flag
+        return bool(self.sum_(torch.tensor([int(bool(flag))])).item())
+
+    def agreed_stop(self, stop):
+        """A stop() for the engine that every rank answers alike: a signal seen by one rank (torchrun forwards
+        SIGTERM to all, but not at the same step) stops all of them after the same step. One small all-reduce on
+        the CPU per step under DDP (none with one rank)."""
+        if not self.active:
+            return stop
+        return lambda: (stop() or "a signal to another rank") if self.any(stop() is not None) else None
+
+
+SINGLE = Ranks()
+
+
+def from_env() -> Ranks:
+    """This process's place in the job (torchrun's variables, else a submitit multi-task job, else one rank)."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        import submitit
+
+        env = submitit.JobEnvironment()
+        if env.num_tasks > 1:
+            os.environ.setdefault("MASTER_ADDR", env.hostnames[0])
+            os.environ.setdefault("MASTER_PORT", str(20000 + int("".join(filter(str.isdigit, env.job_id)) or 0) % 20000))
+            return Ranks(env.global_rank, env.num_tasks, env.local_rank)
+    return SINGLE
+
+
+def init(ranks: Ranks) -> bool:
+    """Join the job's process group (if it has several ranks and none is joined yet); True when this call made it."""
+    if not ranks.active or tdist.is_initialized():
+        return False
+    if torch.cuda.is_available():
+        torch.cuda.set_device(ranks.local_rank % torch.cuda.device_count())
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    tdist.init_process_group(backend, init_method="env://", rank=ranks.rank, world_size=ranks.world, timeout=TIMEOUT)
+    return True
+
+
+def close(made: bool) -> None:
+    if made and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def share_run_time() -> None:
+    """Under torchrun, before Hydra: give every rank rank 0's clock reading as MIXPREC_RUN_TIME (see above)."""
+    ranks = from_env()
+    if not ranks.active or RUN_TIME in os.environ:
+        return
+    init(ranks)
+    store = tdist.distributed_c10d._get_default_store()
+    if ranks.main:
+        store.set(RUN_TIME, time.strftime("%Y-%m-%d_%H-%M-%S"))
+    os.environ[RUN_TIME] = store.get(RUN_TIME).decode()
+
+
+def device_name(name: str, ranks: Ranks) -> str:
+    """The device each rank uses: trainer.device auto or cuda -> cuda:LOCAL_RANK under DDP."""
+    if not ranks.active:
+        return name
+    if name.startswith("cuda:"):
+        raise ConfigError(f"trainer.device={name}: under DDP each rank uses cuda:LOCAL_RANK; use trainer.device=auto or cuda "
+                          "(and CUDA_VISIBLE_DEVICES to choose the GPUs)")
+    if name in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{ranks.local_rank % torch.cuda.device_count()}"
+    return name
+
+
+def check(batch_size: int, sync_bn: bool, device: torch.device, ranks: Ranks) -> int:
+    """The per-rank batch (the configured batch is the global one); ConfigError for what DDP cannot do."""
+    if batch_size % ranks.world:
+        raise ConfigError(f"trainer.batch_size={batch_size}: the global batch must divide by the {ranks.world} ranks "
+                          f"(each rank takes batch_size / world size)")
+    if sync_bn and ranks.active and device.type != "cuda":
+        raise ConfigError("trainer.sync_bn=true: SyncBatchNorm runs on GPUs only; on CPUs use sync_bn=false "
+                          "(or model.bn_eval=true for batch statistics that do not depend on the split)")
+    return batch_size // ranks.world
+
+
+def wrap(model: torch.nn.Module, device: torch.device, sync_bn: bool, ranks: Ranks) -> torch.nn.Module:
+    """The model the training loop runs: DDP-wrapped (BatchNorm synchronised if asked) under several ranks.
+    Gradients are averaged across ranks during backward, so the precision policy (GradScaler's unscale, the
+    o2 copy into fp32 masters) sees the averaged gradients on every rank and every rank steps alike."""
+    if not ranks.active:
+        return model
+    if sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+
+
+def mute_other_ranks() -> None:
+    """Before Hydra starts (train.py): ranks other than 0 print nothing, so a bad override or config error is said
+    once, by rank 0; `quiet_unless_main` gives them their stderr back when the job starts (for real crashes)."""
+    if not from_env().main:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+
+
+def quiet_unless_main(ranks: Ranks) -> None:
+    """Ranks other than 0 print nothing to stdout (rank 0 speaks for the job); their stderr stays for real crashes."""
+    if not ranks.main:
+        sys.stdout, sys.stderr = open(os.devnull, "w"), sys.__stderr__
+
+
+def spread(params, ranks: Ranks) -> float:
+    """The largest difference of any weight between two ranks (0.0: every rank holds the same weights)."""
+    flat = torch.cat([p.detach().float().reshape(-1) for p in params])
+    high, low = flat.clone(), flat.clone()
+    tdist.all_reduce(high, op=tdist.ReduceOp.MAX)
+    tdist.all_reduce(low, op=tdist.ReduceOp.MIN)
+    return (high - low).abs().max().item()
+
+
+class Silent:
+    """The records of a rank other than 0: nothing is written (rank 0 writes the job's records)."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def log(self, row: dict) -> None:
+        pass
+
+    def write_summary(self, summary: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

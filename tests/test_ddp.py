@@ -1,0 +1,110 @@
+"""DDP under torchrun (gloo, CPU) and sweeps through hydra-submitit-launcher's local executor: real tiny jobs."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY
+from mixprec import data, dist
+from mixprec.config import ConfigError
+
+pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+
+# BatchNorm in eval mode: its statistics do not depend on how the global batch is split across ranks (SyncBatchNorm,
+# trainer.sync_bn=true, is the GPU way), so 2 ranks must give what 1 process gives. Augmentation stays on.
+SAME = [*TINY, "trainer.max_steps=4", "trainer.log_every=2", "trainer.deterministic=true", "+model.bn_eval=true",
+        "schedule=constant", "optimizer.lr=0.2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args, cwd, timeout=180, torchrun=True):
+    env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("MIXPREC_RUN_TIME", None)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    return subprocess.run([*(launcher if torchrun else [sys.executable]), str(ROOT / "train.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def rows(job_dir, kind):
+    return [r for r in map(json.loads, (job_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def test_torchrun_two_ranks_equal_one_process(tmp_path):
+    ddp = run([*SAME, "logger=wandb"], cwd=tmp_path)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    runs = list((tmp_path / "outputs" / "runs").iterdir())
+    assert len(runs) == 1, runs                      # both ranks used rank 0's dir (MIXPREC_RUN_TIME)
+    job = runs[0]
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["distributed"]["world_size"] == 2 and summary["distributed"]["per_rank_batch"] == 8
+    assert summary["distributed"]["backend"] == "gloo"
+    assert summary["distributed"]["weight_spread"] == 0.0   # max |w_rank0 - w_rank1| over every weight
+    assert len(list((job / "wandb").glob("offline-run-*"))) == 1
+    assert ddp.stdout.count("status      completed") == 1  # rank 0 alone reports
+
+    one = run([*SAME, f"hydra.run.dir={tmp_path / 'single'}"], cwd=tmp_path, torchrun=False)
+    assert one.returncode == 0, one.stderr[-3000:]
+    single = tmp_path / "single"
+    s1 = json.loads((single / "summary.json").read_text())
+    assert summary["metrics"]["steps"] == s1["metrics"]["steps"] == 4
+    for a, b in zip(rows(job, "train"), rows(single, "train"), strict=True):
+        assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["acc"] == b["acc"]
+    assert summary["metrics"]["final_test_loss"] == pytest.approx(s1["metrics"]["final_test_loss"], rel=1e-5)
+    w_ddp, w_one = (torch.load(d / "model_fp32.pt", weights_only=True) for d in (job, single))
+    assert set(w_ddp) == set(w_one)
+    moved = torch.load(single / "model_fp32.pt")["0.weight"].std().item()
+    assert moved > 0
+    for k in w_one:
+        torch.testing.assert_close(w_ddp[k], w_one[k], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_override_under_torchrun_is_one_line(tmp_path):
+    r = run([*TINY, "trainer.batch_size=0", f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path, timeout=120)
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    line = "mixprec: config error: trainer.batch_size=0: must be an integer >= 1"
+    assert out.count(line) == 1, out[-3000:]                       # rank 0 says it; rank 1 exits quietly
+    assert "mixprec/" not in out and "train.py\", line" not in out   # no traceback from any rank
+    assert json.loads((tmp_path / "job" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_ranks_checks():
+    ranks = dist.Ranks(rank=1, world=2)
+    assert dist.check(16, False, torch.device("cpu"), ranks) == 8
+    with pytest.raises(ConfigError, match="trainer.batch_size=15: the global batch must divide by the 2 ranks"):
+        dist.check(15, False, torch.device("cpu"), ranks)
+    with pytest.raises(ConfigError, match="trainer.sync_bn=true: SyncBatchNorm runs on GPUs only"):
+        dist.check(16, True, torch.device("cpu"), ranks)
+    # rank 1's slices of a global batch: its samples and its share of the random draws
+    assert data.shard_of(torch.arange(16), (1, 2)).tolist() == list(range(8, 16))
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    images = torch.randint(0, 256, (16, 3, 8, 8), dtype=torch.uint8)
+    mean, std = data.norm_tensors((0.5,) * 3, (0.25,) * 3, torch.device("cpu"))
+    whole = data.prepare(images, mean, std, pad=2, flip=True, cutout=3, generator=gen())
+    half = data.prepare(images[8:], mean, std, pad=2, flip=True, cutout=3, generator=gen(), shard=(1, 2))
+    assert torch.equal(whole[8:], half)
+
+
+def test_submitit_local_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run(["-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *TINY, "precision=fp32,tf32",
+             f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=240, torchrun=False)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    summaries = sorted(sweep.glob("*/summary.json"))
+    assert len(summaries) == 2
+    assert {json.loads(p.read_text())["status"] for p in summaries} == {"completed"}
+    assert f"sweep {sweep}: 2 jobs" in r.stdout
+    table = r.stdout.split(f"sweep {sweep}: 2 jobs")[1]
+    assert "fp32" in table and "tf32" in table and table.count("completed") == 2
+    assert (sweep / "report" / "report.md").exists()
+    assert list(sweep.glob(".submitit/*/*_0_log.out"))   # the jobs ran through submitit
