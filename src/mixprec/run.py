@@ -158,8 +158,13 @@ def _execute(config: Config, summary: dict, out_dir: Path, group: str | None, na
     mirror = None
     if config.logger.name == "wandb" and config.logger.mode != "disabled":
         from .wandb_mirror import WandbMirror
-        mirror = WandbMirror(config.logger, out_dir, summary["config"], group=group, name=name,
-                             job_type=config.name, run_id=resume.get("wandb_run_id") if resume else None)
+        try:
+            mirror = WandbMirror(config.logger, out_dir, summary["config"], group=group, name=name,
+                                 job_type=config.name, run_id=resume.get("wandb_run_id") if resume else None)
+        except RuntimeError as e:   # recorded as a failed job, in one line
+            summary["error"] = str(e)
+            Recorder(out_dir).write_summary(summary)
+            return summary
         summary["wandb"] = {"mode": config.logger.mode, "run_id": mirror.run.id, "dir": mirror.run_dir}
     recorder = Recorder(out_dir, mirror)
     saver = checkpoint.Checkpointer(out_dir, meta={"config": summary["config"], "device_type": device.type,

@@ -7,9 +7,12 @@ folder with that id, and `wandb sync` uploads them in order. wandb is imported o
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from .config import LoggerConfig
+
+IN_USE_WAIT_S = 120.0   # how long a resumed job waits for a killed predecessor's W&B service to let go of the run id
 
 
 def crash_safe_settings(wandb):
@@ -27,10 +30,22 @@ class WandbMirror:
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
-        self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=str(out_dir),
-                              config=config, group=group, name=name, job_type=job_type, tags=list(cfg.tags),
-                              reinit="finish_previous", id=run_id, resume="allow" if run_id else None,
-                              settings=crash_safe_settings(wandb))
+        kwargs = dict(project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=str(out_dir), config=config,
+                      group=group, name=name, job_type=job_type, tags=list(cfg.tags), reinit="finish_previous",
+                      id=run_id, resume="allow" if run_id else None, settings=crash_safe_settings(wandb))
+        waited = 0.0
+        while True:
+            try:
+                self.run = wandb.init(**kwargs)
+                return
+            except Exception as e:
+                # Resuming right after a kill: the killed job's W&B service may still hold the run id for a few
+                # seconds until it notices its parent is gone. Wait for it rather than fail the resume.
+                if "is in use" not in str(e) or waited >= IN_USE_WAIT_S:
+                    raise RuntimeError(f"W&B could not start the run ({str(e).splitlines()[0]}); "
+                                       "logger=none runs without it") from None
+                time.sleep(2.0)
+                waited += 2.0
 
     def log(self, row: dict) -> None:
         # W&B's step is the optimizer step, so a resumed run's rows continue its history at the right step
