@@ -8,7 +8,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from .records import SUMMARY, read_summary
-from .tables import format_table, sweep_rows
+from .tables import format_table, sweep_note, sweep_rows
 
 
 def collect(sweep_dir: Path) -> tuple[list[dict], list[str]]:
@@ -34,6 +34,8 @@ class SweepTable(Callback):
         print(f"\nsweep {sweep_dir}: {len(summaries)} jobs")
         if summaries:
             print(format_table(sweep_rows(summaries)))
+            if sweep_note(summaries):
+                print(sweep_note(summaries))
         for p in problems:
             print(f"unreadable: {p}")
         failed = [s for s in summaries if s.get("status") not in ("completed", "diverged")]

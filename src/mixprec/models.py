@@ -1,4 +1,4 @@
-"""Models: torchvision ResNets with a CIFAR or ImageNet stem, and a small CNN."""
+"""Models: torchvision ResNets with a CIFAR or ImageNet stem, a small CNN, and RNN language models (rnnlm.py)."""
 from __future__ import annotations
 
 import torch
@@ -6,9 +6,14 @@ import torchvision
 from torch import nn
 
 from .config import ModelConfig
+from .rnnlm import RNNModel
 
 
 def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
+    """num_classes: the vocabulary size for a language model (cfg.is_language_model)."""
+    if cfg.is_language_model:
+        return RNNModel(cfg.arch, num_classes, cfg.emsize, cfg.nhid, cfg.nlayers, cfg.dropout, cfg.tied,
+                        cfg.vocab_multiple)
     if cfg.arch.startswith("resnet"):
         return resnet(cfg.arch, cfg.stem, num_classes)
     if cfg.arch == "small_cnn":

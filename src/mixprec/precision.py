@@ -125,9 +125,12 @@ class PrecisionPolicy:
         under master weights, the fp32 masters themselves rather than the rounded fp16 copies."""
         state = {k: v.detach().float() if v.is_floating_point() else v.detach() for k, v in model.state_dict().items()}
         if self.master_params is not None:
-            names = {id(p): n for n, p in model.named_parameters()}
+            names = {}   # a shared (tied) parameter has several names, and the state dict an entry for each
+            for n, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(n)
             for p, master in zip(self.model_params, self.master_params):
-                state[names[id(p)]] = master.detach().clone()
+                for n in names[id(p)]:
+                    state[n] = master.detach().clone()
         return state
 
 
