@@ -157,6 +157,23 @@ def test_perplexity_is_exp_of_the_mean_loss_per_token():
     assert lm_engine.perplexity(1e4) == math.inf and math.isnan(lm_engine.perplexity(math.nan))
 
 
+def test_what_cpu_autocast_does_with_the_recurrent_layers():
+    """As the README says (torch 2.14): under CPU autocast the LSTM and GRU run in fp32 (oneDNN's fp16 LSTM, which
+    autocast would pick, is turned off), nn.RNN and the decoder in fp16, the embedding in fp32."""
+    policy = precision("amp")
+    for kind, rnn_dtype in (("lstm", torch.float32), ("gru", torch.float32), ("rnn_tanh", torch.float16)):
+        model = RNNModel(kind, 20, 8, 8, 2)
+        seen = {}
+        for name in ("encoder", "rnn", "decoder"):
+            getattr(model, name).register_forward_hook(
+                lambda m, args, out, name=name: seen.__setitem__(name, (out[0] if name == "rnn" else out).dtype))
+        x = torch.randint(20, (5, 3))
+        loss, _, _ = lm_engine.forward(model, x, x, model.init_hidden(3), policy)
+        loss.backward()
+        assert seen == {"encoder": torch.float32, "rnn": rnn_dtype, "decoder": torch.float16}, kind
+        assert loss.dtype == torch.float32 and torch.backends.mkldnn.enabled   # oneDNN back on afterwards
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
 def test_every_precision_trains_every_rnn_kind(tmp_path, kind):
     for name in PRECISIONS:
@@ -201,6 +218,7 @@ def test_a_job_records_perplexity_anneals_the_lr_and_saves_fp32_weights(tmp_path
     (["model=lstm"], "model=lstm is a language model: it needs a text dataset"),
     (["dataset=synthetic_text"], "dataset=synthetic_text is a text corpus: it trains a language model"),
     (["schedule=plateau"], "schedule=plateau anneals on a validation loss"),
+    (["model=lstm", "dataset=synthetic_text", "trainer.target_acc=0.5"], "trainer.target_acc: a language model is"),
 ])
 def test_a_model_and_data_of_different_tasks_is_one_config_error(tmp_path, overrides, message):
     with pytest.raises(SystemExit) as e:
