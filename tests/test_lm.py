@@ -20,11 +20,14 @@ from mixprec.tables import published_ppl, sweep_rows
 from mixprec.wikitext import TokenWindows, batchify
 
 CPU = torch.device("cpu")
-# a tiny language model on a tiny synthetic corpus (vocabulary 40); the TINY image sizes are overridden
-LM = ["logger=none", "trainer.max_steps=2", "model=lstm", "dataset=synthetic_text", "dataset.vocab_size=40", "dataset.train_size=1200",
-      "dataset.test_size=200", "model.emsize=8", "model.nhid=8", "trainer.batch_size=4", "trainer.eval_batch_size=5",
-      "dataset.bptt=6", "optimizer.lr=5", "optimizer.momentum=0", "optimizer.weight_decay=0",
-      "trainer.grad_clip=0.25", "schedule=plateau", "trainer.warmup_steps=0"]
+# Tiny but real, as conftest's TINY for images: a 2-layer LSTM of 8 units on a synthetic corpus of 40 words,
+# 2 steps, the example's optimizer (plain SGD, clipping, the plateau rule).
+LM = ["logger=none", "trainer.max_steps=2", "model=lstm", "dataset=synthetic_text", "dataset.vocab_size=40",
+      "dataset.train_size=1200", "dataset.test_size=200", "model.emsize=8", "model.nhid=8", "trainer.batch_size=4",
+      "trainer.eval_batch_size=5", "dataset.bptt=6", "optimizer.lr=5", "optimizer.momentum=0",
+      "optimizer.weight_decay=0", "trainer.grad_clip=0.25", "schedule=plateau", "trainer.warmup_steps=0"]
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """Tiny models gain nothing from intra-op threads; on a busy 2-core machine their hand-offs made these
@@ -48,7 +51,8 @@ def trainer(**values):
 
 
 def precision(name):
-    return PrecisionPolicy(validate(compose_config(f"precision={name}")).precision, CPU)
+    """The policy of `precision=<name>`; name may carry more overrides: "o2 precision.loss_scale=128"."""
+    return PrecisionPolicy(validate(compose_config(*f"precision={name}".split())).precision, CPU)
 
 
 def test_windows_and_targets_line_up():
@@ -87,7 +91,7 @@ def test_the_hidden_state_is_cut_between_windows():
     loss1.backward()   # raises if loss2's backward had run through (and freed) window 1's graph
 
 
-@pytest.mark.parametrize("name", ["amp", "o2", "apex_fp16"])
+@pytest.mark.parametrize("name", ["amp", "o2", "o2 precision.loss_scale=128"])
 def test_clipping_under_a_loss_scale_clips_the_unscaled_gradient(name):
     """loss = g . w with |g| = 5e-3: the scaled gradient's norm is 5e-3 x scale; clipped to 1e-3 after unscaling,
     SGD at lr 1 moves w by g / 5 (clipping before unscaling would move it by g / (5 x scale))."""
@@ -176,6 +180,8 @@ def test_what_cpu_autocast_does_with_the_recurrent_layers():
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
 def test_every_precision_trains_every_rnn_kind(tmp_path, kind):
+    torch.manual_seed(0)   # the run's seed, set just before its model is built: its initial weights
+    initial = RNNModel(kind, 40, 8, 8, 2).state_dict()
     for name in PRECISIONS:
         s = run_lm(tmp_path / name, f"model={kind}", f"precision={name}")
         m = s["metrics"]
@@ -185,11 +191,16 @@ def test_every_precision_trains_every_rnn_kind(tmp_path, kind):
         assert (m["loss_scale"] is not None) == (s["config"]["precision"]["loss_scale"] != "none"), name
         weights = torch.load(tmp_path / name / WEIGHTS, weights_only=True)
         assert all(v.dtype == torch.float32 for v in weights.values() if v.is_floating_point()), name
+        assert weights.keys() == initial.keys()
+        # the embedding rows of words not seen in the 2 windows are the initial ones (up to the dtype's rounding)
+        assert torch.isclose(weights["encoder.weight"], initial["encoder.weight"], atol=1e-3).all(1).any(), name
+        assert not torch.equal(weights["decoder.weight"], initial["decoder.weight"]), name          # trained
+        assert not torch.equal(weights["rnn.weight_hh_l0"], initial["rnn.weight_hh_l0"]), name
 
 
 def test_a_job_records_perplexity_anneals_the_lr_and_saves_fp32_weights(tmp_path):
-    s = run_lm(tmp_path, "precision=apex_fp16", "model.tied=true", "trainer.max_steps=null",
-                 "trainer.epochs=3", "optimizer.lr=40", "schedule.factor=4")
+    s = run_lm(tmp_path, "apex_lm=fp16", "model.tied=true", "trainer.max_steps=null", "trainer.epochs=3",
+               "optimizer.lr=40", "schedule.factor=4")
     m = s["metrics"]
     assert s["status"] == "completed" and m["steps"] == 3 * m["steps_per_epoch"] == 3 * math.ceil((300 - 1) / 6)
     assert m["loss_scale"] == {"min": 128.0, "max": 128.0, "final": 128.0} and m["skipped_steps"] == 0
@@ -240,7 +251,7 @@ def test_bad_language_model_values_name_the_field(override, field):
 
 
 def test_published_numbers_sit_beside_apex_runs_only():
-    config = validate(compose_config("experiment=apex_word_lm", "precision=apex_fp16"))
+    config = validate(compose_config("experiment=apex_word_lm", "apex_lm=fp16"))
     summary = {"config": {"model": vars(config.model), "dataset": {"name": "wikitext2"},
                           "precision": vars(config.precision)}, "metrics": {"test_ppl_at_best_valid": 91.5}}
     assert published_ppl(summary) == "~90 (fp16, scale 128)"
@@ -269,7 +280,7 @@ def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
     r = run_cli("-m", "experiment=apex_word_lm", *small, "logger=none", f"hydra.sweep.dir={sweep}")
     assert r.returncode == 0, r.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
-    assert sorted(s["choices"]["precision"] for s in summaries) == ["amp", "apex_fp16", "fp32"]
+    assert sorted(s["choices"]["precision"] for s in summaries) == ["amp", "fp32", "o2"]
     for s in summaries:
         c = s["config"]
         assert s["status"] == "completed" and s["metrics"]["steps"] == 2
@@ -278,12 +289,14 @@ def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
         assert (c["optimizer"]["lr"], c["optimizer"]["momentum"], c["trainer"]["grad_clip"], c["schedule"]["name"],
                 c["trainer"]["epochs"], c["trainer"]["batch_size"]) == (20.0, 0.0, 0.25, "plateau", 30, 4)
     assert {s["choices"]["precision"]: s["config"]["precision"]["loss_scale"] for s in summaries} == \
-        {"fp32": "none", "apex_fp16": 128.0, "amp": "dynamic"}
+        {"fp32": "none", "o2": 128.0, "amp": "dynamic"}
     out = r.stdout[r.stdout.index(f"sweep {sweep}: 3 jobs"):].splitlines()
     header = out[1].split()
     assert header[:7] == ["job", "model", "precision", "status", "epochs", "time", "s"]
     assert "tokens/s" in header and "valid" in header and "published" in header and "acc" not in header
     rows = {line.split()[2]: line.split() for line in out[3:6]}
+    assert sorted(rows) == ["amp", "fp32", "o2(x128)"]                  # the static loss scale is shown
+    rows["o2"] = rows.pop("o2(x128)")
     by_precision = {s["choices"]["precision"]: s for s in summaries}
     for name, cells in rows.items():
         m = by_precision[name]["metrics"]

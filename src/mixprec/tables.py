@@ -43,7 +43,7 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
         rows.append({
             "job": s.get("job", {}).get("num"),
             "model": s.get("choices", {}).get("model"),
-            "precision": s.get("choices", {}).get("precision"),
+            "precision": _precision_label(s),
             "status": s.get("status"),
             "epochs": m.get("epochs"),
             "train_time_s": t,
@@ -58,6 +58,13 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
             "note": _case_note(s.get("case")) + (s.get("reason") or s.get("error") or ""),
         })
     return rows
+
+
+def _precision_label(summary: dict) -> str | None:
+    """The precision choice, with its static loss scale when it has one (apex's fp16: o2(x128))."""
+    choice = summary.get("choices", {}).get("precision")
+    scale = ((summary.get("config") or {}).get("precision") or {}).get("loss_scale")
+    return f"{choice}(x{scale:g})" if isinstance(scale, (int, float)) and not isinstance(scale, bool) else choice
 
 
 def _case_note(case: dict | None) -> str:
