@@ -203,8 +203,8 @@ def test_text_data_in_train_py_is_a_clear_config_error(tmp_path):
         run_job_with(tmp_path, "dataset=synthetic_text")
     assert e.value.code == 1
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert s["error"].startswith("config error: dataset=synthetic_text: language-model training arrives with "
-                                 "model=lstm") and "traceback" not in s
+    assert s["error"].startswith("config error: dataset=synthetic_text is a text corpus: it trains a language "
+                                 "model (model=lstm") and "traceback" not in s
 
 
 def test_cli_offline_and_missing_is_one_line_and_a_non_zero_exit(tmp_path):

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from .checkpoint import resume_hint
 from .dist import from_env
 from .records import SUMMARY, read_summary
-from .tables import LADDER_COLUMNS, format_table, ladder_rows, sweep_rows
+from .tables import LADDER_COLUMNS, format_table, ladder_rows, sweep_note, sweep_rows
 
 
 def collect(sweep_dir: Path) -> tuple[list[dict], list[str]]:
@@ -41,6 +41,8 @@ class SweepTable(Callback):
         print(f"\nsweep {sweep_dir}: {len(summaries)} jobs")
         if summaries:
             print(format_table(sweep_rows(summaries)))
+            if sweep_note(summaries):
+                print(sweep_note(summaries))
         ladder = ladder_rows(summaries)
         if ladder:  # a sweep over Page's ladder steps: per step, beside the article's V100 times
             print(f"\nPage's ladder (article: one V100, time to 94%):\n{format_table(ladder, LADDER_COLUMNS)}")

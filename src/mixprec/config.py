@@ -20,6 +20,7 @@ class ConfigError(ValueError):
 
 
 DType = Literal["float32", "float16", "bfloat16"]
+RNN_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")   # model.arch values that are word-level language models
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,20 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: Literal["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "small_cnn", "resnet9"]
+    arch: Literal["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "small_cnn", "resnet9",
+                  "lstm", "gru", "rnn_tanh", "rnn_relu"]
     stem: Literal["cifar", "imagenet"] = "cifar"
     width: int = 32
     bn_eval: bool = False   # BatchNorm stays in eval mode while training (frozen statistics, as in fine-tuning)
     channels: tuple = (64, 128, 256, 512)   # resnet9: prep, layer1, layer2, layer3
     output_scale: float = 0.125             # resnet9: logits = scale * linear(features)
+    # recurrent language models (lstm, gru, rnn_tanh, rnn_relu) only; defaults = PyTorch's word_language_model
+    emsize: int = 200
+    nhid: int = 200
+    nlayers: int = 2
+    dropout: float = 0.2
+    tied: bool = False        # the decoder shares the embedding's weights (needs emsize == nhid)
+    vocab_multiple: int = 1   # pad the vocabulary to a multiple of this (apex: 8, for tensor-core GEMMs)
 
     def check(self) -> None:
         _at_least(self, "width", 1, section="model")
@@ -73,6 +82,20 @@ class ModelConfig:
                               "layer2, layer3)")
         if not self.output_scale > 0:
             raise ConfigError(f"model.output_scale={self.output_scale}: must be > 0")
+        for name in ("emsize", "nhid", "nlayers", "vocab_multiple"):
+            _at_least(self, name, 1, section="model")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")
+        if self.tied and not self.is_language_model:
+            raise ConfigError(f"model.tied=true: only the recurrent language models have tied weights (model={self.arch})")
+        if self.tied and self.emsize != self.nhid:
+            raise ConfigError(f"model.tied=true: needs model.emsize == model.nhid (got {self.emsize} and {self.nhid})")
+        if self.bn_eval and self.is_language_model:
+            raise ConfigError(f"model.bn_eval=true: model={self.arch} has no BatchNorm")
+
+    @property
+    def is_language_model(self) -> bool:
+        return self.arch in RNN_KINDS
 
 
 @dataclass(frozen=True)
@@ -202,8 +225,11 @@ class ScheduleConfig:
     name: str = "constant"
     knots: tuple = (0.0, 1.0)
     values: tuple = (1.0, 1.0)
+    factor: float = 4.0     # plateau only: lr divided by this after an epoch whose validation loss is no better
 
     def check(self) -> None:
+        if not (math.isfinite(self.factor) and self.factor > 1):
+            raise ConfigError(f"schedule.factor={self.factor}: must be a number > 1 (the lr is divided by it)")
         k = list(self.knots)
         if len(k) < 2 or len(k) != len(self.values):
             raise ConfigError(f"schedule.knots/values: need two or more knots and one value per knot (got {len(k)} and {len(self.values)})")

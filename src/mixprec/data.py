@@ -45,9 +45,8 @@ class ImageData:
 def build_image_data(cfg: DatasetConfig) -> ImageData:
     """The dataset `cfg` names, as uint8 tensors on the CPU (raises datafiles.DataError if it cannot be read)."""
     if cfg.is_text:
-        raise ConfigError(f"dataset={cfg.name}: language-model training arrives with model=lstm (issue 5); for now "
-                          f"the corpus is served by mixprec.wikitext and `python scripts/data_stats.py "
-                          f"dataset={cfg.name}` shows it")
+        raise ConfigError(f"dataset={cfg.name}: a text corpus, not images; mixprec.wikitext.load_text_corpus "
+                          "serves it (language models: model=lstm, gru, rnn_tanh, rnn_relu)")
     if cfg.name == "synthetic":
         return synthetic_images(cfg)
     from .cifar import load_cifar   # cifar.py builds on this module's ImageData

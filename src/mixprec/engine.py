@@ -113,6 +113,45 @@ def all_finite(tensors) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
+def train_step(loss: torch.Tensor, policy: PrecisionPolicy, optimizer, trainer: TrainerConfig, state: dict,
+               ranks: Ranks = SINGLE) -> None:
+    """Backward and optimizer step (unscale, clip, step: PrecisionPolicy.step) for one batch's loss, then
+    zero_grad. Under on_nonfinite=skip a non-finite loss skips backward and update (the window check counts it);
+    under several ranks, all skip alike."""
+    if trainer.on_nonfinite == "skip" and ranks.any(not torch.isfinite(loss)):
+        if state["nonfinite"] is None:
+            state["nonfinite"] = {"step": state["step"] + 1, "what": f"loss {loss.item()} (step skipped)",
+                                  "policy": "skip"}
+    else:
+        policy.backward(loss)
+        state["skipped"] += policy.step(optimizer, trainer.grad_clip)
+        if policy.scale_value is not None:
+            state["scale_min"] = min(state["scale_min"], policy.scale_value)
+            state["scale_max"] = max(state["scale_max"], policy.scale_value)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def check_window(window: Window, state: dict, policy: PrecisionPolicy, trainer: TrainerConfig,
+                 ranks: Ranks = SINGLE) -> tuple[float, str | None]:
+    """The non-finite check, one host sync: the window's losses (averaged over ranks: the global batches'), then
+    the stepped weights. Returns the mean of the finite losses and what went non-finite (None when all is
+    finite); counts it and records the first."""
+    losses = (ranks.sum_(torch.stack(window.losses).float()) / ranks.world).cpu()
+    finite = torch.isfinite(losses)
+    bad_step = what = None
+    if not finite.all():
+        bad_step = window.first_step + int((~finite).nonzero()[0])
+        what = f"loss became {losses[~finite][0].item()} at step {bad_step}"
+        state["nonfinite_steps"] += int((~finite).sum())
+    elif not all_finite(policy.stepped_params()):
+        bad_step = state["step"]
+        what = f"weights became non-finite by step {bad_step} (checked every {trainer.log_every} steps)"
+        state["nonfinite_steps"] += 1
+    if bad_step is not None and state["nonfinite"] is None:
+        state["nonfinite"] = {"step": bad_step, "what": what, "policy": trainer.on_nonfinite}
+    return (losses[finite].mean().item() if finite.any() else math.nan), what
+
+
 def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, test_batches,
           trainer: TrainerConfig, *, label_smoothing: float = 0.0, loss_sum: bool = False, ema=None,
           tta: bool = False, setup_time_s: float = 0.0, bn_eval: bool = False, log=lambda row: None,
@@ -159,27 +198,14 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
     def flush(window: Window, epoch: int) -> bool:
         """Sync once: check the window's losses and the weights; log a row. False = stop the run."""
         nonlocal status, reason
-        losses = (ranks.sum_(torch.stack(window.losses).float()) / ranks.world).cpu()   # the global batches' losses
-        finite = torch.isfinite(losses)
-        bad_step = None
-        if not finite.all():
-            bad_step = window.first_step + int((~finite).nonzero()[0])
-            what = f"loss became {losses[~finite][0].item()} at step {bad_step}"
-            state["nonfinite_steps"] += int((~finite).sum())
-        elif not all_finite(policy.stepped_params()):
-            bad_step = state["step"]
-            what = f"weights became non-finite by step {bad_step} (checked every {trainer.log_every} steps)"
-            state["nonfinite_steps"] += 1
+        loss, what = check_window(window, state, policy, trainer, ranks)
         elapsed = time.perf_counter() - window.t0
-        row = {"kind": "train", "step": state["step"], "epoch": epoch + 1,
-               "loss": losses[finite].mean().item() if finite.any() else math.nan,
+        row = {"kind": "train", "step": state["step"], "epoch": epoch + 1, "loss": loss,
                "acc": ranks.sum_(torch.stack(window.correct).sum()).item() / max(window.samples, 1),
                "lr": optimizer.param_groups[0]["lr"], "loss_scale": policy.scale_value,
                "samples_per_s": window.samples / elapsed if elapsed > 0 else None}
         log(row)
-        if bad_step is not None and state["nonfinite"] is None:
-            state["nonfinite"] = {"step": bad_step, "what": what, "policy": trainer.on_nonfinite}
-        if bad_step is not None and trainer.on_nonfinite == "stop":
+        if what is not None and trainer.on_nonfinite == "stop":
             status, reason = "diverged", what
             return False
         return True
@@ -209,18 +235,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
             with policy.autocast():
                 out = model(policy.cast_input(x))
             loss = cross_entropy(out, y, label_smoothing, summed=loss_sum)
-            if trainer.on_nonfinite == "skip" and ranks.any(not torch.isfinite(loss)):   # all ranks skip alike
-                # the step is skipped: no backward, no update (the window check below counts it)
-                if state["nonfinite"] is None:
-                    state["nonfinite"] = {"step": state["step"] + 1, "what": f"loss {loss.item()} (step skipped)",
-                                          "policy": "skip"}
-            else:
-                policy.backward(loss)
-                state["skipped"] += policy.step(optimizer, trainer.grad_clip)
-                if policy.scale_value is not None:
-                    state["scale_min"] = min(state["scale_min"], policy.scale_value)
-                    state["scale_max"] = max(state["scale_max"], policy.scale_value)
-            optimizer.zero_grad(set_to_none=True)
+            train_step(loss, policy, optimizer, trainer, state, ranks)
             if ema is not None:
                 ema.update(model)
             schedule.step()

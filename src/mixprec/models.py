@@ -1,4 +1,5 @@
-"""Models: torchvision ResNets with a CIFAR or ImageNet stem, a small CNN, and Page's ResNet-9 (resnet9.py)."""
+"""Models: torchvision ResNets with a CIFAR or ImageNet stem, a small CNN, Page's ResNet-9 (resnet9.py), and RNN
+language models (rnnlm.py)."""
 from __future__ import annotations
 
 import torch
@@ -7,10 +8,15 @@ from torch import nn
 
 from .config import ModelConfig
 from .resnet9 import ResNet9
+from .rnnlm import RNNModel
 
 
 def build_model(cfg: ModelConfig, num_classes: int, **resnet9_options) -> nn.Module:
-    """resnet9_options: ResNet9's trick switches (activation, ghost_splits, ...), which run.py maps from `trick`."""
+    """num_classes: the vocabulary size for a language model (cfg.is_language_model). resnet9_options: ResNet9's
+    trick switches (activation, ghost_splits, ...), which resnet9.resnet9_options maps from `trick`."""
+    if cfg.is_language_model:
+        return RNNModel(cfg.arch, num_classes, cfg.emsize, cfg.nhid, cfg.nlayers, cfg.dropout, cfg.tied,
+                        cfg.vocab_multiple)
     if cfg.arch == "resnet9":
         return ResNet9(num_classes, cfg.channels, cfg.output_scale, **resnet9_options)
     if cfg.arch.startswith("resnet"):

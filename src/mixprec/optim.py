@@ -1,4 +1,4 @@
-"""Optimizers and the piecewise-linear learning-rate schedule."""
+"""Optimizers, the piecewise-linear learning-rate schedule, and the plateau rule of the language models."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +19,13 @@ def build_optimizer(cfg: OptimizerConfig, params: list[torch.Tensor]) -> torch.o
 
 def build_schedule(cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, total_steps: int):
     """LambdaLR multiplying optimizer.lr by the piecewise-linear curve through (knots, values), knots being
-    fractions of total_steps. Stepped once per optimizer step."""
+    fractions of total_steps. Stepped once per optimizer step.
+    schedule=plateau: PyTorch's word_language_model rule instead, stepped once per epoch with the validation
+    loss (`schedule.step(valid_loss)`): the lr is divided by cfg.factor after every epoch whose validation loss
+    is not below the best so far (ReduceLROnPlateau, patience 0, threshold 0)."""
+    if cfg.name == "plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=1 / cfg.factor, patience=0,
+                                                          threshold=0.0)
     knots = np.asarray(cfg.knots, dtype=np.float64) * max(total_steps, 1)
     values = np.asarray(cfg.values, dtype=np.float64)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(np.interp(step, knots, values)))

@@ -125,10 +125,13 @@ class PrecisionPolicy:
         for the model this policy trains under master weights, the fp32 masters rather than the rounded fp16
         copies (another model, e.g. an EMA copy, is simply cast)."""
         state = {k: v.detach().float() if v.is_floating_point() else v.detach() for k, v in model.state_dict().items()}
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {}   # a shared (tied) parameter has several names, and the state dict an entry for each
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
         if self.master_params is not None and all(id(p) in names for p in self.model_params):
             for p, master in zip(self.model_params, self.master_params):
-                state[names[id(p)]] = master.detach().clone()
+                for n in names[id(p)]:
+                    state[n] = master.detach().clone()
         return state
 
 def hazards(precision: PrecisionConfig, optimizer: OptimizerConfig) -> list[str]:

@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from . import checkpoint, dist, engine, hardware, tricks
+from . import checkpoint, dist, engine, hardware, lm_engine, tricks
 from .config import Config, ConfigError, TrickConfig, plain_config, validate
 from .data import build_image_data, image_loaders
 from .datafiles import DataError
@@ -26,6 +26,8 @@ from .optim import build_optimizer, build_schedule
 from .precision import PrecisionPolicy, hazards
 from .records import Recorder
 from .tables import job_block
+from .wikitext import TokenWindows, batchify, load_text_corpus
+
 
 
 def run_job(cfg: DictConfig) -> dict:
@@ -205,6 +207,12 @@ def _execute(config: Config, summary: dict, out_dir: Path, group: str | None, na
 
 def train_job(config: Config, device: torch.device, recorder: Recorder, saver: checkpoint.Checkpointer | None = None,
               resume: dict | None = None, stop=None, ranks: dist.Ranks = dist.SINGLE) -> dict:
+    check_task(config)
+    if config.model.is_language_model:
+        if ranks.active:
+            raise ConfigError("model=" + config.model.arch + ": language models train in one process here; "
+                              "torchrun/DDP covers the image models")
+        return train_lm_job(config, device, recorder)
     tr = config.trainer
     data = build_image_data(config.dataset)
     train_batches, test_batches = image_loaders(data, config.dataset, tr, device, seed=config.seed,
@@ -287,6 +295,49 @@ def fit_whitening(t: TrickConfig, data, device: torch.device) -> tuple[torch.Ten
                                          device)
     hardware.synchronize(device)
     return filters, time.perf_counter() - start
+
+
+def check_task(config: Config) -> None:
+    """What validates field by field but cannot make one job: a model and a dataset of different tasks."""
+    lm, text = config.model.is_language_model, config.dataset.is_text
+    if lm and not text:
+        raise ConfigError(f"model={config.model.arch} is a language model: it needs a text dataset (dataset=wikitext2 "
+                          f"or synthetic_text), not dataset={config.dataset.name}")
+    if text and not lm:
+        raise ConfigError(f"dataset={config.dataset.name} is a text corpus: it trains a language model (model=lstm, "
+                          f"gru, rnn_tanh or rnn_relu), not model={config.model.arch}")
+    if config.schedule.name == "plateau" and not lm:
+        raise ConfigError("schedule=plateau anneals on a validation loss, which only language-model jobs have; "
+                          "choose onecycle, piecewise or constant")
+    if lm and config.trainer.target_acc is not None:
+        raise ConfigError("trainer.target_acc: a language model is scored in perplexity, not accuracy; leave it null")
+
+
+def train_lm_job(config: Config, device: torch.device, recorder: Recorder) -> dict:
+    """A word-level language model on a text corpus (see lm_engine.py); throughput and FLOPs are per token."""
+    tr = config.trainer
+    corpus = load_text_corpus(config.dataset)
+    train_source = batchify(corpus.train, tr.batch_size, device)
+    valid_source, test_source = (batchify(ids, tr.eval_batch_size, device) for ids in (corpus.valid, corpus.test))
+
+    model = build_model(config.model, corpus.vocab_size)
+    flops = model.flops_per_token()
+    n_params = sum(p.numel() for p in model.parameters())
+    policy = PrecisionPolicy(config.precision, device)
+    model = policy.prepare_model(model)
+    optimizer = build_optimizer(config.optimizer, policy.optimizer_params(model))
+    total_steps = tr.epochs * len(TokenWindows(train_source, config.dataset.bptt))
+    schedule = build_schedule(config.schedule, optimizer, min(total_steps, tr.max_steps or total_steps))
+
+    result = lm_engine.train(model, policy, optimizer, schedule, train_source, valid_source, test_source, tr,
+                             config.dataset.bptt, log=recorder.log, progress=sys.stderr.isatty())
+    result["metrics"].update(params=n_params, forward_flops_per_sample=flops, train_flops_per_sample=3 * flops,
+                             flops_per="token")
+    result["data"] = {**corpus.info, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
+                      "valid_tokens": len(corpus.valid), "test_tokens": len(corpus.test), "bptt": config.dataset.bptt}
+    if result["status"] in checkpoint.FINAL:
+        result["weights"] = checkpoint.save_weights(recorder.out_dir, policy.fp32_state_dict(model), corpus.vocab_size)
+    return result
 
 
 def mfu(metrics: dict, profile: dict, peak_kind: str) -> float | None:

@@ -21,6 +21,16 @@ def _page_ladder() -> dict:
 
 PAGE_LADDER = _page_ladder()
 
+from .config import RNN_KINDS
+
+# apex examples/word_language_model README, for its main.py defaults (2-layer LSTM, emsize = nhid = 1504, dropout
+# 0.65, batch 24, bptt 35, lr 20, clip 0.25, 40 epochs) with --fp16: "converged test perplexity ... from around
+# 93 with loss scale 1.0 to around 90 with loss scale 128.0". It gives no fp32 number for that model.
+APEX_WORD_LM_FP16_TEST_PPL = {1.0: 93.0, 128.0: 90.0}
+APEX_NOTE = ("published (apex word_language_model README, 2-layer LSTM 1504/1504, 40 epochs, converged): fp16 test "
+             "ppl ~93 with loss scale 1, ~90 with loss scale 128; no fp32 number. test ppl here = the test "
+             "perplexity of the best-validation epoch, as the example reports it")
+
 
 def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
     if v is None:
@@ -51,17 +61,28 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
         rows.append({
             "job": s.get("job", {}).get("num"),
             "model": s.get("choices", {}).get("model"),
-            "precision": s.get("choices", {}).get("precision"),
+            "precision": _precision_label(s),
             "status": s.get("status"),
             "epochs": m.get("epochs"),
             "train_time_s": t,
             "samples_per_s": m.get("throughput"),
             "speedup": base / t if base and t and s.get("status") == "completed" else None,
             "test_acc": m.get("final_test_acc"),
+            "lm": is_language_model(s),
+            "valid_ppl": m.get("best_valid_ppl"),
+            "test_ppl": m.get("test_ppl_at_best_valid"),
+            "published": published_ppl(s),
             "peak_mem_mb": m.get("peak_memory_mb"),
             "note": _case_note(s.get("case")) + (s.get("reason") or s.get("error") or ""),
         })
     return rows
+
+
+def _precision_label(summary: dict) -> str | None:
+    """The precision choice, with its static loss scale when it has one (apex's fp16: o2(x128))."""
+    choice = summary.get("choices", {}).get("precision")
+    scale = ((summary.get("config") or {}).get("precision") or {}).get("loss_scale")
+    return f"{choice}(x{scale:g})" if isinstance(scale, (int, float)) and not isinstance(scale, bool) else choice
 
 
 def _case_note(case: dict | None) -> str:
@@ -71,14 +92,44 @@ def _case_note(case: dict | None) -> str:
     return f"[{case.get('name')}: {verdict}] "
 
 
+def is_language_model(summary: dict) -> bool:
+    return ((summary.get("config") or {}).get("model") or {}).get("arch") in RNN_KINDS
+
+
+def published_ppl(summary: dict) -> str | None:
+    """apex's published fp16 test perplexity for a job that is its run: its LSTM on Wikitext-2 in fp16 with fp32
+    master weights at a loss scale it reported (None for any other job)."""
+    c = summary.get("config") or {}
+    m, p = c.get("model") or {}, c.get("precision") or {}
+    apex_model = (m.get("arch"), m.get("emsize"), m.get("nhid"), m.get("nlayers")) == ("lstm", 1504, 1504, 2)
+    scale = p.get("loss_scale")
+    if (not apex_model or (c.get("dataset") or {}).get("name") != "wikitext2" or p.get("param_dtype") != "float16"
+            or not p.get("master_weights") or scale not in APEX_WORD_LM_FP16_TEST_PPL):
+        return None
+    return f"~{APEX_WORD_LM_FP16_TEST_PPL[scale]:.0f} (fp16, scale {scale:g})"
+
+
+def sweep_note(summaries: list[dict]) -> str | None:
+    """What a sweep's table is to be read beside: the published numbers of a language-model sweep."""
+    return APEX_NOTE if summaries and all(is_language_model(s) for s in summaries) else None
+
+
 SWEEP_COLUMNS = [("job", "job", "d"), ("model", "model", "s"), ("precision", "precision", "s"),
                  ("status", "status", "s"), ("epochs", "epochs", ".2f"), ("train_time_s", "time s", ".2f"),
                  ("samples_per_s", "samples/s", ".1f"), ("speedup", "vs fp32", ".2f"), ("test_acc", "test acc", ".4f"),
                  ("peak_mem_mb", "peak MB", ".0f"), ("note", "note", "s")]
+# language models: tokens/s, and perplexity (best validation, test at that epoch) beside apex's published one
+LM_COLUMNS = SWEEP_COLUMNS[:6] + [("samples_per_s", "tokens/s", ".0f"), ("speedup", "vs fp32", ".2f"),
+                                  ("valid_ppl", "valid ppl", ".2f"), ("test_ppl", "test ppl", ".2f"),
+                                  ("published", "published test ppl", "s"), ("peak_mem_mb", "peak MB", ".0f"),
+                                  ("note", "note", "s")]
 
 
-def format_table(rows: list[dict], cols: list[tuple] = SWEEP_COLUMNS) -> str:
-    """rows as aligned text columns; cols: (row key, header, format spec) per column."""
+def format_table(rows: list[dict], cols: list[tuple] | None = None) -> str:
+    """rows as aligned text columns; cols: (row key, header, format spec) per column; by default SWEEP_COLUMNS,
+    or LM_COLUMNS when every row is a language model's."""
+    if cols is None:
+        cols = LM_COLUMNS if rows and all(r.get("lm") for r in rows) else SWEEP_COLUMNS
     cells = [[h for _, h, _ in cols]]
     for r in rows:
         cells.append([_fmt(r[k], spec if spec not in ("s", "d") else "") if not isinstance(r[k], str) else r[k]
@@ -107,7 +158,10 @@ def job_block(summary: dict) -> str:
         f"device      {env.get('device_name')} ({env.get('device')}), torch {env.get('torch')}",
         f"training    {_fmt(m.get('epochs'), '.2f')} epochs, {m.get('steps')} steps, "
         f"{_fmt(m.get('train_time_s'), '.2f')} s (eval excluded), epochs {[round(t, 2) for t in m.get('epoch_times_s') or []]}",
-        f"throughput  {_fmt(m.get('throughput'), '.1f')} samples/s ({warm})",
+        f"throughput  {_fmt(m.get('throughput'), '.1f')} {m.get('throughput_unit', 'samples/s')} ({warm})",
+        f"perplexity  valid final {_fmt(m.get('final_valid_ppl'), '.2f')}, best {_fmt(m.get('best_valid_ppl'), '.2f')} "
+        f"(epoch {m.get('best_valid_epoch')}); test final {_fmt(m.get('final_test_ppl'), '.2f')}, at best valid "
+        f"{_fmt(m.get('test_ppl_at_best_valid'), '.2f')}" if is_language_model(summary) else
         f"accuracy    final {_fmt(m.get('final_test_acc'), '.4f')}, best {_fmt(m.get('best_test_acc'), '.4f')}"
         + (f", {_fmt(m.get('time_to_target_s'), '.2f')} s to {m.get('target_acc')}" if m.get("target_acc") else ""),
         f"memory      peak {_fmt(m.get('peak_memory_mb'), '.0f')} MB ({m.get('peak_memory_kind')})",
