@@ -14,7 +14,7 @@ from mixprec.precision import PrecisionPolicy, hazards
 from mixprec.search import largest_fitting
 
 SMALL = ["dataset.train_size=64", "dataset.test_size=16", "trainer.batch_size=8", "trainer.eval_batch_size=16",
-         "dataset.image_size=16", "logger=none"]
+         "dataset.image_size=8", "logger=none"]
 
 
 def test_adam_in_pure_fp16_diverges_for_real_and_says_why(tiny, tmp_path):

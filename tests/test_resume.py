@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,7 +53,23 @@ def signal_in_epoch_2(run_dir, sig, *extra):
         time.sleep(0.01)
     p.send_signal(sig)
     out, err = p.communicate(timeout=120)
+    if sig == signal.SIGKILL:
+        kill_wandb_service_of(p.pid)
     return p.returncode, out, err
+
+
+def kill_wandb_service_of(pid: int) -> None:
+    """A pre-emption kills a job with its W&B service (wandb-core --pid <job>); a SIGKILL of the job process alone
+    leaves that service running, holding the run id, so do what the pre-emption would."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"wandb-core") and b"--pid" in cmd and cmd[cmd.index(b"--pid") + 1] == str(pid).encode():
+            os.kill(int(proc.name), signal.SIGKILL)
 
 
 def _rows_so_far(run_dir):

@@ -42,8 +42,9 @@ class WandbMirror:
                 # Resuming right after a kill: the killed job's W&B service may still hold the run id for a few
                 # seconds until it notices its parent is gone. Wait for it rather than fail the resume.
                 if "is in use" not in str(e) or waited >= IN_USE_WAIT_S:
-                    raise RuntimeError(f"W&B could not start the run ({str(e).splitlines()[0]}); "
-                                       "logger=none runs without it") from None
+                    raise RuntimeError(f"W&B could not start the run ({str(e).splitlines()[0]}); if a killed job's "
+                                       "W&B service (wandb-core) still holds it, end that process; logger=none runs "
+                                       "without W&B") from None
                 time.sleep(2.0)
                 waited += 2.0
 
