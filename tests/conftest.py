@@ -42,6 +42,7 @@ def run_tiny(tmp_path, *overrides, base=TINY):
 
 def run_cli(*args, cwd=ROOT, timeout=600):
     env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1")
+    env.pop("WANDB_SERVICE", None)   # an in-process W&B run of an earlier test sets it: a job starts its own service
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=env)
 

@@ -31,6 +31,7 @@ def train(*args, wait=True):
     """train.py in a subprocess (one thread: the same math in every process)."""
     env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT / "src"))
+    env.pop("WANDB_SERVICE", None)   # set by an in-process W&B run of an earlier test: the job starts its own service
     p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if wait:
