@@ -152,6 +152,29 @@ def check_window(window: Window, state: dict, policy: PrecisionPolicy, trainer: 
     return (losses[finite].mean().item() if finite.any() else math.nan), what
 
 
+def loop_metrics(state: dict, steps_per_epoch: int, clock: TrainClock, epochs: list, trainer: TrainerConfig,
+                 policy: PrecisionPolicy, setup_time_s: float = 0.0) -> dict:
+    """The metrics every training loop reports (image and language model): steps, timing, throughput (steady
+    state when there is one, warm-up excluded; setup time never counted in it), the loss-scale range."""
+    steady = clock.steady > 0 and state["steady_samples"] > 0
+    return {
+        "epochs": state["step"] / steps_per_epoch,
+        "steps": state["step"],
+        "steps_per_epoch": steps_per_epoch,
+        "skipped_steps": state["skipped"],
+        "nonfinite_steps": state["nonfinite_steps"],
+        "train_time_s": clock.total,
+        "epoch_times_s": [e["epoch_time_s"] for e in epochs],
+        "eval_time_s": sum(e.get("eval_time_s", 0.0) for e in epochs),
+        "throughput": (state["steady_samples"] / clock.steady) if steady else
+        state["samples"] / (clock.total - setup_time_s),
+        "throughput_includes_warmup": not steady,
+        "warmup_steps": trainer.warmup_steps,
+        "loss_scale": None if policy.scale_value is None else
+        {"min": state["scale_min"], "max": state["scale_max"], "final": policy.scale_value},
+    }
+
+
 def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, test_batches,
           trainer: TrainerConfig, *, label_smoothing: float = 0.0, loss_sum: bool = False, ema=None,
           tta: bool = False, setup_time_s: float = 0.0, bn_eval: bool = False, log=lambda row: None,
@@ -291,35 +314,21 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
         if why:   # a signal during evaluation: the checkpoint just written holds everything
             status, reason, running = "interrupted", f"{why} after step {state['step']} (epoch {epoch + 1} done)", False
 
-    steady = clock.steady > 0 and state["steady_samples"] > 0
     return {
         "status": status,
         "reason": reason,
         "nonfinite": state["nonfinite"],
         "metrics": {
-            "epochs": state["step"] / steps_per_epoch,
-            "steps": state["step"],
-            "steps_per_epoch": steps_per_epoch,
-            "skipped_steps": state["skipped"],
-            "nonfinite_steps": state["nonfinite_steps"],
+            **loop_metrics(state, steps_per_epoch, clock, epochs, trainer, policy, setup_time_s),
             "final_test_acc": test_acc if status == "completed" else None,
             "final_test_loss": test_loss if status == "completed" else None,
             "final_test_acc_no_tta": acc_plain if status == "completed" else None,
             "final_test_acc_tta": acc_tta if status == "completed" else None,
             "best_test_acc": best_acc,
-            "train_time_s": clock.total,
             "setup_time_s": setup_time_s,
-            "epoch_times_s": [e["epoch_time_s"] for e in epochs],
-            "eval_time_s": sum(e.get("eval_time_s", 0.0) for e in epochs),
-            "throughput": (state["steady_samples"] / clock.steady) if steady else
-            state["samples"] / (clock.total - setup_time_s),
-            "throughput_includes_warmup": not steady,
-            "warmup_steps": trainer.warmup_steps,
             "time_to_target_s": time_to_target,
             "epochs_to_target": epochs_to_target,
             "target_acc": trainer.target_acc,
-            "loss_scale": None if policy.scale_value is None else
-            {"min": state["scale_min"], "max": state["scale_max"], "final": policy.scale_value},
         },
         "epochs": epochs,
     }

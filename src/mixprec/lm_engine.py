@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .config import TrainerConfig
-from .engine import TrainClock, Window, check_window, train_step
+from .engine import TrainClock, Window, check_window, loop_metrics, train_step
 from .precision import PrecisionPolicy
 from .rnnlm import repackage_hidden
 from .wikitext import TokenWindows
@@ -161,18 +161,13 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_source: tor
         log(record)
 
     final = epochs[-1] if epochs and status == "completed" else {}
-    steady = clock.steady > 0 and state["steady_samples"] > 0
     return {
         "status": status,
         "reason": reason,
         "nonfinite": state["nonfinite"],
         "metrics": {
-            "epochs": state["step"] / steps_per_epoch,
-            "steps": state["step"],
-            "steps_per_epoch": steps_per_epoch,
+            **loop_metrics(state, steps_per_epoch, clock, epochs, trainer, policy),
             "tokens": state["samples"],
-            "skipped_steps": state["skipped"],
-            "nonfinite_steps": state["nonfinite_steps"],
             "final_valid_loss": final.get("valid_loss"),
             "final_valid_ppl": final.get("valid_ppl"),
             "final_test_loss": final.get("test_loss"),
@@ -183,15 +178,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_source: tor
             "final_test_acc": None,   # a language model has no accuracy: perplexity instead
             "best_test_acc": None,
             "final_lr": optimizer.param_groups[0]["lr"],
-            "train_time_s": clock.total,
-            "epoch_times_s": [e["epoch_time_s"] for e in epochs],
-            "eval_time_s": sum(e.get("eval_time_s", 0.0) for e in epochs),
-            "throughput": (state["steady_samples"] / clock.steady) if steady else state["samples"] / clock.total,
             "throughput_unit": "tokens/s",
-            "throughput_includes_warmup": not steady,
-            "warmup_steps": trainer.warmup_steps,
-            "loss_scale": None if policy.scale_value is None else
-            {"min": state["scale_min"], "max": state["scale_max"], "final": policy.scale_value},
         },
         "epochs": epochs,
     }
