@@ -142,7 +142,7 @@ def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues
     ckpt = torch.load(run_dir / CHECKPOINT, weights_only=True)
     loop = ckpt["loop"]
     assert loop["epoch"] == 1 and 0 < loop["batch"] < 64              # mid-epoch 2, right after the signal's step
-    assert loop["state"]["step"] == s["metrics"]["steps"] == 64 + loop["batch"]
+    assert loop["step"] == s["metrics"]["steps"] == 64 + loop["batch"]
     assert "Traceback" not in err
     hint = err.strip().splitlines()[-1]
     assert "To continue: python train.py" in hint and "trainer.resume=auto" in hint
@@ -151,7 +151,7 @@ def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues
     r = train(*cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     s = assert_same_run(run_dir, uninterrupted)
-    assert s["resumed"]["mid_epoch"] and s["resumed"]["from_step"] == loop["state"]["step"]
+    assert s["resumed"]["mid_epoch"] and s["resumed"]["from_step"] == loop["step"]
     assert s["resumed"]["previous_status"] == "interrupted"
 
 

@@ -123,5 +123,5 @@ def test_a_gpu_profile_that_does_not_match_is_reported_not_used(tiny):
 
 def test_mfu_formula():
     m = {"train_flops_per_sample": 3e9, "throughput": 1000.0}
-    assert mixprec.run.mfu(m, {"peak_tflops": {"fp16": 30.0}}, "fp16") == pytest.approx(0.1)
-    assert mixprec.run.mfu(m, {"peak_tflops": None}, "fp16") is None
+    assert mixprec.engine.mfu(m, {"peak_tflops": {"fp16": 30.0}}, "fp16") == pytest.approx(0.1)
+    assert mixprec.engine.mfu(m, {"peak_tflops": None}, "fp16") is None

@@ -315,6 +315,22 @@ class Config:
 
     def check(self) -> None:
         self.trick.check_for(self.model.arch, self.trainer.batch_size)
+        self.check_task()
+
+    def check_task(self) -> None:
+        """What validates field by field but cannot make one job: a model and a dataset of different tasks."""
+        lm, text = self.model.is_language_model, self.dataset.is_text
+        if lm and not text:
+            raise ConfigError(f"model={self.model.arch} is a language model: it needs a text dataset (dataset=wikitext2 "
+                              f"or synthetic_text), not dataset={self.dataset.name}")
+        if text and not lm:
+            raise ConfigError(f"dataset={self.dataset.name} is a text corpus: it trains a language model (model=lstm, "
+                              f"gru, rnn_tanh or rnn_relu), not model={self.model.arch}")
+        if self.schedule.name == "plateau" and not lm:
+            raise ConfigError("schedule=plateau anneals on a validation loss, which only language-model jobs have; "
+                              "choose onecycle, piecewise or constant")
+        if lm and self.trainer.target_acc is not None:
+            raise ConfigError("trainer.target_acc: a language model is scored in perplexity, not accuracy; leave it null")
 
 
 def validate(cfg: DictConfig | dict) -> Config:

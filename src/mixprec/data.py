@@ -113,7 +113,48 @@ def channel_stats(images: torch.Tensor) -> tuple[tuple, tuple]:
     return tuple(mean), tuple(std)
 
 
-class DeviceBatches:
+class Resumable:
+    """A loader that knows its place in an epoch, so a training loop never skips batches itself.
+    state_dict(): the data order's state at the epoch's start (its generator; at an epoch's end, the next one's)
+    and the batches served since; load_state_dict() (a resume) restores them and replays the served batches'
+    random draws at once, outside any timing: the next iteration continues with the next batch, as the
+    uninterrupted run. A subclass gives `_order()` (the epoch's order, drawn at its start) and `_batch(order, i)`."""
+
+    generator: torch.Generator | None = None
+    position = 0            # batches served in the epoch in progress
+    _start = None           # the generator's state at its start
+    _pending = None         # (order, first batch) set by resume_at
+
+    def __iter__(self):
+        order, first = self._pending or (self._begin(), 0)
+        self._pending = None
+        for i in range(first, len(self)):
+            self.position = i + 1
+            yield self._batch(order, i)
+        self.position = 0
+
+    def _begin(self):
+        self._start, self.position = None if self.generator is None else self.generator.get_state(), 0
+        return self._order()
+
+    def resume_at(self, batch: int) -> None:
+        """The next iteration serves the current epoch from batch `batch` on (the generator at the epoch's start)."""
+        order = self._begin()
+        for i in range(batch):
+            self._batch(order, i)
+        self._pending, self.position = (order, batch), batch
+
+    def state_dict(self) -> dict:
+        return {"generator": self._start if self.position else (self.generator and self.generator.get_state()),
+                "batch": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.generator is not None:
+            self.generator.set_state(state["generator"])
+        self.resume_at(state["batch"])
+
+
+class DeviceBatches(Resumable):
     """Batches of a device-resident uint8 split, augmented and normalised on the device.
 
     train=True: a fresh permutation each epoch (from this loader's own generator, so the same seed gives the
@@ -146,22 +187,15 @@ class DeviceBatches:
         n = len(self.images)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
-    def __iter__(self):
-        n = len(self.images)
-        order = torch.randperm(n, device=self.device, generator=self.generator) if self.train else None
-        for i in range(len(self)):
-            sl = slice(i * self.batch_size, min((i + 1) * self.batch_size, n))
-            idx = order[sl] if order is not None else sl
-            if self.shard[1] > 1:
-                idx = shard_of(idx, self.shard)
-            yield self.transform(self.images[idx]), self.labels[idx]
+    def _order(self):
+        return torch.randperm(len(self.images), device=self.device, generator=self.generator) if self.train else None
 
-    def state_dict(self) -> dict:
-        """The data order's state (this loader's generator): restored, the loader replays the same batches."""
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+    def _batch(self, order, i: int):
+        sl = slice(i * self.batch_size, min((i + 1) * self.batch_size, len(self.images)))
+        idx = order[sl] if order is not None else sl
+        if self.shard[1] > 1:
+            idx = shard_of(idx, self.shard)
+        return self.transform(self.images[idx]), self.labels[idx]
 
     def transform(self, batch: torch.Tensor) -> torch.Tensor:
         x = prepare(batch, self.mean, self.std, size=self.size, generator=self.generator, shard=self.shard,
@@ -169,7 +203,7 @@ class DeviceBatches:
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 
 
-class LoaderBatches:
+class LoaderBatches(Resumable):
     """The classic path: a torch DataLoader over the uint8 split on the CPU, the same transforms as
     DeviceBatches applied per sample in `workers` processes, batches pinned (on CUDA) and copied to the device.
     The order comes from a generator seeded with `seed`; each worker's augmentation RNG from the DataLoader's
@@ -188,23 +222,21 @@ class LoaderBatches:
         self.device = device
         self.channels_last = channels_last
         self.image_shape = (images.shape[1], size or images.shape[2], size or images.shape[3])
+        self.generator = self.loader.generator
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def state_dict(self) -> dict:
-        """The order's generator (restored, a resume replays the epoch's order; augmentation draws are exact only
-        with workers=0, since persistent workers keep the seeds they were started with)."""
-        return {"generator": self.loader.generator.get_state()}
+    def _order(self):
+        """The epoch's DataLoader iterator (the augmentation draws of a resume are exact only with workers=0:
+        persistent workers keep the seeds they were started with)."""
+        return iter(self.loader)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.generator.set_state(state["generator"])
-
-    def __iter__(self):
-        for x, y in self.loader:
-            x = x.to(self.device, non_blocking=True)
-            yield (x.contiguous(memory_format=torch.channels_last) if self.channels_last else x,
-                   y.to(self.device, non_blocking=True))
+    def _batch(self, order, i: int):
+        x, y = next(order)
+        x = x.to(self.device, non_blocking=True)
+        return (x.contiguous(memory_format=torch.channels_last) if self.channels_last else x,
+                y.to(self.device, non_blocking=True))
 
 
 class _PreparedSamples(Dataset):

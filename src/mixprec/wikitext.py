@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .config import DatasetConfig
+from .data import Resumable
 from .datafiles import ENV_DATA_DIR, ArrayCache, DataError, data_root, fetch, sha256sum, signature
 
 EOS = "<eos>"
@@ -165,8 +166,9 @@ def get_batch(source: torch.Tensor, i: int, bptt: int) -> tuple[torch.Tensor, to
     return source[i:i + seq_len], source[i + 1:i + 1 + seq_len]
 
 
-class TokenWindows:
-    """Every (input, target) window of a batchified stream, in order: len() = ceil((nbatch - 1) / bptt)."""
+class TokenWindows(Resumable):
+    """Every (input, target) window of a batchified stream, in order: len() = ceil((nbatch - 1) / bptt). It knows
+    its place in the stream (data.Resumable), for a language-model run resumed in the middle of an epoch."""
 
     def __init__(self, source: torch.Tensor, bptt: int):
         self.source, self.bptt = source, bptt
@@ -174,6 +176,8 @@ class TokenWindows:
     def __len__(self) -> int:
         return math.ceil((len(self.source) - 1) / self.bptt)
 
-    def __iter__(self):
-        for i in range(0, len(self.source) - 1, self.bptt):
-            yield get_batch(self.source, i, self.bptt)
+    def _order(self):
+        return None
+
+    def _batch(self, order, i: int):
+        return get_batch(self.source, i * self.bptt, self.bptt)
