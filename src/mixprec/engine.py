@@ -1,4 +1,12 @@
-"""Engine: the training and evaluation loops, the training clock, and the non-finite policy.
+"""Engine: the one training loop every job runs (image and language model), the training clock, evaluation and
+the non-finite policy.
+
+The loop: `fit(steps, batches, loop, state)` runs epochs (`run_epoch`: the training steps; `end_epoch`: the
+record, evaluation, checkpoint and stop check) from where `state` (LoopState: counters, accumulators, clock
+totals, place in the epoch, open log window) is. `steps` supplies the job kind's part: `ImageSteps` here,
+`lm_engine.LMSteps` for language models (hidden state, truncated BPTT, perplexity); each gives start_epoch,
+step (one batch: forward, loss, train_step, schedule), row, evaluate and metrics. `loop` (Loop) holds what the
+run trains with: policy, optimizer, trainer config, total steps, log, checkpoint writer, stop check, ranks.
 
 What is timed: `TrainClock` measures training only (forward, backward, step, and the on-device batch
 preparation, as DAWNBench counts it); evaluation is timed separately and never included. Every clock reading
@@ -7,10 +15,11 @@ first `trainer.warmup_steps` steps (cuDNN autotuning, allocator growth, lazy ini
 Host syncs in the loop: one per `trainer.log_every` steps for the loss/weight check (plus the one GradScaler
 itself makes each step when a dynamic loss scale is on, and one per step under on_nonfinite=skip).
 
-Checkpoints (src/mixprec/checkpoint.py writes them): `checkpoint(loop)` is called with the loop's own state at each
-epoch end (except the last) and when `stop()` returns a reason (SIGTERM/SIGINT): then mid-epoch, after the
-current step. `resume=loop` continues from such a state: the epoch's data order is replayed from its start and
-the done batches skipped. After a resume the first `warmup_steps` steps are excluded from throughput again.
+Checkpoints (checkpoint.py writes them): `loop.checkpoint(state)` is called at each epoch end (except the last)
+and when `loop.stop()` returns a reason (SIGTERM/SIGINT, signals.py): then mid-epoch, after the current step.
+Resuming happens before `fit` is called: the checkpoint restores the LoopState and every part, the training
+loader included, which continues the epoch at its next batch (data.Resumable): the loop never skips batches.
+After a resume the first `warmup_steps` steps are excluded from throughput again.
 
 Under DDP (`ranks`, src/mixprec/dist.py) each rank trains on its slice of every global batch: the logged loss and
 accuracy are summed over the ranks at each host sync (so every rank takes the same stop decision), samples are

@@ -1,4 +1,5 @@
-"""The language-model loop: truncated BPTT over a batchified token stream, as PyTorch's word_language_model.
+"""The language model's part of the shared training loop (engine.fit): truncated BPTT over a batchified token
+stream, as PyTorch's word_language_model.
 
 Each epoch walks the training stream (batchify: [nbatch, batch] on the device) in bptt windows (TokenWindows),
 the hidden state starting at zeros and carried from window to window, cut from the previous window's graph
@@ -10,9 +11,10 @@ perplexity, exp(mean cross-entropy per token), with the hidden state carried acr
 rule; per-step schedules are stepped per window instead). The test perplexity of the best validation epoch is
 the example's reported number (it reloads the best model and scores the test split).
 
-Timing and the non-finite policy are the image engine's: TrainClock (eval excluded; each reading synchronizes),
-throughput in tokens/s without the first trainer.warmup_steps windows, one host sync per trainer.log_every
-windows (engine.check_window).
+Timing, the non-finite policy, checkpoints, stop signals and resume are the shared loop's: TrainClock (eval
+excluded), throughput in tokens/s without the first trainer.warmup_steps windows, one host sync per
+trainer.log_every windows; a checkpoint holds the hidden state and the windows' position, so a run stopped in
+the middle of an epoch continues exactly.
 
 Autocast and the recurrent layers: on CUDA, autocast runs cuDNN's RNN (every kind) in fp16: its autocast
 wrapper (aten/src/ATen/cudnn/AutocastRNN.cpp) casts input, hidden state and the flat weights to fp16. The

@@ -156,7 +156,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
                    hazards=hazards(config.precision, config.optimizer))
     warn_if_slow(config, device, profile)
     try:
-        resume = open_job_dir(config, summary, out_dir, ranks)
+        resume = open_job_dir(config, summary, out_dir, device.type, ranks)
         mirror = open_mirror(config, summary, out_dir, group, name, resume) if ranks.main else None
     except (checkpoint.CheckpointError, RuntimeError) as e:   # recorded as a failed job, in one line
         summary["error"] = str(e)
@@ -194,12 +194,12 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     return summary
 
 
-def open_job_dir(config: Config, summary: dict, out_dir: Path, ranks: dist.Ranks) -> dict | None:
+def open_job_dir(config: Config, summary: dict, out_dir: Path, device_type: str, ranks: dist.Ranks) -> dict | None:
     """The checkpoint to resume from (trainer.resume=auto; None: start over), the dir's records made to match."""
     resume = prior = None
     if config.trainer.resume == "auto":
         prior = checkpoint.prior_summary(out_dir)
-        resume = checkpoint.read(out_dir, summary["config"], summary["env"]["device_type"])
+        resume = checkpoint.read(out_dir, summary["config"], device_type)
     ranks.barrier()   # every rank has read the dir (rank 0's checkpoint) before rank 0 writes to it
     if not ranks.main:
         return resume
