@@ -22,7 +22,7 @@ as .npy in <data_dir>/mixprec-cache/wikitext2/.
 from __future__ import annotations
 
 import math
-import sys
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +32,8 @@ import torch
 from .config import DatasetConfig
 from .data import Resumable
 from .datafiles import ENV_DATA_DIR, ArrayCache, DataError, data_root, fetch, sha256sum, signature
+
+log = logging.getLogger(__name__)
 
 EOS = "<eos>"
 FOLDER = "wikitext-2"
@@ -111,8 +113,8 @@ def _decode(paths: list[Path]) -> tuple[dict, dict]:
         arrays[split], lines[split] = _tokenize(path, vocab)
         official[split] = sha256sum(path) == SHA256[split]
     if not all(official.values()):
-        print(f"mixprec: note: {', '.join(f'{s}.txt' for s, ok in official.items() if not ok)} in {paths[0].parent} "
-              "differ from the published Wikitext-2 files (sha256); using them as they are", file=sys.stderr)
+        log.warning(f"mixprec: note: {', '.join(f'{s}.txt' for s, ok in official.items() if not ok)} in "
+                    f"{paths[0].parent} differ from the published Wikitext-2 files (sha256); using them as they are")
     return arrays, {"vocab": list(vocab), "lines": lines, "official": official}
 
 
