@@ -315,10 +315,10 @@ class Config:
 
     def check(self) -> None:
         self.trick.check_for(self.model.arch, self.trainer.batch_size)
-        self.check_task()
 
     def check_task(self) -> None:
-        """What validates field by field but cannot make one job: a model and a dataset of different tasks."""
+        """What validates field by field but cannot make one job: a model and a dataset of different tasks
+        (validate_job checks it; scripts that read one part of a config, e.g. its dataset, validate alone)."""
         lm, text = self.model.is_language_model, self.dataset.is_text
         if lm and not text:
             raise ConfigError(f"model={self.model.arch} is a language model: it needs a text dataset (dataset=wikitext2 "
@@ -337,6 +337,13 @@ def validate(cfg: DictConfig | dict) -> Config:
     """Resolve and check a composed config; raise ConfigError naming the first bad field."""
     data = plain_config(cfg) if isinstance(cfg, DictConfig) else {k: v for k, v in cfg.items() if k != "hydra"}
     return _build(Config, data, "")
+
+
+def validate_job(cfg: DictConfig | dict) -> Config:
+    """validate(), and that the config makes one job: its model and dataset are of the same task."""
+    config = validate(cfg)
+    config.check_task()
+    return config
 
 
 def plain_config(cfg: DictConfig) -> dict:

@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import checkpoint, dist, engine, hardware, logs, tricks
-from .config import Config, ConfigError, plain_config, validate
+from .config import Config, ConfigError, plain_config, validate_job
 from .data import build_image_data, image_loaders
 from .datafiles import DataError
 from .lm_engine import LMSteps
@@ -74,7 +74,7 @@ def run_job(cfg: DictConfig) -> dict:
     }
     try:
         summary["config"] = plain_config(cfg)
-        config = validate(cfg)
+        config = validate_job(cfg)
         prior = final_prior(config, job)
         if prior is not None:
             return prior
