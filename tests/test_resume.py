@@ -17,6 +17,9 @@ import mixprec.engine
 import mixprec.run
 from conftest import ROOT, TINY, compose_config, run_tiny
 from mixprec.checkpoint import CHECKPOINT, WEIGHTS, load_fp32_model
+from mixprec.config import validate
+from mixprec.data import DeviceBatches, LoaderBatches, synthetic_images
+from mixprec.wikitext import TokenWindows, batchify
 from mixprec.records import METRICS, SUMMARY
 
 # 64 steps an epoch (about a second on a CPU core): long enough to land a signal in the middle of epoch 2.
@@ -186,6 +189,33 @@ def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(
         assert a["metrics"][key] == b["metrics"][key], key
     assert a["metrics"]["steps"] == 250 and a["resumed"]["mid_epoch"] and a["resumed"]["from_step"] == loop["step"]
     assert f"[mixprec.run][INFO] - mixprec: resuming {run_dir} at step {loop['step']}" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("kind", ["device", "dataloader", "windows"])
+def test_a_loader_restored_mid_epoch_serves_the_rest_of_the_epoch_and_the_next_as_before(kind):
+    """A loader owns its place in the epoch: restored from state_dict() taken after 2 batches of epoch 2, it
+    serves exactly the batches the original serves next (augmentation draws included), then the same epoch 3."""
+    data = synthetic_images(validate(compose_config("dataset.train_size=80")).dataset)
+    cpu = torch.device("cpu")
+    augment = dict(crop_padding=2, flip=True, cutout=4, seed=3)
+    make = {"device": lambda: DeviceBatches(data.train_x, data.train_y, 16, data.mean, data.std, device=cpu,
+                                            train=True, **augment),
+            "dataloader": lambda: LoaderBatches(data.train_x, data.train_y, 16, data.mean, data.std, device=cpu,
+                                                train=True, workers=0, **augment),
+            "windows": lambda: TokenWindows(batchify(torch.arange(500), 4), 6)}[kind]
+    original, restored = make(), make()
+    list(original)   # epoch 1
+    it = iter(original)
+    done = [next(it) for _ in range(2)]
+    state = original.state_dict()
+    assert state["batch"] == 2 and len(done) == 2
+    torch.manual_seed(7)   # the global RNG (the DataLoader's workers=0 augmentation) as the checkpoint restores it
+    rest = list(it) + list(original)
+    restored.load_state_dict(state)
+    torch.manual_seed(7)
+    again = list(restored) + list(restored)
+    assert len(rest) == len(again) == 2 * len(original) - 2
+    assert all(torch.equal(a, b) for pair in zip(rest, again) for a, b in zip(*pair))
 
 
 class SignalAt(nn.Module):
