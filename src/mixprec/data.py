@@ -173,15 +173,16 @@ class LoaderBatches:
     """The classic path: a torch DataLoader over the uint8 split on the CPU, the same transforms as
     DeviceBatches applied per sample in `workers` processes, batches pinned (on CUDA) and copied to the device.
     The order comes from a generator seeded with `seed`; each worker's augmentation RNG from the DataLoader's
-    per-worker seeds (the process's global RNG when workers=0)."""
+    per-worker seeds (with workers=0, from a generator seeded with seed + 1, saved with the order)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
                  device: torch.device, train: bool, crop_padding: int = 0, flip: bool = False, cutout: int = 0,
                  size: int | None = None, seed: int = 0, channels_last: bool = False, workers: int = 2,
                  pin_memory: bool = True):
         augment = dict(pad=crop_padding if train else 0, flip=flip and train, cutout=cutout if train else 0)
+        self.augment_generator = torch.Generator().manual_seed(seed + 1) if train and workers == 0 else None
         samples = _PreparedSamples(images.cpu(), labels.cpu(), *norm_tensors(mean, std, torch.device("cpu")),
-                                   size=size, **augment)
+                                   size=size, generator=self.augment_generator, **augment)
         self.loader = DataLoader(samples, batch_size, shuffle=train, drop_last=train and len(images) >= batch_size,
                                  num_workers=workers, pin_memory=pin_memory and device.type == "cuda",
                                  persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
@@ -193,12 +194,16 @@ class LoaderBatches:
         return len(self.loader)
 
     def state_dict(self) -> dict:
-        """The order's generator (restored, a resume replays the epoch's order; augmentation draws are exact only
-        with workers=0, since persistent workers keep the seeds they were started with)."""
-        return {"generator": self.loader.generator.get_state()}
+        """The order's generator and, with workers=0, the augmentation's (restored, a resume replays the epoch's
+        batches; augmentation draws are exact only with workers=0, since persistent workers keep the seeds they were
+        started with)."""
+        aug = self.augment_generator
+        return {"generator": self.loader.generator.get_state(), "augment": aug.get_state() if aug else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.generator.set_state(state["generator"])
+        if self.augment_generator is not None and state.get("augment") is not None:
+            self.augment_generator.set_state(state["augment"])
 
     def __iter__(self):
         for x, y in self.loader:
