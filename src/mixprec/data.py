@@ -115,14 +115,16 @@ def channel_stats(images: torch.Tensor) -> tuple[tuple, tuple]:
 
 class Resumable:
     """A loader that knows its place in an epoch, so a training loop never skips batches itself.
-    state_dict(): the data order's state at the epoch's start (its generator; at an epoch's end, the next one's)
-    and the batches served since; load_state_dict() (a resume) restores them and replays the served batches'
-    random draws at once, outside any timing: the next iteration continues with the next batch, as the
-    uninterrupted run. A subclass gives `_order()` (the epoch's order, drawn at its start) and `_batch(order, i)`."""
+    state_dict(): the states of the loader's random generators at the epoch's start (at an epoch's end, the next
+    one's: the order's, and the augmentation's where it has its own) and the batches served since;
+    load_state_dict() (a resume) restores them and replays the served batches' random draws at once, outside any
+    timing: the next iteration continues with the next batch, as the uninterrupted run. A subclass gives
+    `generators` (what its order and augmentation draw from), `_order()` (the epoch's order, drawn at its start)
+    and `_batch(order, i)`."""
 
-    generator: torch.Generator | None = None
+    generators: tuple = ()  # the loader's own random generators
     position = 0            # batches served in the epoch in progress
-    _start = None           # the generator's state at its start
+    _start = None           # the generators' states at its start
     _pending = None         # (order, first batch) set by resume_at
 
     def __iter__(self):
@@ -133,24 +135,26 @@ class Resumable:
             yield self._batch(order, i)
         self.position = 0
 
+    def _states(self) -> list:
+        return [g.get_state() for g in self.generators]
+
     def _begin(self):
-        self._start, self.position = None if self.generator is None else self.generator.get_state(), 0
+        self._start, self.position = self._states(), 0
         return self._order()
 
     def resume_at(self, batch: int) -> None:
-        """The next iteration serves the current epoch from batch `batch` on (the generator at the epoch's start)."""
+        """The next iteration serves the current epoch from batch `batch` on (the generators at the epoch's start)."""
         order = self._begin()
         for i in range(batch):
             self._batch(order, i)
         self._pending, self.position = (order, batch), batch
 
     def state_dict(self) -> dict:
-        return {"generator": self._start if self.position else (self.generator and self.generator.get_state()),
-                "batch": self.position}
+        return {"generators": self._start if self.position else self._states(), "batch": self.position}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.generator is not None:
-            self.generator.set_state(state["generator"])
+        for g, saved in zip(self.generators, state["generators"], strict=True):
+            g.set_state(saved)
         self.resume_at(state["batch"])
 
 
@@ -179,6 +183,7 @@ class DeviceBatches(Resumable):
         self.mean, self.std = norm_tensors(mean, std, device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.generators = (self.generator,)
         n = len(self.images)
         self.drop_last = train and n >= batch_size
         self.shard = shard
@@ -207,22 +212,23 @@ class LoaderBatches(Resumable):
     """The classic path: a torch DataLoader over the uint8 split on the CPU, the same transforms as
     DeviceBatches applied per sample in `workers` processes, batches pinned (on CUDA) and copied to the device.
     The order comes from a generator seeded with `seed`; each worker's augmentation RNG from the DataLoader's
-    per-worker seeds (the process's global RNG when workers=0)."""
+    per-worker seeds (with workers=0, from a generator seeded with seed + 1, saved with the order)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
                  device: torch.device, train: bool, crop_padding: int = 0, flip: bool = False, cutout: int = 0,
                  size: int | None = None, seed: int = 0, channels_last: bool = False, workers: int = 2,
                  pin_memory: bool = True):
         augment = dict(pad=crop_padding if train else 0, flip=flip and train, cutout=cutout if train else 0)
+        self.augment_generator = torch.Generator().manual_seed(seed + 1) if train and workers == 0 else None
         samples = _PreparedSamples(images.cpu(), labels.cpu(), *norm_tensors(mean, std, torch.device("cpu")),
-                                   size=size, **augment)
+                                   size=size, generator=self.augment_generator, **augment)
         self.loader = DataLoader(samples, batch_size, shuffle=train, drop_last=train and len(images) >= batch_size,
                                  num_workers=workers, pin_memory=pin_memory and device.type == "cuda",
                                  persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
         self.device = device
         self.channels_last = channels_last
         self.image_shape = (images.shape[1], size or images.shape[2], size or images.shape[3])
-        self.generator = self.loader.generator
+        self.generators = tuple(g for g in (self.loader.generator, self.augment_generator) if g is not None)
 
     def __len__(self) -> int:
         return len(self.loader)
