@@ -4,8 +4,9 @@ What is timed: `TrainClock` measures training only (forward, backward, step, and
 preparation, as DAWNBench counts it); evaluation is timed separately and never included. Every clock reading
 synchronizes the device first, so queued GPU work is always counted. Steady-state throughput leaves out the
 first `trainer.warmup_steps` steps (cuDNN autotuning, allocator growth, lazy init); the summary says so.
-Host syncs in the loop: one per `trainer.log_every` steps for the loss/weight check (plus the one GradScaler
-itself makes each step when a dynamic loss scale is on, and one per step under on_nonfinite=skip).
+Host syncs in the loop: one per `trainer.log_every` steps for the loss/weight check, plus per step: the one
+GradScaler itself makes when a dynamic loss scale is on (PrecisionPolicy.step adds none), one under
+on_nonfinite=skip (the loss check before backward), and under DDP the CPU all-reduce of the stop flag.
 
 Checkpoints (src/mixprec/checkpoint.py writes them): `checkpoint(loop)` is called with the loop's own state at each
 epoch end (except the last) and when `stop()` returns a reason (SIGTERM/SIGINT): then mid-epoch, after the
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 
 from .config import TrainerConfig
 from .dist import SINGLE, Ranks
-from .hardware import synchronize
+from .hardware import mark_steady, synchronize
 from .models import set_bn_eval
 from .precision import PrecisionPolicy
 from .tricks import cross_entropy, tta_logits
@@ -59,6 +60,7 @@ class TrainClock:
 
     def mark_warm(self) -> None:
         synchronize(self.device)
+        mark_steady(self.device)   # the steady-state memory peak starts here
         self.barrier()
         self._warm = time.perf_counter()
 

@@ -122,7 +122,7 @@ def _execute(config: Config, summary: dict, out_dir: Path, group: str | None, na
              ranks: dist.Ranks) -> dict:
     hardware.configure(device, config.trainer, config.precision, config.seed)
     env = hardware.describe(device)
-    profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type == "cuda" else "cpu")
+    profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type != "cpu" else "cpu")
     summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
                    hazards=hazards(config.precision, config.optimizer))
     _warn_if_slow(config, device, profile)
@@ -177,7 +177,7 @@ def _execute(config: Config, summary: dict, out_dir: Path, group: str | None, na
     try:
         with stop:
             summary.update(train_job(config, device, recorder, saver, resume, ranks.agreed_stop(stop), ranks))
-        summary["metrics"]["mfu"] = mfu(summary["metrics"], profile, hardware.peak_kind(config.precision))
+        summary["metrics"]["mfu"] = hardware.mfu(summary["metrics"], profile, hardware.peak_kind(config.precision), ranks.world)
         if summary["status"] == "diverged" and summary["hazards"]:
             summary["reason"] += f"; likely cause: {summary['hazards'][0]}"
         summary["metrics"]["checkpoint_time_s"] = saver.seconds
@@ -195,7 +195,7 @@ def _execute(config: Config, summary: dict, out_dir: Path, group: str | None, na
             summary["case"] = dataclasses.asdict(config.case)
             summary["case"]["as_expected"] = summary["status"] == config.case.expect
         summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        summary.setdefault("metrics", {}).update(zip(("peak_memory_mb", "peak_memory_kind"), hardware.peak_memory_mb(device)))
+        summary.setdefault("metrics", {}).update(hardware.memory_metrics(device))
         recorder.write_summary(summary)
         if summary["status"] in checkpoint.FINAL:
             saver.discard()
@@ -252,7 +252,7 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
                           stop=stop or (lambda: None), ranks=ranks)
     if ranks.active:
         result["distributed"] = {"world_size": ranks.world, "per_rank_batch": tr.batch_size // ranks.world,
-                                 "sync_bn": tr.sync_bn, "backend": str(torch.distributed.get_backend()),
+                                 "sync_bn": tr.sync_bn, "backend": dist.backend_for(device),
                                  "weight_spread": dist.spread(policy.stepped_params(), ranks)}
     result["metrics"].update(params=n_params, forward_flops_per_sample=flops,
                              train_flops_per_sample=None if flops is None else 3 * flops)
@@ -332,22 +332,12 @@ def train_lm_job(config: Config, device: torch.device, recorder: Recorder) -> di
     result = lm_engine.train(model, policy, optimizer, schedule, train_source, valid_source, test_source, tr,
                              config.dataset.bptt, log=recorder.log, progress=sys.stderr.isatty())
     result["metrics"].update(params=n_params, forward_flops_per_sample=flops, train_flops_per_sample=3 * flops,
-                             flops_per="token")
+                             flops_per="token", rnn_dtype=str(model.rnn_dtype).replace("torch.", ""), rnn_cudnn=model.rnn_cudnn)
     result["data"] = {**corpus.info, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
                       "valid_tokens": len(corpus.valid), "test_tokens": len(corpus.test), "bptt": config.dataset.bptt}
     if result["status"] in checkpoint.FINAL:
         result["weights"] = checkpoint.save_weights(recorder.out_dir, policy.fp32_state_dict(model), corpus.vocab_size)
     return result
-
-
-def mfu(metrics: dict, profile: dict, peak_kind: str) -> float | None:
-    """Model FLOP utilisation: 3 x forward FLOPs per sample x steady samples/s, over the matched GPU profile's
-    dense peak for the precision's math (None without a matched profile or a known peak)."""
-    peak = (profile.get("peak_tflops") or {}).get(peak_kind)
-    flops = metrics.get("train_flops_per_sample")
-    if not peak or not flops or not metrics.get("throughput"):
-        return None
-    return flops * metrics["throughput"] / (peak * 1e12)
 
 
 def _warn_if_slow(config: Config, device: torch.device, profile: dict) -> None:
