@@ -49,6 +49,18 @@ def run_cli(*args, cwd=ROOT, timeout=600):
                           text=True, timeout=timeout, env=env)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu need a CUDA GPU (tests/test_gpu.py): skipped, with the reason, where there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu on a GPU machine; see README)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def tiny(tmp_path):
     return lambda *overrides: run_tiny(tmp_path, *overrides)

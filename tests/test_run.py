@@ -119,9 +119,3 @@ def test_a_gpu_profile_that_does_not_match_is_reported_not_used(tiny):
     s = tiny("gpu=h100")
     assert s["gpu_profile"]["matched"] is False and "not used" in s["gpu_profile"]["note"]
     assert s["metrics"]["mfu"] is None and s["metrics"]["train_flops_per_sample"] > 0
-
-
-def test_mfu_formula():
-    m = {"train_flops_per_sample": 3e9, "throughput": 1000.0}
-    assert mixprec.run.mfu(m, {"peak_tflops": {"fp16": 30.0}}, "fp16") == pytest.approx(0.1)
-    assert mixprec.run.mfu(m, {"peak_tflops": None}, "fp16") is None

@@ -53,6 +53,7 @@ def final_summary(run_dir: Path) -> dict:
     return summary
 
 
+@pytest.mark.slow
 def test_the_mirrored_summary_is_summary_json_after_a_3_epoch_job(tmp_path):
     s = run_tiny(tmp_path, "logger=wandb", "trainer.max_steps=null", "trainer.epochs=3")
     assert s["status"] == "completed" and len(s["epochs"]) == 3
