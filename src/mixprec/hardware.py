@@ -22,8 +22,8 @@ CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")   # the values torch.use_determinist
 
 
 def select_device(name: str) -> torch.device:
-    """The job's device, always with an index on an accelerator (torch.cuda.set_device rejects a bare
-    torch.device("cuda"): torch/_utils.py _get_device_index, optional=False). auto: the build's accelerator
+    """The job's device, always with an index on an accelerator (set_device refuses a device without one:
+    torch/accelerator/_utils.py:25 and torch/_utils.py:920, "Expected a torch.device with a specified index"). auto: the build's accelerator
     (torch.accelerator) when one is visible, else the CPU."""
     if name == "cpu":
         return torch.device("cpu")
@@ -73,12 +73,12 @@ def configure(device: torch.device, trainer: TrainerConfig, precision: Precision
 
 def _cublas_deterministic(device: torch.device) -> list[str]:
     """Deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG set before CUDA initialises in this process ("CUDA only
-    checks the variable when the runtime initializes": torch/testing/_internal/common_utils.py:2745). Set it
+    checks the variable when the runtime initializes": torch/testing/_internal/common_utils.py:2746). Set it
     while that is still ahead; once CUDA runs (an earlier job of a sweep), say that it is too late. The variable
     stays set: the workspace it configured stays in use for the rest of the process."""
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") in CUBLAS_DETERMINISTIC:
         return []
-    if device.type == "cuda" and torch.cuda.is_initialized():   # CUDA-only (README: CUDA-only branches)
+    if device.type == "cuda" and torch.cuda.is_initialized():   # CUDA-only branch (README, tests/test_gpu.py)
         return ["trainer.deterministic=true: CUDA was initialised earlier in this process without "
                 "CUBLAS_WORKSPACE_CONFIG, so cuBLAS GEMMs may not be deterministic; start the process with "
                 "CUBLAS_WORKSPACE_CONFIG=:4096:8 (e.g. before a sweep)"]
@@ -95,7 +95,7 @@ def capability(device: torch.device) -> tuple[int, int] | None:
 
 def precision_notes(precision: PrecisionConfig, cap: tuple[int, int] | None) -> list[str]:
     """What a pre-Ampere NVIDIA GPU (capability < 8.0) does not give this precision: no bf16 tensor cores
-    (torch/cuda/__init__.py is_bf16_supported: major >= 8, else emulation), no TF32."""
+    (torch/cuda/__init__.py:244, is_bf16_supported: major >= 8, else emulation), no TF32."""
     if cap is None or cap >= (8, 0):
         return []
     notes = []
@@ -185,7 +185,7 @@ def git_state() -> dict:
 
 def gpu_profile(gpu: GpuConfig, device_name: str) -> dict:
     """The profile to use for MFU, or why none is used. A profile matches a device by its full name as the driver
-    reports it (torch.cuda.get_device_name: "NVIDIA H100 80GB HBM3" is the SXM card, "NVIDIA H100 PCIe" and
+    reports it (get_device_properties(...).name: "NVIDIA H100 80GB HBM3" is the SXM card, "NVIDIA H100 PCIe" and
     "NVIDIA H100 NVL" are not), case and surrounding spaces aside; one that does not match is reported
     (matched: false) and its peaks are not used."""
     if gpu.name == "auto":
