@@ -40,7 +40,9 @@ OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALL
 def out_of_memory(e: BaseException) -> bool:
     """A failure to get memory: torch.OutOfMemoryError (the caching allocator), or a library's own allocation
     failing (cuBLAS/cuDNN raise RuntimeError with their status names)."""
-    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and any(m in str(e) for m in OOM_MESSAGES))
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in OOM_MESSAGES)
 
 
 def two_steps(config, device, batch: int) -> None:

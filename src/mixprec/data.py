@@ -202,7 +202,8 @@ class LoaderBatches:
 
     def __iter__(self):
         for x, y in self.loader:
-            yield in_layout(x.to(self.device, non_blocking=True), self.channels_last), y.to(self.device, non_blocking=True)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            yield in_layout(x, self.channels_last), y
 
 
 class _PreparedSamples(Dataset):

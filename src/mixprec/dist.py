@@ -10,7 +10,8 @@ for its tensors (torch.distributed.get_default_backend_for_device: "cpu:gloo,cud
 the CPU flags go through gloo (distributed_c10d.py barrier: "cpu" is among the pairs). Each rank on a GPU uses
 cuda:LOCAL_RANK, one GPU per rank: NCCL refuses two ranks on one GPU, so more ranks per node than visible GPUs is
 a config error (`device_name`). The process group is destroyed at the job's end by whoever made it in this
-process (train.py's `share_run_time` or `init`): `init` returns True for both, `close` destroys it once. `Ranks` is what the engine sees: the rank, the
+process (train.py's `share_run_time` or `init`): `init` returns True for both, `close` destroys it once.
+`Ranks` is what the engine sees: the rank, the
 world size, sums across ranks, a barrier; with one rank every method is a no-op, so the single-process path is
 unchanged. Rank 0 alone writes the records (summary.json, metrics.jsonl, checkpoints, W&B).
 
@@ -177,11 +178,12 @@ def wrap(model: torch.nn.Module, device: torch.device, sync_bn: bool, ranks: Ran
     if not ranks.active:
         return model
     if sync_bn:
-        special = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                          and type(m) not in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)})
+        plain = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+        special = sorted({type(m).__name__ for m in model.modules()
+                          if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and type(m) not in plain})
         if special:   # convert_sync_batchnorm would replace them with plain SyncBatchNorm, silently
-            raise ConfigError(f"trainer.sync_bn=true: {', '.join(special)} would become plain SyncBatchNorm, losing its own "
-                              "statistics (ghost BN: per split of each rank's batch); use trainer.sync_bn=false with it")
+            raise ConfigError(f"trainer.sync_bn=true: {', '.join(special)} would become plain SyncBatchNorm, losing "
+                              "its own statistics (ghost BN: per split of each rank's batch); use trainer.sync_bn=false")
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     from torch.nn.parallel import DistributedDataParallel
 

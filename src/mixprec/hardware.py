@@ -23,8 +23,8 @@ CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")   # the values torch.use_determinist
 
 def select_device(name: str) -> torch.device:
     """The job's device, always with an index on an accelerator (set_device refuses a device without one:
-    torch/accelerator/_utils.py:25 and torch/_utils.py:920, "Expected a torch.device with a specified index"). auto: the build's accelerator
-    (torch.accelerator) when one is visible, else the CPU."""
+    torch/accelerator/_utils.py:25 and torch/_utils.py:920, "Expected a torch.device with a specified index").
+    auto: the build's accelerator (torch.accelerator) when one is visible, else the CPU."""
     if name == "cpu":
         return torch.device("cpu")
     if name == "auto":

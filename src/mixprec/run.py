@@ -177,7 +177,8 @@ def _execute(config: Config, summary: dict, out_dir: Path, group: str | None, na
     try:
         with stop:
             summary.update(train_job(config, device, recorder, saver, resume, ranks.agreed_stop(stop), ranks))
-        summary["metrics"]["mfu"] = hardware.mfu(summary["metrics"], profile, hardware.peak_kind(config.precision), ranks.world)
+        summary["metrics"]["mfu"] = hardware.mfu(summary["metrics"], profile, hardware.peak_kind(config.precision),
+                                                 ranks.world)
         if summary["status"] == "diverged" and summary["hazards"]:
             summary["reason"] += f"; likely cause: {summary['hazards'][0]}"
         summary["metrics"]["checkpoint_time_s"] = saver.seconds
@@ -332,7 +333,8 @@ def train_lm_job(config: Config, device: torch.device, recorder: Recorder) -> di
     result = lm_engine.train(model, policy, optimizer, schedule, train_source, valid_source, test_source, tr,
                              config.dataset.bptt, log=recorder.log, progress=sys.stderr.isatty())
     result["metrics"].update(params=n_params, forward_flops_per_sample=flops, train_flops_per_sample=3 * flops,
-                             flops_per="token", rnn_dtype=str(model.rnn_dtype).replace("torch.", ""), rnn_cudnn=model.rnn_cudnn)
+                             flops_per="token", rnn_dtype=str(model.rnn_dtype).removeprefix("torch."),
+                             rnn_cudnn=model.rnn_cudnn)
     result["data"] = {**corpus.info, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
                       "valid_tokens": len(corpus.valid), "test_tokens": len(corpus.test), "bptt": config.dataset.bptt}
     if result["status"] in checkpoint.FINAL:
