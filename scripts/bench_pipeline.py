@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from mixprec.config import ConfigError, validate  # noqa: E402
 from mixprec.data import build_image_data, image_loaders  # noqa: E402
 from mixprec.datafiles import DataError  # noqa: E402
-from mixprec.hardware import select_device, synchronize  # noqa: E402
+from mixprec.hardware import describe, select_device, synchronize  # noqa: E402
 
 CIFAR_SIZED = ["dataset=synthetic", "dataset.train_size=50000", "dataset.test_size=1000"]
 
@@ -76,7 +76,7 @@ def main() -> int:
     cfg = config.dataset
     aug = (f"crop (pad {cfg.crop_padding}) + flip" + (f" + cutout {cfg.cutout}" if cfg.cutout else "")
            if cfg.augment else "none")
-    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+    name = (describe(device)["device_name"] if device.type != "cpu"
             else f"{os.cpu_count()} CPU cores, torch threads: {torch.get_num_threads()}")
     print(f"data      {cfg.name}: {len(data.train_y):,} train images, uint8 {'x'.join(map(str, data.train_x.shape[1:]))}"
           f" -> {cfg.image_size}x{cfg.image_size}, augment {aug}, normalised")

@@ -3,9 +3,11 @@ precision, by doubling then binary search; with the ratio against the first prec
 
     python scripts/max_batch.py model=resnet50 precision=fp32,amp [any train.py override ...] [--limit 65536]
 
-The fastai article saw about 1.8x larger batches fit with fp16. Needs a CUDA GPU: without one it says so and
+The fastai article saw about 1.8x larger batches fit with fp16. Needs a GPU: without one it says so and
 exits non-zero. Each probe builds a fresh model, policy and optimizer and runs two full steps on random data of
-the dataset's shape; memory is released between probes.
+the dataset's shape, under the job's hardware flags (cudnn.benchmark, TF32); an allocation failure of the caching
+allocator, cuBLAS or cuDNN means "does not fit", and the memory is back at its baseline before the next probe
+(tests/test_gpu.py checks it).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from mixprec import hardware  # noqa: E402
 from mixprec.search import largest_fitting  # noqa: E402
 
 
@@ -31,40 +34,59 @@ def compose(overrides: list[str]):
         return validate(hydra_compose("config", overrides=overrides))
 
 
-def make_probe(config, device):
-    """fits(batch) -> True when two training steps at that batch size run without CUDA OOM."""
+OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """A failure to get memory: torch.OutOfMemoryError (the caching allocator), or a library's own allocation
+    failing (cuBLAS/cuDNN raise RuntimeError with their status names)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in OOM_MESSAGES)
+
+
+def two_steps(config, device, batch: int) -> None:
+    """Two training steps at `batch` (fresh model, policy, optimizer, random data); every tensor is local to this
+    frame, so all of it is garbage once the call is over, even when it raised."""
     import torch.nn.functional as F
     from mixprec.models import build_model
     from mixprec.optim import build_optimizer
     from mixprec.precision import PrecisionPolicy
 
     ds = config.dataset
-    shape = (3, ds.image_size, ds.image_size)
+    policy = PrecisionPolicy(config.precision, device)
+    model = policy.prepare_model(build_model(config.model, ds.num_classes))
+    if config.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
+    x = torch.randn(batch, 3, ds.image_size, ds.image_size, device=device)
+    y = torch.randint(0, ds.num_classes, (batch,), device=device)
+    for _ in range(2):
+        with policy.autocast():
+            out = model(policy.cast_input(x))
+        policy.backward(F.cross_entropy(out.float(), y))
+        policy.step(opt)
+        opt.zero_grad(set_to_none=True)
+    hardware.synchronize(device)
+
+
+def make_probe(config, device):
+    """fits(batch) -> True when two training steps at that batch size run without running out of memory. The
+    job's hardware flags (cudnn.benchmark, TF32, determinism) are applied first, as train.py would. Memory is
+    released after the exception is gone (its traceback holds the failed step's frames and tensors)."""
+    hardware.configure(device, config.trainer, config.precision, config.seed)
 
     def fits(batch: int) -> bool:
-        model = policy = opt = x = y = None
+        ok = True
         try:
-            policy = PrecisionPolicy(config.precision, device)
-            model = policy.prepare_model(build_model(config.model, ds.num_classes))
-            if config.trainer.channels_last:
-                model = model.to(memory_format=torch.channels_last)
-            opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
-            x = torch.randn(batch, *shape, device=device)
-            y = torch.randint(0, ds.num_classes, (batch,), device=device)
-            for _ in range(2):
-                with policy.autocast():
-                    out = model(policy.cast_input(x))
-                policy.backward(F.cross_entropy(out.float(), y))
-                policy.step(opt)
-                opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize(device)
-            return True
-        except torch.cuda.OutOfMemoryError:
-            return False
-        finally:
-            del model, policy, opt, x, y
-            gc.collect()
-            torch.cuda.empty_cache()
+            two_steps(config, device, batch)
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
+            ok = False
+        gc.collect()
+        torch.accelerator.empty_cache()
+        return ok
 
     return fits
 
@@ -82,13 +104,13 @@ def main(argv=None) -> int:
             precisions = o.split("=", 1)[1].split(",")
         else:
             rest.append(o)
-    if not torch.cuda.is_available():
-        print("max_batch: no CUDA GPU is visible here; the search measures GPU memory, so it needs one",
-              file=sys.stderr)
+    device = hardware.select_device("auto")
+    if device.type == "cpu":
+        print("max_batch: no GPU is visible here; the search measures GPU memory, so it needs one", file=sys.stderr)
         return 2
     from mixprec.config import ConfigError
 
-    device = torch.device("cuda")
+    name = hardware.describe(device)["device_name"]
     results = []
     for p in precisions:
         try:
@@ -100,13 +122,13 @@ def main(argv=None) -> int:
         results.append({"precision": p, "max_batch": best, "probes": probes})
         print(f"{p:10s} max batch {best} ({len(probes)} probes)", flush=True)
     base = results[0]["max_batch"]
-    print(f"\nmodel={compose(rest).model.arch} on {torch.cuda.get_device_name(device)}")
+    print(f"\nmodel={compose(rest).model.arch} on {name}")
     print(f"{'precision':10s} {'max batch':>10s} {'vs ' + results[0]['precision']:>10s}")
     for r in results:
         r["ratio"] = r["max_batch"] / base if base else None
         print(f"{r['precision']:10s} {r['max_batch']:>10d} {r['ratio']:>10.2f}")
     if args.out:
-        args.out.write_text(json.dumps({"overrides": rest, "device": torch.cuda.get_device_name(device),
+        args.out.write_text(json.dumps({"overrides": rest, "device": name,
                                         "torch": torch.__version__, "results": results}, indent=2))
     return 0
 

@@ -12,9 +12,11 @@ from omegaconf import open_dict
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
-# Tiny but real: a small CNN on a few synthetic images, 2 optimizer steps, no W&B.
+# Tiny but real: a small CNN on a few synthetic images, 2 optimizer steps, no W&B, on the CPU (what the tests
+# assert is CPU behaviour; on a GPU machine trainer.device=auto would pick the GPU: tests/test_gpu.py covers that).
 TINY = ["model=small_cnn", "model.width=8", "dataset.train_size=64", "dataset.test_size=32",
-        "trainer.batch_size=16", "trainer.eval_batch_size=32", "trainer.max_steps=2", "logger=none"]
+        "trainer.batch_size=16", "trainer.eval_batch_size=32", "trainer.max_steps=2", "logger=none",
+        "trainer.device=cpu"]
 
 
 def compose_config(*overrides, output_dir=None):
@@ -45,6 +47,18 @@ def run_cli(*args, cwd=ROOT, timeout=600):
     env.pop("WANDB_SERVICE", None)   # an in-process W&B run of an earlier test sets it: a job starts its own service
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=env)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu need a CUDA GPU (tests/test_gpu.py): skipped, with the reason, where there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu on a GPU machine; see README)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

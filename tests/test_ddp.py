@@ -27,8 +27,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(args, cwd, timeout=180, torchrun=True):
+# Put on PYTHONPATH, this sitecustomize makes every rank log its destroy_process_group calls, and whether a process
+# group was still alive when the process exited.
+WATCH_DESTROY = """
+import atexit, os
+import torch.distributed as d
+log = os.environ["MIXPREC_TEST_PG_LOG"] + "." + os.environ.get("RANK", "launcher")
+real = d.destroy_process_group
+def destroy(*args, **kwargs):
+    open(log, "a").write("destroy\\n")
+    return real(*args, **kwargs)
+d.destroy_process_group = destroy
+atexit.register(lambda: d.is_available() and d.is_initialized() and open(log, "a").write("alive at exit\\n"))
+"""
+
+
+def run(args, cwd, timeout=180, torchrun=True, watch_destroy=None):
     env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    if watch_destroy is not None:   # a folder: its sitecustomize.py logs to watch_destroy/pg.<rank>
+        (watch_destroy / "sitecustomize.py").write_text(WATCH_DESTROY)
+        env.update(PYTHONPATH=os.pathsep.join([str(watch_destroy), env.get("PYTHONPATH", "")]),
+                   MIXPREC_TEST_PG_LOG=str(watch_destroy / "pg"))
     env.pop("MIXPREC_RUN_TIME", None)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     return subprocess.run([*(launcher if torchrun else [sys.executable]), str(ROOT / "train.py"), *args], cwd=cwd,
@@ -40,8 +59,11 @@ def rows(job_dir, kind):
 
 
 def test_torchrun_two_ranks_equal_one_process(tmp_path, monkeypatch):
-    ddp = run([*SAME, "logger=wandb"], cwd=tmp_path)
+    (tmp_path / "site").mkdir()
+    ddp = run([*SAME, "logger=wandb"], cwd=tmp_path, watch_destroy=tmp_path / "site")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
+    for rank in (0, 1):   # the group train.py made (share_run_time) is destroyed once, at the job's end
+        assert (tmp_path / "site" / f"pg.{rank}").read_text() == "destroy\n"
     runs = list((tmp_path / "outputs" / "runs").iterdir())
     assert len(runs) == 1, runs                      # both ranks used rank 0's dir (MIXPREC_RUN_TIME)
     job = runs[0]

@@ -25,7 +25,8 @@ CPU = torch.device("cpu")
 LM = ["logger=none", "trainer.max_steps=2", "model=lstm", "dataset=synthetic_text", "dataset.vocab_size=40",
       "dataset.train_size=1200", "dataset.test_size=200", "model.emsize=8", "model.nhid=8", "trainer.batch_size=4",
       "trainer.eval_batch_size=5", "dataset.bptt=6", "optimizer.lr=5", "optimizer.momentum=0",
-      "optimizer.weight_decay=0", "trainer.grad_clip=0.25", "schedule=plateau", "trainer.warmup_steps=0"]
+      "optimizer.weight_decay=0", "trainer.grad_clip=0.25", "schedule=plateau", "trainer.warmup_steps=0",
+      "trainer.device=cpu"]
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ STEPS = list(PAGE_LADDER)
 # the tiny version of a ladder job: synthetic data (the sweep's cifar10 is overridden), narrow ResNet-9, 2 steps
 LADDER_TINY = ["dataset=synthetic", "dataset.train_size=64", "dataset.test_size=32", "dataset.image_size=16",
                "trainer.batch_size=32", "trainer.eval_batch_size=32", "trainer.max_steps=2", "logger=none",
-               "model.channels=[8,16,32,64]"]
+               "model.channels=[8,16,32,64]", "trainer.device=cpu"]
 # per step: the flags it turns on (on top of the step before) and Page's max lr for a mean loss (his lr x 512)
 NEW_FLAGS = {
     "page_01_baseline": ({"loss_sum"}, 0.4), "page_02_gpu_preproc": (set(), 0.4),

@@ -25,7 +25,7 @@ from mixprec.records import METRICS, SUMMARY
 # 64 steps an epoch (about a second on a CPU core): long enough to land a signal in the middle of epoch 2.
 KILLABLE = ["model=small_cnn", "model.width=8", "dataset.train_size=1024", "dataset.test_size=64",
             "trainer.batch_size=16", "trainer.eval_batch_size=64", "trainer.epochs=2", "trainer.deterministic=true",
-            "trainer.log_every=4", "logger=none"]
+            "trainer.log_every=4", "logger=none", "trainer.device=cpu"]
 # A 2-layer LSTM language model, 125 bptt windows an epoch: the same for the shared loop's LM steps.
 LM_KILLABLE = ["model=lstm", "dataset=synthetic_text", "dataset.vocab_size=40", "dataset.train_size=3004",
                "dataset.test_size=200", "dataset.bptt=6", "model.emsize=16", "model.nhid=16", "trainer.batch_size=4",
@@ -373,6 +373,7 @@ def test_the_training_clock_syncs_the_device_at_every_reading(tiny, monkeypatch)
     s = tiny("trainer.max_steps=null", "trainer.epochs=2", "trainer.warmup_steps=2", "dataset.train_size=32")
     # start and stop of each epoch, and the end of the warm-up: no epoch time is read without a sync first
     assert calls == ["cpu"] * (2 * 2 + 1) and len(s["metrics"]["epoch_times_s"]) == 2
+    monkeypatch.setattr(mixprec.engine, "mark_steady", lambda device: None)   # its GPU memory stats: tests/test_gpu.py
     clock = mixprec.engine.TrainClock(torch.device("cuda"))   # the clock itself, for a GPU device
     calls.clear()
     clock.start(), clock.mark_warm(), clock.stop()

@@ -121,9 +121,3 @@ def test_a_gpu_profile_that_does_not_match_is_reported_not_used(tiny):
     assert s["gpu_profile"]["matched"] is False and "not used" in s["gpu_profile"]["note"]
     assert s["metrics"]["mfu"] is None
     assert s["metrics"]["train_flops_per_sample"] == pytest.approx(3 * small_cnn_flops(8))
-
-
-def test_mfu_formula():
-    m = {"train_flops_per_sample": 3e9, "throughput": 1000.0}
-    assert mixprec.engine.mfu(m, {"peak_tflops": {"fp16": 30.0}}, "fp16") == pytest.approx(0.1)
-    assert mixprec.engine.mfu(m, {"peak_tflops": None}, "fp16") is None

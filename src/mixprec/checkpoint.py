@@ -6,7 +6,9 @@ records, the kind's accumulators such as best accuracy and time to target, loss-
 position in the epoch, the open log window), every registered part's state_dict (model, optimizer, lr schedule,
 precision policy: loss scaler and fp32 master weights; the training loader: its data order at the epoch's start
 and its place in the epoch; a trick or a job kind adds its own, e.g. `saver.parts["ema"] = ema`, the language
-model's hidden state), every RNG state (python, numpy, torch CPU and CUDA), the config and the W&B run id.
+model's hidden state), every RNG state (python, numpy, torch CPU and the job's GPU), the config and the W&B run id.
+"Exactly" on a GPU needs trainer.deterministic=true: with cudnn.benchmark (the default) the resumed process
+autotunes again and may pick other cuDNN algorithms, whose sums round differently (a different, equally valid run).
 A SIGKILL (no handler can run) loses the work since the last epoch end. A completed job's checkpoint is deleted;
 its final weights stay in `model_fp32.pt` (fp32 whatever the training precision; `load_fp32_model` rebuilds the
 model from the job's summary and loads them).
@@ -152,10 +154,24 @@ class PolicyState:
                     master.copy_(saved)
 
 
+def _job_accelerator() -> torch.device | None:
+    """The device this job's accelerator RNG lives on: the current one (hardware.configure makes the job's device
+    current), None when no accelerator is visible."""
+    acc = torch.accelerator.current_accelerator(check_available=True)
+    return None if acc is None else torch.device(acc.type, torch.accelerator.current_device_index())
+
+
 def rng_state() -> dict:
+    """Every RNG state of this process: python, numpy, torch CPU, and the job's own accelerator device (not every
+    visible GPU by index: a resume on another device, or on another rank, restores it onto its own device).
+    Under DDP rank 0 writes the checkpoint and every rank restores its states: the ranks are seeded alike and draw
+    alike (dropout masks, the loaders' shared-seed permutations), so rank 0's states are every rank's
+    (tests/test_resume.py checks the device a state is restored to)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    acc = _job_accelerator()
     return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), int(pos), int(has_gauss), float(gauss)),
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            "torch": torch.get_rng_state(),
+            "accelerator": None if acc is None else torch.get_device_module(acc).get_rng_state(acc)}
 
 
 def set_rng_state(state: dict) -> None:
@@ -163,9 +179,9 @@ def set_rng_state(state: dict) -> None:
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        for i, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(s, i)
+    acc = _job_accelerator()
+    if state.get("accelerator") is not None and acc is not None:
+        torch.get_device_module(acc).set_rng_state(state["accelerator"], acc)
 
 
 class Checkpointer:

@@ -188,7 +188,7 @@ class PrecisionConfig:
 @dataclass(frozen=True)
 class GpuConfig:
     name: str = "auto"
-    match: Optional[str] = None
+    match: tuple = ()   # the full device names (as the driver reports them) this profile's peaks are for
     peak_tflops: dict = field(default_factory=dict)
     memory_gb: Optional[float] = None
     bandwidth_gbs: Optional[float] = None

@@ -205,7 +205,7 @@ class DeviceBatches(Resumable):
     def transform(self, batch: torch.Tensor) -> torch.Tensor:
         x = prepare(batch, self.mean, self.std, size=self.size, generator=self.generator, shard=self.shard,
                     **self.augment)
-        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+        return in_layout(x, self.channels_last)
 
 
 class LoaderBatches(Resumable):
@@ -223,7 +223,7 @@ class LoaderBatches(Resumable):
         samples = _PreparedSamples(images.cpu(), labels.cpu(), *norm_tensors(mean, std, torch.device("cpu")),
                                    size=size, generator=self.augment_generator, **augment)
         self.loader = DataLoader(samples, batch_size, shuffle=train, drop_last=train and len(images) >= batch_size,
-                                 num_workers=workers, pin_memory=pin_memory and device.type == "cuda",
+                                 num_workers=workers, pin_memory=pin_memory and device.type != "cpu",
                                  persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
         self.device = device
         self.channels_last = channels_last
@@ -240,9 +240,7 @@ class LoaderBatches(Resumable):
 
     def _batch(self, order, i: int):
         x, y = next(order)
-        x = x.to(self.device, non_blocking=True)
-        return (x.contiguous(memory_format=torch.channels_last) if self.channels_last else x,
-                y.to(self.device, non_blocking=True))
+        return in_layout(x.to(self.device, non_blocking=True), self.channels_last), y.to(self.device, non_blocking=True)
 
 
 class _PreparedSamples(Dataset):
@@ -254,6 +252,12 @@ class _PreparedSamples(Dataset):
 
     def __getitem__(self, i: int):
         return prepare(self.images[i:i + 1], self.mean, self.std, **self.transform)[0], self.labels[i]
+
+
+def in_layout(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """The batch in the memory layout trainer.channels_last asks for: NHWC (channels_last) or NCHW. Both are
+    explicit: the crop's gather leaves NHWC strides (random_crop), which would otherwise train NHWC either way."""
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 def norm_tensors(mean, std, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,7 +294,8 @@ def shard_of(t: torch.Tensor, shard: tuple[int, int]) -> torch.Tensor:
 
 def random_crop(x: torch.Tensor, pad: int, generator: torch.Generator | None,
                 shard: tuple[int, int] = (0, 1)) -> torch.Tensor:
-    """Per-sample random crop of the original size from the reflect-padded batch (offsets 0..2*pad)."""
+    """Per-sample random crop of the original size from the reflect-padded batch (offsets 0..2*pad). The gather
+    runs in NHWC, so the result has NHWC strides; the loaders set the layout last (in_layout)."""
     b, _, h, w = x.shape
     padded = F.pad(x, (pad, pad, pad, pad), mode="reflect")
     oy = shard_of(torch.randint(0, 2 * pad + 1, (b * shard[1],), device=x.device, generator=generator), shard)

@@ -5,8 +5,13 @@ hydra-submitit-launcher job with `tasks_per_node=N` runs N tasks whose rank come
 (SLURM_PROCID/SLURM_LOCALID on Slurm, SUBMITIT_LOCAL_* locally) and whose rendezvous is the job's first host and
 a port derived from the job id. One rank (WORLD_SIZE unset or 1) is the ordinary single-process job.
 
-The process group has the gloo backend for CPU tensors and, where CUDA is available, nccl for GPU tensors
-("cpu:gloo,cuda:nccl"); each rank on a GPU uses cuda:LOCAL_RANK. `Ranks` is what the engine sees: the rank, the
+The process group has the gloo backend for CPU tensors and, where an accelerator is available, its default backend
+for its tensors (torch.distributed.get_default_backend_for_device: "cpu:gloo,cuda:nccl" on CUDA); barriers and
+the CPU flags go through gloo (distributed_c10d.py barrier: "cpu" is among the pairs). Each rank on a GPU uses
+cuda:LOCAL_RANK, one GPU per rank: NCCL refuses two ranks on one GPU, so more ranks per node than visible GPUs is
+a config error (`device_name`). The process group is destroyed at the job's end by whoever made it in this
+process (train.py's `share_run_time` or `init`): `init` returns True for both, `close` destroys it once.
+`Ranks` is what the engine sees: the rank, the
 world size, sums across ranks, a barrier; with one rank every method is a no-op, so the single-process path is
 unchanged. Rank 0 alone writes the records (summary.json, metrics.jsonl, checkpoints, W&B).
 
@@ -30,6 +35,7 @@ from .config import ConfigError
 
 RUN_TIME = "MIXPREC_RUN_TIME"
 TIMEOUT = datetime.timedelta(minutes=10)
+_MADE_HERE = False   # this process created the default process group (and so destroys it)
 
 
 @dataclass(frozen=True)
@@ -91,18 +97,33 @@ def from_env() -> Ranks:
 
 def init(ranks: Ranks) -> bool:
     """Join the job's process group (if it has several ranks and none is joined yet); True when this call made it."""
-    if not ranks.active or tdist.is_initialized():
+    global _MADE_HERE
+    if not ranks.active:
         return False
-    if torch.cuda.is_available():
-        torch.cuda.set_device(ranks.local_rank % torch.cuda.device_count())
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    tdist.init_process_group(backend, init_method="env://", rank=ranks.rank, world_size=ranks.world, timeout=TIMEOUT)
-    return True
+    if not tdist.is_initialized():
+        tdist.init_process_group(backend(), init_method="env://", rank=ranks.rank, world_size=ranks.world,
+                                 timeout=TIMEOUT)
+        _MADE_HERE = True
+    return _MADE_HERE
+
+
+def backend() -> str:
+    """gloo for CPU tensors, plus the accelerator's default backend where one is visible ("cpu:gloo,cuda:nccl")."""
+    acc = torch.accelerator.current_accelerator(check_available=True)
+    return "gloo" if acc is None else f"cpu:gloo,{acc.type}:{tdist.get_default_backend_for_device(acc)}"
+
+
+def backend_for(device: torch.device) -> str:
+    """The backend that carries this job's tensors (gloo for a CPU job even where NCCL is in the group)."""
+    return "gloo" if device.type == "cpu" else tdist.get_default_backend_for_device(device)
 
 
 def close(made: bool) -> None:
-    if made and tdist.is_initialized():
+    """Destroy the process group if this process made it (once: a second call finds none)."""
+    global _MADE_HERE
+    if made and _MADE_HERE and tdist.is_initialized():
         tdist.destroy_process_group()
+        _MADE_HERE = False
 
 
 def share_run_time() -> None:
@@ -118,15 +139,25 @@ def share_run_time() -> None:
 
 
 def device_name(name: str, ranks: Ranks) -> str:
-    """The device each rank uses: trainer.device auto or cuda -> cuda:LOCAL_RANK under DDP."""
+    """The device each rank uses: trainer.device auto or cuda -> cuda:LOCAL_RANK under DDP, one GPU per rank.
+    Every rank of a node checks the node's rank count (torchrun's LOCAL_WORLD_SIZE, else this rank's index)
+    against the visible GPUs, so all ranks fail alike with one config error instead of NCCL's "Multiple Ranks
+    are using the same GPU" at DDP's first broadcast."""
     if not ranks.active:
         return name
     if name.startswith("cuda:"):
         raise ConfigError(f"trainer.device={name}: under DDP each rank uses cuda:LOCAL_RANK; use trainer.device=auto or cuda "
                           "(and CUDA_VISIBLE_DEVICES to choose the GPUs)")
-    if name in ("auto", "cuda") and torch.cuda.is_available():
-        return f"cuda:{ranks.local_rank % torch.cuda.device_count()}"
-    return name
+    acc = torch.accelerator.current_accelerator(check_available=True)
+    if name == "cpu" or acc is None or name not in ("auto", acc.type):
+        return name
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.local_rank + 1))
+    count = torch.accelerator.device_count()
+    if per_node > count:
+        raise ConfigError(f"{per_node} ranks on this node but {count} {acc.type} device(s) visible: NCCL takes one GPU "
+                          f"per rank; start at most {count} (torchrun --nproc_per_node={count}), or train on the CPU "
+                          "with trainer.device=cpu")
+    return f"{acc.type}:{ranks.local_rank}"
 
 
 def check(batch_size: int, sync_bn: bool, device: torch.device, ranks: Ranks) -> int:
@@ -134,7 +165,7 @@ def check(batch_size: int, sync_bn: bool, device: torch.device, ranks: Ranks) ->
     if batch_size % ranks.world:
         raise ConfigError(f"trainer.batch_size={batch_size}: the global batch must divide by the {ranks.world} ranks "
                           f"(each rank takes batch_size / world size)")
-    if sync_bn and ranks.active and device.type != "cuda":
+    if sync_bn and ranks.active and device.type != "cuda":   # SyncBatchNorm's kernels: CUDA (and a few others) only
         raise ConfigError("trainer.sync_bn=true: SyncBatchNorm runs on GPUs only; on CPUs use sync_bn=false "
                           "(or model.bn_eval=true for batch statistics that do not depend on the split)")
     return batch_size // ranks.world
@@ -147,10 +178,16 @@ def wrap(model: torch.nn.Module, device: torch.device, sync_bn: bool, ranks: Ran
     if not ranks.active:
         return model
     if sync_bn:
+        plain = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+        special = sorted({type(m).__name__ for m in model.modules()
+                          if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and type(m) not in plain})
+        if special:   # convert_sync_batchnorm would replace them with plain SyncBatchNorm, silently
+            raise ConfigError(f"trainer.sync_bn=true: {', '.join(special)} would become plain SyncBatchNorm, losing "
+                              "its own statistics (ghost BN: per split of each rank's batch); use trainer.sync_bn=false")
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
 
 
 def mute_other_ranks() -> None:

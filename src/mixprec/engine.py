@@ -12,8 +12,9 @@ What is timed: `TrainClock` measures training only (forward, backward, step, and
 preparation, as DAWNBench counts it); evaluation is timed separately and never included. Every clock reading
 synchronizes the device first, so queued GPU work is always counted. Steady-state throughput leaves out the
 first `trainer.warmup_steps` steps (cuDNN autotuning, allocator growth, lazy init); the summary says so.
-Host syncs in the loop: one per `trainer.log_every` steps for the loss/weight check (plus the one GradScaler
-itself makes each step when a dynamic loss scale is on, and one per step under on_nonfinite=skip).
+Host syncs in the loop: one per `trainer.log_every` steps for the loss/weight check, plus per step: the one
+GradScaler itself makes when a dynamic loss scale is on (PrecisionPolicy.step adds none), one under
+on_nonfinite=skip (the loss check before backward), and under DDP the CPU all-reduce of the stop flag.
 
 Checkpoints (checkpoint.py writes them): `loop.checkpoint(state)` is called at each epoch end (except the last)
 and when `loop.stop()` returns a reason (SIGTERM/SIGINT, signals.py): then mid-epoch, after the current step.
@@ -44,7 +45,7 @@ from tqdm.auto import tqdm
 
 from .config import TrainerConfig
 from .dist import SINGLE, Ranks
-from .hardware import synchronize
+from .hardware import mark_steady, synchronize
 from .models import set_bn_eval
 from .precision import PrecisionPolicy
 from .tricks import cross_entropy, tta_logits
@@ -72,6 +73,7 @@ class TrainClock:
 
     def mark_warm(self) -> None:
         synchronize(self.device)
+        mark_steady(self.device)   # the steady-state memory peak starts here
         self.barrier()
         self._warm = time.perf_counter()
 
@@ -340,16 +342,6 @@ def loop_metrics(state: LoopState, loop: Loop, setup_time_s: float = 0.0) -> dic
         "loss_scale": None if loop.policy.scale_value is None else
         {"min": state.scale_min, "max": state.scale_max, "final": loop.policy.scale_value},
     }
-
-
-def mfu(metrics: dict, profile: dict, peak_kind: str) -> float | None:
-    """Model FLOP utilisation: 3 x forward FLOPs per sample x steady samples/s, over the matched GPU profile's
-    dense peak for the precision's math (None without a matched profile or a known peak)."""
-    peak = (profile.get("peak_tflops") or {}).get(peak_kind)
-    flops = metrics.get("train_flops_per_sample")
-    if not peak or not flops or not metrics.get("throughput"):
-        return None
-    return flops * metrics["throughput"] / (peak * 1e12)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import platform
 import random
 import resource
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -16,23 +17,41 @@ from .config import ConfigError, GpuConfig, PrecisionConfig, TrainerConfig
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
+JOBS_IN_PROCESS = 0   # a sweep's jobs share one process: the first pays lazy CUDA init and cold autotuning caches
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")   # the values torch.use_deterministic_algorithms accepts for cuBLAS
+
+
 def select_device(name: str) -> torch.device:
+    """The job's device, always with an index on an accelerator (set_device refuses a device without one:
+    torch/accelerator/_utils.py:25 and torch/_utils.py:920, "Expected a torch.device with a specified index").
+    auto: the build's accelerator (torch.accelerator) when one is visible, else the CPU."""
+    if name == "cpu":
+        return torch.device("cpu")
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"trainer.device={name}: no CUDA GPU is visible here; use trainer.device=auto or cpu")
-        index = int(name.split(":")[1]) if ":" in name else 0
-        if index >= torch.cuda.device_count():
-            raise ConfigError(f"trainer.device={name}: only {torch.cuda.device_count()} GPU(s) visible")
-    return torch.device(name)
+        acc = torch.accelerator.current_accelerator(check_available=True)
+        if acc is None:
+            return torch.device("cpu")
+        name = acc.type
+    device = torch.device(name)
+    module = torch.get_device_module(device)
+    if not module.is_available():
+        raise ConfigError(f"trainer.device={name}: no {device.type.upper()} device is visible here; use "
+                          "trainer.device=auto or cpu")
+    index = 0 if device.index is None else device.index
+    if index >= module.device_count():
+        raise ConfigError(f"trainer.device={name}: only {module.device_count()} {device.type} device(s) visible "
+                          f"(cuda:0..cuda:{module.device_count() - 1}); CUDA_VISIBLE_DEVICES chooses which")
+    return torch.device(device.type, index)
 
 
-def configure(device: torch.device, trainer: TrainerConfig, precision: PrecisionConfig, seed: int) -> None:
-    """Seed every RNG and set the global math flags this job's precision and trainer config ask for."""
+def configure(device: torch.device, trainer: TrainerConfig, precision: PrecisionConfig, seed: int) -> list[str]:
+    """Seed every RNG and set the global math flags this job's precision and trainer config ask for; make `device`
+    the current device and start its memory peak. Returns (and prints) notes on what this GPU cannot honour."""
+    global JOBS_IN_PROCESS
+    JOBS_IN_PROCESS += 1
+    notes = []
     if trainer.deterministic:
-        # cuBLAS reads this when it first initialises; setting it before any CUDA work is enough.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        notes += _cublas_deterministic(device)
         torch.use_deterministic_algorithms(True, warn_only=True)
     else:
         torch.use_deterministic_algorithms(False)
@@ -41,22 +60,85 @@ def configure(device: torch.device, trainer: TrainerConfig, precision: Precision
     torch.backends.cuda.matmul.allow_tf32 = precision.tf32
     torch.backends.cudnn.allow_tf32 = precision.tf32
     random.seed(seed)
-    torch.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(seed)   # every device's generator (torch/random.py manual_seed seeds cuda too)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device)
+        torch.accelerator.reset_peak_memory_stats(device)
+        _MEMORY[device] = None
+        notes += precision_notes(precision, capability(device))
+    for note in notes:
+        print(f"mixprec: note: {note}", file=sys.stderr)
+    return notes
+
+
+def _cublas_deterministic(device: torch.device) -> list[str]:
+    """Deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG set before CUDA initialises in this process ("CUDA only
+    checks the variable when the runtime initializes": torch/testing/_internal/common_utils.py:2746). Set it
+    while that is still ahead; once CUDA runs (an earlier job of a sweep), say that it is too late. The variable
+    stays set: the workspace it configured stays in use for the rest of the process."""
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") in CUBLAS_DETERMINISTIC:
+        return []
+    if device.type == "cuda" and torch.cuda.is_initialized():   # CUDA-only branch (README, tests/test_gpu.py)
+        return ["trainer.deterministic=true: CUDA was initialised earlier in this process without "
+                "CUBLAS_WORKSPACE_CONFIG, so cuBLAS GEMMs may not be deterministic; start the process with "
+                "CUBLAS_WORKSPACE_CONFIG=:4096:8 (e.g. before a sweep)"]
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
+    return []
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """The accelerator's compute capability (major, minor); None on a CPU."""
+    if device.type == "cpu":
+        return None
+    return torch.get_device_module(device).get_device_capability(device)
+
+
+def precision_notes(precision: PrecisionConfig, cap: tuple[int, int] | None) -> list[str]:
+    """What a pre-Ampere NVIDIA GPU (capability < 8.0) does not give this precision: no bf16 tensor cores
+    (torch/cuda/__init__.py:244, is_bf16_supported: major >= 8, else emulation), no TF32."""
+    if cap is None or cap >= (8, 0):
+        return []
+    notes = []
+    if "bfloat16" in (precision.autocast_dtype, precision.param_dtype):
+        notes.append(f"precision={precision.name}: bfloat16 has no tensor-core support below compute capability 8.0 "
+                     f"(this GPU: {cap[0]}.{cap[1]}); it runs emulated, slower than fp32: use amp (fp16) here")
+    if precision.tf32:
+        notes.append(f"precision={precision.name}: TF32 needs compute capability 8.0 or newer (this GPU: "
+                     f"{cap[0]}.{cap[1]}): the math is plain fp32")
+    return notes
 
 
 def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for the device's queued work (nothing to wait for on a CPU)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
-def peak_memory_mb(device: torch.device) -> tuple[float, str]:
-    """Peak memory and what it measures: CUDA max allocated on a GPU, the process's peak RSS on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process_peak_rss"
+# -- memory: the job's peak, and the steady-state training peak -------------------------------------------------
+_MEMORY: dict = {}   # device -> the peak before the steady-state mark (None until the mark)
+
+
+def mark_steady(device: torch.device) -> None:
+    """Start the steady-state memory peak (where the warm-up steps end): what came before (the resident dataset,
+    cuDNN autotuning workspaces, the first steps' allocator growth) is kept aside. No sync needed: the caching
+    allocator counts on the host, when work is queued."""
+    if device.type != "cpu":
+        _MEMORY[device] = torch.accelerator.max_memory_allocated(device)
+        torch.accelerator.reset_peak_memory_stats(device)
+
+
+def memory_metrics(device: torch.device) -> dict:
+    """peak_memory_mb: the job's peak since configure() (dataset, autotuning, training, evaluation);
+    peak_memory_steady_mb: the peak after the warm-up steps (training and evaluation; None without a mark or on a
+    CPU); peak_memory_kind: what was measured (max allocated by tensors on the device, or the CPU process's RSS)."""
+    if device.type == "cpu":
+        return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "peak_memory_steady_mb": None, "peak_memory_kind": "process_peak_rss"}
+    now = torch.accelerator.max_memory_allocated(device) / 2**20
+    before = _MEMORY.get(device)
+    return {"peak_memory_mb": now if before is None else max(now, before / 2**20),
+            "peak_memory_steady_mb": None if before is None else now,
+            "peak_memory_kind": f"{device.type}_max_allocated"}
 
 
 def describe(device: torch.device) -> dict:
@@ -78,11 +160,13 @@ def describe(device: torch.device) -> dict:
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "torch_threads": torch.get_num_threads(),
+        "job_in_process": JOBS_IN_PROCESS,   # 1: the process's first job (lazy init and autotuning in its warm-up)
     }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
+    if device.type != "cpu":
+        props = torch.get_device_module(device).get_device_properties(device)
         env.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
                    gpu_memory_gb=round(props.total_memory / 2**30, 1))
+    env["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     env.update(git_state())
     return env
 
@@ -100,18 +184,32 @@ def git_state() -> dict:
 
 
 def gpu_profile(gpu: GpuConfig, device_name: str) -> dict:
-    """The profile to use for MFU, or why none is used. A profile that does not match the detected device is
-    reported (matched: false) and its peaks are not used."""
+    """The profile to use for MFU, or why none is used. A profile matches a device by its full name as the driver
+    reports it (get_device_properties(...).name: "NVIDIA H100 80GB HBM3" is the SXM card, "NVIDIA H100 PCIe" and
+    "NVIDIA H100 NVL" are not), case and surrounding spaces aside; one that does not match is reported
+    (matched: false) and its peaks are not used."""
     if gpu.name == "auto":
         return {"name": "auto", "matched": None, "peak_tflops": None,
                 "note": "gpu=auto records the device but has no peak numbers; choose gpu=<profile> for MFU"}
-    matched = bool(gpu.match) and gpu.match.lower() in device_name.lower()
+    names = list(gpu.match)
+    matched = device_name.strip().lower() in {n.strip().lower() for n in names}
     info = {"name": gpu.name, "matched": matched, "peak_tflops": dict(gpu.peak_tflops) if matched else None,
             "memory_gb": gpu.memory_gb, "bandwidth_gbs": gpu.bandwidth_gbs, "source": gpu.source}
     if not matched:
-        info["note"] = (f"gpu={gpu.name} expects a device named like '{gpu.match}' but this job ran on "
-                        f"'{device_name}': its peak numbers are not used")
+        info["note"] = (f"gpu={gpu.name} is for devices named {' or '.join(repr(n) for n in names)} but this job ran "
+                        f"on '{device_name}': its peak numbers are not used (add the name to conf/gpu/{gpu.name}.yaml "
+                        "only if it is the same card)")
     return info
+
+
+def mfu(metrics: dict, profile: dict, peak_kind: str, world: int = 1) -> float | None:
+    """Model FLOP utilisation: 3 x forward FLOPs per sample x steady samples/s (global, all ranks) over `world`
+    GPUs' dense peak for the precision's math (None without a matched profile or a known peak)."""
+    peak = (profile.get("peak_tflops") or {}).get(peak_kind)
+    flops = metrics.get("train_flops_per_sample")
+    if not peak or not flops or not metrics.get("throughput"):
+        return None
+    return flops * metrics["throughput"] / (world * peak * 1e12)
 
 
 def peak_kind(precision: PrecisionConfig) -> str:

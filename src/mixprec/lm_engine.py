@@ -142,13 +142,16 @@ class LMSteps:
     def metrics(self, state: LoopState, loop: Loop) -> dict:
         final = state.epochs[-1] if state.epochs and loop.status == "completed" else {}
         best = state.best.get("record")
+        rnn_dtype = getattr(self.model, "rnn_dtype", None)   # what the recurrent layers really ran in (rnnlm.py)
         return {"tokens": state.samples,
                 "final_valid_loss": final.get("valid_loss"), "final_valid_ppl": final.get("valid_ppl"),
                 "final_test_loss": final.get("test_loss"), "final_test_ppl": final.get("test_ppl"),
                 "best_valid_ppl": best and best["valid_ppl"], "best_valid_epoch": best and best["epoch"],
                 "test_ppl_at_best_valid": best and best["test_ppl"],
                 "final_test_acc": None,   # a language model has no accuracy: perplexity instead
-                "best_test_acc": None, "final_lr": loop.lr, "throughput_unit": "tokens/s"}
+                "best_test_acc": None, "final_lr": loop.lr, "throughput_unit": "tokens/s",
+                "rnn_dtype": rnn_dtype and str(rnn_dtype).removeprefix("torch."),
+                "rnn_cudnn": getattr(self.model, "rnn_cudnn", None)}
 
     def state_dict(self) -> dict:
         return {"hidden": None if self.hidden is None else carried(self.hidden, torch.device("cpu"))}

@@ -6,8 +6,15 @@ A mode is four decisions, each made once here:
   3. whether the optimizer steps fp32 master copies (apex O2) that are copied back into the low-precision model;
   4. how the loss is scaled: torch.amp.GradScaler (dynamic), a static factor (apex --loss-scale N), or none.
 The engine calls: prepare_model -> optimizer_params -> [autocast(), cast_input, backward, step] per step.
+
+Host syncs: `step` adds none to GradScaler's own (the found-inf check before the optimizer step,
+torch/amp/grad_scaler.py:371). Whether that check skipped the step is seen by an optimizer step hook, and the
+scale after update() is followed on the host by the same `torch._amp_update_scale_` GradScaler runs on the
+device (grad_scaler.py:549), so `scale_value` never reads the device's scale (GradScaler.get_scale() syncs).
 """
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 from torch import nn
@@ -29,8 +36,8 @@ class StaticScaler:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / self.value)
+        for (group,) in by_dtype(grads):
+            torch._foreach_mul_(group, 1.0 / self.value)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
@@ -48,6 +55,18 @@ class StaticScaler:
         self.value = float(state["scale"])
 
 
+def by_dtype(*lists: list[torch.Tensor]) -> list[list[list[torch.Tensor]]]:
+    """Parallel tensor lists cut into groups whose first-list tensors share one device and dtype, so that each
+    foreach call sees one dtype per list, as GradScaler groups its gradients (torch/amp/grad_scaler.py:262). A
+    CUDA foreach fast path may take one dtype for a whole list; the CPU runs per tensor and cannot show the
+    difference (tests/test_precision.py checks the grouping, tests/test_gpu.py the values on a GPU)."""
+    groups = defaultdict(lambda: [[] for _ in lists])
+    for tensors in zip(*lists):
+        for group, t in zip(groups[tensors[0].device, tensors[0].dtype], tensors):
+            group.append(t)
+    return list(groups.values())
+
+
 class PrecisionPolicy:
     def __init__(self, cfg: PrecisionConfig, device: torch.device):
         self.cfg = cfg
@@ -63,7 +82,23 @@ class PrecisionPolicy:
             self.scaler = StaticScaler(cfg.loss_scale)
         self.model_params: list[nn.Parameter] = []
         self.master_params: list[torch.Tensor] | None = None
-        self.scale_value = self.scaler.get_scale() if cfg.scaled else None
+        self.scale_value = self.scaler.get_scale() if cfg.scaled else None   # no sync: the initial scale
+        self._stepped = False      # set by the optimizer's step hook: still False after step() = GradScaler skipped
+        self._hooked: set = set()
+
+    @property
+    def scale_value(self) -> float | None:
+        """The loss scale after the last step, followed on the host (None without loss scaling)."""
+        return None if self._host is None else self._host[0].item()
+
+    @scale_value.setter
+    def scale_value(self, value: float | None) -> None:   # at start, and on resume (checkpoint.PolicyState)
+        self._host = None if value is None else self._shadow(value)
+
+    def _shadow(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """CPU copies of GradScaler's scale and growth tracker (one sync to read the tracker: on resume only)."""
+        state = self.scaler.state_dict() if self.cfg.loss_scale == "dynamic" else {}
+        return torch.tensor([float(scale)]), torch.tensor([state.get("_growth_tracker", 0)], dtype=torch.int32)
 
     # -- 1. weights ---------------------------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -107,31 +142,44 @@ class PrecisionPolicy:
         self.scaler.unscale_(optimizer)
         if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.stepped_params(), grad_clip)
-        self.scaler.step(optimizer)
+        if id(optimizer) not in self._hooked:
+            optimizer.register_step_post_hook(self._saw_step)
+            self._hooked.add(id(optimizer))
+        self._stepped = False
+        self.scaler.step(optimizer)   # GradScaler's one sync: skips optimizer.step() on an overflow
         self.scaler.update()
         if self.master_params is not None:
             with torch.no_grad():
-                torch._foreach_copy_(self.model_params, self.master_params)
-        if self.scale_value is None:
-            return False
-        previous, self.scale_value = self.scale_value, self.scaler.get_scale()
-        return self.scale_value < previous
+                for model_group, master_group in by_dtype(self.model_params, self.master_params):
+                    torch._foreach_copy_(model_group, master_group)
+        skipped = not self._stepped
+        if self._host is not None and self.cfg.loss_scale == "dynamic":
+            s = self.scaler
+            torch._amp_update_scale_(*self._host, torch.tensor([float(skipped)]), s.get_growth_factor(),
+                                     s.get_backoff_factor(), s.get_growth_interval())
+        return skipped
+
+    def _saw_step(self, optimizer, args, kwargs) -> None:
+        self._stepped = True
 
     def stepped_params(self) -> list[torch.Tensor]:
         return self.master_params if self.master_params is not None else self.model_params
 
     def fp32_state_dict(self, model: nn.Module) -> dict:
-        """The model's weights in fp32 whatever the training precision (apex's promise for checkpoints);
-        for the model this policy trains under master weights, the fp32 masters rather than the rounded fp16
-        copies (another model, e.g. an EMA copy, is simply cast)."""
-        state = {k: v.detach().float() if v.is_floating_point() else v.detach() for k, v in model.state_dict().items()}
+        """The model's weights in fp32 whatever the training precision (apex's promise for checkpoints), as CPU
+        copies, so that model_fp32.pt loads on any machine (torch.load puts tensors back on the device they were
+        saved from); for the model this policy trains under master weights, the fp32 masters rather than the
+        rounded fp16 copies (another model, e.g. an EMA copy, is simply cast)."""
+        cpu = torch.device("cpu")
+        state = {k: v.detach().to(cpu, torch.float32 if v.is_floating_point() else v.dtype, copy=True)
+                 for k, v in model.state_dict().items()}
         names = {}   # a shared (tied) parameter has several names, and the state dict an entry for each
         for n, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(n)
         if self.master_params is not None and all(id(p) in names for p in self.model_params):
             for p, master in zip(self.model_params, self.master_params):
                 for n in names[id(p)]:
-                    state[n] = master.detach().clone()
+                    state[n] = master.detach().to(cpu, copy=True)
         return state
 
 def hazards(precision: PrecisionConfig, optimizer: OptimizerConfig) -> list[str]:

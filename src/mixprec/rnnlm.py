@@ -5,6 +5,15 @@ dropout, and a linear decoder to the vocabulary, optionally sharing the embeddin
 token ids [seq_len, batch] and a hidden state to logits [seq_len, batch, ntoken] and the next hidden state.
 `vocab_multiple` pads the decoder to a multiple of that many rows (apex: 8, so that its GEMMs can use tensor
 cores); the padded rows never occur as targets and are left out when sampling.
+
+The dtype the recurrent layers really run in is recorded (`rnn_dtype`, after a forward; the job's summary has
+it): it need not be the precision's label. On CUDA, autocast sends every RNN to cuDNN in fp16 whatever the
+autocast dtype (aten/src/ATen/cudnn/AutocastRNN.cpp casts to half; C++, not in the wheel: tests/test_gpu.py
+checks the recorded dtype), so under amp_bf16 the
+RNN would run fp16 with no loss scale; it runs outside autocast in fp32 instead (`rnn_dtype` float32, the label's
+"bf16" holds for the embedding-free rest: the decoder). Pure bf16 weights are not cuDNN dtypes
+(torch/backends/cudnn/__init__.py:117 CUDNN_TENSOR_DTYPES, used by flatten_parameters, nn/modules/rnn.py:260):
+the RNN then runs PyTorch's own per-step kernels, in bf16 but slowly; `rnn_cudnn` records which.
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ class RNNModel(nn.Module):
         else:
             self.rnn = nn.RNN(emsize, nhid, nlayers, nonlinearity=kind.split("_")[1], dropout=rnn_dropout)
         self.decoder = nn.Linear(nhid, self.ntoken)
+        self.rnn_dtype, self.rnn_cudnn = None, False   # what the last forward's recurrent layers ran in
         if tied:
             self.decoder.weight = self.encoder.weight
         nn.init.uniform_(self.encoder.weight, -0.1, 0.1)   # the example's init (the RNN keeps PyTorch's own)
@@ -40,7 +50,16 @@ class RNNModel(nn.Module):
             nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
 
     def forward(self, tokens: torch.Tensor, hidden):
-        out, hidden = self.rnn(self.drop(self.encoder(tokens)), hidden)
+        x = self.drop(self.encoder(tokens))
+        kind = tokens.device.type
+        if kind == "cuda" and torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16:
+            with torch.autocast(kind, enabled=False):   # CUDA-only: autocast's cuDNN RNN would run fp16 (above)
+                w = self.rnn.all_weights[0][0]
+                out, hidden = self.rnn(x.to(w.dtype), rnn_cast(hidden, w.dtype))
+        else:
+            out, hidden = self.rnn(x, hidden)
+        self.rnn_dtype = out.dtype
+        self.rnn_cudnn = torch.backends.cudnn.is_acceptable(self.rnn.all_weights[0][0])
         return self.decoder(self.drop(out)), hidden
 
     def init_hidden(self, batch_size: int):
@@ -55,6 +74,11 @@ class RNNModel(nn.Module):
         g, h = GATES[self.kind], self.nhid
         sizes = [self.encoder.embedding_dim] + [h] * (self.nlayers - 1)
         return float(sum(2 * g * h * (n + h) for n in sizes) + 2 * h * self.ntoken)
+
+
+def rnn_cast(hidden, dtype: torch.dtype):
+    """The hidden state (a tensor, or an LSTM's (h, c)) in `dtype`."""
+    return hidden.to(dtype) if isinstance(hidden, torch.Tensor) else tuple(h.to(dtype) for h in hidden)
 
 
 def repackage_hidden(hidden):

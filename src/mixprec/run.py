@@ -151,7 +151,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     """Set up the device and the job dir (resume, W&B), train under the stop signals, and complete the summary."""
     hardware.configure(device, config.trainer, config.precision, config.seed)
     env = hardware.describe(device)
-    profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type == "cuda" else "cpu")
+    profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type != "cpu" else "cpu")
     summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
                    hazards=hazards(config.precision, config.optimizer))
     warn_if_slow(config, device, profile)
@@ -184,7 +184,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
         if not ranks.main:   # rank 0 records the job's error; a failure of this rank alone is said here
             log.error(f"mixprec: rank {ranks.rank}: {summary['error']}".splitlines()[0])
     finally:
-        complete_summary(summary, config, device, saver)
+        complete_summary(summary, config, device, saver, ranks.world)
         recorder.write_summary(summary)
         if summary["status"] in checkpoint.FINAL and ranks.main:
             saver.discard()
@@ -225,12 +225,13 @@ def open_mirror(config: Config, summary: dict, out_dir: Path, group: str | None,
     return mirror
 
 
-def complete_summary(summary: dict, config: Config, device: torch.device, saver: checkpoint.Checkpointer) -> None:
+def complete_summary(summary: dict, config: Config, device: torch.device, saver: checkpoint.Checkpointer,
+                     world: int = 1) -> None:
     """What the summary adds after training, whatever happened: MFU, the likely cause of a divergence, checkpoint
     time, the case's verdict, the end time and the peak memory."""
     m = summary.setdefault("metrics", {})
     if "throughput" in m:
-        m["mfu"] = engine.mfu(m, summary["gpu_profile"], hardware.peak_kind(config.precision))
+        m["mfu"] = hardware.mfu(m, summary["gpu_profile"], hardware.peak_kind(config.precision), world)
         m["checkpoint_time_s"] = saver.seconds
     if summary["status"] == "diverged" and summary["hazards"]:
         summary["reason"] += f"; likely cause: {summary['hazards'][0]}"
@@ -238,7 +239,7 @@ def complete_summary(summary: dict, config: Config, device: torch.device, saver:
         summary["case"] = dataclasses.asdict(config.case)
         summary["case"]["as_expected"] = summary["status"] == config.case.expect
     summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    m.update(zip(("peak_memory_mb", "peak_memory_kind"), hardware.peak_memory_mb(device)))
+    m.update(hardware.memory_metrics(device))
 
 
 def train_job(config: Config, device: torch.device, recorder: Recorder, saver: checkpoint.Checkpointer,
@@ -261,7 +262,7 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
     result = engine.fit(steps, batches, loop, state)
     if ranks.active:
         result["distributed"] = {"world_size": ranks.world, "per_rank_batch": tr.batch_size // ranks.world,
-                                 "sync_bn": tr.sync_bn, "backend": str(torch.distributed.get_backend()),
+                                 "sync_bn": tr.sync_bn, "backend": dist.backend_for(device),
                                  "weight_spread": dist.spread(policy.stepped_params(), ranks)}
     result["metrics"].update(info.pop("metrics"))
     final = info.pop("final")   # the weights that were evaluated: the EMA's if any

@@ -54,15 +54,20 @@ class WandbMirror:
                      step=row.get("step"))
 
     def summary(self, summary: dict) -> None:
-        flat = {"status": summary.get("status")}
+        self._summary = {"status": summary.get("status")}
         for k, v in (summary.get("metrics") or {}).items():
             if isinstance(v, dict):
-                flat.update({f"{k}/{kk}": vv for kk, vv in v.items()})
+                self._summary.update({f"{k}/{kk}": vv for kk, vv in v.items()})
             elif v is not None:
-                flat[k] = v
-        self.run.summary.update(flat)
+                self._summary[k] = v
+        self.run.summary.update(self._summary)
 
     def finish(self, ok: bool) -> None:
+        """Commit the last history row (a row logged with an explicit step waits for the next step, and committed
+        at finish() it would overwrite the summary's keys it shares, eval_time_s, with its own values), then write
+        the summary again, so the run's summary is summary.json's metrics."""
+        self.run.log({}, commit=True)
+        self.run.summary.update(getattr(self, "_summary", {}))
         self.run.finish(exit_code=0 if ok else 1)
 
     @property

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The first thing to run on a GPU machine (a user's, or any we get): the environment, the GPU tests, then one short
+# job per precision mode, ending with the sweep's table. Exit status: non-zero when a GPU test failed or a job did
+# not complete. Usage: scripts/gpu_check.sh [extra train.py overrides, e.g. gpu=h100]
+set -u
+cd "$(dirname "$0")/.."
+export WANDB_MODE=offline WANDB_SILENT=true PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+
+echo "== environment"
+nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv 2>/dev/null || echo "nvidia-smi: not found"
+python - <<'PY' || exit 2
+import torch
+from mixprec import hardware
+device = hardware.select_device("auto")
+env = hardware.describe(device)
+print(f"torch {env['torch']}  CUDA {env['cuda']}  cuDNN {env['cudnn']}  python {env['python']}")
+print(f"device {env['device']}: {env['device_name']}, capability {env['capability']}, {env['gpu_memory_gb']} GB")
+if device.type == "cpu":
+    raise SystemExit("gpu_check: no GPU is visible (torch.accelerator); nothing to check")
+arch = torch.cuda.get_arch_list()   # CUDA-only (README: CUDA-only branches): the kernels this wheel carries
+major, minor = map(int, env["capability"].split("."))
+print(f"wheel kernels {arch}")
+if not any(a.startswith("sm_") and int(a[3:]) <= 10 * major + minor for a in arch):
+    raise SystemExit(f"gpu_check: this torch build has no kernels for sm_{major}{minor}; see README (older GPUs)")
+PY
+
+echo "== pytest -m gpu"
+python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
+tests=$?
+
+echo "== one short job per precision mode"
+sweep="outputs/gpu_check/$(date +%Y-%m-%d_%H-%M-%S)"
+python train.py -m precision=fp32,tf32,amp,amp_bf16,half,bf16,o1,o2,o3 model=resnet18 dataset=synthetic \
+    trainer.batch_size=256 trainer.epochs=4 trainer.warmup_steps=8 logger=none "hydra.sweep.dir=$sweep" "$@"
+jobs=$?
+python - "$sweep" <<'PY'
+import json, sys
+from pathlib import Path
+bad = [p.parent.name for p in Path(sys.argv[1]).glob("*/summary.json") if json.loads(p.read_text())["status"] == "failed"]
+print(f"gpu_check: {len(bad)} job(s) failed: {', '.join(bad)}" if bad else "gpu_check: no job failed (a diverged fp16 job is a result, not a fault)")
+PY
+echo "gpu_check: pytest -m gpu exit $tests, sweep exit $jobs; records in $sweep"
+[ "$tests" -eq 0 ] && [ "$jobs" -eq 0 ]

@@ -1,0 +1,184 @@
+"""CUDA paths checked on the CPU: PyTorch's own validators run, only the device queries are patched (a fake
+2-GPU machine); the rest of each path runs as on a GPU. What needs a real GPU is in tests/test_gpu.py."""
+import pytest
+import torch
+from torch import nn
+
+from conftest import compose_config
+from mixprec import checkpoint, data, dist, hardware, precision
+from mixprec.config import ConfigError, PrecisionConfig, validate
+from mixprec.models import small_cnn
+from mixprec.optim import build_optimizer
+from mixprec.resnet9 import GhostBatchNorm, ResNet9
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A machine with 2 visible CUDA devices, as far as the device queries go (this wheel is a CUDA build, so
+    torch.accelerator.current_accelerator() is cuda already; it asks torch.cuda.is_available whether one is
+    visible). set_device_index's C call is recorded instead of made."""
+    assert torch.accelerator.current_accelerator().type == "cuda"   # a CUDA build (the wheel README names)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setDeviceIndex", calls.append)
+    monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    return calls
+
+
+def test_the_default_device_has_an_index_that_set_device_accepts(two_gpus):
+    # the bug this guards: torch.device("cuda") has no index, and PyTorch's validator refuses it
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        torch.accelerator.set_device_index(torch.device("cuda"))   # torch/accelerator/_utils.py _get_device_index
+    assert hardware.select_device("auto") == torch.device("cuda", 0)
+    assert hardware.select_device("cuda") == torch.device("cuda", 0)
+    assert hardware.select_device("cuda:1") == torch.device("cuda", 1)
+    assert hardware.select_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"trainer.device=cuda:2: only 2 cuda device\(s\) visible"):
+        hardware.select_device("cuda:2")
+    config = validate(compose_config("precision=fp32"))
+    hardware.configure(hardware.select_device("auto"), config.trainer, config.precision, config.seed)
+    hardware.configure(hardware.select_device("cuda:1"), config.trainer, config.precision, config.seed)
+    assert two_gpus == [0, 1]   # the real torch.accelerator.set_device_index ran, with validated indices
+
+
+def test_no_gpu_visible_is_a_config_error_and_auto_falls_back(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert hardware.select_device("auto") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="trainer.device=cuda: no CUDA device is visible here"):
+        hardware.select_device("cuda")
+
+
+def test_one_gpu_per_rank(two_gpus, monkeypatch):
+    ranks = [dist.Ranks(rank=r, world=2, local_rank=r) for r in range(2)]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert [dist.device_name("auto", r) for r in ranks] == ["cuda:0", "cuda:1"]
+    assert [dist.device_name("cpu", r) for r in ranks] == ["cpu", "cpu"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")   # torchrun --nproc_per_node=3 on 2 GPUs: every rank refuses
+    for r in ranks:
+        with pytest.raises(ConfigError, match=r"3 ranks on this node but 2 cuda device\(s\) visible.*nproc_per_node=2"):
+            dist.device_name("auto", r)
+    assert dist.device_name("cpu", ranks[0]) == "cpu"   # a CPU job is not limited by the GPUs
+    assert dist.backend() == "cpu:gloo,cuda:nccl"
+    assert dist.backend_for(torch.device("cpu")) == "gloo" and dist.backend_for(CUDA) == "nccl"
+
+
+def test_sync_bn_does_not_silently_replace_ghost_bn():
+    ranks = dist.Ranks(rank=0, world=2)
+    with pytest.raises(ConfigError, match="trainer.sync_bn=true: GhostBatchNorm would become plain SyncBatchNorm"):
+        dist.wrap(ResNet9(10, (4, 4, 4, 4), ghost_splits=2), CUDA, True, ranks)
+
+
+def test_mfu_counts_every_gpu_of_the_job():
+    m = {"train_flops_per_sample": 3e9, "throughput": 2000.0}   # global samples/s over 2 ranks
+    profile = {"peak_tflops": {"fp16": 30.0}}
+    assert hardware.mfu(m, profile, "fp16") == pytest.approx(3e9 * 2000 / 30e12)
+    assert hardware.mfu(m, profile, "fp16", world=2) == pytest.approx(3e9 * 2000 / (2 * 30e12))
+    assert hardware.mfu(m, {"peak_tflops": None}, "fp16", world=2) is None
+
+
+@pytest.mark.parametrize("name, matched", [("NVIDIA H100 80GB HBM3", True), ("nvidia h100 80gb hbm3 ", True),
+                                           ("NVIDIA H100 PCIe", False), ("NVIDIA H100 NVL", False), ("cpu", False)])
+def test_gpu_profiles_match_the_full_device_name(name, matched):
+    gpu = validate(compose_config("gpu=h100")).gpu
+    profile = hardware.gpu_profile(gpu, name)
+    assert profile["matched"] is matched
+    assert (profile["peak_tflops"] is not None) is matched
+    if not matched:
+        assert f"but this job ran on '{name}'" in profile["note"]
+
+
+def test_pre_ampere_gpus_get_a_note_for_bf16_and_tf32():
+    prec = {n: validate(compose_config(f"precision={n}")).precision for n in ("amp_bf16", "bf16", "tf32", "amp")}
+    assert "bfloat16 has no tensor-core support below compute capability 8.0 (this GPU: 7.0)" in \
+        hardware.precision_notes(prec["amp_bf16"], (7, 0))[0]
+    assert len(hardware.precision_notes(prec["bf16"], (6, 1))) == 1
+    assert "TF32 needs compute capability 8.0" in hardware.precision_notes(prec["tf32"], (7, 5))[0]
+    assert hardware.precision_notes(prec["amp"], (7, 0)) == []
+    assert all(hardware.precision_notes(p, (8, 0)) == [] and hardware.precision_notes(p, None) == [] for p in prec.values())
+
+
+def test_o2_copies_masters_back_one_dtype_per_foreach_call(monkeypatch):
+    config = validate(compose_config("precision=o2", "precision.init_scale=1", "optimizer=sgd", "optimizer.lr=0.5"))
+    torch.manual_seed(0)
+    policy = precision.PrecisionPolicy(config.precision, torch.device("cpu"))
+    model = policy.prepare_model(small_cnn(4, 10))
+    opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
+    assert {p.dtype for p in policy.model_params} == {torch.float16, torch.float32}   # conv fp16, BN fp32
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: (calls.append((dst, src)), real(dst, src))[1])
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    policy.backward(nn.functional.cross_entropy(model(policy.cast_input(x)).float(), y))
+    assert policy.step(opt) is False
+    assert len(calls) == 2 and all(len({t.dtype for t in dst}) == 1 for dst, _ in calls)
+    for p, master in zip(policy.model_params, policy.master_params):   # every weight = its master in its dtype
+        assert torch.equal(p, master.to(p.dtype))
+
+
+def test_the_loss_scale_is_followed_on_the_host_as_gradscaler_moves_it():
+    cfg = PrecisionConfig(name="amp", autocast_dtype="bfloat16", loss_scale="dynamic", init_scale=8.0, growth_interval=2)
+    policy = precision.PrecisionPolicy(cfg, torch.device("cpu"))
+    w = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD(policy.optimizer_params(nn.ParameterList([w])), lr=0.1)
+    skipped = []
+    for bad in [False, False, True, False, True, True, False, False, False]:
+        loss = (w * (float("inf") if bad else 1.0)).sum()
+        policy.backward(loss)
+        skipped.append(policy.step(opt))
+        opt.zero_grad()
+        assert policy.scale_value == policy.scaler.get_scale()   # GradScaler's own value (a sync: the test only)
+    assert skipped == [False, False, True, False, True, True, False, False, False]
+    assert policy.scale_value == 8.0 * 2 / 2 / 2 / 2 * 2   # grew after 2 good steps; halved per overflow; grew
+
+
+def test_batches_have_the_configured_layout_and_ghost_bn_keeps_it():
+    images = torch.randint(0, 256, (8, 3, 8, 8), dtype=torch.uint8)
+    for channels_last in (False, True):
+        batches = data.DeviceBatches(images, torch.arange(8), 4, (0.5,) * 3, (0.25,) * 3, device=torch.device("cpu"),
+                                     train=True, crop_padding=2, flip=True, channels_last=channels_last)
+        x, _ = next(iter(batches))
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        assert x.is_contiguous(memory_format=fmt) and x.is_contiguous() != channels_last
+    torch.manual_seed(0)
+    nchw, nhwc = GhostBatchNorm(4, 2), GhostBatchNorm(4, 2)
+    with torch.no_grad():
+        nchw.weight.uniform_(), nchw.bias.uniform_()
+    nhwc.load_state_dict(nchw.state_dict())
+    x = torch.randn(8, 4, 5, 5) * 3 + 1
+    a, b = x.clone().requires_grad_(), x.contiguous(memory_format=torch.channels_last).requires_grad_()
+    ya, yb = nchw(a), nhwc(b)   # Page's reshape + F.batch_norm, and the per-split statistics of channels_last
+    assert ya.is_contiguous() and yb.is_contiguous(memory_format=torch.channels_last) and not yb.is_contiguous()
+    torch.testing.assert_close(yb, ya)
+    torch.testing.assert_close(nhwc.running_mean, nchw.running_mean)
+    torch.testing.assert_close(nhwc.running_var, nchw.running_var)
+    g = torch.randn_like(ya)
+    ya.backward(g), yb.backward(g)
+    torch.testing.assert_close(b.grad, a.grad)
+    torch.testing.assert_close(nhwc.weight.grad, nchw.weight.grad)
+
+
+def test_the_accelerator_rng_is_saved_and_restored_on_the_jobs_own_device(two_gpus, monkeypatch):
+    saved, restored = [], []
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)   # this job/rank runs on cuda:1
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": saved.append(device) or torch.tensor([7]))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append((state.item(), device)))
+    state = checkpoint.rng_state()
+    checkpoint.set_rng_state(state)
+    assert saved == [torch.device("cuda", 1)] and restored == [(7, torch.device("cuda", 1))]
+
+
+def test_fp32_weights_are_cpu_copies():
+    config = validate(compose_config("precision=o2"))
+    policy = precision.PrecisionPolicy(config.precision, torch.device("cpu"))
+    model = policy.prepare_model(small_cnn(4, 10))
+    policy.optimizer_params(model)
+    state = policy.fp32_state_dict(model)
+    live = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    for k, v in state.items():
+        assert v.device == torch.device("cpu") and v.untyped_storage().data_ptr() not in live, k
+        assert v.dtype == (torch.float32 if v.is_floating_point() else model.state_dict()[k].dtype)
