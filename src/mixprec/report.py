@@ -22,7 +22,7 @@ from pathlib import Path
 
 from . import plots
 from .records import METRICS, SUMMARY, read_summary, write_json_atomic
-from .sources import Published, Source, load_sources, matches
+from .sources import DERIVED, Published, Source, load_sources, matches
 from .tables import baseline_key, sweep_rows
 
 # choice groups and overrides that never make a variant: they are the axes of the report, or change no result
@@ -89,9 +89,10 @@ class Job:
         f = (self.fp32 or {}).get("metrics") or {}
         if name == "speedup":
             return self.row.get("speedup")
-        if name == "test_ppl":
-            if _num(m.get("final_test_ppl")) is not None:
-                return m["final_test_ppl"]
+        if name == "test_ppl":   # apex's main.py reports the test perplexity of its best-validation model
+            for key in ("test_ppl_at_best_valid", "final_test_ppl"):
+                if _num(m.get(key)) is not None:
+                    return m[key]
             return math.exp(m["final_test_loss"]) if _num(m.get("final_test_loss")) is not None else None
         if name == "test_acc_pct":
             return 100 * m["final_test_acc"] if _num(m.get("final_test_acc")) is not None else None
@@ -642,6 +643,9 @@ def document(data: dict) -> Doc:
             d.p("Where each published value comes from:")
             d.bullets([f"{c['source']} / {c['label']}: \"{c['quote']}\" ({c['source_title']}"
                        + (f", {c['url']}" if c["url"] else "") + ")" for c in exp["comparisons"]])
+            used = sorted({c["metric"] for c in exp["comparisons"]} & set(DERIVED))
+            if used:   # e.g. test_ppl: the best-validation model's test perplexity, as apex's main.py reports it
+                d.p("How the reproduced values are read: " + "; ".join(f"`{m}`: {DERIVED[m]}" for m in used) + ".")
         if exp["not_completed"]:
             d.h(3, "Runs that diverged or failed")
             d.table(["job", "model", "precision", "seed", "status", "reason", "non-finite at step"],
