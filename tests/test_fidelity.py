@@ -340,14 +340,21 @@ def test_apex_published_values_match_only_the_runs_they_come_from():
         assert not matches(values[vid].match, preset)   # 30 epochs is not "converged" at 40
 
 
-def test_the_report_reads_the_best_validation_models_test_perplexity():
-    from pathlib import Path
+def test_the_report_reads_the_best_validation_models_test_perplexity_and_says_so(tmp_path):
+    import json
 
-    from mixprec.report import Job
+    from mixprec.report import make_report
 
-    job = Job(dir=Path("."), summary={"status": "completed", "metrics": {
-        "final_test_ppl": 120.0, "test_ppl_at_best_valid": 117.0, "final_test_loss": math.log(120.0)}})
-    assert job.metric("test_ppl") == 117.0
+    _, s = composed("workload=apex_small_lstm")
+    s.update(status="completed", job={"num": 0}, metrics={"final_test_ppl": 120.0, "test_ppl_at_best_valid": 117.0,
+                                                          "final_test_loss": math.log(120.0), "train_time_s": 1.0})
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text(json.dumps(s))
+    make_report([str(tmp_path)], out=tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| apex_word_lm | FP32 LSTM"))
+    assert "| 117 perplexity |" in row and "120" not in row          # the best-validation model's, not the last
+    assert "`test_ppl`: test perplexity of the best-validation model" in md
 
 
 # ------------------------------------------------------------------------------------------------ fastai published
