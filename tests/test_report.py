@@ -183,7 +183,7 @@ def test_wandb_offline_says_why_in_one_line_and_writes_the_local_report(runs, tm
     # the shipped published numbers: no job belongs to their experiments, so every value is listed as missing
     assert "## Published numbers with no runs yet" in md
     fastai = md_table(md, "### fastai_2080ti")
-    assert ["ResNet-101, FP32 time / mixed-precision time", "1.18 x", "NVIDIA RTX 2080 Ti", "model=resnet101, precision=amp"] \
+    assert ["ResNet-101, FP32 time / mixed-precision time", "1.18 x", "NVIDIA RTX 2080 Ti", "model=resnet101, precision=fastai_fp16, model.head=fastai"] \
         == fastai[0][:4]
 
 
@@ -232,7 +232,7 @@ def test_shipped_published_numbers_load_with_source_hardware_and_unit():
     for s in sources.values():
         assert s.experiments and s.values
         assert all(v.hardware and v.unit and v.quote and v.match for v in s.values)
-    ladder = [v for v in sources["page_ladder"].values if v.metric == "time_to_target_s"]
+    ladder = [v for v in sources["page_ladder"].values if v.metric == "train_time_s"]
     assert [v.value for v in ladder] == [75, 70, 64, 59, 52, 46, 43, 36, (33.5, 34.0), 26]
     assert sources["fastai_2080ti"].values[0].value == 1.18 and sources["fastai_2080ti"].values[1].value == 1.13
 

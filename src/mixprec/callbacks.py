@@ -45,7 +45,8 @@ class SweepTable(Callback):
                 print(sweep_note(summaries))
         ladder = ladder_rows(summaries)
         if ladder:  # a sweep over Page's ladder steps: per step, beside the article's V100 times
-            print(f"\nPage's ladder (article: one V100, time to 94%):\n{format_table(ladder, LADDER_COLUMNS)}")
+            print("\nPage's ladder (article: one V100, each step's fixed-schedule time; statistics over all runs):\n"
+                  + format_table(ladder, LADDER_COLUMNS))
         for p in problems:
             print(f"unreadable: {p}")
         if self.report and summaries:

@@ -40,12 +40,14 @@ class TrainerConfig:
     grad_clip: Optional[float] = None
     resume: Literal["auto", "never"] = "never"
     sync_bn: bool = False   # under DDP (torchrun): BatchNorm statistics over the global batch (SyncBatchNorm, GPUs)
+    prewarm_steps: int = 0  # untimed training steps on a throwaway copy before the clock starts (prewarm.py)
 
     def check(self) -> None:
         _at_least(self, "epochs", 1)
         _at_least(self, "batch_size", 1)
         _at_least(self, "eval_batch_size", 1)
         _at_least(self, "warmup_steps", 0)
+        _at_least(self, "prewarm_steps", 0)
         _at_least(self, "log_every", 1)
         if self.max_steps is not None:
             _at_least(self, "max_steps", 1)
@@ -73,6 +75,10 @@ class ModelConfig:
     dropout: float = 0.2
     tied: bool = False        # the decoder shares the embedding's weights (needs emsize == nhid)
     vocab_multiple: int = 1   # pad the vocabulary to a multiple of this (apex: 8, for tensor-core GEMMs)
+    # torchvision ResNets: fastai 1.0's create_cnn (models.fastai_cnn)
+    head: Literal["torchvision", "fastai"] = "torchvision"   # fastai: concat-pool + BN/dropout/linear head
+    pretrained: bool = False  # torchvision's ImageNet weights for the ResNet body (must be in the torch hub cache)
+    freeze_body: bool = False # body weights frozen, its BatchNorm layers still trained (fastai's freeze, train_bn)
 
     def check(self) -> None:
         _at_least(self, "width", 1, section="model")
@@ -92,6 +98,15 @@ class ModelConfig:
             raise ConfigError(f"model.tied=true: needs model.emsize == model.nhid (got {self.emsize} and {self.nhid})")
         if self.bn_eval and self.is_language_model:
             raise ConfigError(f"model.bn_eval=true: model={self.arch} has no BatchNorm")
+        torchvision_resnet = self.arch in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+        for name in ("pretrained", "freeze_body"):
+            if getattr(self, name) and not torchvision_resnet:
+                raise ConfigError(f"model.{name}=true: only the torchvision ResNets (resnet18..resnet152) have it "
+                                  f"(model={self.arch})")
+        if self.head == "fastai" and not torchvision_resnet:
+            raise ConfigError(f"model.head=fastai: only the torchvision ResNets take fastai's head (model={self.arch})")
+        if self.freeze_body and self.head != "fastai":
+            raise ConfigError("model.freeze_body=true: needs model.head=fastai (the head is what trains)")
 
     @property
     def is_language_model(self) -> bool:
@@ -226,6 +241,12 @@ class ScheduleConfig:
     knots: tuple = (0.0, 1.0)
     values: tuple = (1.0, 1.0)
     factor: float = 4.0     # plateau only: lr divided by this after an epoch whose validation loss is no better
+    # fastai_onecycle only (fastai 1.0 fit_one_cycle): cosine lr from lr/div_factor up to lr over pct_start of the
+    # steps, then cosine down to lr/(div_factor*final_div); momentum (Adam's beta1) cosine moms[0] -> moms[1] -> moms[0]
+    div_factor: float = 25.0
+    pct_start: float = 0.3
+    final_div: float = 1.0e4
+    moms: tuple = (0.95, 0.85)
 
     def check(self) -> None:
         if not (math.isfinite(self.factor) and self.factor > 1):
@@ -237,6 +258,11 @@ class ScheduleConfig:
             raise ConfigError(f"schedule.knots={k}: must rise from 0.0 to 1.0 (fractions of the run's steps)")
         if any(v < 0 for v in self.values):
             raise ConfigError(f"schedule.values={list(self.values)}: lr multipliers must be >= 0")
+        if not (self.div_factor > 0 and self.final_div > 0 and 0 < self.pct_start < 1):
+            raise ConfigError(f"schedule: div_factor={self.div_factor} and final_div={self.final_div} must be > 0, "
+                              f"pct_start={self.pct_start} in (0, 1)")
+        if len(self.moms) != 2 or not all(0 <= m < 1 for m in self.moms):
+            raise ConfigError(f"schedule.moms={list(self.moms)}: must be two momenta in [0, 1)")
 
 
 @dataclass(frozen=True)

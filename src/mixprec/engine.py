@@ -265,7 +265,7 @@ def fit(steps, batches, loop: Loop, state: LoopState) -> dict:
             break
         end_epoch(steps, loop, state)
     return {"status": loop.status, "reason": loop.reason, "nonfinite": state.nonfinite,
-            "metrics": {**loop_metrics(state, loop, steps.setup_time_s), **steps.metrics(state, loop)},
+            "metrics": {**loop_metrics(state, loop), **steps.metrics(state, loop)},
             "epochs": state.epochs}
 
 
@@ -321,9 +321,9 @@ def end_epoch(steps, loop: Loop, state: LoopState) -> None:
             loop.status, loop.reason = "interrupted", f"{why} after step {state.step} (epoch {state.epoch} done)"
 
 
-def loop_metrics(state: LoopState, loop: Loop, setup_time_s: float = 0.0) -> dict:
+def loop_metrics(state: LoopState, loop: Loop) -> dict:
     """The metrics every training loop reports (image and language model): steps, timing, throughput (steady
-    state when there is one, warm-up excluded; setup time never counted in it), the loss-scale range."""
+    state when there is one, warm-up excluded), the loss-scale range."""
     clock = loop.clock
     steady = clock.steady > 0 and state.steady_samples > 0
     return {
@@ -336,7 +336,7 @@ def loop_metrics(state: LoopState, loop: Loop, setup_time_s: float = 0.0) -> dic
         "epoch_times_s": [e["epoch_time_s"] for e in state.epochs],
         "eval_time_s": sum(e.get("eval_time_s", 0.0) for e in state.epochs),
         "throughput": (state.steady_samples / clock.steady) if steady else
-        state.samples / (clock.total - setup_time_s),
+        state.samples / clock.total,
         "throughput_includes_warmup": not steady,
         "warmup_steps": loop.trainer.warmup_steps,
         "loss_scale": None if loop.policy.scale_value is None else
@@ -349,7 +349,7 @@ class ImageSteps:
     """An image classifier's part of the loop: its training step, its evaluation, its final metrics.
     ema: a tricks.EMA, updated after every optimizer step and evaluated instead of the model. tta: test accuracy
     (and time to target) from flip test-time augmentation; the final evaluation reports both. setup_time_s:
-    preparation that counts as training (DAWNBench), e.g. the whitening fit. bn_eval: BatchNorm stays in eval."""
+    preparation timed apart from training (the whitening fit), reported beside train_time_s. bn_eval: BatchNorm stays in eval."""
     model: nn.Module
     schedule: object
     test_batches: object

@@ -1,6 +1,9 @@
-"""Models: torchvision ResNets with a CIFAR or ImageNet stem, a small CNN, Page's ResNet-9 (resnet9.py), and RNN
-language models (rnnlm.py)."""
+"""Models: torchvision ResNets with a CIFAR or ImageNet stem (or as fastai 1.0's create_cnn builds them: body, concat-
+pool head, optionally pretrained and frozen), a small CNN, Page's ResNet-9 (resnet9.py), and RNN language models
+(rnnlm.py)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torchvision
@@ -20,18 +23,81 @@ def build_model(cfg: ModelConfig, num_classes: int, **resnet9_options) -> nn.Mod
     if cfg.arch == "resnet9":
         return ResNet9(num_classes, cfg.channels, cfg.output_scale, **resnet9_options)
     if cfg.arch.startswith("resnet"):
-        return resnet(cfg.arch, cfg.stem, num_classes)
+        if cfg.head == "fastai":
+            return fastai_cnn(cfg.arch, cfg.stem, num_classes, cfg.pretrained, cfg.freeze_body)
+        return resnet(cfg.arch, cfg.stem, num_classes, cfg.pretrained)
     if cfg.arch == "small_cnn":
         return small_cnn(cfg.width, num_classes)
     raise ValueError(f"unknown model.arch {cfg.arch!r}")  # unreachable: the schema allows only the above
 
 
-def resnet(arch: str, stem: str, num_classes: int) -> nn.Module:
-    model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
+def resnet(arch: str, stem: str, num_classes: int, pretrained: bool = False) -> nn.Module:
+    if pretrained:   # ImageNet's 1000-class head is kept only to load the weights; the caller's head replaces it
+        model = getattr(torchvision.models, arch)(weights=imagenet_weights(arch))
+        model.fc = nn.Linear(model.fc.in_features, num_classes)
+    else:
+        model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
     if stem == "cifar":
         # 32x32 inputs: a 3x3 stride-1 first conv and no max-pool keep the spatial resolution for layer1.
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
+    return model
+
+
+def imagenet_weights(arch: str):
+    """torchvision's ImageNet weights for `arch` (IMAGENET1K_V1: the weights fastai 1.0 loaded through torchvision's
+    `pretrained=True`), read from the torch hub cache only: a missing file is one ConfigError naming what to do,
+    never a download (tests and offline machines stay offline)."""
+    from .config import ConfigError
+
+    weights = torchvision.models.get_model_weights(arch).IMAGENET1K_V1
+    path = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+    if not path.is_file():
+        raise ConfigError(f"model.pretrained=true: {path} is missing; fetch it once where there is network "
+                          f"(python -c \"import torchvision; torchvision.models.{arch}(weights='IMAGENET1K_V1')\"), "
+                          f"copy it there (or set TORCH_HOME), or set model.pretrained=false")
+    return weights
+
+
+class AdaptiveConcatPool2d(nn.Module):
+    """fastai 1.0.42 layers.py:171-178: adaptive max-pool and average-pool to 1x1, concatenated (max first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ap, self.mp = nn.AdaptiveAvgPool2d(1), nn.AdaptiveMaxPool2d(1)
+
+    def forward(self, x):
+        return torch.cat([self.mp(x), self.ap(x)], 1)
+
+
+def fastai_head(nf: int, num_classes: int, lin_ftrs: int = 512, p: float = 0.5) -> nn.Sequential:
+    """fastai 1.0.42 vision/learner.py create_head (lines 43-53) with its defaults (lin_ftrs None -> [nf, 512, nc],
+    ps=0.5 -> [0.25, 0.5], bn_final False): concat pool, flatten, then bn_drop_lin (layers.py:48-54) twice:
+    BatchNorm1d, Dropout, Linear (+ ReLU on the first). Weights: kaiming_normal_, biases 0 (create_cnn's
+    apply_init(model[1], nn.init.kaiming_normal_), learner.py:68; torch_core.py init_default)."""
+    head = nn.Sequential(AdaptiveConcatPool2d(), nn.Flatten(),
+                         nn.BatchNorm1d(nf), nn.Dropout(p / 2), nn.Linear(nf, lin_ftrs), nn.ReLU(inplace=True),
+                         nn.BatchNorm1d(lin_ftrs), nn.Dropout(p), nn.Linear(lin_ftrs, num_classes))
+    for m in head.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.kaiming_normal_(m.weight)
+            nn.init.zeros_(m.bias)
+    return head
+
+
+def fastai_cnn(arch: str, stem: str, num_classes: int, pretrained: bool, freeze_body: bool) -> nn.Sequential:
+    """fastai 1.0.42 create_cnn (vision/learner.py:55-69): the torchvision ResNet cut before its pool and fc
+    (cut=-2, learner.py:20, create_body 36-41), nf = 2 x the body's output channels (concat pool, line 62), the head
+    above, nn.Sequential(body, head). freeze_body: Learner.freeze() (basic_train.py:189-201 with train_bn=True):
+    the body's weights stop training, its BatchNorm layers keep training (weights, biases and running statistics)."""
+    tv = resnet(arch, stem, num_classes, pretrained)
+    body = nn.Sequential(*list(tv.children())[:-2])
+    model = nn.Sequential(body, fastai_head(2 * tv.fc.in_features, num_classes))
+    if freeze_body:
+        for m in body.modules():
+            if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+                for p in m.parameters(recurse=False):
+                    p.requires_grad_(False)
     return model
 
 

@@ -1,4 +1,5 @@
-"""Optimizers, the piecewise-linear learning-rate schedule, and the plateau rule of the language models."""
+"""Optimizers, the piecewise-linear learning-rate schedule, fastai 1.0's one-cycle (cosine lr and momentum), and
+the plateau rule of the language models."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +14,10 @@ def build_optimizer(cfg: OptimizerConfig, params: list[torch.Tensor]) -> torch.o
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                weight_decay=cfg.weight_decay)
+    # adamw is fastai 1.0's default optimizer when betas are (0.9, 0.99): opt_func=AdamW=partial(optim.Adam,
+    # betas=(0.9,0.99)) (torch_core.py:63) wrapped in OptimWrapper(true_wd=True, bn_wd=True) (basic_train.py:137-141),
+    # whose step multiplies every trainable weight, BatchNorm's included, by 1 - wd * lr before Adam's step
+    # (callback.py:38-47): exactly torch.optim.AdamW's decoupled weight decay.
     cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
     return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
@@ -26,6 +31,66 @@ def build_schedule(cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, total_
     if cfg.name == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=1 / cfg.factor, patience=0,
                                                           threshold=0.0)
+    if cfg.name == "fastai_onecycle":
+        return FastaiOneCycle(optimizer, total_steps, cfg.div_factor, cfg.pct_start, cfg.final_div, tuple(cfg.moms))
     knots = np.asarray(cfg.knots, dtype=np.float64) * max(total_steps, 1)
     values = np.asarray(cfg.values, dtype=np.float64)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(np.interp(step, knots, values)))
+
+
+def annealing_cos(start: float, end: float, pct: float) -> float:
+    """fastai 1.0's annealing_cos (callback.py:308-311): cosine from start (pct 0) to end (pct 1)."""
+    return end + (start - end) / 2 * (np.cos(np.pi * pct) + 1)
+
+
+def fastai_onecycle_values(step: int, total_steps: int, lr_max: float, div_factor: float, pct_start: float,
+                           final_div: float, moms: tuple) -> tuple[float, float]:
+    """(lr, momentum) for the optimizer step after `step` steps, as fastai 1.0.42's OneCycleScheduler sets them
+    (one_cycle.py:21-43): phase 1, a1 = int(n * pct_start) steps, lr lr_max/div -> lr_max and momentum moms[0] ->
+    moms[1]; phase 2, the other n - a1 steps, lr lr_max -> lr_max/div/final_div and momentum moms[1] -> moms[0]; both
+    cosine. fastai's Stepper counts from 1 after each batch, so step k of a phase gets pct k / n_phase."""
+    a1 = int(total_steps * pct_start)
+    a2 = total_steps - a1
+    low = lr_max / div_factor
+    if step < a1:
+        pct = step / max(1, a1)
+        return annealing_cos(low, lr_max, pct), annealing_cos(moms[0], moms[1], pct)
+    pct = min(1.0, (step - a1) / max(1, a2))
+    return annealing_cos(lr_max, low / final_div, pct), annealing_cos(moms[1], moms[0], pct)
+
+
+class FastaiOneCycle:
+    """fastai's fit_one_cycle as a per-step schedule: sets each param group's lr (its initial lr is taken as the max
+    lr, so group multipliers are kept) and momentum: Adam/AdamW's beta1 (fastai's OptimWrapper.mom sets betas[0],
+    callback.py:69-75), or SGD's momentum. state_dict/load_state_dict carry the step count (checkpoints)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, div_factor: float, pct_start: float,
+                 final_div: float, moms: tuple):
+        self.optimizer, self.total_steps = optimizer, max(total_steps, 1)
+        self.args = (div_factor, pct_start, final_div, moms)
+        self.max_lrs = [g.setdefault("initial_lr", g["lr"]) for g in optimizer.param_groups]
+        self.last_step = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for group, lr_max in zip(self.optimizer.param_groups, self.max_lrs):
+            lr, mom = fastai_onecycle_values(self.last_step, self.total_steps, lr_max, *self.args)
+            group["lr"] = lr
+            if "betas" in group:
+                group["betas"] = (mom, group["betas"][1])
+            elif "momentum" in group:
+                group["momentum"] = mom
+
+    def step(self) -> None:
+        self.last_step += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step, "max_lrs": list(self.max_lrs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_step, self.max_lrs = state["last_step"], list(state["max_lrs"])
+        self._apply()

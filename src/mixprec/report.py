@@ -22,7 +22,7 @@ from pathlib import Path
 
 from . import plots
 from .records import METRICS, SUMMARY, read_summary, write_json_atomic
-from .sources import Published, Source, load_sources, matches
+from .sources import DERIVED, Published, Source, load_sources, matches
 from .tables import baseline_key, sweep_rows
 
 # choice groups and overrides that never make a variant: they are the axes of the report, or change no result
@@ -89,9 +89,10 @@ class Job:
         f = (self.fp32 or {}).get("metrics") or {}
         if name == "speedup":
             return self.row.get("speedup")
-        if name == "test_ppl":
-            if _num(m.get("final_test_ppl")) is not None:
-                return m["final_test_ppl"]
+        if name == "test_ppl":   # apex's main.py reports the test perplexity of its best-validation model
+            for key in ("test_ppl_at_best_valid", "final_test_ppl"):
+                if _num(m.get(key)) is not None:
+                    return m[key]
             return math.exp(m["final_test_loss"]) if _num(m.get("final_test_loss")) is not None else None
         if name == "test_acc_pct":
             return 100 * m["final_test_acc"] if _num(m.get("final_test_acc")) is not None else None
@@ -412,11 +413,12 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                      "caption": f"{ylabel} after each epoch (metrics.jsonl `{key}`), mean over seeds."})
     ladder = _ladder(exp, sources, groups)
     if ladder:
-        figs.append({"path": plots.ladder(pdir / f"{slug}_ladder.png", f"{exp['name']}: time to target per step",
+        figs.append({"path": plots.ladder(pdir / f"{slug}_ladder.png", f"{exp['name']}: training time per step",
                                           *ladder),
-                     "caption": "Training time to the target accuracy per ladder step: the article's staircase "
-                                "against the reproduced one (mean over seeds; a step whose runs did not reach the "
-                                "target has no point)."})
+                     "caption": "Training time per ladder step: the article's staircase against the reproduced one "
+                                "(Page's times are each step's whole fixed schedule, eval excluded, with a mean final "
+                                "accuracy of the target over his runs; ours: the same time, mean over seeds; the "
+                                "ladder table gives the fraction of runs that reached the target)."})
     traces = _loss_scale_traces(groups)
     if traces:
         figs.append({"path": plots.loss_scale(pdir / f"{slug}_loss_scale.png", f"{exp['name']}: loss scale", traces),
@@ -445,15 +447,20 @@ def _curves(groups: list[Group]) -> list[dict]:
     return curves
 
 
+# the published values that draw a ladder staircase: Page's fixed-schedule training times (train_time_s), or times to
+# a target accuracy
+LADDER_METRICS = ("train_time_s", "time_to_target_s")
+
+
 def _ladder(exp: dict, sources: list[Source], groups: list[Group]):
-    steps = [v for s in sources if s.id in exp["sources"] for v in s.values if v.metric == "time_to_target_s"]
+    steps = [v for s in sources if s.id in exp["sources"] for v in s.values if v.metric in LADDER_METRICS]
     hit = [[j for g in groups for j in g.jobs if matches(v.match, j.summary)] for v in steps]
     if not steps or not any(hit):
         return None
     precisions = sorted({j.precision for js in hit for j in js}, key=plots.precision_key)
     reproduced = {}
     for p in precisions:
-        vals = [stats([j.metric("time_to_target_s") for j in js if j.precision == p]) for js in hit]
+        vals = [stats([j.metric(v.metric) for j in js if j.precision == p]) for v, js in zip(steps, hit)]
         reproduced[p] = [None if st is None else (st["mean"], st["std"]) for st in vals]
     targets = {(j.summary.get("metrics") or {}).get("target_acc") for js in hit for j in js} - {None}
     target = f"{100 * targets.pop():g}% test accuracy" if len(targets) == 1 else "the target accuracy"
@@ -642,6 +649,9 @@ def document(data: dict) -> Doc:
             d.p("Where each published value comes from:")
             d.bullets([f"{c['source']} / {c['label']}: \"{c['quote']}\" ({c['source_title']}"
                        + (f", {c['url']}" if c["url"] else "") + ")" for c in exp["comparisons"]])
+            used = sorted({c["metric"] for c in exp["comparisons"]} & set(DERIVED))
+            if used:   # e.g. test_ppl: the best-validation model's test perplexity, as apex's main.py reports it
+                d.p("How the reproduced values are read: " + "; ".join(f"`{m}`: {DERIVED[m]}" for m in used) + ".")
         if exp["not_completed"]:
             d.h(3, "Runs that diverged or failed")
             d.table(["job", "model", "precision", "seed", "status", "reason", "non-finite at step"],

@@ -28,6 +28,7 @@ from .lm_engine import LMSteps
 from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
 from .precision import PrecisionPolicy, hazards
+from .prewarm import prewarm
 from .records import SUMMARY, Recorder, write_json_atomic
 from .resnet9 import resnet9_options
 from .signals import StopSignals, resume_hint
@@ -253,7 +254,7 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
     tr = config.trainer
     saver.parts.update(model=info.pop("model"), optimizer=optimizer, schedule=steps.schedule,
                        precision=checkpoint.PolicyState(policy), data=batches, **info.pop("parts"))
-    state = engine.LoopState(train_time=steps.setup_time_s)
+    state = engine.LoopState()   # setup (the whitening fit) is timed apart, as Page timed it
     if resume is not None:
         saver.restore(resume, state)   # last before training: it sets the RNG states
     loop = engine.Loop(policy, optimizer, tr, engine.total_steps(tr, len(batches)), log=recorder.log,
@@ -296,9 +297,12 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     ema = tricks.EMA(model, t.ema_momentum, t.ema_every) if t.ema else None
     steps = engine.ImageSteps(net, schedule, test_batches, label_smoothing=t.label_smoothing, loss_sum=t.loss_sum,
                               ema=ema, tta=t.tta, bn_eval=config.model.bn_eval, setup_time_s=setup_s)
+    # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py)
+    prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_steps, tr.batch_size // ranks.world,
+                        train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
     info = {"model": model, "parts": {} if ema is None else {"ema": ema}, "final": model if ema is None else ema.model,
             "num_classes": data.num_classes,
-            "metrics": {"params": n_params, "forward_flops_per_sample": flops,
+            "metrics": {"params": n_params, "forward_flops_per_sample": flops, "prewarm_time_s": prewarm_s,
                         "train_flops_per_sample": None if flops is None else 3 * flops},
             "data": {**data.info, "train": len(data.train_y), "test": len(data.test_y), "mean": data.mean,
                      "std": data.std}}

@@ -20,7 +20,8 @@ PUBLISHED_DIR = Path(__file__).parent / "published"
 DERIVED = {
     "speedup": "fp32 training time / this run's, same other overrides",
     "status": "the run's outcome: completed, diverged, failed",
-    "test_ppl": "test perplexity: metrics.final_test_ppl, else exp(final_test_loss)",
+    "test_ppl": "test perplexity of the best-validation model (metrics.test_ppl_at_best_valid, as apex's main.py "
+                "reports it), else metrics.final_test_ppl, else exp(final_test_loss)",
     "test_acc_pct": "final test accuracy in percent",
     "acc_change_vs_fp32": "final test accuracy minus the fp32 run's, in percentage points",
     "batch_gain": "metrics.max_batch_size / the fp32 run's",

@@ -2,21 +2,23 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
 
 
 def _page_ladder() -> dict:
-    """step -> (label, seconds to 94%, epochs) on one V100, from the published source (published/page_ladder.yaml),
-    in ladder order; a range of seconds (step 9: 33.5-34 s) is shown as its upper end."""
+    """step -> (label, seconds, epochs) on one V100, from the published source (published/page_ladder.yaml), in ladder
+    order: each step's fixed-schedule training time; a range of seconds (step 9: 33.5-34 s) is shown as its upper
+    end."""
     from .sources import PUBLISHED_DIR, load_source
 
     steps: dict[str, dict] = {}
     for v in load_source(PUBLISHED_DIR / "page_ladder.yaml").values:
         step = steps.setdefault(v.match["trick"], {"label": v.label.split(":")[0].split(" ", 1)[1]})
-        if v.metric in ("time_to_target_s", "epochs"):
+        if v.metric in ("train_time_s", "epochs"):
             step[v.metric] = max(v.value) if isinstance(v.value, tuple) else v.value
-    return {k: (d["label"], float(d["time_to_target_s"]), int(d["epochs"])) for k, d in sorted(steps.items())}
+    return {k: (d["label"], float(d["train_time_s"]), int(d["epochs"])) for k, d in sorted(steps.items())}
 
 
 PAGE_LADDER = _page_ladder()
@@ -46,6 +48,19 @@ def baseline_key(summary: dict) -> str:
     return json.dumps(config, sort_keys=True)
 
 
+# per experiment: the precision options that are its article's columns; the sweep's other precisions are labelled
+# "modern column" (fastai's article compared fp32 with fastai 1.0's to_fp16; amp, tf32, amp_bf16 came later)
+ARTICLE_PRECISIONS = {"fastai_cifar100": ("fp32", "fastai_fp16")}
+
+
+def column_note(summary: dict) -> str:
+    """"article's column " / "modern column " for a job of an experiment whose article had fewer precisions."""
+    article = ARTICLE_PRECISIONS.get(summary.get("name") or (summary.get("config") or {}).get("name"))
+    if not article:
+        return ""
+    return "[article's column] " if summary.get("choices", {}).get("precision") in article else "[modern column] "
+
+
 def sweep_rows(summaries: list[dict]) -> list[dict]:
     """One row per job; speedup = fp32 train time / this job's train time, for the fp32 job whose config is the
     same but for precision (None where the sweep has no such fp32 job)."""
@@ -73,7 +88,7 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
             "test_ppl": m.get("test_ppl_at_best_valid"),
             "published": published_ppl(s),
             "peak_mem_mb": m.get("peak_memory_mb"),
-            "note": _case_note(s.get("case")) + (s.get("reason") or s.get("error") or ""),
+            "note": column_note(s) + _case_note(s.get("case")) + (s.get("reason") or s.get("error") or ""),
         })
     return rows
 
@@ -177,16 +192,23 @@ def job_block(summary: dict) -> str:
 
 
 LADDER_COLUMNS = [("step", "step", "s"), ("variant", "variant", "s"), ("runs", "runs", "s"),
-                  ("epochs", "epochs", ".2f"), ("train_time_s", "time s", ".2f"), ("to_94_s", "to target s", ".2f"),
-                  ("reached", "reached", "s"), ("acc", "acc (no TTA)", "s"), ("acc_tta", "acc (TTA)", "s"),
-                  ("page_s", "Page s", ".1f"), ("page_epochs", "Page ep", "d"), ("note", "note", "s")]
+                  ("epochs", "epochs", ".2f"), ("train_time_s", "time s", "s"), ("setup_s", "setup s", ".2f"),
+                  ("acc", "acc (no TTA)", "s"), ("acc_tta", "acc (TTA)", "s"), ("reached", "reached", "s"),
+                  ("to_94_s", "to target s (median)", "s"), ("page_s", "Page s", ".1f"),
+                  ("page_epochs", "Page ep", "d"), ("note", "note", "s")]
+NOT_REACHED = "not reached"
 
 
 def ladder_rows(summaries: list[dict]) -> list[dict]:
     """One row per ladder step (and per variant: the overrides other than seed and trick that differ between the
-    sweep's jobs), in ladder order: means over the repeated runs (seeds) of epochs, training time (DAWNBench: eval
-    excluded) and time to the target accuracy (over the runs that reached it), accuracy without and with flip TTA
-    as mean +- sample std, beside Page's time and epochs. Empty when the sweep ran no ladder step."""
+    sweep's jobs), in ladder order, every statistic over ALL the step's runs (seeds), as Page reported his ladder
+    (bag_of_tricks.ipynb: the fixed-schedule `total time` of Timer and `summary(logs)`, the final-epoch accuracy's
+    count, mean, min, max, std over the runs): the mean +- sample std of the fixed-schedule training time (eval
+    excluded; the whitening fit and the untimed prewarm are not in it, setup s is shown apart), the final accuracy
+    without and with flip TTA, the fraction of runs that reached the target ("k/n", n counting every run of the
+    step, failed or diverged ones too), and the median time to the target over all runs, a run that never reached
+    it counting as never (so the median is "not reached" when half the runs or more did not). Empty when the sweep
+    ran no ladder step."""
     jobs = [s for s in summaries if s.get("choices", {}).get("trick") in PAGE_LADDER]
     common = set.intersection(*(set(s.get("overrides", [])) for s in jobs)) if jobs else set()
     groups: dict[tuple, list[dict]] = {}
@@ -198,19 +220,30 @@ def ladder_rows(summaries: list[dict]) -> list[dict]:
     rows = []
     for (step, variant), group in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
         done = [s["metrics"] for s in group if s.get("status") == "completed"]
-        targets = [m["time_to_target_s"] for m in done if m.get("time_to_target_s") is not None]
+        to_target = [(s.get("metrics") or {}).get("time_to_target_s") for s in group]
+        reached = [t for t in to_target if t is not None]
         _, page_s, page_epochs = PAGE_LADDER[step]
         rows.append({
             "step": step, "variant": variant, "runs": f"{len(done)}/{len(group)}",
             "epochs": _mean([m.get("epochs") for m in done]),
-            "train_time_s": _mean([m.get("train_time_s") for m in done]),
-            "to_94_s": _mean(targets), "reached": f"{len(targets)}/{len(done)}",
+            "train_time_s": _mean_sd([m.get("train_time_s") for m in done], ".2f"),
+            "setup_s": _mean([m.get("setup_time_s") for m in done]),
             "acc": _mean_sd([m.get("final_test_acc_no_tta", m.get("final_test_acc")) for m in done]),
             "acc_tta": _mean_sd([m.get("final_test_acc_tta") for m in done]),
+            "reached": f"{len(reached)}/{len(group)}",
+            "to_94_s": _median_all(to_target),
             "page_s": page_s, "page_epochs": page_epochs,
             "note": "; ".join(sorted({s.get("reason") or s.get("error") or "" for s in group} - {""})),
         })
     return rows
+
+
+def _median_all(times: list) -> str:
+    """The median of every run's time to the target, a run that never reached it counting as infinitely slow."""
+    if not times:
+        return "-"
+    median = statistics.median([math.inf if t is None else t for t in times])
+    return NOT_REACHED if math.isinf(median) else f"{median:.2f}"
 
 
 def _mean(values: list) -> float | None:
@@ -218,8 +251,9 @@ def _mean(values: list) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def _mean_sd(values: list) -> str:
+def _mean_sd(values: list, spec: str = ".4f") -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "-"
-    return f"{statistics.fmean(values):.4f}" + (f" +- {statistics.stdev(values):.4f}" if len(values) > 1 else "")
+    sd = f" +- {format(statistics.stdev(values), spec)}" if len(values) > 1 else ""
+    return format(statistics.fmean(values), spec) + sd

@@ -30,8 +30,10 @@ def tta_logits(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def fit_whitening(t, data, device: torch.device) -> tuple[torch.Tensor | None, float]:
     """trick.whitening's filters (`t`: the TrickConfig), fitted on the first training images of `data`, and the
-    seconds the fit took: they count as training time (DAWNBench counts preprocessing; Page fitted them outside
-    his timer, milliseconds on a GPU). (None, 0.0) without trick.whitening."""
+    seconds the fit took, recorded as setup_time_s and not counted in train_time_s, as Page counted it for the
+    article's ladder: bag_of_tricks.ipynb fits them once (cell 70: `Λ, V = eigens(patches(train_set['data']
+    [:10000,:,4:-4,4:-4]))`) before any run's `Timer` is made (cells 73-85); his DAWNBench script new_dawn.py:73
+    fits them inside the timer instead. (None, 0.0) without trick.whitening."""
     if not t.whitening:
         return None, 0.0
     start = time.perf_counter()

@@ -1,0 +1,57 @@
+"""Untimed warm-up before the training clock: Page's rule (cifar10-fast dawn.py:28-33 and new_dawn.py:51-57 run
+`warmup_cudnn` on random batches before `Timer(...)` starts; bag_of_tricks.ipynb cell 27 on one training batch),
+so cuDNN's autotuning (`cudnn.benchmark`), lazy CUDA initialisation and the allocator's growth are not timed.
+
+`prewarm(...)` runs N full training steps (forward, backward, unscale and optimizer step) on random inputs of the
+training batch's shape, through a throwaway deep copy of the model, the precision policy (loss scaler, master
+weights) and a fresh optimizer of the same kind over the copied parameters. The run itself is left exactly as it
+was: its model, optimizer, scaler and loader are not touched (the loader is not advanced), and every RNG the step
+could draw from (python, numpy, torch CPU and the accelerator's) is saved and restored. Page's warm-up ran forward
+and backward only, on the real model (so his BatchNorm running statistics saw the random batches); this one also
+warms the optimizer step and leaves the real model untouched.
+"""
+from __future__ import annotations
+
+import copy
+import random
+import time
+
+import numpy as np
+import torch
+
+from .hardware import synchronize
+from .tricks import cross_entropy
+
+
+def prewarm(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, steps: int, batch_size: int,
+            image_shape: tuple, num_classes: int, channels_last: bool = False, grad_clip: float | None = None) -> float:
+    """Run `steps` untimed training steps on copies; return the seconds they took (0.0 when steps == 0)."""
+    if steps <= 0:
+        return 0.0
+    device = policy.device
+    synchronize(device)
+    start = time.perf_counter()
+    py_state, np_state = random.getstate(), np.random.get_state()
+    accelerator = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=accelerator):
+        memo: dict = {}
+        net, pol = copy.deepcopy((model, policy), memo)   # one memo: the copied policy holds the copied weights
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [memo[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        opt = type(optimizer)(groups)
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.rand(batch_size, *image_shape, device=device, generator=gen)
+        x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+        y = torch.randint(0, num_classes, (batch_size,), device=device, generator=gen)
+        net.train()
+        for _ in range(steps):
+            with pol.autocast():
+                out = net(pol.cast_input(x))
+            pol.backward(cross_entropy(out, y))
+            pol.step(opt, grad_clip)
+            opt.zero_grad(set_to_none=True)
+        synchronize(device)
+        del net, pol, opt
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    return time.perf_counter() - start

@@ -1,0 +1,368 @@
+"""Fidelity to the sources' own code (issue 23). One table per source: the source's setting -> mixprec's config key ->
+value, each with the source file and line (or notebook cell) it comes from, checked on the composed preset; then
+the behaviour behind the settings that are code (fastai's to_fp16, one-cycle and head; Page's clock and ladder
+table; apex's best-validation perplexity), each against an independent implementation or a hand count; and every
+published value's `match` composed and checked against the settings its source ran.
+
+Sources read: fastai 1.0.42 (git tag 1.0.42 of fastai/fastai1), davidcpage/cifar10-fast at f79e8b8
+(bag_of_tricks.ipynb cells, dawn.py, new_dawn.py), NVIDIA/apex examples/word_language_model at 0f703d13 (the README's
+117.61) and at 254cad2d^ (main.py's last version, before the example was removed)."""
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import compose_config, run_cli
+from mixprec.config import ConfigError, plain_config, validate
+from mixprec.models import build_model
+from mixprec.optim import build_optimizer, build_schedule
+from mixprec.precision import PrecisionPolicy, StaticScaler
+from mixprec.prewarm import prewarm
+from mixprec.sources import PUBLISHED_DIR, load_source, matches
+from mixprec.tables import ladder_rows
+
+
+def composed(*overrides):
+    """(validated config, a summary-like dict with the group choices and the resolved config) of a composed job."""
+    cfg = compose_config(*overrides)
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
+    return validate(cfg), {"choices": choices, "config": plain_config(cfg), "name": cfg.name}
+
+
+def get(config, dotted: str):
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def check_table(config, table):
+    wrong = [(key, get(config, key), want, where) for key, want, where in table if get(config, key) != want]
+    assert not wrong, wrong
+
+
+# ------------------------------------------------------------------------------------------------ fastai 1.0.42
+FASTAI = ["experiment=fastai_cifar100", "model=resnet18", "precision=fastai_fp16"]
+FASTAI_TABLE = [  # (config key, value, fastai 1.0.42 source of the setting)
+    ("precision.param_dtype", "float16", "train.py:36 to_fp16: learn.model = model2half(learn.model)"),
+    ("precision.keep_bn_fp32", True, "torch_core.py:202-210 model2half = bn2float(model.half())"),
+    ("precision.master_weights", True, "callbacks/fp16.py:10-28 get_master; :94-99 master2model after the step"),
+    ("precision.loss_scale", 512.0, "train.py:34 to_fp16(loss_scale=512.); callbacks/fp16.py:57"),
+    ("precision.autocast_dtype", None, "callbacks/fp16.py: no autocast; fp16 model, output .float() at :79-81"),
+    ("model.head", "fastai", "vision/learner.py:43-53 create_head; :63 custom_head or create_head"),
+    ("model.pretrained", True, "vision/learner.py:55 create_cnn(pretrained=True)"),
+    ("model.freeze_body", True, "vision/learner.py:67 `if pretrained: learn.freeze()`"),
+    ("optimizer.name", "adamw", "basic_train.py:137 opt_func=AdamW; :140 true_wd=True"),
+    ("optimizer.betas", (0.9, 0.99), "torch_core.py:63 AdamW = partial(optim.Adam, betas=(0.9,0.99))"),
+    ("optimizer.eps", 1e-8, "torch.optim.Adam's default eps, kept by the partial (torch_core.py:63)"),
+    ("optimizer.weight_decay", 1e-2, "basic_train.py:12 defaults.wd = 1e-2; :142 wd=defaults.wd"),
+    ("optimizer.lr", 3e-3, "basic_train.py:11 defaults.lr = slice(3e-3); train.py:14 max_lr=defaults.lr"),
+    ("schedule.name", "fastai_onecycle", "train.py:14-22 fit_one_cycle -> OneCycleScheduler"),
+    ("schedule.div_factor", 25.0, "train.py:15 div_factor:float=25."),
+    ("schedule.pct_start", 0.3, "train.py:15 pct_start:float=0.3"),
+    ("schedule.moms", (0.95, 0.85), "train.py:15 moms=(0.95,0.85)"),
+    ("schedule.final_div", 1e4, "callbacks/one_cycle.py:28 (self.lr_max, low_lr/1e4)"),
+    ("trainer.batch_size", 64, "basic_data.py:108 DataBunch.create(bs:int=64)"),
+]
+
+
+def test_fastai_preset_is_fastai_1_0_42s_recipe():
+    c, _ = composed(*FASTAI)
+    check_table(c, FASTAI_TABLE)
+    c, s = composed("experiment=fastai_cifar100")
+    assert c.model.arch == "resnet18" and s["choices"]["precision"] == "fp32"   # a plain job of the preset
+
+
+def test_fastai_fp16_is_to_fp16_fp16_weights_fp32_bn_fp32_masters_static_512():
+    c, _ = composed(*FASTAI, "model.pretrained=false", "dataset=synthetic", "dataset.num_classes=100")
+    policy = PrecisionPolicy(c.precision, torch.device("cpu"))
+    model = policy.prepare_model(build_model(c.model, 100))
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            bn = isinstance(m, nn.modules.batchnorm._BatchNorm)
+            assert p.dtype == (torch.float32 if bn else torch.float16)
+    masters = policy.optimizer_params(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(masters) == len(trainable) and all(m.dtype == torch.float32 for m in masters)
+    assert isinstance(policy.scaler, StaticScaler) and policy.scaler.get_scale() == 512.0
+
+
+def test_create_cnn_head_and_frozen_body_by_hand_count():
+    c, _ = composed(*FASTAI, "model.pretrained=false")
+    model = build_model(c.model, 100)
+    body, head = model
+    kinds = [type(m).__name__ for m in head]
+    # create_head(nf=1024, nc=100): AdaptiveConcatPool2d, Flatten, bn_drop_lin(1024, 512, p=0.25, ReLU),
+    # bn_drop_lin(512, 100, p=0.5) (learner.py:45-51; layers.py:48-54)
+    assert kinds == ["AdaptiveConcatPool2d", "Flatten", "BatchNorm1d", "Dropout", "Linear", "ReLU", "BatchNorm1d",
+                     "Dropout", "Linear"]
+    assert (head[2].num_features, head[3].p, head[4].in_features, head[4].out_features) == (1024, 0.25, 1024, 512)
+    assert (head[6].num_features, head[7].p, head[8].in_features, head[8].out_features) == (512, 0.5, 512, 100)
+    assert [type(m).__name__ for m in body] == ["Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d"] + ["Sequential"] * 4
+    # freeze with train_bn=True: trainable = the whole head + every BatchNorm weight and bias of the body
+    bn_params = sum(2 * m.num_features for m in body.modules() if isinstance(m, nn.BatchNorm2d))
+    head_params = (2 * 1024 + 1024 * 512 + 512) + (2 * 512 + 512 * 100 + 100)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == bn_params + head_params
+    x = torch.randn(2, 3, 64, 64)
+    feats = body(x)
+    want = torch.cat([feats.amax((2, 3)), feats.mean((2, 3))], 1)   # max first, then average (layers.py:178)
+    torch.testing.assert_close(head[1](head[0](feats)), want)
+
+
+def test_pretrained_weights_missing_offline_is_one_line_and_no_download(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    c, _ = composed(*FASTAI)
+    with pytest.raises(ConfigError, match=r"resnet18-f37072fd\.pth is missing.*model\.pretrained=false") as e:
+        build_model(c.model, 100)
+    assert "\n" not in str(e.value) and not list(tmp_path.rglob("*.pth"))
+
+
+def fastai_stepper_reference(n_steps, lr_max, div=25.0, pct=0.3, moms=(0.95, 0.85)):
+    """fastai 1.0.42 OneCycleScheduler + Stepper, as written there (one_cycle.py:21-43, callback.py:308-332): the
+    (lr, mom) each batch trains with."""
+    cos = lambda start, end, p: end + (start - end) / 2 * (math.cos(math.pi * p) + 1)
+    a1 = int(n_steps * pct)
+    phases = [[(lr_max / div, lr_max), (moms[0], moms[1]), max(1, a1), 0],
+              [(lr_max, lr_max / div / 1e4), (moms[1], moms[0]), max(1, n_steps - a1), 0]]
+    lr, mom, idx, used = lr_max / div, moms[0], 0, []
+    for _ in range(n_steps):
+        used.append((lr, mom))
+        ph = phases[idx]
+        ph[3] += 1
+        lr, mom = cos(*ph[0], ph[3] / ph[2]), cos(*ph[1], ph[3] / ph[2])
+        if ph[3] >= ph[2]:
+            idx += 1
+        if idx == 2:
+            break
+    return used
+
+
+def test_one_cycle_lr_and_beta1_follow_fastais_stepper_and_adamw_is_true_weight_decay():
+    c, _ = composed(*FASTAI)
+    w = nn.Parameter(torch.randn(5))
+    opt = build_optimizer(c.optimizer, [w])
+    sched = build_schedule(c.schedule, opt, total_steps=23)
+    seen = []
+    for _ in range(23):
+        seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"][0]))
+        sched.step()
+    ref = fastai_stepper_reference(23, 3e-3)
+    assert len(ref) == 23
+    np.testing.assert_allclose(seen, ref, rtol=1e-12)
+    # fastai's OptimWrapper.step (callback.py:38-47): p *= 1 - wd * lr, then Adam without weight decay
+    g = torch.randn(5)
+    p_ref = w.detach().clone().requires_grad_(True)
+    adam = torch.optim.Adam([p_ref], lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
+    adamw = torch.optim.AdamW([w], lr=1e-2, betas=(0.9, 0.99), weight_decay=1e-2)
+    for _ in range(3):
+        with torch.no_grad():
+            p_ref.mul_(1 - 1e-2 * 1e-2)
+        p_ref.grad, w.grad = g.clone(), g.clone()
+        adam.step()
+        adamw.step()
+    torch.testing.assert_close(w.detach(), p_ref.detach(), rtol=0, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_fastai_sweep_labels_the_articles_columns(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run_cli("-m", "experiment=fastai_cifar100", "model=resnet18", "precision=fp32,fastai_fp16,amp",
+                "model.pretrained=false", "dataset=synthetic", "dataset.num_classes=100", "dataset.train_size=16",
+                "dataset.test_size=8", "dataset.image_size=32", "trainer.batch_size=8", "trainer.eval_batch_size=8",
+                "trainer.max_steps=1", "trainer.device=cpu", "logger=none", f"hydra.sweep.dir={sweep}",
+                "hydra.sweep.subdir=${hydra.job.num}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {line.split()[2]: line for line in r.stdout.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])}
+    assert set(rows) == {"fp32", "fastai_fp16(x512)", "amp"}
+    assert "[article's column]" in rows["fp32"] and "[article's column]" in rows["fastai_fp16(x512)"]
+    assert "[modern column]" in rows["amp"]
+
+
+# ------------------------------------------------------------------------------------------------ Page
+PAGE_FIRST = [  # trick=page_01_baseline: bag_of_tricks.ipynb cell 27 (and dawn.py)
+    ("trainer.epochs", 24, "cell 27: epochs, batch_size = 24, 512"),
+    ("trainer.batch_size", 512, "cell 27: epochs, batch_size = 24, 512"),
+    ("optimizer.lr", 0.4 / 512, "cell 27: lr_schedule([0, 5, epochs], [0.0, 0.4, 0.0], batch_size): lr / batch"),
+    ("optimizer.weight_decay", 5e-4 * 512, "cell 27: 'weight_decay': Const(5e-4*batch_size)"),
+    ("optimizer.momentum", 0.9, "cell 27: 'momentum': Const(0.9)"),
+    ("dataset.cutout", 8, "cell 27: transforms = (Crop(32, 32), FlipLR(), Cutout(8, 8))"),
+    ("trainer.prewarm_steps", 1, "cell 27: warmup_cudnn(model, next(iter(train_batches(...)))) before Timer"),
+    ("trainer.target_acc", 0.94, "cell 45 and the article: steps are timed to 94%"),
+]
+PAGE_LAST = [  # trick=page_10_tta: bag_of_tricks.ipynb cell 85 (and new_dawn.py:37-40)
+    ("trainer.epochs", 10, "cell 85: epochs, batch_size, ema_epochs=10, 512, 2"),
+    ("optimizer.lr", 1.0 / 512, "cell 85: lr_schedule([0, epochs/5, epochs - ema_epochs], [0.0, 1.0, 0.1], bs)"),
+    ("schedule.knots", (0.0, 0.2, 0.8, 1.0), "cell 85: knots [0, epochs/5, epochs - ema_epochs] of 10, then flat"),
+    ("schedule.values", (0.0, 1.0, 0.1, 0.1), "cell 85: values [0.0, 1.0, 0.1]"),
+    ("trick.bn_bias_lr", 64.0, "cell 85: opt_params_bias lr x64, weight_decay 5e-4*batch_size/64"),
+    ("trick.ema_momentum", 0.99, "cell 85: update_ema(momentum=0.99, update_freq=5)"),
+    ("trick.ema_every", 5, "cell 85: update_ema(momentum=0.99, update_freq=5)"),
+    ("trick.label_smoothing", 0.2, "cell 85: label_smoothing_loss(0.2)"),
+    ("trick.celu_alpha", 0.3, "cell 72: nn.ReLU: partial(nn.CELU, 0.3)"),
+    ("trick.ghost_splits", 16, "cell 72: GhostBatchNorm, num_splits=16, weight=False"),
+    ("trick.whitening_eps", 0.01, "cell 72: whitening_block(..., eps=1e-2)"),
+    ("trick.whitening_images", 10000, "cell 70: train_set['data'][:10000,:,4:-4,4:-4]"),
+    ("model.output_scale", 1 / 16, "cell 72: network(..., scale=1/16)"),
+    ("dataset.cutout", 0, "cell 85: transforms = (Crop(32, 32), FlipLR())"),
+    ("trick.tta", True, "cell 85: valid_steps=valid_steps_tta (forward_tta([identity, flip_lr]))"),
+]
+
+
+def test_page_first_and_last_ladder_steps_are_the_notebooks():
+    check_table(composed("trick=page_01_baseline")[0], PAGE_FIRST)
+    check_table(composed("trick=page_10_tta")[0], PAGE_LAST)
+
+
+def test_every_page_ladder_value_matches_the_step_it_names():
+    for v in load_source(PUBLISHED_DIR / "page_ladder.yaml").values:
+        c, s = composed("experiment=page_ladder", f"trick={v.match['trick']}")
+        assert matches(v.match, s) and c.trick.name == v.match["trick"]
+        if v.metric == "epochs":
+            assert c.trainer.epochs == v.value, v.id
+
+
+def test_prewarm_leaves_model_optimizer_scaler_and_every_rng_as_they_were():
+    c, _ = composed("model=small_cnn", "model.width=8", "precision=o2", "optimizer=adam", "trainer.device=cpu")
+    torch.manual_seed(0)
+    policy = PrecisionPolicy(c.precision, torch.device("cpu"))
+    model = policy.prepare_model(build_model(c.model, 10))
+    opt = build_optimizer(c.optimizer, policy.optimizer_params(model))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    masters = [m.detach().clone() for m in policy.master_params]
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    draws_without = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    seconds = prewarm(model, policy, opt, steps=2, batch_size=4, image_shape=(3, 16, 16), num_classes=10)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws_without
+    assert seconds > 0 and not opt.state and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # BN statistics too
+    assert all(torch.equal(a, b) for a, b in zip(masters, policy.master_params))
+    assert policy.scaler.get_scale() == 65536.0
+    assert prewarm(model, policy, opt, steps=0, batch_size=4, image_shape=(3, 16, 16), num_classes=10) == 0.0
+
+
+LADDER_TINY = ["dataset=synthetic", "dataset.train_size=64", "dataset.test_size=32", "dataset.image_size=16",
+               "trainer.batch_size=32", "trainer.eval_batch_size=32", "trainer.max_steps=2", "logger=none",
+               "model.channels=[8,16,32,64]", "trainer.device=cpu", "precision=fp32"]
+
+
+@pytest.mark.slow
+def test_two_seed_ladder_sweep_shows_all_runs_and_not_reached(tmp_path):
+    """A real 2-seed sweep of the last step; the target of seed 1 is out of reach (trainer.target_acc=1.0 is set
+    for both: synthetic data after 2 steps never scores 100%), so no run reached it and the table says so."""
+    import json
+
+    sweep = tmp_path / "sweep"
+    r = run_cli("-m", "trick=page_10_tta", "seed=0,1", "trainer.target_acc=1.0", *LADDER_TINY,
+                f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert len(summaries) == 2 and all(s["metrics"]["time_to_target_s"] is None for s in summaries)
+    times = [s["metrics"]["train_time_s"] for s in summaries]
+    accs = [s["metrics"]["final_test_acc_tta"] for s in summaries]
+    (row,) = ladder_rows(summaries)
+    assert row["runs"] == "2/2" and row["reached"] == "0/2" and row["to_94_s"] == "not reached"
+    assert row["train_time_s"] == f"{np.mean(times):.2f} +- {np.std(times, ddof=1):.2f}"
+    assert row["acc_tta"] == f"{np.mean(accs):.4f} +- {np.std(accs, ddof=1):.4f}"
+    table = r.stdout[r.stdout.index("Page's ladder"):]
+    assert "not reached" in table and "0/2" in table
+    # one run that reached (a copy of seed 0's summary with a time to target) beside one that did not: the median
+    # over both runs is not the survivor's time, and the fraction counts both
+    reached = json.loads(json.dumps(summaries[0]))
+    reached["metrics"]["time_to_target_s"] = 1.5
+    (row,) = ladder_rows([reached, summaries[1]])
+    assert row["reached"] == "1/2" and row["to_94_s"] == "not reached"
+    (row,) = ladder_rows([reached, reached, summaries[1]])
+    assert row["reached"] == "2/3" and row["to_94_s"] == "1.50"
+
+
+# ------------------------------------------------------------------------------------------------ apex
+APEX_SMALL = [  # workload=apex_small_lstm: examples/word_language_model/main.py at apex 0f703d13 (README: 117.61)
+    ("model.arch", "lstm", "main.py@0f703d13:19 --model LSTM"),
+    ("model.emsize", 200, "main.py@0f703d13:21 --emsize 200"),
+    ("model.nhid", 200, "main.py@0f703d13:23 --nhid 200"),
+    ("model.nlayers", 2, "main.py@0f703d13:25 --nlayers 2"),
+    ("optimizer.lr", 20.0, "main.py@0f703d13:27 --lr 20"),
+    ("trainer.grad_clip", 0.25, "main.py@0f703d13:29 --clip 0.25"),
+    ("trainer.epochs", 6, "README.md@0f703d13:13 python main.py --cuda --epochs 6"),
+    ("trainer.batch_size", 20, "main.py@0f703d13:33 --batch_size 20"),
+    ("dataset.bptt", 35, "main.py@0f703d13:35 --bptt 35"),
+    ("model.dropout", 0.2, "main.py@0f703d13:37 --dropout 0.2"),
+    ("model.tied", False, "main.py@0f703d13:39 --tied store_true (off)"),
+    ("seed", 1111, "main.py@0f703d13:41 --seed 1111"),
+    ("trainer.eval_batch_size", 10, "main.py@0f703d13:95 eval_batch_size = 10"),
+    ("model.vocab_multiple", 1, "main.py@0f703d13:70 data.Corpus(args.data): no padding yet"),
+    ("precision.name", "fp32", "README.md@0f703d13:13: no --fp16"),
+    ("schedule.name", "plateau", "main.py@0f703d13:226 lr /= 4.0 when val_loss is not the best"),
+    ("schedule.factor", 4.0, "main.py@0f703d13:226 lr /= 4.0"),
+    ("optimizer.momentum", 0.0, "main.py@0f703d13:189 p.data.add_(-lr, grad): plain SGD"),
+    ("optimizer.weight_decay", 0.0, "main.py@0f703d13:189: no weight decay"),
+]
+APEX_LAST = [  # experiment=apex_word_lm apex_lm=fp16: main.py at 254cad2d^ (its last version)
+    ("model.emsize", 1504, "main.py:20 --emsize 1504"),
+    ("model.nhid", 1504, "main.py:22 --nhid 1504"),
+    ("model.nlayers", 2, "main.py:24 --nlayers 2"),
+    ("optimizer.lr", 20.0, "main.py:26 --lr 20"),
+    ("trainer.grad_clip", 0.25, "main.py:28 --clip 0.25; :200 clip_grad_norm(master_params, args.clip)"),
+    ("trainer.batch_size", 24, "main.py:32 --batch_size 24"),
+    ("dataset.bptt", 35, "main.py:34 --bptt 35"),
+    ("model.dropout", 0.65, "main.py:36 --dropout 0.65"),
+    ("model.tied", False, "main.py:38 --tied store_true (off)"),
+    ("seed", 1111, "main.py:40 --seed 1111"),
+    ("precision.loss_scale", 128.0, "main.py:50 --static-loss-scale default=128.0"),
+    ("precision.param_dtype", "float16", "main.py:117 model.type(torch.cuda.HalfTensor)"),
+    ("precision.master_weights", True, "main.py:118 prep_param_lists; :196-203 master step and copy back"),
+    ("model.vocab_multiple", 8, "main.py:69 data.Corpus(args.data, pad_to_multiple_of=8)"),
+    ("trainer.eval_batch_size", 10, "main.py:94 eval_batch_size = 10"),
+    ("schedule.factor", 4.0, "main.py:244 lr /= 4.0"),
+]
+
+
+def test_apex_presets_are_main_pys_defaults():
+    check_table(composed("workload=apex_small_lstm")[0], APEX_SMALL)
+    c, _ = composed("experiment=apex_word_lm", "apex_lm=fp16")
+    check_table(c, APEX_LAST)
+    assert c.trainer.epochs == 30   # the fastai article's run; main.py:30 --epochs 40 is the converged entries'
+
+
+def test_apex_published_values_match_only_the_runs_they_come_from():
+    values = {v.id: v for v in load_source(PUBLISHED_DIR / "apex_word_lm.yaml").values}
+    small = composed("workload=apex_small_lstm")[1]
+    big6 = composed("experiment=apex_word_lm", "apex_lm=fp32", "trainer.epochs=6")[1]
+    assert matches(values["fp32_ppl_6_epochs"].match, small) and not matches(values["fp32_ppl_6_epochs"].match, big6)
+    for vid, scale in (("fp16_ppl_scale1", 1), ("fp16_ppl_scale128", 128)):
+        c, s = composed("experiment=apex_word_lm", "apex_lm=fp16", f"precision.loss_scale={scale}", "trainer.epochs=40")
+        check_table(c, [row for row in APEX_LAST if row[0] != "precision.loss_scale"])
+        assert matches(values[vid].match, s) and c.trainer.epochs == 40   # main.py:30 --epochs 40
+        preset = composed("experiment=apex_word_lm", "apex_lm=fp16", f"precision.loss_scale={scale}")[1]
+        assert not matches(values[vid].match, preset)   # 30 epochs is not "converged" at 40
+
+
+def test_the_report_reads_the_best_validation_models_test_perplexity_and_says_so(tmp_path):
+    import json
+
+    from mixprec.report import make_report
+
+    _, s = composed("workload=apex_small_lstm")
+    s.update(status="completed", job={"num": 0}, metrics={"final_test_ppl": 120.0, "test_ppl_at_best_valid": 117.0,
+                                                          "final_test_loss": math.log(120.0), "train_time_s": 1.0})
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text(json.dumps(s))
+    make_report([str(tmp_path)], out=tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| apex_word_lm | FP32 LSTM"))
+    assert "| 117 perplexity |" in row and "120" not in row          # the best-validation model's, not the last
+    assert "`test_ppl`: test perplexity of the best-validation model" in md
+
+
+# ------------------------------------------------------------------------------------------------ fastai published
+def test_every_fastai_published_value_matches_a_fastai_fp16_job_of_the_recipe():
+    for v in load_source(PUBLISHED_DIR / "fastai_2080ti.yaml").values:
+        model = v.match.get("model", "resnet18")
+        c, s = composed("experiment=fastai_cifar100", f"model={model}", "precision=fastai_fp16")
+        assert matches(v.match, s), v.id
+        check_table(c, [row for row in FASTAI_TABLE])
+        amp = composed("experiment=fastai_cifar100", f"model={model}", "precision=amp")[1]
+        assert not matches(v.match, amp), v.id   # torch.amp is a modern column, not the article's
