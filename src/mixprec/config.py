@@ -20,7 +20,8 @@ class ConfigError(ValueError):
 
 
 DType = Literal["float32", "float16", "bfloat16"]
-RNN_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")   # model.arch values that are word-level language models
+RNN_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")   # model.arch values that are recurrent language models
+LM_ARCHS = RNN_KINDS + ("gpt",)                       # model.arch values that are word-level language models
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class TrainerConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     arch: Literal["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "small_cnn", "resnet9",
-                  "lstm", "gru", "rnn_tanh", "rnn_relu"]
+                  "lstm", "gru", "rnn_tanh", "rnn_relu", "gpt"]
     stem: Literal["cifar", "imagenet"] = "cifar"
     width: int = 32
     bn_eval: bool = False   # BatchNorm stays in eval mode while training (frozen statistics, as in fine-tuning)
@@ -73,6 +74,11 @@ class ModelConfig:
     dropout: float = 0.2
     tied: bool = False        # the decoder shares the embedding's weights (needs emsize == nhid)
     vocab_multiple: int = 1   # pad the vocabulary to a multiple of this (apex: 8, for tensor-core GEMMs)
+    # gpt only (dropout and vocab_multiple above apply too)
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    block_size: int = 128     # longest context (position embeddings); dataset.bptt must not exceed it
 
     def check(self) -> None:
         _at_least(self, "width", 1, section="model")
@@ -82,8 +88,10 @@ class ModelConfig:
                               "layer2, layer3)")
         if not self.output_scale > 0:
             raise ConfigError(f"model.output_scale={self.output_scale}: must be > 0")
-        for name in ("emsize", "nhid", "nlayers", "vocab_multiple"):
+        for name in ("emsize", "nhid", "nlayers", "vocab_multiple", "n_layer", "n_head", "n_embd", "block_size"):
             _at_least(self, name, 1, section="model")
+        if self.arch == "gpt" and self.n_embd % self.n_head:
+            raise ConfigError(f"model.n_embd={self.n_embd}: must be a multiple of model.n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")
         if self.tied and not self.is_language_model:
@@ -95,7 +103,7 @@ class ModelConfig:
 
     @property
     def is_language_model(self) -> bool:
-        return self.arch in RNN_KINDS
+        return self.arch in LM_ARCHS
 
 
 @dataclass(frozen=True)
@@ -163,8 +171,15 @@ class PrecisionConfig:
     init_scale: float = 65536.0
     growth_interval: int = 2000
     tf32: bool = False
+    fp8_recipe: Optional[Literal["tensorwise", "rowwise"]] = None   # precision=fp8: torchao float8 Linear layers
 
     def check(self) -> None:
+        if self.fp8_recipe is not None:
+            if self.autocast_dtype != "bfloat16" or self.param_dtype != "float32":
+                raise ConfigError("precision.fp8_recipe: float8 Linear layers run beside bf16 autocast on fp32 "
+                                  "weights (autocast_dtype=bfloat16, param_dtype=float32)")
+            from .fp8 import require_torchao
+            require_torchao()
         ls = self.loss_scale
         if isinstance(ls, str) and ls not in ("dynamic", "none"):
             raise ConfigError(f"precision.loss_scale={ls!r}: allowed values are dynamic, none, or a positive number (static scale)")
@@ -315,6 +330,9 @@ class Config:
 
     def check(self) -> None:
         self.trick.check_for(self.model.arch, self.trainer.batch_size)
+        if self.model.arch == "gpt" and self.dataset.bptt > self.model.block_size:
+            raise ConfigError(f"dataset.bptt={self.dataset.bptt}: a gpt window must fit its context, "
+                              f"model.block_size={self.model.block_size}; lower bptt or raise block_size")
 
 
 def validate(cfg: DictConfig | dict) -> Config:

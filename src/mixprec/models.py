@@ -1,5 +1,5 @@
-"""Models: torchvision ResNets with a CIFAR or ImageNet stem, a small CNN, Page's ResNet-9 (resnet9.py), and RNN
-language models (rnnlm.py)."""
+"""Models: torchvision ResNets with a CIFAR or ImageNet stem, a small CNN, Page's ResNet-9 (resnet9.py), RNN
+language models (rnnlm.py) and a GPT-style Transformer language model (gpt.py)."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +7,7 @@ import torchvision
 from torch import nn
 
 from .config import ModelConfig
+from .gpt import GPT
 from .resnet9 import ResNet9
 from .rnnlm import RNNModel
 
@@ -14,6 +15,8 @@ from .rnnlm import RNNModel
 def build_model(cfg: ModelConfig, num_classes: int, **resnet9_options) -> nn.Module:
     """num_classes: the vocabulary size for a language model (cfg.is_language_model). resnet9_options: ResNet9's
     trick switches (activation, ghost_splits, ...), which resnet9.resnet9_options maps from `trick`."""
+    if cfg.arch == "gpt":
+        return GPT(num_classes, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.dropout, cfg.vocab_multiple)
     if cfg.is_language_model:
         return RNNModel(cfg.arch, num_classes, cfg.emsize, cfg.nhid, cfg.nlayers, cfg.dropout, cfg.tied,
                         cfg.vocab_multiple)

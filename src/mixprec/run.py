@@ -256,6 +256,7 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
                                  "weight_spread": dist.spread(policy.stepped_params(), ranks)}
     result["metrics"].update(params=n_params, forward_flops_per_sample=flops,
                              train_flops_per_sample=None if flops is None else 3 * flops)
+    result["fp8"] = policy.fp8
     result["data"] = {**data.info, "train": len(data.train_y), "test": len(data.test_y), "mean": data.mean,
                       "std": data.std}
     if result["status"] in checkpoint.FINAL and ranks.main:   # the weights that were evaluated: the EMA's if any
@@ -305,7 +306,7 @@ def check_task(config: Config) -> None:
                           f"or synthetic_text), not dataset={config.dataset.name}")
     if text and not lm:
         raise ConfigError(f"dataset={config.dataset.name} is a text corpus: it trains a language model (model=lstm, "
-                          f"gru, rnn_tanh or rnn_relu), not model={config.model.arch}")
+                          f"gru, rnn_tanh, rnn_relu or gpt), not model={config.model.arch}")
     if config.schedule.name == "plateau" and not lm:
         raise ConfigError("schedule=plateau anneals on a validation loss, which only language-model jobs have; "
                           "choose onecycle, piecewise or constant")
@@ -321,7 +322,7 @@ def train_lm_job(config: Config, device: torch.device, recorder: Recorder) -> di
     valid_source, test_source = (batchify(ids, tr.eval_batch_size, device) for ids in (corpus.valid, corpus.test))
 
     model = build_model(config.model, corpus.vocab_size)
-    flops = model.flops_per_token()
+    flops = model.flops_per_token(config.dataset.bptt)
     n_params = sum(p.numel() for p in model.parameters())
     policy = PrecisionPolicy(config.precision, device)
     model = policy.prepare_model(model)
@@ -333,6 +334,7 @@ def train_lm_job(config: Config, device: torch.device, recorder: Recorder) -> di
                              config.dataset.bptt, log=recorder.log, progress=sys.stderr.isatty())
     result["metrics"].update(params=n_params, forward_flops_per_sample=flops, train_flops_per_sample=3 * flops,
                              flops_per="token")
+    result["fp8"] = policy.fp8   # precision=fp8: the float8 and bf16 Linear layers, emulated or not (else None)
     result["data"] = {**corpus.info, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
                       "valid_tokens": len(corpus.valid), "test_tokens": len(corpus.test), "bptt": config.dataset.bptt}
     if result["status"] in checkpoint.FINAL:

@@ -21,7 +21,7 @@ def _page_ladder() -> dict:
 
 PAGE_LADDER = _page_ladder()
 
-from .config import RNN_KINDS
+from .config import LM_ARCHS
 
 # apex examples/word_language_model README, for its main.py defaults (2-layer LSTM, emsize = nhid = 1504, dropout
 # 0.65, batch 24, bptt 35, lr 20, clip 0.25, 40 epochs) with --fp16: "converged test perplexity ... from around
@@ -93,7 +93,7 @@ def _case_note(case: dict | None) -> str:
 
 
 def is_language_model(summary: dict) -> bool:
-    return ((summary.get("config") or {}).get("model") or {}).get("arch") in RNN_KINDS
+    return ((summary.get("config") or {}).get("model") or {}).get("arch") in LM_ARCHS
 
 
 def published_ppl(summary: dict) -> str | None:
@@ -171,6 +171,12 @@ def job_block(summary: dict) -> str:
         r = summary["resumed"]
         lines.append(f"resumed     at step {r['from_step']} (epoch {r['from_epoch']:.2f}), {len(r['history'])} time(s); "
                      "the time before is included")
+    fp8 = summary.get("fp8")
+    if fp8:
+        lines.append(f"fp8         recipe {fp8['recipe']}, {len(fp8['float8_layers'])} Linear layers in float8, "
+                     f"{len(fp8['bf16_layers'])} in bf16 ({', '.join(fp8['bf16_layers']) or 'none'}); fp8_emulated: "
+                     + (f"true ({fp8['emulation_reason']}: the time above is not an FP8 time)" if fp8["fp8_emulated"]
+                        else "false"))
     if m.get("mfu") is not None:
         lines.append(f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} peak")
     return "\n".join(lines)
