@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 PRECISION_ORDER = ["fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3", "fp8"]
-_PALETTE = plt.get_cmap("tab10").colors
+_PALETTE = plt.get_cmap("tab10").colors + ((0.0, 0.0, 0.0),)   # one colour per PRECISION_ORDER entry (fp8: black)
 DPI = 110
 
 
