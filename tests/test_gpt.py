@@ -19,6 +19,7 @@ from mixprec.config import ConfigError, validate
 from mixprec.gpt import GPT
 from mixprec.models import build_model
 from mixprec.precision import PrecisionPolicy
+from mixprec.tables import format_table, sweep_note, sweep_rows
 
 CPU = torch.device("cpu")
 # Tiny but real: a 1-layer GPT of width 32 on a synthetic corpus of 64 words, AdamW, deterministic, 50 steps.
@@ -166,3 +167,17 @@ def test_fp8_emulated_ends_within_the_measured_tolerance_of_amp_bf16(fp8_and_bf1
     (f8, _), (bf, _) = fp8_and_bf16["fp8"], fp8_and_bf16["amp_bf16"]
     gap = abs(f8["metrics"]["final_valid_loss"] - bf["metrics"]["final_valid_loss"])
     assert FP8_DIFFERS < gap < FP8_VS_BF16_TOL, gap
+
+
+def test_the_sweep_table_gives_the_loss_gap_to_fp32_after_equal_steps_and_marks_emulated_fp8():
+    def job(precision, steps, valid_loss, fp8=None):
+        return {"choices": {"model": "gpt", "precision": precision}, "status": "completed", "fp8": fp8,
+                "config": {"model": {"arch": "gpt"}, "precision": {"name": precision}, "seed": 0},
+                "metrics": {"steps": steps, "final_valid_loss": valid_loss, "train_time_s": 10.0, "mfu": 0.25}}
+    rows = sweep_rows([job("fp32", 50, 7.0), job("fp8", 50, 7.25, {"fp8_emulated": True}),
+                       job("amp_bf16", 40, 6.5), job("bf16", 50, 7.5, None)])
+    assert [r["precision"] for r in rows] == ["fp32", "fp8(emulated)", "amp_bf16", "bf16"]
+    assert [r["loss_gap"] for r in rows] == [0.0, 0.25, None, 0.5]   # amp_bf16: not the same number of steps
+    table = format_table(rows)
+    assert "MFU" in table.splitlines()[0] and "25.0%" in table and "+0.25" in table
+    assert sweep_note([job("fp8", 50, 7.0, {"fp8_emulated": True})]).startswith("fp8(emulated): no FP8")
