@@ -46,7 +46,7 @@ def load(run_dir: Path, data_dir: str | None = None, device: str = "cpu"):
         raise RunError(str(e)) from None
     arch = ((summary.get("config") or {}).get("model") or {}).get("arch")
     if not is_language_model(summary):
-        raise RunError(f"{run_dir}: model={arch} is not a language model (lstm, gru, rnn_tanh, rnn_relu)")
+        raise RunError(f"{run_dir}: model={arch} is not a language model (lstm, gru, rnn_tanh, rnn_relu, gpt)")
     weights = summary.get("weights") or {}
     if not weights or not (run_dir / weights["file"]).is_file():
         raise RunError(f"{run_dir}: no {WEIGHTS} (status {summary.get('status')}); only a completed job leaves its "
@@ -64,16 +64,19 @@ def load(run_dir: Path, data_dir: str | None = None, device: str = "cpu"):
 
 
 def generate(model, vocab: list, words: int, temperature: float = 1.0, seed: int = 1111) -> str:
-    device = model.decoder.weight.device
+    """An RNN reads one word at a time and carries its hidden state; a Transformer (no hidden state) rereads the
+    last block_size words each time."""
+    device = next(model.parameters()).device
     gen = torch.Generator(device).manual_seed(seed)
-    token = torch.randint(len(vocab), (1, 1), generator=gen, device=device)
+    context = torch.randint(len(vocab), (1, 1), generator=gen, device=device)
     hidden = model.init_hidden(1)
     out = []
     with torch.no_grad():
         for _ in range(words):
-            logits, hidden = model(token, hidden)
-            probs = torch.softmax(logits[0, 0, :len(vocab)].float() / temperature, dim=0)  # padded rows left out
-            token.fill_(int(torch.multinomial(probs, 1, generator=gen)))
+            logits, hidden = model(context, hidden)
+            probs = torch.softmax(logits[-1, 0, :len(vocab)].float() / temperature, dim=0)  # padded rows left out
+            token = torch.multinomial(probs, 1, generator=gen).view(1, 1)
+            context = token if hidden is not None else torch.cat([context, token])[-model.block_size:]
             out.append(vocab[int(token)])
     return "\n".join(" ".join(out[i:i + 20]) for i in range(0, len(out), 20)) + "\n"
 

@@ -15,7 +15,7 @@ def test_groups_are_the_designed_ones():
     assert {"model", "dataset", "precision", "gpu", "optimizer", "schedule", "trick", "logger",
             "experiment"} <= set(GROUPS)
     assert set(options("precision")) == {"fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3",
-                                         "fastai_fp16"}
+                                         "fastai_fp16", "fp8"}
     assert {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152"} <= set(options("model"))
     assert {"auto", "h100", "a100", "v100", "rtx2080ti", "gtx1080ti"} <= set(options("gpu"))
 
@@ -38,6 +38,8 @@ def test_precision_table_semantics():
     assert p["half"].param_dtype == "float16" and not p["half"].keep_bn_fp32 and not p["half"].master_weights
     assert p["o2"].param_dtype == "float16" and p["o2"].keep_bn_fp32 and p["o2"].master_weights
     assert p["o2"].loss_scale == "dynamic"
+    assert p["fp8"].fp8_recipe == "tensorwise" and p["fp8"].autocast_dtype == "bfloat16" and p["fp8"].loss_scale == "none"
+    assert all(p[o].fp8_recipe is None for o in p if o != "fp8")
     assert p["o1"].autocast_dtype == "float16" and p["o0"].param_dtype == "float32"
     assert p["o3"].param_dtype == "float16" and not p["o3"].master_weights
 

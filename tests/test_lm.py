@@ -309,7 +309,8 @@ def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
     for name, cells in rows.items():
         m = by_precision[name]["metrics"]
         assert cells[3] == "completed" and f"{m['test_ppl_at_best_valid']:.2f}" in cells
-    assert rows["fp32"][7] == "1.00" and all(cells[10] == "-" for cells in rows.values())   # not apex's model
+    assert rows["fp32"][7] == "1.00" and all(cells[12] == "-" for cells in rows.values())   # not apex's model
+    assert rows["fp32"][11] == "+0" and all(cells[8] == "-" for cells in rows.values())   # loss gap; no MFU on a CPU
     assert out[6].startswith("published (apex word_language_model README") and "~90 with loss scale 128" in out[6]
 
 
@@ -333,4 +334,4 @@ def test_generate_samples_words_from_a_trained_run(tmp_path, capsys):
     run_tiny(image)
     capsys.readouterr()
     assert generate.main([str(image)]) == 2
-    assert capsys.readouterr().err.strip() == f"generate: {image}: model=small_cnn is not a language model (lstm, gru, rnn_tanh, rnn_relu)"
+    assert capsys.readouterr().err.strip() == f"generate: {image}: model=small_cnn is not a language model (lstm, gru, rnn_tanh, rnn_relu, gpt)"

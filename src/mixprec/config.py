@@ -20,7 +20,8 @@ class ConfigError(ValueError):
 
 
 DType = Literal["float32", "float16", "bfloat16"]
-RNN_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")   # model.arch values that are word-level language models
+RNN_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")   # model.arch values that are recurrent language models
+LM_ARCHS = RNN_KINDS + ("gpt",)                       # model.arch values that are word-level language models
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class TrainerConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     arch: Literal["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "small_cnn", "resnet9",
-                  "lstm", "gru", "rnn_tanh", "rnn_relu"]
+                  "lstm", "gru", "rnn_tanh", "rnn_relu", "gpt"]
     stem: Literal["cifar", "imagenet"] = "cifar"
     width: int = 32
     bn_eval: bool = False   # BatchNorm stays in eval mode while training (frozen statistics, as in fine-tuning)
@@ -79,6 +80,11 @@ class ModelConfig:
     head: Literal["torchvision", "fastai"] = "torchvision"   # fastai: concat-pool + BN/dropout/linear head
     pretrained: bool = False  # torchvision's ImageNet weights for the ResNet body (must be in the torch hub cache)
     freeze_body: bool = False # body weights frozen, its BatchNorm layers still trained (fastai's freeze, train_bn)
+    # gpt only (dropout and vocab_multiple above apply too)
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    block_size: int = 128     # longest context (position embeddings); dataset.bptt must not exceed it
 
     def check(self) -> None:
         _at_least(self, "width", 1, section="model")
@@ -88,8 +94,10 @@ class ModelConfig:
                               "layer2, layer3)")
         if not self.output_scale > 0:
             raise ConfigError(f"model.output_scale={self.output_scale}: must be > 0")
-        for name in ("emsize", "nhid", "nlayers", "vocab_multiple"):
+        for name in ("emsize", "nhid", "nlayers", "vocab_multiple", "n_layer", "n_head", "n_embd", "block_size"):
             _at_least(self, name, 1, section="model")
+        if self.arch == "gpt" and self.n_embd % self.n_head:
+            raise ConfigError(f"model.n_embd={self.n_embd}: must be a multiple of model.n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")
         if self.tied and not self.is_language_model:
@@ -110,7 +118,7 @@ class ModelConfig:
 
     @property
     def is_language_model(self) -> bool:
-        return self.arch in RNN_KINDS
+        return self.arch in LM_ARCHS
 
 
 @dataclass(frozen=True)
@@ -178,8 +186,15 @@ class PrecisionConfig:
     init_scale: float = 65536.0
     growth_interval: int = 2000
     tf32: bool = False
+    fp8_recipe: Optional[Literal["tensorwise", "rowwise"]] = None   # precision=fp8: torchao float8 Linear layers
 
     def check(self) -> None:
+        if self.fp8_recipe is not None:
+            if self.autocast_dtype != "bfloat16" or self.param_dtype != "float32":
+                raise ConfigError("precision.fp8_recipe: float8 Linear layers run beside bf16 autocast on fp32 "
+                                  "weights (autocast_dtype=bfloat16, param_dtype=float32)")
+            from .fp8 import require_torchao
+            require_torchao()
         ls = self.loss_scale
         if isinstance(ls, str) and ls not in ("dynamic", "none"):
             raise ConfigError(f"precision.loss_scale={ls!r}: allowed values are dynamic, none, or a positive number (static scale)")
@@ -341,6 +356,9 @@ class Config:
 
     def check(self) -> None:
         self.trick.check_for(self.model.arch, self.trainer.batch_size)
+        if self.model.arch == "gpt" and self.dataset.bptt > self.model.block_size:
+            raise ConfigError(f"dataset.bptt={self.dataset.bptt}: a gpt window must fit its context, "
+                              f"model.block_size={self.model.block_size}; lower bptt or raise block_size")
 
     def check_task(self) -> None:
         """What validates field by field but cannot make one job: a model and a dataset of different tasks
@@ -351,7 +369,7 @@ class Config:
                               f"or synthetic_text), not dataset={self.dataset.name}")
         if text and not lm:
             raise ConfigError(f"dataset={self.dataset.name} is a text corpus: it trains a language model (model=lstm, "
-                              f"gru, rnn_tanh or rnn_relu), not model={self.model.arch}")
+                              f"gru, rnn_tanh, rnn_relu or gpt), not model={self.model.arch}")
         if self.schedule.name == "plateau" and not lm:
             raise ConfigError("schedule=plateau anneals on a validation loss, which only language-model jobs have; "
                               "choose onecycle, piecewise or constant")

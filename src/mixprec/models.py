@@ -1,6 +1,6 @@
 """Models: torchvision ResNets with a CIFAR or ImageNet stem (or as fastai 1.0's create_cnn builds them: body, concat-
-pool head, optionally pretrained and frozen), a small CNN, Page's ResNet-9 (resnet9.py), and RNN language models
-(rnnlm.py)."""
+pool head, optionally pretrained and frozen), a small CNN, Page's ResNet-9 (resnet9.py), RNN language models
+(rnnlm.py) and a GPT-style Transformer language model (gpt.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +10,7 @@ import torchvision
 from torch import nn
 
 from .config import ModelConfig
+from .gpt import GPT
 from .resnet9 import ResNet9
 from .rnnlm import RNNModel
 
@@ -17,6 +18,8 @@ from .rnnlm import RNNModel
 def build_model(cfg: ModelConfig, num_classes: int, **resnet9_options) -> nn.Module:
     """num_classes: the vocabulary size for a language model (cfg.is_language_model). resnet9_options: ResNet9's
     trick switches (activation, ghost_splits, ...), which resnet9.resnet9_options maps from `trick`."""
+    if cfg.arch == "gpt":
+        return GPT(num_classes, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.dropout, cfg.vocab_multiple)
     if cfg.is_language_model:
         return RNNModel(cfg.arch, num_classes, cfg.emsize, cfg.nhid, cfg.nlayers, cfg.dropout, cfg.tied,
                         cfg.vocab_multiple)

@@ -13,8 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-PRECISION_ORDER = ["fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3"]
-_PALETTE = plt.get_cmap("tab10").colors
+PRECISION_ORDER = ["fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3", "fp8"]
+_PALETTE = plt.get_cmap("tab10").colors + ((0.0, 0.0, 0.0),)   # one colour per PRECISION_ORDER entry (fp8: black)
 DPI = 110
 
 
@@ -90,8 +90,10 @@ def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict
     return _save(fig, path)
 
 
-def accuracy_curves(path: Path, title: str, curves: list[dict], ylabel: str = "test accuracy (%)") -> Path:
-    """curves: {label, precision, epochs: [...], mean: [...], lo: [...], hi: [...]} (lo/hi over seeds)."""
+def accuracy_curves(path: Path, title: str, curves: list[dict], ylabel: str = "test accuracy (%)",
+                    xlabel: str = "epoch") -> Path:
+    """curves: {label, precision, epochs: [...], mean: [...], lo: [...], hi: [...]} (lo/hi over seeds); the x
+    values ("epochs") may be optimizer steps (xlabel="step")."""
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     markers = "osD^vP*X"
     models = list(dict.fromkeys(c["model"] for c in curves))
@@ -100,11 +102,11 @@ def accuracy_curves(path: Path, title: str, curves: list[dict], ylabel: str = "t
         ax.plot(c["epochs"], c["mean"], marker=marker, color=color(c["precision"]), label=c["label"])
         if c["n"] > 1:
             ax.fill_between(c["epochs"], c["lo"], c["hi"], color=color(c["precision"]), alpha=0.15)
-    ax.set_xlabel("epoch")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    last = max((max(c["epochs"]) for c in curves), default=1)
-    ax.set_xlim(0.5, last + 0.5)
+    if xlabel == "epoch":
+        ax.set_xlim(0.5, max((max(c["epochs"]) for c in curves), default=1) + 0.5)
     ax.grid(alpha=0.3)
     ax.set_title(title)
     ax.legend(fontsize=8, title="model, precision (band: min-max over seeds)", title_fontsize=8)

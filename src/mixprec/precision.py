@@ -5,6 +5,8 @@ A mode is four decisions, each made once here:
   2. whether the forward runs under torch.autocast, and to which dtype;
   3. whether the optimizer steps fp32 master copies (apex O2) that are copied back into the low-precision model;
   4. how the loss is scaled: torch.amp.GradScaler (dynamic), a static factor (apex --loss-scale N), or none.
+With precision.fp8_recipe (precision=fp8) prepare_model also swaps the Linear layers for torchao's float8 ones
+(fp8.py); what it converted is self.fp8, for the job's summary.
 The engine calls: prepare_model -> optimizer_params -> [autocast(), cast_input, backward, step] per step.
 
 Host syncs: `step` adds none to GradScaler's own (the found-inf check before the optimizer step,
@@ -19,6 +21,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from . import fp8
 from .config import OptimizerConfig, PrecisionConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -85,6 +88,7 @@ class PrecisionPolicy:
         self.scale_value = self.scaler.get_scale() if cfg.scaled else None   # no sync: the initial scale
         self._stepped = False      # set by the optimizer's step hook: still False after step() = GradScaler skipped
         self._hooked: set = set()
+        self.fp8: dict | None = None   # what prepare_model converted to float8 (precision=fp8), for the summary
 
     @property
     def scale_value(self) -> float | None:
@@ -109,6 +113,8 @@ class PrecisionPolicy:
                 for m in model.modules():
                     if isinstance(m, nn.modules.batchnorm._BatchNorm):
                         m.float()
+        if self.cfg.fp8_recipe is not None:
+            self.fp8 = fp8.convert(model, self.cfg.fp8_recipe, self.device)
         return model
 
     # -- 3. what the optimizer steps ----------------------------------------------------------------------

@@ -87,8 +87,8 @@ class Job:
             return None
         m = self.summary.get("metrics") or {}
         f = (self.fp32 or {}).get("metrics") or {}
-        if name == "speedup":
-            return self.row.get("speedup")
+        if name in ("speedup", "loss_gap"):
+            return self.row.get(name)
         if name == "test_ppl":   # apex's main.py reports the test perplexity of its best-validation model
             for key in ("test_ppl_at_best_valid", "final_test_ppl"):
                 if _num(m.get(key)) is not None:
@@ -322,7 +322,9 @@ def _group_data(g: Group) -> dict:
             "runs": len(g.jobs), "statuses": {s: statuses.count(s) for s in dict.fromkeys(statuses)},
             "seeds": [j.seed for j in g.jobs], "dirs": [str(j.dir) for j in g.jobs],
             "metrics": {m: g.stats(m) for m in ("train_time_s", "speedup", "throughput", "final_test_acc",
-                                                "best_test_acc", "time_to_target_s", "peak_memory_mb")},
+                                                "best_test_acc", "time_to_target_s", "peak_memory_mb", "mfu",
+                                                "loss_gap")},
+            "fp8_emulated": any((j.summary.get("fp8") or {}).get("fp8_emulated") for j in g.jobs),
             "peak_memory_kind": sorted({(j.summary.get("metrics") or {}).get("peak_memory_kind") or "?"
                                         for j in g.jobs}),
             "devices": _devices(g.jobs), "software": _software(g.jobs)}
@@ -405,6 +407,12 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                                                    time_labels, times, mems, mem_kind),
                      "caption": "Training time (eval excluded) and peak memory per model and precision, mean over "
                                 "completed runs; error bars: standard deviation over seeds."})
+    losses = _loss_curves(groups)
+    if losses:
+        figs.append({"path": plots.accuracy_curves(pdir / f"{slug}_train_loss.png", f"{exp['name']}: training loss",
+                                                   losses, "training loss (mean over the logged window)", "step"),
+                     "caption": "Training loss at each logged step (metrics.jsonl train rows), every run on one "
+                                "plot: the gap between precisions at equal steps; mean over seeds."})
     curves = _curves(groups)
     if curves:
         key, ylabel = curves[0]["key"], curves[0]["ylabel"]
@@ -431,19 +439,34 @@ def _curves(groups: list[Group]) -> list[dict]:
     rows = {g.label + g.precision: [r for j in g.jobs for r in j.rows() if r.get("kind") == "epoch"] for g in groups}
     any_acc = any(_num(r.get("test_acc")) is not None for rs in rows.values() for r in rs)
     key, scale, ylabel = ("test_acc", 100.0, "test accuracy (%)") if any_acc else ("test_ppl", 1.0, "test perplexity")
+    curves = _mean_curves(groups, lambda r: (r["epoch"], scale * r[key]) if r.get("kind") == "epoch"
+                          and _num(r.get(key)) is not None else None)
+    return [dict(c, key=key, ylabel=ylabel) for c in curves]
+
+
+def _loss_curves(groups: list[Group]) -> list[dict]:
+    """Training loss per logged step: language-model experiments only (their train rows carry a perplexity),
+    where the loss is the comparison between precisions."""
+    return _mean_curves(groups, lambda r: (r["step"], r["loss"]) if r.get("kind") == "train" and "ppl" in r
+                        and _num(r.get("loss")) is not None else None)
+
+
+def _mean_curves(groups: list[Group], point) -> list[dict]:
+    """Per group, the mean, min and max over its jobs of the metrics.jsonl rows' points (x, y) = point(row)
+    (None: not a point), by x."""
     curves = []
     for g in groups:
-        per_epoch: dict[int, list] = {}
+        per_x: dict = {}
         for j in g.jobs:
             for r in j.rows():
-                if r.get("kind") == "epoch" and _num(r.get(key)) is not None:
-                    per_epoch.setdefault(r["epoch"], []).append(scale * r[key])
-        if per_epoch:
-            eps = sorted(per_epoch)
+                xy = point(r)
+                if xy is not None:
+                    per_x.setdefault(xy[0], []).append(xy[1])
+        if per_x:
+            xs = sorted(per_x)
             curves.append({"label": f"{g.label}, {g.precision}", "model": g.label, "precision": g.precision,
-                           "epochs": eps, "mean": [statistics.fmean(per_epoch[e]) for e in eps],
-                           "lo": [min(per_epoch[e]) for e in eps], "hi": [max(per_epoch[e]) for e in eps],
-                           "n": len(g.jobs), "key": key, "ylabel": ylabel})
+                           "epochs": xs, "mean": [statistics.fmean(per_x[x]) for x in xs],
+                           "lo": [min(per_x[x]) for x in xs], "hi": [max(per_x[x]) for x in xs], "n": len(g.jobs)})
     return curves
 
 
@@ -614,8 +637,10 @@ def document(data: dict) -> Doc:
         d.h(3, "Runs")
         gs = exp["groups"]
         ttt = any(g["metrics"]["time_to_target_s"] for g in gs)
-        heads = ["model", "precision", "runs", "train time (s)", "speed-up vs fp32 (x)", "samples/s",
-                 "test acc (%)"] + (["time to target (s)"] if ttt else []) + ["peak memory (MB)"]
+        lm = any(g["metrics"]["loss_gap"] or g["metrics"]["mfu"] for g in gs)   # language models: MFU, loss gap
+        heads = ["model", "precision", "runs", "train time (s)", "speed-up vs fp32 (x)", "tokens/s" if lm else "samples/s",
+                 "test acc (%)"] + (["time to target (s)"] if ttt else []) + ["peak memory (MB)"] + (
+                ["MFU (%)", "valid loss - fp32's, same steps"] if lm else [])
         rows = []
         for g in gs:
             runs = ", ".join(f"{n} {s}" for s, n in g["statuses"].items())
@@ -623,9 +648,11 @@ def document(data: dict) -> Doc:
                 runs += " (seeds " + ",".join(str(s) for s in g["seeds"]) + ")"
             m = g["metrics"]
             done = g["statuses"].get("completed", 0)
-            rows.append([g["label"], g["precision"], runs, _f(m["train_time_s"], ".3f"), _f(m["speedup"], ".2f"),
+            precision = g["precision"] + (" (emulated: not an FP8 time)" if g["fp8_emulated"] else "")
+            rows.append([g["label"], precision, runs, _f(m["train_time_s"], ".3f"), _f(m["speedup"], ".2f"),
                          _f(m["throughput"], ".1f"), _f(m["final_test_acc"], ".2f", 100)]
-                        + ([_f(m["time_to_target_s"], ".3g", of=done)] if ttt else []) + [_f(m["peak_memory_mb"], ".0f")])
+                        + ([_f(m["time_to_target_s"], ".3g", of=done)] if ttt else []) + [_f(m["peak_memory_mb"], ".0f")]
+                        + ([_f(m["mfu"], ".3g", 100), _f(m["loss_gap"], "+.3g")] if lm else []))
         d.table(heads, rows)
         if exp["variants"]:
             d.p("Variants (what else differs between these jobs): "

@@ -68,9 +68,10 @@ class RNNModel(nn.Module):
         h = w.new_zeros(self.nlayers, batch_size, self.nhid)
         return (h, w.new_zeros(self.nlayers, batch_size, self.nhid)) if self.kind == "lstm" else h
 
-    def flops_per_token(self) -> float:
+    def flops_per_token(self, seq_len: int | None = None) -> float:
         """Forward matmul FLOPs per token (2 per multiply-add): the gates of each layer on its input and on the
-        hidden state, and the decoder; the embedding is a lookup and elementwise work is left out."""
+        hidden state, and the decoder; the embedding is a lookup and elementwise work is left out. The window
+        length (seq_len) changes nothing for a recurrent model."""
         g, h = GATES[self.kind], self.nhid
         sizes = [self.encoder.embedding_dim] + [h] * (self.nlayers - 1)
         return float(sum(2 * g * h * (n + h) for n in sizes) + 2 * h * self.ntoken)
@@ -83,7 +84,7 @@ def rnn_cast(hidden, dtype: torch.dtype):
 
 def repackage_hidden(hidden):
     """The hidden state cut from the graph of the window that produced it (truncated BPTT): the next window's
-    backward stops here instead of running back to the start of the stream."""
-    if isinstance(hidden, torch.Tensor):
-        return hidden.detach()
+    backward stops here instead of running back to the start of the stream. None (a Transformer's) stays None."""
+    if hidden is None or isinstance(hidden, torch.Tensor):
+        return None if hidden is None else hidden.detach()
     return tuple(repackage_hidden(h) for h in hidden)

@@ -266,6 +266,7 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
                                  "sync_bn": tr.sync_bn, "backend": dist.backend_for(device),
                                  "weight_spread": dist.spread(policy.stepped_params(), ranks)}
     result["metrics"].update(info.pop("metrics"))
+    result["fp8"] = policy.fp8   # precision=fp8: the float8 and bf16 Linear layers, emulated or not (else None)
     final = info.pop("final")   # the weights that were evaluated: the EMA's if any
     if result["status"] in checkpoint.FINAL and ranks.main:
         result["weights"] = checkpoint.save_weights(recorder.out_dir, policy.fp32_state_dict(final),
@@ -317,7 +318,7 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     valid_source, test_source = (batchify(ids, tr.eval_batch_size, device) for ids in (corpus.valid, corpus.test))
     windows = TokenWindows(train_source, bptt)
     model = build_model(config.model, corpus.vocab_size)
-    flops = model.flops_per_token()
+    flops = model.flops_per_token(bptt)
     n_params = sum(p.numel() for p in model.parameters())
     policy = PrecisionPolicy(config.precision, device)
     model = policy.prepare_model(model)

@@ -23,7 +23,7 @@ def _page_ladder() -> dict:
 
 PAGE_LADDER = _page_ladder()
 
-from .config import RNN_KINDS
+from .config import LM_ARCHS, RNN_KINDS
 
 # apex examples/word_language_model README, for its main.py defaults (2-layer LSTM, emsize = nhid = 1504, dropout
 # 0.65, batch 24, bptt 35, lr 20, clip 0.25, 40 epochs) with --fp16: "converged test perplexity ... from around
@@ -32,6 +32,10 @@ APEX_WORD_LM_FP16_TEST_PPL = {1.0: 93.0, 128.0: 90.0}
 APEX_NOTE = ("published (apex word_language_model README, 2-layer LSTM 1504/1504, 40 epochs, converged): fp16 test "
              "ppl ~93 with loss scale 1, ~90 with loss scale 128; no fp32 number. test ppl here = the test "
              "perplexity of the best-validation epoch, as the example reports it")
+
+FP8_EMULATED_NOTE = ("fp8(emulated): no FP8 tensor cores on this device (a CPU, or a GPU before compute capability "
+                     "8.9): torchao emulated the float8 matmuls in fp32, so its loss is FP8's but its time, tokens/s "
+                     "and speed-up are not FP8 timings")
 
 
 def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
@@ -63,16 +67,21 @@ def column_note(summary: dict) -> str:
 
 def sweep_rows(summaries: list[dict]) -> list[dict]:
     """One row per job; speedup = fp32 train time / this job's train time, for the fp32 job whose config is the
-    same but for precision (None where the sweep has no such fp32 job)."""
-    fp32_time = {}
+    same but for precision (None where the sweep has no such fp32 job); loss_gap (language models) = this job's
+    final validation loss - that fp32 job's, when both ran the same number of steps."""
+    fp32 = {}
     for s in summaries:
         if s.get("choices", {}).get("precision") == "fp32" and s.get("status") == "completed":
-            fp32_time[baseline_key(s)] = (s.get("metrics") or {}).get("train_time_s")
+            fp32[baseline_key(s)] = s.get("metrics") or {}
     rows = []
     for s in summaries:
         m = s.get("metrics") or {}
-        base = fp32_time.get(baseline_key(s))
+        f = fp32.get(baseline_key(s)) or {}
+        base = f.get("train_time_s")
         t = m.get("train_time_s")
+        gap = (m["final_valid_loss"] - f["final_valid_loss"] if f.get("steps") == m.get("steps")
+               and isinstance(m.get("final_valid_loss"), float) and isinstance(f.get("final_valid_loss"), float)
+               else None)
         rows.append({
             "job": s.get("job", {}).get("num"),
             "model": s.get("choices", {}).get("model"),
@@ -87,6 +96,8 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
             "valid_ppl": m.get("best_valid_ppl"),
             "test_ppl": m.get("test_ppl_at_best_valid"),
             "published": published_ppl(s),
+            "loss_gap": gap,
+            "mfu": m.get("mfu"),
             "peak_mem_mb": m.get("peak_memory_mb"),
             "note": column_note(s) + _case_note(s.get("case")) + (s.get("reason") or s.get("error") or ""),
         })
@@ -94,8 +105,11 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
 
 
 def _precision_label(summary: dict) -> str | None:
-    """The precision choice, with its static loss scale when it has one (apex's fp16: o2(x128))."""
+    """The precision choice, with its static loss scale when it has one (apex's fp16: o2(x128)), or marked
+    `(emulated)` when it is fp8 without FP8 tensor cores (its time is then not an FP8 time)."""
     choice = summary.get("choices", {}).get("precision")
+    if (summary.get("fp8") or {}).get("fp8_emulated"):
+        return f"{choice}(emulated)"
     scale = ((summary.get("config") or {}).get("precision") or {}).get("loss_scale")
     return f"{choice}(x{scale:g})" if isinstance(scale, (int, float)) and not isinstance(scale, bool) else choice
 
@@ -108,7 +122,7 @@ def _case_note(case: dict | None) -> str:
 
 
 def is_language_model(summary: dict) -> bool:
-    return ((summary.get("config") or {}).get("model") or {}).get("arch") in RNN_KINDS
+    return ((summary.get("config") or {}).get("model") or {}).get("arch") in LM_ARCHS
 
 
 def published_ppl(summary: dict) -> str | None:
@@ -125,17 +139,25 @@ def published_ppl(summary: dict) -> str | None:
 
 
 def sweep_note(summaries: list[dict]) -> str | None:
-    """What a sweep's table is to be read beside: the published numbers of a language-model sweep."""
-    return APEX_NOTE if summaries and all(is_language_model(s) for s in summaries) else None
+    """What a sweep's table is to be read beside: the published numbers of a recurrent language-model sweep;
+    that an emulated fp8 job's time is no FP8 time."""
+    notes = []
+    if summaries and all(((s.get("config") or {}).get("model") or {}).get("arch") in RNN_KINDS for s in summaries):
+        notes.append(APEX_NOTE)
+    if any((s.get("fp8") or {}).get("fp8_emulated") for s in summaries):
+        notes.append(FP8_EMULATED_NOTE)
+    return "\n".join(notes) or None
 
 
 SWEEP_COLUMNS = [("job", "job", "d"), ("model", "model", "s"), ("precision", "precision", "s"),
                  ("status", "status", "s"), ("epochs", "epochs", ".2f"), ("train_time_s", "time s", ".2f"),
                  ("samples_per_s", "samples/s", ".1f"), ("speedup", "vs fp32", ".2f"), ("test_acc", "test acc", ".4f"),
                  ("peak_mem_mb", "peak MB", ".0f"), ("note", "note", "s")]
-# language models: tokens/s, and perplexity (best validation, test at that epoch) beside apex's published one
+# language models: tokens/s, MFU, and perplexity (best validation, test at that epoch) beside apex's published
+# one, the validation-loss gap to fp32 after the same steps
 LM_COLUMNS = SWEEP_COLUMNS[:6] + [("samples_per_s", "tokens/s", ".0f"), ("speedup", "vs fp32", ".2f"),
-                                  ("valid_ppl", "valid ppl", ".2f"), ("test_ppl", "test ppl", ".2f"),
+                                  ("mfu", "MFU", ".1%"), ("valid_ppl", "valid ppl", ".2f"),
+                                  ("test_ppl", "test ppl", ".2f"), ("loss_gap", "dloss vs fp32", "+.3g"),
                                   ("published", "published test ppl", "s"), ("peak_mem_mb", "peak MB", ".0f"),
                                   ("note", "note", "s")]
 
@@ -186,6 +208,12 @@ def job_block(summary: dict) -> str:
         r = summary["resumed"]
         lines.append(f"resumed     at step {r['from_step']} (epoch {r['from_epoch']:.2f}), {len(r['history'])} time(s); "
                      "the time before is included")
+    fp8 = summary.get("fp8")
+    if fp8:
+        lines.append(f"fp8         recipe {fp8['recipe']}, {len(fp8['float8_layers'])} Linear layers in float8, "
+                     f"{len(fp8['bf16_layers'])} in bf16 ({', '.join(fp8['bf16_layers']) or 'none'}); fp8_emulated: "
+                     + (f"true ({fp8['emulation_reason']}: the time above is not an FP8 time)" if fp8["fp8_emulated"]
+                        else "false"))
     if m.get("mfu") is not None:
         lines.append(f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} peak")
     return "\n".join(lines)
