@@ -240,7 +240,8 @@ def calibrate(plan, args, out: Path) -> dict:
         folder = out / "calibration" / s.name
         cmd = train_command(over, grid, folder)
         n = math.prod(len(v) for v in grid.values())
-        rc, wall = spawn(cmd, out, f"calibration_{s.name}", timeout_s=args.calibrate_timeout * n + 60)
+        limit = None if args.smoke else args.calibrate_timeout * n + 60   # smoke jobs are tiny: never stopped
+        rc, wall = spawn(cmd, out, f"calibration_{s.name}", timeout_s=limit)
         record_command(out, f"calibration of {s.name}", cmd, rc, wall)
         costs, done = {}, summaries(folder)
         for summ in done:
@@ -285,6 +286,67 @@ def predictor(plan, args, calibration: dict):
         return total, configs, how
 
     return predict
+
+
+# ---------------------------------------------------------------------------------------------------- FLOP estimate
+
+MFU = 0.3   # the model FLOP utilisation assumed by --estimate (small CIFAR models often reach less)
+
+
+@lru_cache(maxsize=None)
+def _flops(model_json: str, num_classes: int, image_size: int | None) -> float:
+    """Forward FLOPs per sample (image) or per token (language model) of the model config."""
+    import torch
+    from mixprec.config import ModelConfig
+    from mixprec.models import build_model, forward_flops
+
+    fields = json.loads(model_json)
+    model = build_model(ModelConfig(**fields), num_classes)
+    if image_size is None:
+        return float(model.flops_per_token())
+    return forward_flops(model, torch.zeros(1, 3, image_size, image_size)) or 0.0
+
+
+def estimate(plan, args, profiles: list[str]) -> int:
+    """Minutes of the full-fidelity plan on named GPU profiles from FLOPs at MFU of each profile's dense peak
+    for the job's precision: a rough figure, not a measurement (a GPU's --plan replaces it)."""
+    from mixprec.config import validate
+    from mixprec.hardware import peak_kind
+
+    peaks = {p: yaml_load(ROOT / "conf" / "gpu" / f"{p}.yaml")["peak_tflops"] for p in profiles}
+    rows, totals = [], {p: 0.0 for p in profiles}
+    for s in plan.sweeps:
+        secs = {p: 0.0 for p in profiles}
+        if s.command != "train":
+            secs = {p: float(s.predicted_s or 0) for p in profiles}
+        for job in s.jobs if s.command == "train" else []:
+            from omegaconf import OmegaConf
+
+            c = validate(OmegaConf.create(compose(tuple(P.merge_overrides(s.overrides, args.overrides,
+                                                                            [f"{k}={v}" for k, v in job.items()])))))
+            text = c.dataset.name in ("wikitext2", "synthetic_text")
+            sizes = plan.datasets.get(c.dataset.name) or {"train": c.dataset.train_size, "test": c.dataset.test_size}
+            f = _flops(json.dumps(c.model.__dict__, default=list), 33278 if text else c.dataset.num_classes,
+                       None if text else c.dataset.image_size)
+            work = c.trainer.epochs * (sizes["train"] * 3 * f + sizes["test"] * f)
+            for p in profiles:
+                peak = peaks[p].get(peak_kind(c.precision)) or peaks[p]["fp32"]
+                secs[p] += work / (peak * 1e12 * MFU)
+        rows.append([s.article, s.name, len(s.jobs)] + [P.minutes(secs[p]) for p in profiles])
+        for p in profiles:
+            totals[p] += secs[p]
+    rows.append(["total", "", sum(len(s.jobs) for s in plan.sweeps)] + [P.minutes(totals[p]) for p in profiles])
+    print(f"FLOP estimate (not measured): minutes of the full-fidelity plan at {MFU:.0%} of each profile's dense "
+          "peak for the job's precision (fp32 where the profile has no peak for it); training and evaluation "
+          "FLOPs only (no data loading, start-up, launch overhead)\n")
+    print(P.table(["article", "sweep", "jobs", *[f"{p} min" for p in profiles]], rows))
+    return 0
+
+
+def yaml_load(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
@@ -453,6 +515,8 @@ def parse(argv):
                     help="time every job, or the first job of each sweep (default: all on a GPU, first on a CPU)")
     ap.add_argument("--calibrate-timeout", type=float, default=30.0,
                     help="seconds per calibration job before a sweep's calibration is stopped as too slow")
+    ap.add_argument("--estimate", metavar="PROFILES",
+                    help="print the full plan's minutes on these GPU profiles (e.g. h100,v100) from FLOPs, and exit")
     ap.add_argument("--plan-file", type=Path, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -467,6 +531,8 @@ def main(argv=None) -> int:
             plan = plan.smoked()
         if args.budget:
             P.parse_duration(args.budget)
+        if args.estimate:
+            return estimate(plan, args, [p for p in args.estimate.split(",") if p])
         return reproduce(plan, args, argv if argv is not None else sys.argv[1:])
     except P.PlanError as e:
         print(f"reproduce: {e}", file=sys.stderr)
