@@ -84,14 +84,20 @@ def write_environment(out: Path, env: dict, args) -> None:
     write_json_atomic(out / "environment.json", env)
 
 
-def record_command(out: Path, what: str, cmd: list[str], rc, wall: float) -> None:
+def record_command(out: Path, what: str, cmd: list[str]) -> None:
+    """COMMANDS.md gets the command as it starts (a killed session's command is listed too), record_exit its end."""
     path = out / "COMMANDS.md"
     if not path.exists():
         path.write_text("# Commands run\n\nEvery command this folder's results came from, in order (run from the "
-                        "repository root; re-runs of a resumed plan are listed again).\n")
+                        "repository root; the commands of a resumed plan are listed again, a command with no exit "
+                        "line was stopped).\n")
     with path.open("a") as f:
-        f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M:%S')} {what}\n\n```bash\n{shlex.join(cmd)}\n```\n"
-                f"exit code {rc}, {wall / 60:.1f} min\n")
+        f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M:%S')} {what}\n\n```bash\n{shlex.join(cmd)}\n```\n")
+
+
+def record_exit(out: Path, rc, wall: float) -> None:
+    with (out / "COMMANDS.md").open("a") as f:
+        f.write(f"exit code {rc}, {wall / 60:.1f} min\n")
 
 
 # ---------------------------------------------------------------------------------------------------- commands
@@ -241,8 +247,9 @@ def calibrate(plan, args, out: Path) -> dict:
         cmd = train_command(over, grid, folder)
         n = math.prod(len(v) for v in grid.values())
         limit = None if args.smoke else args.calibrate_timeout * n + 60   # smoke jobs are tiny: never stopped
+        record_command(out, f"calibration of {s.name}", cmd)
         rc, wall = spawn(cmd, out, f"calibration_{s.name}", timeout_s=limit)
-        record_command(out, f"calibration of {s.name}", cmd, rc, wall)
+        record_exit(out, rc, wall)
         costs, done = {}, summaries(folder)
         for summ in done:
             cost = P.cost_from_summary(summ)
@@ -471,13 +478,14 @@ def run_sweeps(out: Path, state: dict, progress: Progress) -> list[str]:
             continue
         e["status"] = "running"
         write_plan_md(out, state)
+        record_command(out, f"sweep {e['name']} ({e['article']})", e["command"])
         rc, wall = spawn(e["command"], out, e["name"], tick=lambda: progress(e["name"]))
+        record_exit(out, rc, wall)
         e["actual_s"] += wall
         e["rc"] = rc
         e["status"] = "done" if rc == 0 else "failed"
         state["elapsed_s"] = progress.elapsed()
         write_plan_md(out, state)
-        record_command(out, f"sweep {e['name']} ({e['article']})", e["command"], rc, wall)
         progress(e["name"])
         if rc != 0:
             failed.append(e["name"])
@@ -490,8 +498,9 @@ def run_sweeps(out: Path, state: dict, progress: Progress) -> list[str]:
 
 def make_report(out: Path) -> int:
     cmd = [sys.executable, str(ROOT / "scripts" / "make_report.py"), str(out), "--out", str(out / "report")]
+    record_command(out, "report", cmd)
     rc, wall = spawn(cmd, out, "report")
-    record_command(out, "report", cmd, rc, wall)
+    record_exit(out, rc, wall)
     if rc == 0:
         log(f"report: {out / 'report' / 'report.html'} (and report.md, report.json, plots/)")
     else:
