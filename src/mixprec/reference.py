@@ -65,6 +65,8 @@ def _cell(col: dict, source, value) -> str:
     rows = [r for r in compare(value, groups) if r["group"] is not None]
     if not rows:
         return _reason(col, source, value)
+    valued = [r for r in rows if r["reproduced"] is not None]
+    rows = valued or rows   # groups the value matches but that have no such number (training jobs for batch_gain)
     parts = []
     for r in rows:
         rep = r["reproduced"]
