@@ -105,7 +105,8 @@ def record_exit(out: Path, rc, wall: float) -> None:
 
 def exclude_keys(overrides: list[str], grid: dict) -> str:
     """Job dir names carry only the grid's values (every other override is the same for all the sweep's jobs)."""
-    keys = ["logger.mode", "trainer.device", "trainer.resume"] + [k for k in P.override_keys(overrides) if k not in grid]
+    keys = ["logger.mode", "trainer.device", "trainer.resume"]
+    keys += [k for k in P.override_keys(overrides) if k not in grid]
     return "hydra.job.config.override_dirname.exclude_keys=[" + ",".join(dict.fromkeys(keys)) + "]"
 
 
@@ -151,7 +152,8 @@ def compose(overrides: tuple) -> dict:
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return plain_config(hydra_compose("config", overrides=[o for o in overrides if not o.startswith("hydra.")]))
+        kept = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+        return plain_config(hydra_compose("config", overrides=kept))
 
 
 def job_configs(plan, sweep, args) -> list[dict]:
@@ -370,8 +372,10 @@ def make_state(plan, args, calibration: dict, budget_s) -> dict:
         epochs = sorted({c["trainer"]["epochs"] for c in configs})
         steps = sorted({c["trainer"]["max_steps"] for c in configs} - {None})
         entries.append({
-            "article": s.article, "name": s.name, "command": None if s.dropped else run_command(plan, s, args, args.out),
-            "jobs": 0 if s.dropped else len(s.jobs), "planned_jobs": len(s.jobs), "grid": {k: list(v) for k, v in s.grid.items()},
+            "article": s.article, "name": s.name,
+            "command": None if s.dropped else run_command(plan, s, args, args.out),
+            "jobs": 0 if s.dropped else len(s.jobs), "planned_jobs": len(s.jobs),
+            "grid": {k: list(v) for k, v in s.grid.items()},
             "epochs": "/".join(map(str, epochs)) + (f" (<= {steps[0]} steps)" if steps else "") if configs else "-",
             "predicted_s": 0.0 if s.dropped else secs, "prediction": how, "cuts": list(s.applied),
             "dropped": s.dropped, "status": "dropped" if s.dropped else "planned", "actual_s": 0.0, "rc": None})
@@ -388,7 +392,8 @@ def state_key(args) -> dict:
 
 
 def plan_rows(state: dict, actual: bool) -> tuple[list[str], list[list]]:
-    heads = ["article", "sweep", "jobs", "epochs", "predicted min"] + (["actual min", "status"] if actual else []) + ["cut"]
+    heads = ["article", "sweep", "jobs", "epochs", "predicted min"]
+    heads += (["actual min", "status"] if actual else []) + ["cut"]
     rows = []
     for e in state["sweeps"]:
         pred = "-" if e["dropped"] else P.minutes(e["predicted_s"], e["prediction"] == ">=") + \
@@ -513,7 +518,8 @@ def make_report(out: Path) -> int:
 
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("overrides", nargs="*", help="train.py overrides for every job, e.g. gpu=h100 dataset.data_dir=/data")
+    ap.add_argument("overrides", nargs="*",
+                    help="train.py overrides for every job, e.g. gpu=h100 dataset.data_dir=/data")
     ap.add_argument("--budget", help="time for the whole plan, e.g. 60m, 1h30m (default: full fidelity, uncut)")
     ap.add_argument("--plan", action="store_true", help="calibrate, print the plan and exit")
     ap.add_argument("--only", help="comma-separated article ids or sweep names (see src/mixprec/plan.yaml)")

@@ -36,7 +36,8 @@ def test_plan_runs_every_preset_grid_and_covers_every_published_value():
     plan = P.load_plan()
     for exp in ("fastai_cifar100", "apex_word_lm", "half_pitfalls", "opt_levels", "page_ladder", "torch_amp"):
         params = compose_config(f"experiment={exp}").hydra.sweeper.params
-        preset = {tuple(sorted(zip(params, vals))) for vals in itertools.product(*(str(v).split(",") for v in params.values()))}
+        axes = [str(v).split(",") for v in params.values()]
+        preset = {tuple(sorted(zip(params, vals))) for vals in itertools.product(*axes)}
         planned = {tuple(sorted(job.items())) for s in plan.sweeps
                    if s.command == "train" and list(s.overrides) == [f"experiment={exp}"] for job in s.jobs}
         assert planned == preset, exp
@@ -50,8 +51,8 @@ def test_plan_runs_every_preset_grid_and_covers_every_published_value():
 def test_readme_reproductions_table_is_the_plan():
     readme = (ROOT / "README.md").read_text()
     table = P.readme_table(P.load_plan())
-    assert table in readme, ("README's reproductions table differs from src/mixprec/plan.yaml; regenerate it with "
-                             "python -c 'from mixprec.plan import load_plan, readme_table; print(readme_table(load_plan()))'")
+    assert table in readme, ("README's reproductions table differs from src/mixprec/plan.yaml; regenerate it with: "
+                             "python -c 'from mixprec.plan import *; print(readme_table(load_plan()))'")
     # every command the table lists is one of the plan's (a hand count of the plan file's sweeps)
     n_sweeps = sum(len(a["sweeps"]) for a in yaml.safe_load(P.PLAN_FILE.read_text())["articles"])
     assert table.count("`python ") == n_sweeps == 10

@@ -155,7 +155,8 @@ def document(d, sec: dict) -> None:
           "or the reason it has none.")
     if sec["ratios"]:
         d.h(3, "FP32 / mixed-precision training time (fastai's ratio), per model and GPU")
-        d.table(["model", *cols, "published"], [[r["model"], *r["cells"], r["published"]] for r in sec["ratios"]["rows"]])
+        d.table(["model", *cols, "published"],
+                [[r["model"], *r["cells"], r["published"]] for r in sec["ratios"]["rows"]])
     for a in sec["articles"]:
         d.h(3, f"{a['id']}: {a['title']}")
         d.table(["value", "published", "published on", *cols],
