@@ -438,7 +438,28 @@ def load_or_plan(plan, args, env) -> dict:
         {k: v for k, v in state_key(args).items() if k != "budget"}
     calibration = old["calibration"] if same_cal else calibrate(plan, args, args.out)
     budget_s = P.parse_duration(args.budget) if args.budget else None
-    return make_state(plan, args, calibration, budget_s)
+    state = make_state(plan, args, calibration, budget_s)
+    if old is not None:
+        keep_or_set_aside(args.out, old, state)
+    return state
+
+
+def keep_or_set_aside(out: Path, old: dict, state: dict) -> None:
+    """After --replan: a sweep whose command is unchanged keeps its progress; one whose command changed has its
+    earlier runs moved to <out>/replaced/ (a job dir is named by its grid values only, so they would be taken
+    for finished jobs of the new command)."""
+    before = {e["name"]: e for e in old["sweeps"]}
+    for e in state["sweeps"]:
+        prev = before.get(e["name"])
+        if prev is None:
+            continue
+        if prev["command"] == e["command"]:
+            e.update(status=prev["status"], actual_s=prev["actual_s"], rc=prev["rc"])
+        elif (out / "runs" / e["name"]).exists():
+            dest = out / "replaced" / f"{e['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
+            dest.parent.mkdir(exist_ok=True)
+            (out / "runs" / e["name"]).rename(dest)
+            log(f"{e['name']}: its command changed; its earlier runs moved to {dest}")
 
 
 # ---------------------------------------------------------------------------------------------------- running
@@ -525,7 +546,8 @@ def parse(argv):
     ap.add_argument("--only", help="comma-separated article ids or sweep names (see src/mixprec/plan.yaml)")
     ap.add_argument("--smoke", action="store_true", help="every sweep at tiny sizes on the CPU (synthetic data)")
     ap.add_argument("--out", type=Path, help="the results folder (default outputs/reference/<gpu>-<date>)")
-    ap.add_argument("--replan", action="store_true", help="plan again in a folder that holds another plan")
+    ap.add_argument("--replan", action="store_true", help="plan again in a folder that holds a plan (sweeps whose "
+                    "command changed start over; their earlier runs go to replaced/)")
     ap.add_argument("--calibrate", choices=("all", "first"),
                     help="time every job, or the first job of each sweep (default: all on a GPU, first on a CPU)")
     ap.add_argument("--calibrate-timeout", type=float, default=30.0,

@@ -105,6 +105,8 @@ def _reason(col: dict, source, value) -> str:
         why += f" [cut: {'; '.join(cuts)}]"
     if failed:
         why += f"; sweep(s) not completed: {', '.join(failed)} (see logs/)"
+    if col["state"].get("smoke"):
+        why += " (smoke run: tiny sizes, e.g. trainer.epochs=1, a value matched on epochs cannot match)"
     return why
 
 
