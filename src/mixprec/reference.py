@@ -85,7 +85,10 @@ def _cell(col: dict, source, value) -> str:
     hit = {(r["group"], r["precision"]) for r in rows}
     cuts = sorted({c for g in groups if (g.label, g.precision) in hit
                    for j in g.jobs for c in _sweep_of(j, col).get("cuts", [])})
-    return "; ".join(parts) + (f" [cut: {'; '.join(cuts)}]" if cuts else "")
+    art = next((a for a in col["state"].get("articles", []) if a["id"] == source.id), {})
+    caveat = (art.get("not_reproduced") or {}).get(value.id)   # a run matches, but measures something else
+    return "; ".join(parts) + (f" [cut: {'; '.join(cuts)}]" if cuts else "") + \
+        (f" [not comparable: {caveat}]" if caveat else "")
 
 
 def _reason(col: dict, source, value) -> str:
