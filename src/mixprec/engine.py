@@ -34,6 +34,7 @@ from .dist import SINGLE, Ranks
 from .hardware import synchronize
 from .models import set_bn_eval
 from .precision import PrecisionPolicy
+from .probe import Attribution
 from .tricks import cross_entropy, tta_logits
 
 # GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the torch.amp
@@ -104,6 +105,11 @@ def evaluate(model, batches, policy: PrecisionPolicy, tta: bool = False) -> tupl
     return loss_sum.item() / n, correct.item() / n, correct_tta.item() / n if tta else None
 
 
+def forward(model, x: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    with policy.autocast():
+        return model(policy.cast_input(x))
+
+
 def data_state(batches) -> dict | None:
     """The loader's data-order state (None for a loader that cannot save it: a resume then draws a new order)."""
     return batches.state_dict() if hasattr(batches, "state_dict") else None
@@ -114,17 +120,22 @@ def all_finite(tensors) -> bool:
 
 
 def train_step(loss: torch.Tensor, policy: PrecisionPolicy, optimizer, trainer: TrainerConfig, state: dict,
-               ranks: Ranks = SINGLE) -> None:
+               ranks: Ranks = SINGLE, probe: Attribution | None = None, replay=None) -> None:
     """Backward and optimizer step (unscale, clip, step: PrecisionPolicy.step) for one batch's loss, then
     zero_grad. Under on_nonfinite=skip a non-finite loss skips backward and update (the window check counts it);
-    under several ranks, all skip alike."""
+    under several ranks, all skip alike. probe: the numerics probe's calls (probe.py); replay: the step's forward
+    again, for its attribution of a non-finite value."""
+    step, probe = state["step"] + 1, probe or Attribution()
     if trainer.on_nonfinite == "skip" and ranks.any(not torch.isfinite(loss)):
         if state["nonfinite"] is None:
-            state["nonfinite"] = {"step": state["step"] + 1, "what": f"loss {loss.item()} (step skipped)",
-                                  "policy": "skip"}
+            state["nonfinite"] = {"step": step, "what": f"loss {loss.item()} (step skipped)", "policy": "skip"}
+            state["nonfinite"]["what"] += "; " + probe.on_nonfinite(step, replay)
     else:
         policy.backward(loss)
-        state["skipped"] += policy.step(optimizer, trainer.grad_clip)
+        probe.after_backward(step, loss, policy, replay)
+        skipped = policy.step(optimizer, trainer.grad_clip)
+        probe.after_step(step, policy, skipped)
+        state["skipped"] += skipped
         if policy.scale_value is not None:
             state["scale_min"] = min(state["scale_min"], policy.scale_value)
             state["scale_max"] = max(state["scale_max"], policy.scale_value)
@@ -132,10 +143,10 @@ def train_step(loss: torch.Tensor, policy: PrecisionPolicy, optimizer, trainer: 
 
 
 def check_window(window: Window, state: dict, policy: PrecisionPolicy, trainer: TrainerConfig,
-                 ranks: Ranks = SINGLE) -> tuple[float, str | None]:
+                 ranks: Ranks = SINGLE, probe: Attribution | None = None) -> tuple[float, str | None]:
     """The non-finite check, one host sync: the window's losses (averaged over ranks: the global batches'), then
     the stepped weights. Returns the mean of the finite losses and what went non-finite (None when all is
-    finite); counts it and records the first."""
+    finite); counts it and records the first, with the probe's first non-finite module."""
     losses = (ranks.sum_(torch.stack(window.losses).float()) / ranks.world).cpu()
     finite = torch.isfinite(losses)
     bad_step = what = None
@@ -148,6 +159,7 @@ def check_window(window: Window, state: dict, policy: PrecisionPolicy, trainer: 
         what = f"weights became non-finite by step {bad_step} (checked every {trainer.log_every} steps)"
         state["nonfinite_steps"] += 1
     if bad_step is not None and state["nonfinite"] is None:
+        what = "; ".join(filter(None, (what, probe and probe.on_nonfinite(bad_step))))
         state["nonfinite"] = {"step": bad_step, "what": what, "policy": trainer.on_nonfinite}
     return (losses[finite].mean().item() if finite.any() else math.nan), what
 
@@ -179,13 +191,14 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
           trainer: TrainerConfig, *, label_smoothing: float = 0.0, loss_sum: bool = False, ema=None,
           tta: bool = False, setup_time_s: float = 0.0, bn_eval: bool = False, log=lambda row: None,
           progress: bool = True, resume: dict | None = None, checkpoint=None, stop=lambda: None,
-          ranks: Ranks = SINGLE) -> dict:
+          ranks: Ranks = SINGLE, probe: Attribution | None = None) -> dict:
     """ema: a tricks.EMA, updated after every optimizer step (training time) and evaluated instead of the model.
     tta: test accuracy (and time to target) from flip test-time augmentation; the final evaluation reports the
     accuracy with and without it in any case. setup_time_s: preparation done before the loop that counts as
     training (DAWNBench: preprocessing is included), e.g. fitting the whitening filters. bn_eval: BatchNorm layers
     stay in eval mode while training. resume/checkpoint/stop: see checkpoint.py; ranks: see dist.py."""
     device = policy.device
+    probe = probe or Attribution()
     clock = TrainClock(device, ranks.barrier)
     clock.total = setup_time_s
     steps_per_epoch = len(train_batches)
@@ -221,7 +234,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
     def flush(window: Window, epoch: int) -> bool:
         """Sync once: check the window's losses and the weights; log a row. False = stop the run."""
         nonlocal status, reason
-        loss, what = check_window(window, state, policy, trainer, ranks)
+        loss, what = check_window(window, state, policy, trainer, ranks, probe)
         elapsed = time.perf_counter() - window.t0
         row = {"kind": "train", "step": state["step"], "epoch": epoch + 1, "loss": loss,
                "acc": ranks.sum_(torch.stack(window.correct).sum()).item() / max(window.samples, 1),
@@ -255,10 +268,10 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
                 if i + 1 == skip:
                     clock.start()
                 continue
-            with policy.autocast():
-                out = model(policy.cast_input(x))
+            probe.before_step(state["step"] + 1, policy)
+            out = forward(model, x, policy)
             loss = cross_entropy(out, y, label_smoothing, summed=loss_sum)
-            train_step(loss, policy, optimizer, trainer, state, ranks)
+            train_step(loss, policy, optimizer, trainer, state, ranks, probe, lambda: forward(model, x, policy))
             if ema is not None:
                 ema.update(model)
             schedule.step()

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from .config import TrainerConfig
 from .engine import TrainClock, Window, check_window, loop_metrics, train_step
 from .precision import PrecisionPolicy
+from .probe import Attribution
 from .rnnlm import repackage_hidden
 from .wikitext import TokenWindows
 
@@ -86,8 +87,9 @@ def evaluate(model, source: torch.Tensor, bptt: int, policy: PrecisionPolicy) ->
 
 def train(model, policy: PrecisionPolicy, optimizer, schedule, train_source: torch.Tensor,
           valid_source: torch.Tensor, test_source: torch.Tensor, trainer: TrainerConfig, bptt: int, *,
-          log=lambda row: None, progress: bool = True) -> dict:
+          log=lambda row: None, progress: bool = True, probe: Attribution | None = None) -> dict:
     device = policy.device
+    probe = probe or Attribution()
     clock = TrainClock(device)
     windows = TokenWindows(train_source, bptt)
     steps_per_epoch = len(windows)
@@ -102,7 +104,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_source: tor
 
     def flush(window: Window, epoch: int) -> bool:
         nonlocal status, reason
-        loss, what = check_window(window, state, policy, trainer)
+        loss, what = check_window(window, state, policy, trainer, probe=probe)
         elapsed = time.perf_counter() - window.t0
         log({"kind": "train", "step": state["step"], "epoch": epoch + 1, "loss": loss, "ppl": perplexity(loss),
              "lr": optimizer.param_groups[0]["lr"], "loss_scale": policy.scale_value,
@@ -122,8 +124,10 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_source: tor
         window = Window(first_step=state["step"] + 1)
         clock.start()
         for i, (x, y) in enumerate(windows):
-            loss, _, hidden = forward(model, x, y, hidden, policy)
-            train_step(loss, policy, optimizer, trainer, state)
+            probe.before_step(state["step"] + 1, policy)
+            start, (loss, _, hidden) = hidden, forward(model, x, y, hidden, policy)
+            train_step(loss, policy, optimizer, trainer, state, probe=probe,
+                       replay=lambda: forward(model, x, y, start, policy))
             if not plateau:
                 schedule.step()
             state["step"] += 1

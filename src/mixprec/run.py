@@ -4,6 +4,7 @@ This is the only module that puts the parts together; each part takes plain valu
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import sys
@@ -24,6 +25,7 @@ from .models import build_model, forward_flops
 from .resnet9 import resnet9_options
 from .optim import build_optimizer, build_schedule
 from .precision import PrecisionPolicy, hazards
+from .probe import build_probe
 from .records import Recorder
 from .tables import job_block
 from .wikitext import TokenWindows, batchify, load_text_corpus
@@ -244,12 +246,14 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
             saver.parts["ema"] = ema
     loop = saver.restore(resume) if resume is not None else None   # last before training: it sets the RNG states
 
-    result = engine.train(net, policy, optimizer, schedule, train_batches, test_batches, tr,
-                          label_smoothing=t.label_smoothing, loss_sum=t.loss_sum, ema=ema, tta=t.tta,
-                          setup_time_s=setup_s, bn_eval=config.model.bn_eval, log=recorder.log,
-                          progress=sys.stderr.isatty() and ranks.main, resume=loop,
-                          checkpoint=saver.save if saver is not None and ranks.main else None,
-                          stop=stop or (lambda: None), ranks=ranks)
+    with probed(config, model, recorder, ranks) as probe:
+        result = engine.train(net, policy, optimizer, schedule, train_batches, test_batches, tr,
+                              label_smoothing=t.label_smoothing, loss_sum=t.loss_sum, ema=ema, tta=t.tta,
+                              setup_time_s=setup_s, bn_eval=config.model.bn_eval, log=recorder.log,
+                              progress=sys.stderr.isatty() and ranks.main, resume=loop,
+                              checkpoint=saver.save if saver is not None and ranks.main else None,
+                              stop=stop or (lambda: None), ranks=ranks, probe=probe)
+        result["numerics"] = probe.summary()
     if ranks.active:
         result["distributed"] = {"world_size": ranks.world, "per_rank_batch": tr.batch_size // ranks.world,
                                  "sync_bn": tr.sync_bn, "backend": str(torch.distributed.get_backend()),
@@ -329,8 +333,10 @@ def train_lm_job(config: Config, device: torch.device, recorder: Recorder) -> di
     total_steps = tr.epochs * len(TokenWindows(train_source, config.dataset.bptt))
     schedule = build_schedule(config.schedule, optimizer, min(total_steps, tr.max_steps or total_steps))
 
-    result = lm_engine.train(model, policy, optimizer, schedule, train_source, valid_source, test_source, tr,
-                             config.dataset.bptt, log=recorder.log, progress=sys.stderr.isatty())
+    with probed(config, model, recorder) as probe:
+        result = lm_engine.train(model, policy, optimizer, schedule, train_source, valid_source, test_source, tr,
+                                 config.dataset.bptt, log=recorder.log, progress=sys.stderr.isatty(), probe=probe)
+        result["numerics"] = probe.summary()
     result["metrics"].update(params=n_params, forward_flops_per_sample=flops, train_flops_per_sample=3 * flops,
                              flops_per="token")
     result["data"] = {**corpus.info, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
@@ -338,6 +344,16 @@ def train_lm_job(config: Config, device: torch.device, recorder: Recorder) -> di
     if result["status"] in checkpoint.FINAL:
         result["weights"] = checkpoint.save_weights(recorder.out_dir, policy.fp32_state_dict(model), corpus.vocab_size)
     return result
+
+
+@contextlib.contextmanager
+def probed(config: Config, model, recorder: Recorder, ranks: dist.Ranks = dist.SINGLE):
+    """The job's numerics probe (probe.py): rank 0 records numerics.jsonl; closed however training ends."""
+    probe = build_probe(config.probe, model, recorder.out_dir if ranks.main else None)
+    try:
+        yield probe
+    finally:
+        probe.close()
 
 
 def mfu(metrics: dict, profile: dict, peak_kind: str) -> float | None:
