@@ -187,6 +187,7 @@ class Ranges(Attribution):
         self.pooled: dict[str, list] = {}      # kind -> (step, pooled row) for the summary
         self.layers: dict[tuple, dict] = {}    # (kind, name) -> worst fractions over the run, for the summary
         self.stalls: dict[str, list] = {}
+        self.first_overflow: dict | None = None   # the first module in forward order whose output overflows fp16
 
     def probed(self, step: int) -> bool:
         return step == 1 or step % self.cfg.every == 0
@@ -281,7 +282,10 @@ class Ranges(Attribution):
         self.pending, self.updates, self.hooks_armed = [], [], False
 
     def track(self, r: dict) -> None:
-        """The worst fp16 overflow and loss (rounding to zero) seen per (kind, layer) over the run."""
+        """The worst fp16 overflow and loss (rounding to zero) seen per (kind, layer) over the run; the first
+        forward overflow (rows come in forward order)."""
+        if r["kind"] == "forward" and r["fp16"]["overflow"] and self.first_overflow is None:
+            self.first_overflow = {"layer": r["name"], "step": r["step"], "fp16_fraction": r["fp16"]["overflow"]}
         key = (r["kind"], r["name"])
         worst = self.layers.setdefault(key, {"overflow": (0.0, None), "lost": (0.0, None)})
         for k in ("overflow", "lost"):
@@ -299,6 +303,7 @@ class Ranges(Attribution):
         forward_kinds = ("forward", "act_grad_unscaled", "act_grad", "grad", "grad_unscaled")
         out.update(every=self.cfg.every,
                    probed_steps=sorted({r["step"] for rows in self.pooled.values() for r in rows}),
+                   fp16_forward_overflow_first=self.first_overflow,
                    worst_overflow=self.worst("overflow", forward_kinds),
                    worst_underflow=self.worst("lost", forward_kinds))
         act = self.pooled.get("act_grad", [])
