@@ -199,6 +199,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
     stay in eval mode while training. resume/checkpoint/stop: see checkpoint.py; ranks: see dist.py."""
     device = policy.device
     probe = probe or Attribution()
+    inner = getattr(model, "module", model)   # the probe replays a batch on one rank alone: not through DDP
     clock = TrainClock(device, ranks.barrier)
     clock.total = setup_time_s
     steps_per_epoch = len(train_batches)
@@ -271,7 +272,7 @@ def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, te
             probe.before_step(state["step"] + 1, policy)
             out = forward(model, x, policy)
             loss = cross_entropy(out, y, label_smoothing, summed=loss_sum)
-            train_step(loss, policy, optimizer, trainer, state, ranks, probe, lambda: forward(model, x, policy))
+            train_step(loss, policy, optimizer, trainer, state, ranks, probe, lambda: forward(inner, x, policy))
             if ema is not None:
                 ema.update(model)
             schedule.step()

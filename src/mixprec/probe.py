@@ -22,10 +22,15 @@ step before the update (one host sync per step: a diagnostic mode), so its attri
   act_grad    the gradient of the loss w.r.t. each output (the paper's activation gradients), as the backward
               produced it, i.e. at the loss scale used; act_grad_unscaled: divided by the scale (scaled runs only)
   grad        each parameter's gradient as produced (scaled); grad_unscaled likewise
-  update      each stepped weight's update dw and its stall: elements with a non-zero gradient whose weight did not
-              move in the stepped dtype, and for fp32-stepped weights the fraction of dw that fp16 / bf16 would lose
-One row per tensor to numerics.jsonl, plus one "(model)" row per kind pooling the step's tensors; `summary()` is
-the job's `numerics` block. Tensors are measured on their device and copied to the host once per probed step.
+  update      each stepped weight's update dw and its stall: of the elements with a non-zero gradient, those whose
+              weight did not move in the stepped dtype, and for fp32-stepped weights those whose update fp16 / bf16
+              would lose (w + dw == w once w lives there: why .half() weights stall and apex O2 keeps fp32 masters)
+One row per tensor to numerics.jsonl, plus one "(model)" row per kind pooling the step's tensors. `summary()` is
+the job's `numerics` block: the first forward output that overflows fp16, the worst layers for fp16 overflow and
+underflow, the pooled activation-gradient fractions that fp16 loses (rounds to 0) or keeps only as subnormals,
+unscaled and at the scale used, and the fraction exactly zero as produced (in a pure fp16 run the lost values are
+zeros already), and the update stalls. Tensors are measured on their device and copied to the host once per
+probed step.
 """
 from __future__ import annotations
 
@@ -264,13 +269,10 @@ class Ranges(Attribution):
             row = {**base, "kind": kind, "name": name, "order": order, **ps.describe(c, a)}
             rows.setdefault(kind, []).append(row)
         for (name, _), s in zip(self.updates, stalls):
-            stall = {"stepped": s[1] / max(s[0], 1)}
-            stall.update({f: s[3 + 2 * j] / max(s[2 + 2 * j], 1) for j, f in enumerate(what_if)})
             row = next(r for r in rows["update"] if r["name"] == name)
-            row["stall"] = stall
-            self.stalls.setdefault("stepped", []).append(s[:2])
-            for j, f in enumerate(what_if):
-                self.stalls.setdefault(f, []).append(s[2 + 2 * j:4 + 2 * j])
+            row["stall"] = {f: v / max(s[0], 1) for f, v in zip(("stepped", *what_if), s[1:])}
+            for f, v in zip(("stepped", *what_if), s[1:]):
+                self.stalls.setdefault(f, []).append((s[0], v))
         for kind, kind_rows in rows.items():
             for r in kind_rows:
                 self.file.write(json.dumps(r) + "\n")
@@ -307,12 +309,11 @@ class Ranges(Attribution):
                    worst_overflow=self.worst("overflow", forward_kinds),
                    worst_underflow=self.worst("lost", forward_kinds))
         act = self.pooled.get("act_grad", [])
-        unscaled = self.pooled.get("act_grad_unscaled", act)
         if act:
-            out["act_grad_fp16_lost"] = {
-                "unscaled": ps.pool([r for r in unscaled])["fp16"]["lost"],
-                "at_scale_used": ps.pool(act)["fp16"]["lost"],
-                "scales": sorted({r["scale"] for r in act})}
+            scaled, unscaled = ps.pool(act), ps.pool(self.pooled.get("act_grad_unscaled", act))
+            out["act_grad_fp16"] = {"scales": sorted({r["scale"] for r in act}), "zero_as_produced": scaled["zero"],
+                                    **{k: {f: p["fp16"][f] for f in ("lost", "subnormal")}
+                                       for k, p in (("unscaled", unscaled), ("at_scale_used", scaled))}}
         if self.stalls:
             out["update_stall"] = {k: sum(s[1] for s in v) / max(sum(s[0] for s in v), 1)
                                    for k, v in self.stalls.items()}

@@ -130,15 +130,13 @@ def update_stall(w: torch.Tensor, dw: torch.Tensor, fmt: Format) -> torch.Tensor
 
 def stall_counts(w_old: torch.Tensor, w_new: torch.Tensor, grad: torch.Tensor | None,
                  what_if: tuple[str, ...]) -> torch.Tensor:
-    """[moving, stalled] in the stepped dtype (elements with a non-zero gradient whose weight did not change), then
-    per format of `what_if` [moving, stalled] for the fp32 update dw = w_new - w_old (elements with dw != 0 whose
-    update that format would lose)."""
+    """[moving, stalled, stalled in each format of `what_if`]: moving = elements with a non-zero gradient (all,
+    without one); stalled = those whose weight did not change in the stepped dtype; stalled in a format = those
+    whose update dw = w_new - w_old that format would lose (w + dw == w there; an fp32 stall is one too)."""
     moving = (grad != 0) if grad is not None else torch.ones_like(w_old, dtype=torch.bool)
-    out = [moving.sum(), (moving & (w_new == w_old)).sum()]
     dw = w_new.float() - w_old.float()
-    for name in what_if:
-        nonzero = dw != 0
-        out += [nonzero.sum(), (nonzero & update_stall(w_old, dw, FORMATS[name])).sum()]
+    out = [moving.sum(), (moving & (w_new == w_old)).sum()]
+    out += [(moving & update_stall(w_old, dw, FORMATS[name])).sum() for name in what_if]
     return torch.stack(out)
 
 
