@@ -1,6 +1,7 @@
 """The numerics probe (src/mixprec/probe.py, probe_stats.py): format facts, per-tensor counts, hooks, attribution."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,3 +304,15 @@ def test_numerics_script_gives_a_verdict_per_precision(tmp_path, capsys):
     assert lines[0].startswith("amp: fp16 needs") and lines[1].startswith("amp_bf16: bf16: ")
     md = (tmp_path / "numerics.md").read_text()
     assert "| layer | forward error |" in md and (tmp_path / "numerics.png").stat().st_size > 10_000
+
+
+def test_make_report_draws_the_probed_jobs(tmp_path):
+    from mixprec.report import make_report
+    s = run_tiny(tmp_path / "job", *TINY8, "precision=amp", "trainer.max_steps=3", "probe=ranges", "probe.every=2")
+    assert s["status"] == "completed"
+    run_tiny(tmp_path / "plain", *TINY8, "precision=amp")   # not probed: no figure
+    data = make_report([str(tmp_path)], out=tmp_path / "report")
+    figs = sorted(Path(f["path"]).name for e in data["experiments"] for f in e["plots"] if "numerics_" in f["path"])
+    assert [f.split("_")[:3] for f in figs] == [["numerics", "heatmap", "job"], ["numerics", "hist", "job"]]
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert figs[1] in md and "unscaled and scaled" in md

@@ -5,6 +5,7 @@ scripts/numerics.py draws its histogram with the same function.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -70,12 +71,18 @@ def draw_histogram(ax, title: str, hists: list[tuple[str, dict, int]]) -> None:
 
 
 def layer_heatmap(path: Path, title: str, rows: list[dict]) -> Path | None:
-    """Two panels, layers (forward order) x probed steps: fp16 overflow of forward outputs, and fp16 underflow
-    (rounds to zero) of the unscaled activation gradients."""
-    panels = [("forward", "overflow", "forward output: fraction overflowing fp16"),
-              ("act_grad_unscaled", "lost", "activation gradient (unscaled): fraction lost to fp16 underflow")]
-    if not any(r["kind"] == "act_grad_unscaled" for r in rows):
-        panels[1] = ("act_grad", "lost", "activation gradient (no loss scale): fraction lost to fp16 underflow")
+    """Two panels, layers (forward order) x probed steps: the fraction of forward outputs that would overflow fp16,
+    and the fraction of (unscaled) activation gradients that would underflow it (subnormal or rounded to 0)."""
+    def over(r):
+        return r["fp16"]["overflow"]
+
+    def under(r):
+        return r["fp16"]["subnormal"] + r["fp16"]["lost"]
+
+    grad = "act_grad_unscaled" if any(r["kind"] == "act_grad_unscaled" for r in rows) else "act_grad"
+    panels = [("forward", over, "forward output: fraction overflowing fp16"),
+              (grad, under, "activation gradient" + (" (unscaled)" if grad == "act_grad_unscaled" else "")
+               + ": fraction below fp16's normal range")]
     steps = sorted({r["step"] for r in rows})
     layers = sorted({(r["order"], r["name"]) for r in rows if r["kind"] == "forward" and r["name"] != MODEL})
     if not steps or not layers:
@@ -83,11 +90,11 @@ def layer_heatmap(path: Path, title: str, rows: list[dict]) -> Path | None:
     names = [n for _, n in layers]
     fig, axes = plt.subplots(1, 2, figsize=(min(16.0, 6 + 0.5 * len(steps) * 2), max(4.0, 0.16 * len(names) + 2)),
                              sharey=True)
-    for ax, (kind, what, label) in zip(axes, panels):
+    for ax, (kind, value, label) in zip(axes, panels):
         grid = np.full((len(names), len(steps)), np.nan)
         for r in rows:
             if r["kind"] == kind and r["name"] in names:
-                grid[names.index(r["name"]), steps.index(r["step"])] = r["fp16"][what]
+                grid[names.index(r["name"]), steps.index(r["step"])] = value(r)
         im = ax.imshow(grid, aspect="auto", cmap="magma_r", vmin=0, vmax=max(np.nanmax(grid, initial=0), 1e-3),
                        interpolation="nearest")
         ax.set_xticks(range(len(steps)), [str(s) for s in steps], rotation=90 if len(steps) > 12 else 0, fontsize=7)
@@ -114,27 +121,29 @@ def act_grad_hists(rows: list[dict], step: int) -> list[tuple[str, dict, int]]:
     return []
 
 
-def numerics_figures(job_dirs: list[Path], pdir: Path) -> list[dict]:
-    """For each probed job: its heatmap and its first probed step's activation-gradient histogram."""
+def numerics_figures(jobs: list[tuple[Path, str]], pdir: Path) -> list[dict]:
+    """For each probed job (its dir, its label): its heatmap and its first probed step's activation-gradient
+    histogram."""
     figs = []
-    for d in job_dirs:
+    for d, label in jobs:
         d = Path(d)
         if not (d / NUMERICS).exists():
             continue
         rows = read_rows(d)
-        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", d.name)[:80]
-        p = layer_heatmap(pdir / f"numerics_heatmap_{slug}.png", f"fp16 ranges per layer: {d.name}", rows)
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{d.name[:40]}_{hashlib.sha1(str(d).encode()).hexdigest()[:8]}")
+        p = layer_heatmap(pdir / f"numerics_heatmap_{slug}.png", f"fp16 ranges per layer: {label}", rows)
         if p is not None:
-            figs.append({"path": str(p), "caption": f"{d.name}: per layer and probed step, the fraction of forward "
-                         "outputs that would overflow fp16 and of activation gradients that would round to zero"})
+            figs.append({"path": str(p), "caption": f"{label}: per layer and probed step, the fraction of "
+                         "forward outputs that would overflow fp16 and of activation gradients below its normal range "
+                         "(blank: no gradient reaches that output)"})
         steps = sorted({r["step"] for r in rows if r["kind"] == "act_grad"})
         hists = act_grad_hists(rows, steps[0]) if steps else []
         if hists:
             p = magnitude_histogram(pdir / f"numerics_hist_{slug}.png",
-                                    f"activation gradients at step {steps[0]}: {d.name}", hists)
-            figs.append({"path": str(p), "caption": f"{d.name}: activation-gradient magnitudes of the whole model "
-                         f"at step {steps[0]} against fp16's ranges (Micikevicius et al. 2018, Fig. 3), unscaled "
-                         "and scaled"})
+                                    f"activation gradients at step {steps[0]}: {label}", hists)
+            figs.append({"path": str(p), "caption": f"{label}: activation-gradient magnitudes of the whole "
+                         f"model at step {steps[0]} against fp16's ranges (Micikevicius et al. 2018, Fig. 3), "
+                         "unscaled and scaled"})
     return figs
 
 
