@@ -45,7 +45,6 @@ from .config import ProbeConfig
 
 NUMERICS = "numerics.jsonl"
 MODEL = "(model)"
-KINDS = ("forward", "act_grad", "act_grad_unscaled", "grad", "grad_unscaled", "update")
 
 
 def build_probe(cfg: ProbeConfig, model: nn.Module, out_dir: Path | None) -> "Attribution":
