@@ -1,7 +1,7 @@
 """Benchmarks of the harness itself and of models x precisions.
 
   python scripts/benchmark.py overhead [train.py overrides]   e.g. model=resnet18 precision=amp trainer.batch_size=512
-      mixprec's training loop (engine.train through mixprec.run.execute, records and all) against a minimal
+      mixprec's training loop (engine.fit through mixprec.run.train_and_record, records and all) against a minimal
       hand-written PyTorch loop with the same model, batch, data on the device and precision; reports the
       steady-state samples/s of each and the harness overhead = hand / mixprec - 1. After one discarded round
       (first-use costs of the process: kernel caches, allocator), repeated --repeats times, alternating, median
@@ -59,11 +59,11 @@ def sized(overrides: list[str], steps: int, warmup: int) -> list[str]:
 
 def mixprec_throughput(overrides: list[str]) -> dict:
     """Steady samples/s of a full mixprec job (records written to a temp dir)."""
-    from mixprec.run import execute
+    from mixprec.run import train_and_record
 
     config, fields = compose(overrides)
     with tempfile.TemporaryDirectory() as out:
-        summary = execute(config, {"status": "failed", **fields}, Path(out))
+        summary = train_and_record(config, {"status": "failed", **fields}, Path(out))
     if summary["status"] != "completed":
         raise SystemExit(f"benchmark: the mixprec job did not complete: {summary.get('error') or summary.get('reason')}")
     m = summary["metrics"]

@@ -8,6 +8,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 
 from conftest import TINY, compose_config, run_cli
+from test_flops import small_cnn_flops
 from mixprec import cifar
 from mixprec.config import ConfigError, validate
 from mixprec.data import build_image_data
@@ -195,7 +196,7 @@ def test_a_job_trains_on_cifar_files(tmp_path, pipeline):
     assert s["status"] == "completed" and s["metrics"]["steps"] == 2 * (7 // 4)
     assert s["data"]["train"] == 7 and s["data"]["test"] == 4 and s["data"]["cache"] == "written"
     assert s["data"]["source"] == str(tmp_path / "data" / "cifar-100-python.tar.gz")
-    assert s["metrics"]["forward_flops_per_sample"] > 0
+    assert s["metrics"]["forward_flops_per_sample"] == pytest.approx(small_cnn_flops(8, classes=100, side=16), rel=0.01)
 
 
 def test_text_data_in_train_py_is_a_clear_config_error(tmp_path):

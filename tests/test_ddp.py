@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY
+import mixprec.run
+from conftest import ROOT, TINY, run_tiny
 from mixprec import data, dist
 from mixprec.config import ConfigError
 
@@ -38,7 +39,7 @@ def rows(job_dir, kind):
     return [r for r in map(json.loads, (job_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
-def test_torchrun_two_ranks_equal_one_process(tmp_path):
+def test_torchrun_two_ranks_equal_one_process(tmp_path, monkeypatch):
     ddp = run([*SAME, "logger=wandb"], cwd=tmp_path)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     runs = list((tmp_path / "outputs" / "runs").iterdir())
@@ -62,10 +63,53 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path):
     assert summary["metrics"]["final_test_loss"] == pytest.approx(s1["metrics"]["final_test_loss"], rel=1e-5)
     w_ddp, w_one = (torch.load(d / "model_fp32.pt", weights_only=True) for d in (job, single))
     assert set(w_ddp) == set(w_one)
-    moved = torch.load(single / "model_fp32.pt")["0.weight"].std().item()
-    assert moved > 0
     for k in w_one:
         torch.testing.assert_close(w_ddp[k], w_one[k], rtol=1e-5, atol=1e-6)
+    # the weights moved: every conv/linear weight differs from the job's initial one (the same job in this process,
+    # its model's state recorded when built)
+    init = initial_weights(tmp_path / "init", monkeypatch, *SAME)
+    w_here = torch.load(tmp_path / "init" / "model_fp32.pt", weights_only=True)   # the same job: the same end
+    for k in w_one:
+        torch.testing.assert_close(w_here[k], w_one[k], rtol=1e-5, atol=1e-6)
+    for k in (k for k in w_one if k.endswith("weight") and w_one[k].dim() > 1):
+        assert (w_ddp[k] - init[k]).abs().max() > 1e-3, k
+
+
+def initial_weights(run_dir, monkeypatch, *overrides):
+    """The job's weights as built (before any step): the same job run in this process, its model recorded."""
+    built = []
+    build = mixprec.run.build_model
+
+    def recording(cfg, n, **kw):
+        model = build(cfg, n, **kw)
+        built.append({k: v.clone() for k, v in model.state_dict().items()})
+        return model
+
+    monkeypatch.setattr(mixprec.run, "build_model", recording)
+    run_tiny(run_dir, *overrides, base=[])
+    return built[0]
+
+
+OFFSETS = (0.0, 0.5, 3.0)
+
+
+def _spreads_on_rank(rank, port, out):
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    values = []
+    for offset in OFFSETS:   # rank 1's second weight is `offset` higher, its third offset/2 lower
+        params = [torch.tensor([1.0, 2.0 + rank * offset]), torch.tensor([[3.0 - rank * offset / 2]])]
+        values.append(dist.spread(params, dist.Ranks(rank=rank, world=2)))
+    torch.distributed.destroy_process_group()
+    if rank == 0:
+        out.write_text(json.dumps(values))
+
+
+def test_weight_spread_is_the_largest_difference_between_ranks(tmp_path):
+    """What a DDP job records as `weight_spread` (0.0: both ranks hold identical weights), on two real gloo ranks
+    whose weights differ by known amounts."""
+    out = tmp_path / "spreads.json"
+    torch.multiprocessing.start_processes(_spreads_on_rank, args=(free_port(), out), nprocs=2, start_method="fork")
+    assert json.loads(out.read_text()) == list(OFFSETS)
 
 
 def test_bad_override_under_torchrun_is_one_line(tmp_path):

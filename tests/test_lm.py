@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from conftest import ROOT, compose_config, run_cli, run_tiny
-from mixprec import lm_engine
+from mixprec import engine, lm_engine
 from mixprec.config import ConfigError, validate
 from mixprec.optim import build_schedule
 from mixprec.precision import PrecisionPolicy
@@ -55,6 +55,14 @@ def precision(name):
     return PrecisionPolicy(validate(compose_config(*f"precision={name}".split())).precision, CPU)
 
 
+def train_lm(model, policy, optimizer, schedule, train, valid, test, trainer, bptt, log=lambda row: None):
+    """The shared loop (engine.fit) with a language model's steps, as a job runs it."""
+    windows = TokenWindows(train, bptt)
+    loop = engine.Loop(policy, optimizer, trainer, engine.total_steps(trainer, len(windows)), log=log, progress=False)
+    steps = lm_engine.LMSteps(model, schedule, valid, test, bptt, columns=train.size(1))
+    return engine.fit(steps, windows, loop, engine.LoopState())
+
+
 def test_windows_and_targets_line_up():
     ids = torch.arange(50)
     source = batchify(ids, 3)                      # 16 rows: column j holds 16j .. 16j + 15
@@ -77,8 +85,7 @@ def test_the_hidden_state_is_cut_between_windows():
     optimizer = torch.optim.SGD(policy.optimizer_params(model), lr=0.1)
     source = batchify(torch.randint(10, (200,)), 4)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    r = lm_engine.train(model, policy, optimizer, schedule, source, source[:12], source[:12], trainer(epochs=2), 7,
-                        progress=False)
+    r = train_lm(model, policy, optimizer, schedule, source, source[:12], source[:12], trainer(epochs=2), 7)
     assert r["metrics"]["steps"] == 2 * 7 and len(seen) == 14
     for hx_in, hx_out in seen:
         assert all(h.grad_fn is None and not h.requires_grad for h in hx_in)
@@ -121,8 +128,8 @@ def test_loss_falls_on_a_repetitive_corpus():
     optimizer = torch.optim.SGD(policy.optimizer_params(model), lr=1.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     rows = []
-    r = lm_engine.train(model, policy, optimizer, schedule, source, source[:60], source[60:120],
-                        trainer(epochs=6, log_every=25, grad_clip=1.0), 7, log=rows.append, progress=False)
+    r = train_lm(model, policy, optimizer, schedule, source, source[:60], source[60:120],
+                 trainer(epochs=6, log_every=25, grad_clip=1.0), 7, log=rows.append)
     losses = [row["loss"] for row in rows if row["kind"] == "train"]
     assert r["metrics"]["steps"] == 6 * 50 and r["status"] == "completed"
     assert losses[0] > 1.5 and losses[-1] < 0.1 * losses[0]     # ln 10 = 2.3 at the start
@@ -233,8 +240,8 @@ def test_a_job_records_perplexity_anneals_the_lr_and_saves_fp32_weights(tmp_path
 ])
 def test_a_model_and_data_of_different_tasks_is_one_config_error(tmp_path, overrides, message):
     with pytest.raises(SystemExit) as e:
-        run_tiny(tmp_path, *overrides, base=["logger=none"])   # it fails before any data or model is built
-    assert e.value.code == 1
+        run_tiny(tmp_path, *overrides, base=["logger=none"])   # config validation: before any data or model
+    assert e.value.code == 2
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["error"].startswith(f"config error: {message}") and "traceback" not in s
 

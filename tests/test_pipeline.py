@@ -89,7 +89,7 @@ def test_the_same_seed_gives_the_same_batches(pipeline):
 
     def run(seed):
         if pipeline == "dataloader":
-            torch.manual_seed(0)       # workers=0: the per-sample draws come from the process's RNG
+            torch.manual_seed(0)       # the global RNG is not what the draws come from (workers=0: a seeded generator)
         return batches(pipeline, images, torch.arange(40), 8, epochs=2, seed=seed, **aug)
 
     a, b, c = run(5), run(5), run(6)

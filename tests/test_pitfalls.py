@@ -23,8 +23,10 @@ def test_adam_in_pure_fp16_diverges_for_real_and_says_why(tiny, tmp_path):
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["status"] == "diverged" and 1 <= on_disk["nonfinite"]["step"] <= 3
     assert "optimizer.eps=1e-08 rounds to 0 in float16" in on_disk["reason"]
-    assert on_disk["case"] == {"name": "adam_fp16", "expect": "diverged", "as_expected": True,
-                               "finding": s["case"]["finding"]}
+    finding = validate(compose_config("pitfall=adam_fp16")).case.finding   # conf/pitfall/adam_fp16.yaml
+    assert "eps=1e-8 rounds to 0 in fp16" in finding
+    assert on_disk["case"] == s["case"] == {"name": "adam_fp16", "expect": "diverged", "as_expected": True,
+                                            "finding": finding}
 
 
 @pytest.mark.parametrize("case", ["adam_fp16_eps1e4", "adam_amp"])

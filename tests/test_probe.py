@@ -184,6 +184,7 @@ def nan_net(k: int) -> nn.Module:
 
 
 def train_constructed(model, precision: PrecisionConfig, probe_cfg: ProbeConfig, tmp_path, steps=6, **trainer):
+    """The shared training loop (engine.fit) on a constructed model and list-of-batches data, with a probe."""
     torch.manual_seed(0)
     batches = [(torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))) for _ in range(steps)]
     policy = PrecisionPolicy(precision, CPU)
@@ -192,7 +193,8 @@ def train_constructed(model, precision: PrecisionConfig, probe_cfg: ProbeConfig,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     tr = TrainerConfig(epochs=1, warmup_steps=0, channels_last=False, **trainer)
     probe = build_probe(probe_cfg, model, tmp_path)
-    result = engine.train(model, policy, opt, sched, batches, batches[:1], tr, progress=False, probe=probe)
+    loop = engine.Loop(policy, opt, tr, engine.total_steps(tr, len(batches)), progress=False, probe=probe)
+    result = engine.fit(engine.ImageSteps(model, sched, batches[:1]), batches, loop, engine.LoopState())
     probe.close()
     return result, probe.summary()
 

@@ -17,13 +17,22 @@ import mixprec.engine
 import mixprec.run
 from conftest import ROOT, TINY, compose_config, run_tiny
 from mixprec.checkpoint import CHECKPOINT, WEIGHTS, load_fp32_model
+from mixprec.config import validate
+from mixprec.data import DeviceBatches, LoaderBatches, synthetic_images
+from mixprec.wikitext import TokenWindows, batchify
 from mixprec.records import METRICS, SUMMARY
 
 # 64 steps an epoch (about a second on a CPU core): long enough to land a signal in the middle of epoch 2.
 KILLABLE = ["model=small_cnn", "model.width=8", "dataset.train_size=1024", "dataset.test_size=64",
             "trainer.batch_size=16", "trainer.eval_batch_size=64", "trainer.epochs=2", "trainer.deterministic=true",
             "trainer.log_every=4", "logger=none"]
-TIMING = {"samples_per_s", "epoch_time_s", "train_time_s", "eval_time_s"}
+# A 2-layer LSTM language model, 125 bptt windows an epoch: the same for the shared loop's LM steps.
+LM_KILLABLE = ["model=lstm", "dataset=synthetic_text", "dataset.vocab_size=40", "dataset.train_size=3004",
+               "dataset.test_size=200", "dataset.bptt=6", "model.emsize=16", "model.nhid=16", "trainer.batch_size=4",
+               "trainer.eval_batch_size=5", "schedule=plateau", "optimizer.lr=5", "optimizer.momentum=0",
+               "optimizer.weight_decay=0", "trainer.grad_clip=0.25", "trainer.epochs=2", "trainer.device=cpu",
+               "trainer.deterministic=true", "trainer.log_every=4", "logger=none"]
+TIMING = {"samples_per_s", "tokens_per_s", "epoch_time_s", "train_time_s", "eval_time_s"}
 SIZES = [o for o in TINY if not o.startswith(("model", "logger", "trainer.max_steps"))]
 
 
@@ -44,9 +53,9 @@ def rows(run_dir):
     return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
 
 
-def signal_in_epoch_2(run_dir, sig, *extra):
+def signal_in_epoch_2(run_dir, sig, *extra, base=KILLABLE):
     """Start a job, send `sig` once it has logged a training row of epoch 2, and wait for it to end."""
-    p = train(*KILLABLE, *extra, f"hydra.run.dir={run_dir}", wait=False)
+    p = train(*base, *extra, f"hydra.run.dir={run_dir}", wait=False)
     deadline = time.monotonic() + 240
     while not any(r["kind"] == "train" and r["epoch"] == 2 for r in _rows_so_far(run_dir)):
         assert p.poll() is None, f"the job ended before epoch 2: {p.communicate()[1][-2000:]}"
@@ -142,7 +151,7 @@ def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues
     ckpt = torch.load(run_dir / CHECKPOINT, weights_only=True)
     loop = ckpt["loop"]
     assert loop["epoch"] == 1 and 0 < loop["batch"] < 64              # mid-epoch 2, right after the signal's step
-    assert loop["state"]["step"] == s["metrics"]["steps"] == 64 + loop["batch"]
+    assert loop["step"] == s["metrics"]["steps"] == 64 + loop["batch"]
     assert "Traceback" not in err
     hint = err.strip().splitlines()[-1]
     assert "To continue: python train.py" in hint and "trainer.resume=auto" in hint
@@ -151,8 +160,62 @@ def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues
     r = train(*cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     s = assert_same_run(run_dir, uninterrupted)
-    assert s["resumed"]["mid_epoch"] and s["resumed"]["from_step"] == loop["state"]["step"]
+    assert s["resumed"]["mid_epoch"] and s["resumed"]["from_step"] == loop["step"]
     assert s["resumed"]["previous_status"] == "interrupted"
+
+
+def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(tmp_path):
+    """The LM steps run in the shared loop: a checkpoint on SIGTERM (the hidden state and the window position with
+    it), status interrupted, and trainer.resume=auto ends with the perplexities and weights of one run through;
+    the job's notes are in <job dir>/train.log."""
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    r = train(*LM_KILLABLE, f"hydra.run.dir={reference}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = signal_in_epoch_2(run_dir, signal.SIGTERM, base=LM_KILLABLE)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    s = json.loads((run_dir / SUMMARY).read_text())
+    assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM" and "SIGTERM after step" in s["reason"]
+    loop = torch.load(run_dir / CHECKPOINT, weights_only=True)["loop"]
+    assert loop["epoch"] == 1 and 0 < loop["batch"] < 125 and loop["step"] == 125 + loop["batch"]
+    log = (run_dir / "train.log").read_text()
+    assert "SIGTERM: stopping after this step and writing a checkpoint" in log
+    assert "checkpoint saved. To continue: python train.py" in log and "trainer.resume=auto" in log
+
+    r = train(*LM_KILLABLE, f"hydra.run.dir={run_dir}", "trainer.resume=auto")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = assert_same_run(run_dir, reference)
+    b = json.loads((reference / SUMMARY).read_text())
+    for key in ("final_valid_ppl", "final_test_ppl", "best_valid_ppl", "test_ppl_at_best_valid", "final_lr", "tokens"):
+        assert a["metrics"][key] == b["metrics"][key], key
+    assert a["metrics"]["steps"] == 250 and a["resumed"]["mid_epoch"] and a["resumed"]["from_step"] == loop["step"]
+    assert f"[mixprec.run][INFO] - mixprec: resuming {run_dir} at step {loop['step']}" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("kind", ["device", "dataloader", "windows"])
+def test_a_loader_restored_mid_epoch_serves_the_rest_of_the_epoch_and_the_next_as_before(kind):
+    """A loader owns its place in the epoch: restored from state_dict() taken after 2 batches of epoch 2, it
+    serves exactly the batches the original serves next (augmentation draws included), then the same epoch 3."""
+    data = synthetic_images(validate(compose_config("dataset.train_size=80")).dataset)
+    cpu = torch.device("cpu")
+    augment = dict(crop_padding=2, flip=True, cutout=4, seed=3)
+    make = {"device": lambda: DeviceBatches(data.train_x, data.train_y, 16, data.mean, data.std, device=cpu,
+                                            train=True, **augment),
+            "dataloader": lambda: LoaderBatches(data.train_x, data.train_y, 16, data.mean, data.std, device=cpu,
+                                                train=True, workers=0, **augment),
+            "windows": lambda: TokenWindows(batchify(torch.arange(500), 4), 6)}[kind]
+    original, restored = make(), make()
+    list(original)   # epoch 1
+    it = iter(original)
+    done = [next(it) for _ in range(2)]
+    state = original.state_dict()
+    assert state["batch"] == 2 and len(done) == 2
+    torch.manual_seed(7)   # the global RNG (the DataLoader's workers=0 augmentation) as the checkpoint restores it
+    rest = list(it) + list(original)
+    restored.load_state_dict(state)
+    torch.manual_seed(7)
+    again = list(restored) + list(restored)
+    assert len(rest) == len(again) == 2 * len(original) - 2
+    assert all(torch.equal(a, b) for pair in zip(rest, again) for a, b in zip(*pair))
 
 
 class SignalAt(nn.Module):

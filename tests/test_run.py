@@ -7,6 +7,7 @@ from torch import nn
 
 import mixprec.run
 from mixprec.records import METRICS, SUMMARY
+from test_flops import small_cnn_flops
 
 
 class NaNAt(nn.Module):
@@ -46,13 +47,13 @@ def test_tiny_job_writes_complete_records(tiny, tmp_path):
     m = on_disk["metrics"]
     assert m["steps"] == 8 and m["epochs"] == 2.0 and len(m["epoch_times_s"]) == 2
     assert m["train_time_s"] == pytest.approx(sum(m["epoch_times_s"]))
-    assert not m["throughput_includes_warmup"] and m["throughput"] > 0
-    assert 0 <= m["final_test_acc"] <= 1 and m["best_test_acc"] >= m["final_test_acc"]
-    assert m["peak_memory_mb"] > 0 and m["skipped_steps"] == 0
+    assert not m["throughput_includes_warmup"]   # its value: test_promises.py, with a fake clock
+    assert m["peak_memory_kind"] == "process_peak_rss" and m["skipped_steps"] == 0
     assert m["loss_scale"] == {"min": 65536.0, "max": 65536.0, "final": 65536.0}
     rows = read_rows(tmp_path)
     epochs = [r for r in rows if r["kind"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [1, 2] and epochs[-1]["test_acc"] == m["final_test_acc"]
+    assert m["best_test_acc"] == max(r["test_acc"] for r in epochs)
     assert [r["epoch_time_s"] for r in epochs] == m["epoch_times_s"]
     assert not list(tmp_path.glob(".summary.json.*"))   # the atomic write left no temp file
 
@@ -118,10 +119,11 @@ def test_time_to_target_is_training_time_until_first_reached(tiny):
 def test_a_gpu_profile_that_does_not_match_is_reported_not_used(tiny):
     s = tiny("gpu=h100")
     assert s["gpu_profile"]["matched"] is False and "not used" in s["gpu_profile"]["note"]
-    assert s["metrics"]["mfu"] is None and s["metrics"]["train_flops_per_sample"] > 0
+    assert s["metrics"]["mfu"] is None
+    assert s["metrics"]["train_flops_per_sample"] == pytest.approx(3 * small_cnn_flops(8))
 
 
 def test_mfu_formula():
     m = {"train_flops_per_sample": 3e9, "throughput": 1000.0}
-    assert mixprec.run.mfu(m, {"peak_tflops": {"fp16": 30.0}}, "fp16") == pytest.approx(0.1)
-    assert mixprec.run.mfu(m, {"peak_tflops": None}, "fp16") is None
+    assert mixprec.engine.mfu(m, {"peak_tflops": {"fp16": 30.0}}, "fp16") == pytest.approx(0.1)
+    assert mixprec.engine.mfu(m, {"peak_tflops": None}, "fp16") is None

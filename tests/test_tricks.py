@@ -145,7 +145,8 @@ def test_the_engine_evaluates_the_ema_weights():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ema = EMA(model, momentum=0.0, every=1000)   # one update, at step 1: the EMA holds the weights after step 1
     trainer = validate(compose_config("trainer.max_steps=3")).trainer
-    result = engine.train(model, policy, opt, sched, train, test, trainer, ema=ema, progress=False)
+    loop = engine.Loop(policy, opt, trainer, engine.total_steps(trainer, len(train)), progress=False)
+    result = engine.fit(engine.ImageSteps(model, sched, test, ema=ema), train, loop, engine.LoopState())
     ema_loss, _, _ = engine.evaluate(ema.model, test, policy)
     model_loss, _, _ = engine.evaluate(model, test, policy)
     assert result["metrics"]["final_test_loss"] == pytest.approx(ema_loss) and ema_loss != pytest.approx(model_loss)

@@ -7,7 +7,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from .checkpoint import resume_hint
+from .signals import resume_hint
 from .dist import from_env
 from .records import SUMMARY, read_summary
 from .tables import LADDER_COLUMNS, format_table, ladder_rows, sweep_note, sweep_rows

@@ -1,11 +1,12 @@
 """Checkpoints and resume: a job's full training state on disk, so an interrupted job continues exactly.
 
 `checkpoint.pt` (in the job's output dir) is written atomically at every epoch end but the last, and mid-epoch when
-the job gets SIGTERM/SIGINT (after the current step). It holds the engine's loop state (step counters, epoch
-records, best accuracy, time to target, loss-scale min/max, clock totals, the position in the epoch and the data
-order at its start), every registered part's state_dict (model, optimizer, lr schedule, precision policy: loss
-scaler and fp32 master weights; a trick adds its own, e.g. `saver.parts["ema"] = ema`), every RNG state (python,
-numpy, torch CPU and CUDA; the loaders' generators are in the loop state), the config and the W&B run id.
+the job gets SIGTERM/SIGINT (after the current step). It holds the engine's LoopState (step counters, epoch
+records, the kind's accumulators such as best accuracy and time to target, loss-scale min/max, clock totals, the
+position in the epoch, the open log window), every registered part's state_dict (model, optimizer, lr schedule,
+precision policy: loss scaler and fp32 master weights; the training loader: its data order at the epoch's start
+and its place in the epoch; a trick or a job kind adds its own, e.g. `saver.parts["ema"] = ema`, the language
+model's hidden state), every RNG state (python, numpy, torch CPU and CUDA), the config and the W&B run id.
 A SIGKILL (no handler can run) loses the work since the last epoch end. A completed job's checkpoint is deleted;
 its final weights stay in `model_fp32.pt` (fp32 whatever the training precision; `load_fp32_model` rebuilds the
 model from the job's summary and loads them).
@@ -18,9 +19,6 @@ from __future__ import annotations
 
 import json
 import random
-import shlex
-import signal
-import sys
 import time
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from .records import METRICS, SUMMARY, atomic_file
 
 CHECKPOINT = "checkpoint.pt"
 WEIGHTS = "model_fp32.pt"
-FORMAT = 1
+FORMAT = 2   # 2: the loop state is engine.LoopState.state_dict(); the loader's place is the part "data"
 FINAL = ("completed", "diverged")        # a job in these states is done: resume=auto skips it
 VOLATILE = ("trainer.resume", "trainer.device", "logger")   # config that may differ between a run and its resume
 
@@ -103,7 +101,7 @@ def prepare_dir(out_dir: Path, ckpt: dict | None) -> bool:
         tmp.unlink(missing_ok=True)
     if ckpt is None:
         (out_dir / CHECKPOINT).unlink(missing_ok=True)
-    truncate_metrics(out_dir / METRICS, ckpt["loop"]["state"]["step"] if ckpt else 0)
+    truncate_metrics(out_dir / METRICS, ckpt["loop"]["step"] if ckpt else 0)
     return held
 
 
@@ -126,7 +124,7 @@ def truncate_metrics(path: Path, step: int) -> None:
 def resumed_info(ckpt: dict, prior: dict | None) -> dict:
     """What the summary says about a resume: from which step/epoch, and all earlier resumes of the job."""
     loop = ckpt["loop"]
-    this = {"from_step": loop["state"]["step"], "from_epoch": loop["epoch"] + loop["batch"] / max(loop["steps_per_epoch"], 1),
+    this = {"from_step": loop["step"], "from_epoch": loop["epoch"] + loop["batch"] / max(loop["steps_per_epoch"], 1),
             "mid_epoch": loop["batch"] > 0, "previous_status": (prior or {}).get("status"),
             "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return {**this, "history": [*ckpt.get("resumes", []), this]}
@@ -180,24 +178,26 @@ class Checkpointer:
         self.parts: dict = {}
         self.seconds = 0.0        # time spent writing checkpoints (never inside the training clock)
 
-    def save(self, loop: dict) -> None:
+    def save(self, loop) -> None:
+        """Write the checkpoint: the loop state (engine.LoopState) and every part's state."""
         t0 = time.perf_counter()
-        data = {"format": FORMAT, **self.meta, "loop": loop,
+        data = {"format": FORMAT, **self.meta, "loop": loop.state_dict(),
                 "parts": {name: part.state_dict() for name, part in self.parts.items()}, "rng": rng_state(),
                 "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         with atomic_file(self.path) as f:
             torch.save(data, f)
         self.seconds += time.perf_counter() - t0
 
-    def restore(self, ckpt: dict) -> dict:
-        """Load every part and the RNG states (call it last, just before training); returns the loop state."""
+    def restore(self, ckpt: dict, loop) -> None:
+        """Load the loop state (an engine.LoopState), every part (the loader its place in the epoch) and the RNG
+        states: call it last, just before training."""
         missing = sorted(set(self.parts) - set(ckpt["parts"]))
         if missing:
             raise CheckpointError(f"{self.path}: holds no state for {', '.join(missing)}; delete it to start over")
         for name, part in self.parts.items():
             part.load_state_dict(ckpt["parts"][name])
+        loop.load_state_dict(ckpt["loop"])
         set_rng_state(ckpt["rng"])
-        return ckpt["loop"]
 
     def discard(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -233,51 +233,3 @@ def load_fp32_model(run_dir: Path):
     except Exception as e:
         raise CheckpointError(f"{path}: not loadable into {config.model.arch} ({str(e).splitlines()[0][:200]})") from None
     return model.float().eval(), config
-
-
-# -- signals and hints ---------------------------------------------------------------------------------------------
-class StopSignals:
-    """While active, SIGTERM/SIGINT ask the job to stop after the current step (the engine writes a checkpoint
-    first); a second signal acts at once (SIGINT: KeyboardInterrupt; SIGTERM: the default, terminate).
-    Calling the object returns the first signal's name, or None."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signum = None
-        self._previous = {}
-
-    def __call__(self) -> str | None:
-        return None if self.signum is None else signal.Signals(self.signum).name
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None:   # the second one: stop now
-            self._restore()
-            signal.raise_signal(signum)
-            return
-        self.signum = signum
-        print(f"\nmixprec: {signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
-              "(send it again to stop at once)", file=sys.stderr, flush=True)
-
-    def __enter__(self) -> "StopSignals":
-        try:
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        except ValueError:   # not the main thread: signals keep their defaults
-            self._previous = {}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
-        self._previous = {}
-
-
-def resume_hint(out_dir: Path, sweep_dir: Path | None) -> str:
-    """The command that continues this job (or its sweep): the same arguments, trainer.resume=auto and the dir."""
-    drop = ("trainer.resume=", "hydra.run.dir=", "hydra.sweep.dir=", "+trainer.resume=")
-    args = [a for a in sys.argv[1:] if not a.startswith(drop)]
-    where = f"hydra.sweep.dir={sweep_dir}" if sweep_dir else f"hydra.run.dir={out_dir}"
-    return " ".join(shlex.quote(a) for a in ["python", "train.py", *args, "trainer.resume=auto", where])

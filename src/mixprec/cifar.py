@@ -16,7 +16,7 @@ The decoded arrays (and the training set's channel mean/std) are cached as .npy 
 from __future__ import annotations
 
 import pickle
-import sys
+import logging
 import tarfile
 import zlib
 from dataclasses import dataclass
@@ -28,6 +28,8 @@ from torchvision.datasets import CIFAR10, CIFAR100
 
 from .data import ImageData, channel_stats
 from .datafiles import ENV_DATA_DIR, ArrayCache, DataError, data_root, fetch, md5sum, signature
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def _locate(spec: CifarSpec, root: Path, download: bool, urls: tuple) -> list[Pa
             try:
                 extract_archive(str(archive), str(root))
             except Exception as e:  # a full disk, say: the archive itself is complete and still readable
-                print(f"mixprec: note: could not extract {archive} ({e}); reading it directly", file=sys.stderr)
+                log.warning(f"mixprec: note: could not extract {archive} ({e}); reading it directly")
             return files if all(f.is_file() for f in files) else [archive]
     else:
         why = "dataset.download=false"

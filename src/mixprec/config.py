@@ -330,11 +330,34 @@ class Config:
     def check(self) -> None:
         self.trick.check_for(self.model.arch, self.trainer.batch_size)
 
+    def check_task(self) -> None:
+        """What validates field by field but cannot make one job: a model and a dataset of different tasks
+        (validate_job checks it; scripts that read one part of a config, e.g. its dataset, validate alone)."""
+        lm, text = self.model.is_language_model, self.dataset.is_text
+        if lm and not text:
+            raise ConfigError(f"model={self.model.arch} is a language model: it needs a text dataset (dataset=wikitext2 "
+                              f"or synthetic_text), not dataset={self.dataset.name}")
+        if text and not lm:
+            raise ConfigError(f"dataset={self.dataset.name} is a text corpus: it trains a language model (model=lstm, "
+                              f"gru, rnn_tanh or rnn_relu), not model={self.model.arch}")
+        if self.schedule.name == "plateau" and not lm:
+            raise ConfigError("schedule=plateau anneals on a validation loss, which only language-model jobs have; "
+                              "choose onecycle, piecewise or constant")
+        if lm and self.trainer.target_acc is not None:
+            raise ConfigError("trainer.target_acc: a language model is scored in perplexity, not accuracy; leave it null")
+
 
 def validate(cfg: DictConfig | dict) -> Config:
     """Resolve and check a composed config; raise ConfigError naming the first bad field."""
     data = plain_config(cfg) if isinstance(cfg, DictConfig) else {k: v for k, v in cfg.items() if k != "hydra"}
     return _build(Config, data, "")
+
+
+def validate_job(cfg: DictConfig | dict) -> Config:
+    """validate(), and that the config makes one job: its model and dataset are of the same task."""
+    config = validate(cfg)
+    config.check_task()
+    return config
 
 
 def plain_config(cfg: DictConfig) -> dict:

@@ -113,7 +113,52 @@ def channel_stats(images: torch.Tensor) -> tuple[tuple, tuple]:
     return tuple(mean), tuple(std)
 
 
-class DeviceBatches:
+class Resumable:
+    """A loader that knows its place in an epoch, so a training loop never skips batches itself.
+    state_dict(): the states of the loader's random generators at the epoch's start (at an epoch's end, the next
+    one's: the order's, and the augmentation's where it has its own) and the batches served since;
+    load_state_dict() (a resume) restores them and replays the served batches' random draws at once, outside any
+    timing: the next iteration continues with the next batch, as the uninterrupted run. A subclass gives
+    `generators` (what its order and augmentation draw from), `_order()` (the epoch's order, drawn at its start)
+    and `_batch(order, i)`."""
+
+    generators: tuple = ()  # the loader's own random generators
+    position = 0            # batches served in the epoch in progress
+    _start = None           # the generators' states at its start
+    _pending = None         # (order, first batch) set by resume_at
+
+    def __iter__(self):
+        order, first = self._pending or (self._begin(), 0)
+        self._pending = None
+        for i in range(first, len(self)):
+            self.position = i + 1
+            yield self._batch(order, i)
+        self.position = 0
+
+    def _states(self) -> list:
+        return [g.get_state() for g in self.generators]
+
+    def _begin(self):
+        self._start, self.position = self._states(), 0
+        return self._order()
+
+    def resume_at(self, batch: int) -> None:
+        """The next iteration serves the current epoch from batch `batch` on (the generators at the epoch's start)."""
+        order = self._begin()
+        for i in range(batch):
+            self._batch(order, i)
+        self._pending, self.position = (order, batch), batch
+
+    def state_dict(self) -> dict:
+        return {"generators": self._start if self.position else self._states(), "batch": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        for g, saved in zip(self.generators, state["generators"], strict=True):
+            g.set_state(saved)
+        self.resume_at(state["batch"])
+
+
+class DeviceBatches(Resumable):
     """Batches of a device-resident uint8 split, augmented and normalised on the device.
 
     train=True: a fresh permutation each epoch (from this loader's own generator, so the same seed gives the
@@ -138,6 +183,7 @@ class DeviceBatches:
         self.mean, self.std = norm_tensors(mean, std, device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.generators = (self.generator,)
         n = len(self.images)
         self.drop_last = train and n >= batch_size
         self.shard = shard
@@ -146,22 +192,15 @@ class DeviceBatches:
         n = len(self.images)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
-    def __iter__(self):
-        n = len(self.images)
-        order = torch.randperm(n, device=self.device, generator=self.generator) if self.train else None
-        for i in range(len(self)):
-            sl = slice(i * self.batch_size, min((i + 1) * self.batch_size, n))
-            idx = order[sl] if order is not None else sl
-            if self.shard[1] > 1:
-                idx = shard_of(idx, self.shard)
-            yield self.transform(self.images[idx]), self.labels[idx]
+    def _order(self):
+        return torch.randperm(len(self.images), device=self.device, generator=self.generator) if self.train else None
 
-    def state_dict(self) -> dict:
-        """The data order's state (this loader's generator): restored, the loader replays the same batches."""
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+    def _batch(self, order, i: int):
+        sl = slice(i * self.batch_size, min((i + 1) * self.batch_size, len(self.images)))
+        idx = order[sl] if order is not None else sl
+        if self.shard[1] > 1:
+            idx = shard_of(idx, self.shard)
+        return self.transform(self.images[idx]), self.labels[idx]
 
     def transform(self, batch: torch.Tensor) -> torch.Tensor:
         x = prepare(batch, self.mean, self.std, size=self.size, generator=self.generator, shard=self.shard,
@@ -169,42 +208,41 @@ class DeviceBatches:
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 
 
-class LoaderBatches:
+class LoaderBatches(Resumable):
     """The classic path: a torch DataLoader over the uint8 split on the CPU, the same transforms as
     DeviceBatches applied per sample in `workers` processes, batches pinned (on CUDA) and copied to the device.
     The order comes from a generator seeded with `seed`; each worker's augmentation RNG from the DataLoader's
-    per-worker seeds (the process's global RNG when workers=0)."""
+    per-worker seeds (with workers=0, from a generator seeded with seed + 1, saved with the order)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
                  device: torch.device, train: bool, crop_padding: int = 0, flip: bool = False, cutout: int = 0,
                  size: int | None = None, seed: int = 0, channels_last: bool = False, workers: int = 2,
                  pin_memory: bool = True):
         augment = dict(pad=crop_padding if train else 0, flip=flip and train, cutout=cutout if train else 0)
+        self.augment_generator = torch.Generator().manual_seed(seed + 1) if train and workers == 0 else None
         samples = _PreparedSamples(images.cpu(), labels.cpu(), *norm_tensors(mean, std, torch.device("cpu")),
-                                   size=size, **augment)
+                                   size=size, generator=self.augment_generator, **augment)
         self.loader = DataLoader(samples, batch_size, shuffle=train, drop_last=train and len(images) >= batch_size,
                                  num_workers=workers, pin_memory=pin_memory and device.type == "cuda",
                                  persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
         self.device = device
         self.channels_last = channels_last
         self.image_shape = (images.shape[1], size or images.shape[2], size or images.shape[3])
+        self.generators = tuple(g for g in (self.loader.generator, self.augment_generator) if g is not None)
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def state_dict(self) -> dict:
-        """The order's generator (restored, a resume replays the epoch's order; augmentation draws are exact only
-        with workers=0, since persistent workers keep the seeds they were started with)."""
-        return {"generator": self.loader.generator.get_state()}
+    def _order(self):
+        """The epoch's DataLoader iterator (the augmentation draws of a resume are exact only with workers=0:
+        persistent workers keep the seeds they were started with)."""
+        return iter(self.loader)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.generator.set_state(state["generator"])
-
-    def __iter__(self):
-        for x, y in self.loader:
-            x = x.to(self.device, non_blocking=True)
-            yield (x.contiguous(memory_format=torch.channels_last) if self.channels_last else x,
-                   y.to(self.device, non_blocking=True))
+    def _batch(self, order, i: int):
+        x, y = next(order)
+        x = x.to(self.device, non_blocking=True)
+        return (x.contiguous(memory_format=torch.channels_last) if self.channels_last else x,
+                y.to(self.device, non_blocking=True))
 
 
 class _PreparedSamples(Dataset):

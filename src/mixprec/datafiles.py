@@ -12,13 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
+import logging
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from .records import write_json_atomic
+
+log = logging.getLogger(__name__)
 
 ENV_DATA_DIR = "MIXPREC_DATA_DIR"
 CACHE_VERSION = 1
@@ -58,7 +60,7 @@ def fetch(urls, dest: Path, *, md5: str | None = None, sha256: str | None = None
         tmp = dest.parent / f".{dest.name}.{os.getpid()}.part"
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            print(f"mixprec: downloading {url} -> {dest}", file=sys.stderr)
+            log.warning(f"mixprec: downloading {url} -> {dest}")
             tmp.unlink(missing_ok=True)   # download_url keeps a file that is already there
             download_url(url, str(dest.parent), filename=tmp.name)
             got = md5sum(tmp) if md5 else sha256sum(tmp) if sha256 else None
@@ -126,6 +128,6 @@ class ArrayCache:
         except OSError as e:
             for entry in entries.values():   # a disk that filled up: leave no arrays without their manifest
                 (self.folder / entry["file"]).unlink(missing_ok=True)
-            print(f"mixprec: note: no cache written in {self.folder} ({type(e).__name__}: {e.strerror or e}); "
-                  "the data is decoded again next time", file=sys.stderr)
+            log.warning(f"mixprec: note: no cache written in {self.folder} ({type(e).__name__}: {e.strerror or e}); "
+                        "the data is decoded again next time")
             return False

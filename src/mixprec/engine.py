@@ -1,4 +1,12 @@
-"""Engine: the training and evaluation loops, the training clock, and the non-finite policy.
+"""Engine: the one training loop every job runs (image and language model), the training clock, evaluation and
+the non-finite policy.
+
+The loop: `fit(steps, batches, loop, state)` runs epochs (`run_epoch`: the training steps; `end_epoch`: the
+record, evaluation, checkpoint and stop check) from where `state` (LoopState: counters, accumulators, clock
+totals, place in the epoch, open log window) is. `steps` supplies the job kind's part: `ImageSteps` here,
+`lm_engine.LMSteps` for language models (hidden state, truncated BPTT, perplexity); each gives start_epoch,
+step (one batch: forward, loss, train_step, schedule), row, evaluate and metrics. `loop` (Loop) holds what the
+run trains with: policy, optimizer, trainer config, total steps, log, checkpoint writer, stop check, ranks.
 
 What is timed: `TrainClock` measures training only (forward, backward, step, and the on-device batch
 preparation, as DAWNBench counts it); evaluation is timed separately and never included. Every clock reading
@@ -7,10 +15,11 @@ first `trainer.warmup_steps` steps (cuDNN autotuning, allocator growth, lazy ini
 Host syncs in the loop: one per `trainer.log_every` steps for the loss/weight check (plus the one GradScaler
 itself makes each step when a dynamic loss scale is on, and one per step under on_nonfinite=skip).
 
-Checkpoints (src/mixprec/checkpoint.py writes them): `checkpoint(loop)` is called with the loop's own state at each
-epoch end (except the last) and when `stop()` returns a reason (SIGTERM/SIGINT): then mid-epoch, after the
-current step. `resume=loop` continues from such a state: the epoch's data order is replayed from its start and
-the done batches skipped. After a resume the first `warmup_steps` steps are excluded from throughput again.
+Checkpoints (checkpoint.py writes them): `loop.checkpoint(state)` is called at each epoch end (except the last)
+and when `loop.stop()` returns a reason (SIGTERM/SIGINT, signals.py): then mid-epoch, after the current step.
+Resuming happens before `fit` is called: the checkpoint restores the LoopState and every part, the training
+loader included, which continues the epoch at its next batch (data.Resumable): the loop never skips batches.
+After a resume the first `warmup_steps` steps are excluded from throughput again.
 
 Under DDP (`ranks`, src/mixprec/dist.py) each rank trains on its slice of every global batch: the logged loss and
 accuracy are summed over the ranks at each host sync (so every rank takes the same stop decision), samples are
@@ -20,13 +29,17 @@ ranks, so the numbers are; no communication, and the wall time is that of one ra
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm.auto import tqdm
 
 from .config import TrainerConfig
@@ -83,6 +96,85 @@ class Window:
     samples: int = 0
     t0: float = field(default_factory=time.perf_counter)
 
+    def add(self, loss: torch.Tensor, correct: torch.Tensor | None, n: int) -> None:
+        self.losses.append(loss)
+        if correct is not None:
+            self.correct.append(correct)
+        self.samples += n
+
+    def state_dict(self) -> dict:
+        return {"first_step": self.first_step, "losses": self.losses, "correct": self.correct,
+                "samples": self.samples, "elapsed": time.perf_counter() - self.t0}
+
+    @classmethod
+    def restore(cls, state: dict, device: torch.device) -> "Window":
+        return cls(state["first_step"], [t.to(device) for t in state["losses"]], [t.to(device) for t in state["correct"]],
+                   state["samples"], time.perf_counter() - state["elapsed"])
+
+
+@dataclass
+class LoopState:
+    """Where a run is and what it has counted: all a checkpoint needs of the loop (the parts save the rest)."""
+    step: int = 0
+    samples: int = 0               # training samples (tokens for a language model) of the global batches
+    steady_samples: int = 0        # those after the warm-up
+    skipped: int = 0               # optimizer steps the loss scaler skipped
+    nonfinite_steps: int = 0
+    nonfinite: dict | None = None  # the first non-finite event
+    scale_min: float | None = None
+    scale_max: float | None = None
+    train_time: float = 0.0        # the clock's totals (setup time included), saved at each checkpoint
+    steady_time: float = 0.0
+    epoch: int = 0                 # the epoch in progress (0-based) ...
+    batch: int = 0                 # ... and its batches done
+    steps_per_epoch: int = 0
+    epoch_time: float = 0.0        # training time of the epoch in progress so far (an earlier process's too)
+    window: dict | None = None     # the open log window of an epoch stopped in the middle
+    epochs: list = field(default_factory=list)   # the epoch records
+    best: dict = field(default_factory=dict)     # the job kind's accumulators (best accuracy, time to target, ...)
+
+    def state_dict(self) -> dict:
+        return copy.deepcopy(dataclasses.asdict(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in copy.deepcopy(state).items():
+            setattr(self, key, value)
+
+
+@dataclass
+class Loop:
+    """What a run trains with besides its state and its kind's steps; status/reason say how it ended."""
+    policy: PrecisionPolicy
+    optimizer: torch.optim.Optimizer
+    trainer: TrainerConfig
+    total_steps: int
+    log: Callable = lambda row: None
+    checkpoint: Callable | None = None   # checkpoint(state): write one (rank 0; None elsewhere)
+    stop: Callable = lambda: None        # the name of a stop signal received, else None
+    ranks: Ranks = SINGLE
+    progress: bool = True
+    probe: Attribution = field(default_factory=Attribution)   # the numerics probe's calls (probe.py)
+    status: str = "completed"
+    reason: str | None = None
+    warm_at: int = 0
+
+    def __post_init__(self):
+        self.clock = TrainClock(self.policy.device, self.ranks.barrier)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def save(self, state: LoopState) -> None:
+        if self.checkpoint is not None:
+            state.train_time, state.steady_time = self.clock.total, self.clock.steady
+            self.checkpoint(state)
+
+
+def total_steps(trainer: TrainerConfig, steps_per_epoch: int) -> int:
+    """The run's optimizer steps: every epoch's, or trainer.max_steps if fewer."""
+    return min(trainer.epochs * steps_per_epoch, trainer.max_steps or trainer.epochs * steps_per_epoch)
+
 
 def evaluate(model, batches, policy: PrecisionPolicy, tta: bool = False) -> tuple[float, float, float | None]:
     """Mean cross-entropy and accuracy over every sample of `batches` (no label smoothing), and with tta the
@@ -105,244 +197,229 @@ def evaluate(model, batches, policy: PrecisionPolicy, tta: bool = False) -> tupl
     return loss_sum.item() / n, correct.item() / n, correct_tta.item() / n if tta else None
 
 
-def forward(model, x: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
-    with policy.autocast():
-        return model(policy.cast_input(x))
-
-
-def data_state(batches) -> dict | None:
-    """The loader's data-order state (None for a loader that cannot save it: a resume then draws a new order)."""
-    return batches.state_dict() if hasattr(batches, "state_dict") else None
-
-
 def all_finite(tensors) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
-def train_step(loss: torch.Tensor, policy: PrecisionPolicy, optimizer, trainer: TrainerConfig, state: dict,
-               ranks: Ranks = SINGLE, probe: Attribution | None = None, replay=None) -> None:
+def forward(model: nn.Module, x: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    with policy.autocast():
+        return model(policy.cast_input(x))
+
+
+def train_step(loss: torch.Tensor, loop: Loop, state: LoopState, replay=None) -> None:
     """Backward and optimizer step (unscale, clip, step: PrecisionPolicy.step) for one batch's loss, then
     zero_grad. Under on_nonfinite=skip a non-finite loss skips backward and update (the window check counts it);
-    under several ranks, all skip alike. probe: the numerics probe's calls (probe.py); replay: the step's forward
-    again, for its attribution of a non-finite value."""
-    step, probe = state["step"] + 1, probe or Attribution()
-    if trainer.on_nonfinite == "skip" and ranks.any(not torch.isfinite(loss)):
-        if state["nonfinite"] is None:
-            state["nonfinite"] = {"step": step, "what": f"loss {loss.item()} (step skipped)", "policy": "skip"}
-            state["nonfinite"]["what"] += "; " + probe.on_nonfinite(step, replay)
+    under several ranks, all skip alike. replay: the step's forward again, for the probe's attribution of a
+    non-finite value (loop.probe, probe.py)."""
+    policy, tr, probe, step = loop.policy, loop.trainer, loop.probe, state.step + 1
+    if tr.on_nonfinite == "skip" and loop.ranks.any(not torch.isfinite(loss)):
+        if state.nonfinite is None:
+            what = "; ".join(filter(None, (f"loss {loss.item()} (step skipped)", probe.on_nonfinite(step, replay))))
+            state.nonfinite = {"step": step, "what": what, "policy": "skip"}
     else:
         policy.backward(loss)
         probe.after_backward(step, loss, policy, replay)
-        skipped = policy.step(optimizer, trainer.grad_clip)
+        skipped = policy.step(loop.optimizer, tr.grad_clip)
         probe.after_step(step, policy, skipped)
-        state["skipped"] += skipped
+        state.skipped += skipped
         if policy.scale_value is not None:
-            state["scale_min"] = min(state["scale_min"], policy.scale_value)
-            state["scale_max"] = max(state["scale_max"], policy.scale_value)
-    optimizer.zero_grad(set_to_none=True)
+            state.scale_min = min(state.scale_min, policy.scale_value)
+            state.scale_max = max(state.scale_max, policy.scale_value)
+    loop.optimizer.zero_grad(set_to_none=True)
 
 
-def check_window(window: Window, state: dict, policy: PrecisionPolicy, trainer: TrainerConfig,
-                 ranks: Ranks = SINGLE, probe: Attribution | None = None) -> tuple[float, str | None]:
+def check_window(window: Window, state: LoopState, loop: Loop) -> tuple[float, str | None]:
     """The non-finite check, one host sync: the window's losses (averaged over ranks: the global batches'), then
     the stepped weights. Returns the mean of the finite losses and what went non-finite (None when all is
     finite); counts it and records the first, with the probe's first non-finite module."""
-    losses = (ranks.sum_(torch.stack(window.losses).float()) / ranks.world).cpu()
+    losses = (loop.ranks.sum_(torch.stack(window.losses).float()) / loop.ranks.world).cpu()
     finite = torch.isfinite(losses)
     bad_step = what = None
     if not finite.all():
         bad_step = window.first_step + int((~finite).nonzero()[0])
         what = f"loss became {losses[~finite][0].item()} at step {bad_step}"
-        state["nonfinite_steps"] += int((~finite).sum())
-    elif not all_finite(policy.stepped_params()):
-        bad_step = state["step"]
-        what = f"weights became non-finite by step {bad_step} (checked every {trainer.log_every} steps)"
-        state["nonfinite_steps"] += 1
-    if bad_step is not None and state["nonfinite"] is None:
-        what = "; ".join(filter(None, (what, probe and probe.on_nonfinite(bad_step))))
-        state["nonfinite"] = {"step": bad_step, "what": what, "policy": trainer.on_nonfinite}
+        state.nonfinite_steps += int((~finite).sum())
+    elif not all_finite(loop.policy.stepped_params()):
+        bad_step = state.step
+        what = f"weights became non-finite by step {bad_step} (checked every {loop.trainer.log_every} steps)"
+        state.nonfinite_steps += 1
+    if bad_step is not None and state.nonfinite is None:
+        what = "; ".join(filter(None, (what, loop.probe.on_nonfinite(bad_step))))
+        state.nonfinite = {"step": bad_step, "what": what, "policy": loop.trainer.on_nonfinite}
     return (losses[finite].mean().item() if finite.any() else math.nan), what
 
 
-def loop_metrics(state: dict, steps_per_epoch: int, clock: TrainClock, epochs: list, trainer: TrainerConfig,
-                 policy: PrecisionPolicy, setup_time_s: float = 0.0) -> dict:
+def flush(steps, window: Window, loop: Loop, state: LoopState) -> None:
+    """Sync once: check the window's losses and the weights; log a row; on_nonfinite=stop ends the run."""
+    loss, what = check_window(window, state, loop)
+    elapsed = time.perf_counter() - window.t0
+    loop.log({"kind": "train", "step": state.step, "epoch": state.epoch + 1, "loss": loss,
+              **steps.row(loss, window, loop), "lr": loop.lr, "loss_scale": loop.policy.scale_value,
+              steps.rate: window.samples / elapsed if elapsed > 0 else None})
+    if what is not None and loop.trainer.on_nonfinite == "stop":
+        loop.status, loop.reason = "diverged", what
+
+
+def fit(steps, batches, loop: Loop, state: LoopState) -> dict:
+    """Every job's training loop, image or language model (`steps` supplies the kind's step, evaluation and
+    metrics): epochs from where `state` is (a checkpoint's place: it and the loader's position are restored
+    before this is called) to the end, a divergence or a stop signal (then a checkpoint is written first)."""
+    state.steps_per_epoch = len(batches)
+    if state.step == 0:
+        state.scale_min = state.scale_max = loop.policy.scale_value
+    loop.clock.total, loop.clock.steady = state.train_time, state.steady_time
+    loop.warm_at = state.step + loop.trainer.warmup_steps   # warm-up is excluded again in a resumed process
+    while loop.status == "completed" and state.epoch < loop.trainer.epochs and state.step < loop.total_steps:
+        run_epoch(steps, batches, loop, state)
+        if loop.status == "interrupted":
+            loop.save(state)   # mid-epoch: the loader knows its place, the state the rest
+            break
+        end_epoch(steps, loop, state)
+    return {"status": loop.status, "reason": loop.reason, "nonfinite": state.nonfinite,
+            "metrics": {**loop_metrics(state, loop, steps.setup_time_s), **steps.metrics(state, loop)},
+            "epochs": state.epochs}
+
+
+def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
+    """The training steps of one epoch, from batch state.batch (a resumed epoch: the loader continues there) to
+    its end, the run's last step, a divergence or a stop signal (loop.status then says which)."""
+    tr, n_ranks = loop.trainer, loop.ranks.world
+    steps.start_epoch(state.batch)
+    bar = tqdm(total=min(state.steps_per_epoch, state.batch + loop.total_steps - state.step), initial=state.batch,
+               desc=f"epoch {state.epoch + 1}/{tr.epochs}", disable=not loop.progress, leave=False, dynamic_ncols=True)
+    window = Window.restore(state.window, loop.policy.device) if state.window else Window(first_step=state.step + 1)
+    loop.clock.start()
+    for x, y in batches:
+        loss, correct, n = steps.step(x, y, loop, state)
+        state.step, state.batch = state.step + 1, state.batch + 1
+        state.samples += n * n_ranks   # the global batch
+        state.steady_samples += n * n_ranks if state.step > loop.warm_at else 0
+        window.add(loss, correct, n * n_ranks)
+        bar.update(1)
+        if state.step == loop.warm_at:
+            loop.clock.mark_warm()
+        if state.step % tr.log_every == 0 or state.batch == state.steps_per_epoch or state.step >= loop.total_steps:
+            flush(steps, window, loop, state)
+            bar.set_postfix(loss=f"{window.losses[-1].float().item():.3f}",
+                            rate=f"{window.samples / max(time.perf_counter() - window.t0, 1e-9):.0f}")
+            window = Window(first_step=state.step + 1)
+        if loop.status != "completed" or state.step >= loop.total_steps:
+            break
+        why = loop.stop()
+        if why:
+            loop.status, loop.reason = "interrupted", f"{why} after step {state.step}"
+            break
+    state.epoch_time += loop.clock.stop()
+    state.window = window.state_dict() if loop.status == "interrupted" else None
+    bar.close()
+
+
+def end_epoch(steps, loop: Loop, state: LoopState) -> None:
+    """The epoch's record (evaluated unless the run diverged), then between epochs a checkpoint and the stop check."""
+    record = {"kind": "epoch", "epoch": state.epoch + 1, "step": state.step, "epoch_time_s": state.epoch_time,
+              "train_time_s": loop.clock.total, "lr": loop.lr}
+    if loop.status == "completed":
+        t_eval = time.perf_counter()
+        record.update(steps.evaluate(state, loop, final=state.step >= loop.total_steps))
+        record["eval_time_s"] = time.perf_counter() - t_eval
+    state.epochs.append(record)
+    loop.log(record)
+    state.epoch, state.batch, state.epoch_time = state.epoch + 1, 0, 0.0
+    if loop.status == "completed" and state.step < loop.total_steps and state.epoch < loop.trainer.epochs:
+        loop.save(state)
+        why = loop.stop()
+        if why:   # a signal during evaluation: the checkpoint just written holds everything
+            loop.status, loop.reason = "interrupted", f"{why} after step {state.step} (epoch {state.epoch} done)"
+
+
+def loop_metrics(state: LoopState, loop: Loop, setup_time_s: float = 0.0) -> dict:
     """The metrics every training loop reports (image and language model): steps, timing, throughput (steady
     state when there is one, warm-up excluded; setup time never counted in it), the loss-scale range."""
-    steady = clock.steady > 0 and state["steady_samples"] > 0
+    clock = loop.clock
+    steady = clock.steady > 0 and state.steady_samples > 0
     return {
-        "epochs": state["step"] / steps_per_epoch,
-        "steps": state["step"],
-        "steps_per_epoch": steps_per_epoch,
-        "skipped_steps": state["skipped"],
-        "nonfinite_steps": state["nonfinite_steps"],
+        "epochs": state.step / state.steps_per_epoch,
+        "steps": state.step,
+        "steps_per_epoch": state.steps_per_epoch,
+        "skipped_steps": state.skipped,
+        "nonfinite_steps": state.nonfinite_steps,
         "train_time_s": clock.total,
-        "epoch_times_s": [e["epoch_time_s"] for e in epochs],
-        "eval_time_s": sum(e.get("eval_time_s", 0.0) for e in epochs),
-        "throughput": (state["steady_samples"] / clock.steady) if steady else
-        state["samples"] / (clock.total - setup_time_s),
+        "epoch_times_s": [e["epoch_time_s"] for e in state.epochs],
+        "eval_time_s": sum(e.get("eval_time_s", 0.0) for e in state.epochs),
+        "throughput": (state.steady_samples / clock.steady) if steady else
+        state.samples / (clock.total - setup_time_s),
         "throughput_includes_warmup": not steady,
-        "warmup_steps": trainer.warmup_steps,
-        "loss_scale": None if policy.scale_value is None else
-        {"min": state["scale_min"], "max": state["scale_max"], "final": policy.scale_value},
+        "warmup_steps": loop.trainer.warmup_steps,
+        "loss_scale": None if loop.policy.scale_value is None else
+        {"min": state.scale_min, "max": state.scale_max, "final": loop.policy.scale_value},
     }
 
 
-def train(model, policy: PrecisionPolicy, optimizer, schedule, train_batches, test_batches,
-          trainer: TrainerConfig, *, label_smoothing: float = 0.0, loss_sum: bool = False, ema=None,
-          tta: bool = False, setup_time_s: float = 0.0, bn_eval: bool = False, log=lambda row: None,
-          progress: bool = True, resume: dict | None = None, checkpoint=None, stop=lambda: None,
-          ranks: Ranks = SINGLE, probe: Attribution | None = None) -> dict:
-    """ema: a tricks.EMA, updated after every optimizer step (training time) and evaluated instead of the model.
-    tta: test accuracy (and time to target) from flip test-time augmentation; the final evaluation reports the
-    accuracy with and without it in any case. setup_time_s: preparation done before the loop that counts as
-    training (DAWNBench: preprocessing is included), e.g. fitting the whitening filters. bn_eval: BatchNorm layers
-    stay in eval mode while training. resume/checkpoint/stop: see checkpoint.py; ranks: see dist.py."""
-    device = policy.device
-    probe = probe or Attribution()
-    inner = getattr(model, "module", model)   # the probe replays a batch on one rank alone: not through DDP
-    clock = TrainClock(device, ranks.barrier)
-    clock.total = setup_time_s
-    steps_per_epoch = len(train_batches)
-    total_steps = trainer.epochs * steps_per_epoch
-    if trainer.max_steps is not None:
-        total_steps = min(total_steps, trainer.max_steps)
-    state = {"step": 0, "samples": 0, "skipped": 0, "nonfinite_steps": 0, "nonfinite": None, "steady_samples": 0,
-             "scale_min": policy.scale_value, "scale_max": policy.scale_value}
-    epochs, best_acc, time_to_target, epochs_to_target = [], None, None, None
-    status, reason = "completed", None
-    test_loss = test_acc = acc_plain = acc_tta = None
-    start_epoch, skip, carried, saved_window = 0, 0, 0.0, None   # where a resumed run picks up
-    if resume is not None:
-        state.update(resume["state"])
-        epochs = list(resume["epochs"])
-        best_acc, time_to_target, epochs_to_target, test_loss, test_acc = resume["accumulators"]
-        clock.total, clock.steady = resume["clock"]
-        start_epoch, skip, carried, saved_window = resume["epoch"], resume["batch"], resume["epoch_time"], resume["window"]
-        if resume["data"] is not None:
-            train_batches.load_state_dict(resume["data"])
-    warm_at = state["step"] + trainer.warmup_steps   # warm-up is excluded again in a resumed process
+def mfu(metrics: dict, profile: dict, peak_kind: str) -> float | None:
+    """Model FLOP utilisation: 3 x forward FLOPs per sample x steady samples/s, over the matched GPU profile's
+    dense peak for the precision's math (None without a matched profile or a known peak)."""
+    peak = (profile.get("peak_tflops") or {}).get(peak_kind)
+    flops = metrics.get("train_flops_per_sample")
+    if not peak or not flops or not metrics.get("throughput"):
+        return None
+    return flops * metrics["throughput"] / (peak * 1e12)
 
-    def snapshot(next_epoch: int, batch: int = 0, data=None, epoch_time: float = 0.0, window=None) -> dict:
-        """The loop's state: resuming from it continues at batch `batch` of epoch `next_epoch` (0-based)."""
-        return {"state": dict(state), "epochs": list(epochs), "clock": (clock.total, clock.steady),
-                "accumulators": (best_acc, time_to_target, epochs_to_target, test_loss, test_acc),
-                "epoch": next_epoch, "batch": batch, "steps_per_epoch": steps_per_epoch, "epoch_time": epoch_time,
-                "data": data_state(train_batches) if data is None else data,
-                "window": None if window is None else {"first_step": window.first_step, "losses": window.losses,
-                                                       "correct": window.correct, "samples": window.samples,
-                                                       "elapsed": time.perf_counter() - window.t0}}
 
-    def flush(window: Window, epoch: int) -> bool:
-        """Sync once: check the window's losses and the weights; log a row. False = stop the run."""
-        nonlocal status, reason
-        loss, what = check_window(window, state, policy, trainer, ranks, probe)
-        elapsed = time.perf_counter() - window.t0
-        row = {"kind": "train", "step": state["step"], "epoch": epoch + 1, "loss": loss,
-               "acc": ranks.sum_(torch.stack(window.correct).sum()).item() / max(window.samples, 1),
-               "lr": optimizer.param_groups[0]["lr"], "loss_scale": policy.scale_value,
-               "samples_per_s": window.samples / elapsed if elapsed > 0 else None}
-        log(row)
-        if what is not None and trainer.on_nonfinite == "stop":
-            status, reason = "diverged", what
-            return False
-        return True
+@dataclass
+class ImageSteps:
+    """An image classifier's part of the loop: its training step, its evaluation, its final metrics.
+    ema: a tricks.EMA, updated after every optimizer step and evaluated instead of the model. tta: test accuracy
+    (and time to target) from flip test-time augmentation; the final evaluation reports both. setup_time_s:
+    preparation that counts as training (DAWNBench), e.g. the whitening fit. bn_eval: BatchNorm stays in eval."""
+    model: nn.Module
+    schedule: object
+    test_batches: object
+    label_smoothing: float = 0.0
+    loss_sum: bool = False
+    ema: object = None
+    tta: bool = False
+    bn_eval: bool = False
+    setup_time_s: float = 0.0
+    rate = "samples_per_s"
 
-    running = True
-    for epoch in range(start_epoch, trainer.epochs):
-        if not running or state["step"] >= total_steps:
-            break
-        model.train()
-        if bn_eval:
-            set_bn_eval(model)
-        bar = tqdm(total=min(steps_per_epoch, total_steps - state["step"]), desc=f"epoch {epoch + 1}/{trainer.epochs}",
-                   disable=not progress, leave=False, dynamic_ncols=True)
-        window = Window(first_step=state["step"] + 1)
-        if saved_window is not None:   # resumed mid-epoch
-            bar.update(skip)
-            w = saved_window
-            window = Window(w["first_step"], [t.to(device) for t in w["losses"]], [t.to(device) for t in w["correct"]],
-                            w["samples"], time.perf_counter() - w["elapsed"])
-        data_at_start = data_state(train_batches)
-        clock.start()
-        for i, (x, y) in enumerate(train_batches):
-            if i < skip:   # resumed mid-epoch: replay this epoch's data order up to the checkpoint, untimed
-                if i + 1 == skip:
-                    clock.start()
-                continue
-            probe.before_step(state["step"] + 1, policy)
-            out = forward(model, x, policy)
-            loss = cross_entropy(out, y, label_smoothing, summed=loss_sum)
-            train_step(loss, policy, optimizer, trainer, state, ranks, probe, lambda: forward(inner, x, policy))
-            if ema is not None:
-                ema.update(model)
-            schedule.step()
-            state["step"] += 1
-            n = len(y) * ranks.world   # the global batch
-            state["samples"] += n
-            if state["step"] > warm_at:
-                state["steady_samples"] += n
-            window.losses.append(loss.detach() / len(y) if loss_sum else loss.detach())
-            window.correct.append((out.detach().argmax(1) == y).sum())
-            window.samples += n
-            bar.update(1)
-            if state["step"] == warm_at:
-                clock.mark_warm()
-            last = i + 1 == steps_per_epoch or state["step"] >= total_steps
-            if state["step"] % trainer.log_every == 0 or last:
-                running = flush(window, epoch)
-                bar.set_postfix(loss=f"{window.losses[-1].float().item():.3f}",
-                                samples_s=f"{window.samples / max(time.perf_counter() - window.t0, 1e-9):.0f}")
-                window = Window(first_step=state["step"] + 1)
-            if not running or state["step"] >= total_steps:
-                break
-            why = stop()
-            if why:
-                status, reason, running = "interrupted", f"{why} after step {state['step']}", False
-                break
-        epoch_time = carried + clock.stop()
-        bar.close()
-        if status == "interrupted":
-            if checkpoint is not None:
-                checkpoint(snapshot(epoch, i + 1, data_at_start, epoch_time, window))
-            break
-        skip, carried, saved_window = 0, 0.0, None
-        record = {"kind": "epoch", "epoch": epoch + 1, "step": state["step"], "epoch_time_s": epoch_time,
-                  "train_time_s": clock.total, "lr": optimizer.param_groups[0]["lr"]}
-        if running:
-            t_eval = time.perf_counter()
-            final = state["step"] >= total_steps
-            test_loss, acc_plain, acc_tta = evaluate(model if ema is None else ema.model, test_batches, policy,
-                                                     tta=tta or final)
-            test_acc = acc_tta if tta else acc_plain
-            record.update(test_loss=test_loss, test_acc=test_acc, test_acc_no_tta=acc_plain, test_acc_tta=acc_tta,
-                          eval_time_s=time.perf_counter() - t_eval)
-            best_acc = test_acc if best_acc is None else max(best_acc, test_acc)
-            if trainer.target_acc is not None and time_to_target is None and test_acc >= trainer.target_acc:
-                time_to_target, epochs_to_target = clock.total, epoch + 1
-        epochs.append(record)
-        log(record)
-        more = running and state["step"] < total_steps and epoch + 1 < trainer.epochs
-        if more and checkpoint is not None:
-            checkpoint(snapshot(epoch + 1))
-        why = stop() if more else None
-        if why:   # a signal during evaluation: the checkpoint just written holds everything
-            status, reason, running = "interrupted", f"{why} after step {state['step']} (epoch {epoch + 1} done)", False
+    def start_epoch(self, batch: int) -> None:
+        self.model.train()
+        if self.bn_eval:
+            set_bn_eval(self.model)
 
-    return {
-        "status": status,
-        "reason": reason,
-        "nonfinite": state["nonfinite"],
-        "metrics": {
-            **loop_metrics(state, steps_per_epoch, clock, epochs, trainer, policy, setup_time_s),
-            "final_test_acc": test_acc if status == "completed" else None,
-            "final_test_loss": test_loss if status == "completed" else None,
-            "final_test_acc_no_tta": acc_plain if status == "completed" else None,
-            "final_test_acc_tta": acc_tta if status == "completed" else None,
-            "best_test_acc": best_acc,
-            "setup_time_s": setup_time_s,
-            "time_to_target_s": time_to_target,
-            "epochs_to_target": epochs_to_target,
-            "target_acc": trainer.target_acc,
-        },
-        "epochs": epochs,
-    }
+    def step(self, x, y, loop: Loop, state: LoopState):
+        """One batch trained; returns (its mean loss, its correct count, its size) on the device."""
+        loop.probe.before_step(state.step + 1, loop.policy)
+        out = forward(self.model, x, loop.policy)
+        loss = cross_entropy(out, y, self.label_smoothing, summed=self.loss_sum)
+        inner = getattr(self.model, "module", self.model)   # the probe replays a batch on one rank: not through DDP
+        train_step(loss, loop, state, replay=lambda: forward(inner, x, loop.policy))
+        if self.ema is not None:
+            self.ema.update(self.model)
+        self.schedule.step()
+        return loss.detach() / len(y) if self.loss_sum else loss.detach(), (out.detach().argmax(1) == y).sum(), len(y)
+
+    def row(self, loss: float, window: Window, loop: Loop) -> dict:
+        return {"acc": loop.ranks.sum_(torch.stack(window.correct).sum()).item() / max(window.samples, 1)}
+
+    def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
+        b = state.best
+        loss, plain, tta = evaluate(self.model if self.ema is None else self.ema.model, self.test_batches,
+                                    loop.policy, tta=self.tta or final)
+        acc = tta if self.tta else plain
+        b.update(test_loss=loss, test_acc=acc, acc_plain=plain, acc_tta=tta,
+                 best_acc=acc if b.get("best_acc") is None else max(b["best_acc"], acc))
+        target = loop.trainer.target_acc
+        if target is not None and b.get("time_to_target") is None and acc >= target:
+            b.update(time_to_target=loop.clock.total, epochs_to_target=state.epoch + 1)
+        return {"test_loss": loss, "test_acc": acc, "test_acc_no_tta": plain, "test_acc_tta": tta}
+
+    def metrics(self, state: LoopState, loop: Loop) -> dict:
+        b, done = state.best, loop.status == "completed"
+        return {"final_test_acc": b.get("test_acc") if done else None,
+                "final_test_loss": b.get("test_loss") if done else None,
+                "final_test_acc_no_tta": b.get("acc_plain") if done else None,
+                "final_test_acc_tta": b.get("acc_tta") if done else None,
+                "best_test_acc": b.get("best_acc"), "setup_time_s": self.setup_time_s,
+                "time_to_target_s": b.get("time_to_target"), "epochs_to_target": b.get("epochs_to_target"),
+                "target_acc": loop.trainer.target_acc}

@@ -1,4 +1,5 @@
-"""The language-model loop: truncated BPTT over a batchified token stream, as PyTorch's word_language_model.
+"""The language model's part of the shared training loop (engine.fit): truncated BPTT over a batchified token
+stream, as PyTorch's word_language_model.
 
 Each epoch walks the training stream (batchify: [nbatch, batch] on the device) in bptt windows (TokenWindows),
 the hidden state starting at zeros and carried from window to window, cut from the previous window's graph
@@ -10,9 +11,10 @@ perplexity, exp(mean cross-entropy per token), with the hidden state carried acr
 rule; per-step schedules are stepped per window instead). The test perplexity of the best validation epoch is
 the example's reported number (it reloads the best model and scores the test split).
 
-Timing and the non-finite policy are the image engine's: TrainClock (eval excluded; each reading synchronizes),
-throughput in tokens/s without the first trainer.warmup_steps windows, one host sync per trainer.log_every
-windows (engine.check_window).
+Timing, the non-finite policy, checkpoints, stop signals and resume are the shared loop's: TrainClock (eval
+excluded), throughput in tokens/s without the first trainer.warmup_steps windows, one host sync per
+trainer.log_every windows; a checkpoint holds the hidden state and the windows' position, so a run stopped in
+the middle of an epoch continues exactly.
 
 Autocast and the recurrent layers: on CUDA, autocast runs cuDNN's RNN (every kind) in fp16: its autocast
 wrapper (aten/src/ATen/cudnn/AutocastRNN.cpp) casts input, hidden state and the flat weights to fp16. The
@@ -27,16 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+from torch import nn
 
-from .config import TrainerConfig
-from .engine import TrainClock, Window, check_window, loop_metrics, train_step
+from .engine import Loop, LoopState, Window, train_step
 from .precision import PrecisionPolicy
-from .probe import Attribution
 from .rnnlm import repackage_hidden
 from .wikitext import TokenWindows
 
@@ -85,104 +85,75 @@ def evaluate(model, source: torch.Tensor, bptt: int, policy: PrecisionPolicy) ->
     return total.item() / ((len(source) - 1) * source.size(1))
 
 
-def train(model, policy: PrecisionPolicy, optimizer, schedule, train_source: torch.Tensor,
-          valid_source: torch.Tensor, test_source: torch.Tensor, trainer: TrainerConfig, bptt: int, *,
-          log=lambda row: None, progress: bool = True, probe: Attribution | None = None) -> dict:
-    device = policy.device
-    probe = probe or Attribution()
-    clock = TrainClock(device)
-    windows = TokenWindows(train_source, bptt)
-    steps_per_epoch = len(windows)
-    total_steps = trainer.epochs * steps_per_epoch
-    if trainer.max_steps is not None:
-        total_steps = min(total_steps, trainer.max_steps)
-    plateau = isinstance(schedule, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    state = {"step": 0, "samples": 0, "skipped": 0, "nonfinite_steps": 0, "nonfinite": None, "steady_samples": 0,
-             "scale_min": policy.scale_value, "scale_max": policy.scale_value}
-    epochs, best = [], None   # best: the epoch record with the lowest validation loss
-    status, reason, running = "completed", None, True
+def carried(hidden, device: torch.device):
+    """The hidden state without its graph, on `device` (what a checkpoint holds and a resume restores)."""
+    return repackage_hidden(hidden).to(device) if isinstance(hidden, torch.Tensor) else \
+        tuple(carried(h, device) for h in hidden)
 
-    def flush(window: Window, epoch: int) -> bool:
-        nonlocal status, reason
-        loss, what = check_window(window, state, policy, trainer, probe=probe)
-        elapsed = time.perf_counter() - window.t0
-        log({"kind": "train", "step": state["step"], "epoch": epoch + 1, "loss": loss, "ppl": perplexity(loss),
-             "lr": optimizer.param_groups[0]["lr"], "loss_scale": policy.scale_value,
-             "tokens_per_s": window.samples / elapsed if elapsed > 0 else None})
-        if what is not None and trainer.on_nonfinite == "stop":
-            status, reason = "diverged", what
-            return False
-        return True
 
-    for epoch in range(trainer.epochs):
-        if not running or state["step"] >= total_steps:
-            break
-        model.train()
-        hidden = model.init_hidden(train_source.size(1))
-        bar = tqdm(total=min(steps_per_epoch, total_steps - state["step"]), desc=f"epoch {epoch + 1}/{trainer.epochs}",
-                   disable=not progress, leave=False, dynamic_ncols=True)
-        window = Window(first_step=state["step"] + 1)
-        clock.start()
-        for i, (x, y) in enumerate(windows):
-            probe.before_step(state["step"] + 1, policy)
-            start, (loss, _, hidden) = hidden, forward(model, x, y, hidden, policy)
-            train_step(loss, policy, optimizer, trainer, state, probe=probe,
-                       replay=lambda: forward(model, x, y, start, policy))
-            if not plateau:
-                schedule.step()
-            state["step"] += 1
-            state["samples"] += y.numel()
-            if state["step"] > trainer.warmup_steps:
-                state["steady_samples"] += y.numel()
-            window.losses.append(loss.detach())
-            window.samples += y.numel()
-            bar.update(1)
-            if state["step"] == trainer.warmup_steps:
-                clock.mark_warm()
-            last = i + 1 == steps_per_epoch or state["step"] >= total_steps
-            if state["step"] % trainer.log_every == 0 or last:
-                running = flush(window, epoch)
-                bar.set_postfix(loss=f"{window.losses[-1].item():.3f}")
-                window = Window(first_step=state["step"] + 1)
-            if not running or state["step"] >= total_steps:
-                break
-        epoch_time = clock.stop()
-        bar.close()
-        record = {"kind": "epoch", "epoch": epoch + 1, "step": state["step"], "epoch_time_s": epoch_time,
-                  "train_time_s": clock.total, "lr": optimizer.param_groups[0]["lr"]}
-        if running:
-            t_eval = time.perf_counter()
-            valid_loss = evaluate(model, valid_source, bptt, policy)
-            test_loss = evaluate(model, test_source, bptt, policy)
-            record.update(valid_loss=valid_loss, valid_ppl=perplexity(valid_loss), test_loss=test_loss,
-                          test_ppl=perplexity(test_loss), eval_time_s=time.perf_counter() - t_eval)
-            if best is None or valid_loss < best["valid_loss"]:
-                best = record
-            if plateau:
-                schedule.step(valid_loss)
-                record["annealed"] = optimizer.param_groups[0]["lr"] < record["lr"]
-        epochs.append(record)
-        log(record)
+@dataclass
+class LMSteps:
+    """A language model's part of the shared loop (engine.fit): a step is one bptt window, the hidden state
+    carried from window to window (from zeros at each epoch's start; a checkpoint holds it, so a run stopped
+    mid-epoch continues with it); after each epoch the validation and test perplexity and the plateau rule."""
+    model: nn.Module
+    schedule: object
+    valid_source: torch.Tensor
+    test_source: torch.Tensor
+    bptt: int
+    columns: int            # the training batch (columns of the batchified stream)
+    hidden: object = None
+    rate = "tokens_per_s"
+    setup_time_s = 0.0
 
-    final = epochs[-1] if epochs and status == "completed" else {}
-    return {
-        "status": status,
-        "reason": reason,
-        "nonfinite": state["nonfinite"],
-        "metrics": {
-            **loop_metrics(state, steps_per_epoch, clock, epochs, trainer, policy),
-            "tokens": state["samples"],
-            "final_valid_loss": final.get("valid_loss"),
-            "final_valid_ppl": final.get("valid_ppl"),
-            "final_test_loss": final.get("test_loss"),
-            "final_test_ppl": final.get("test_ppl"),
-            "best_valid_ppl": best and best["valid_ppl"],
-            "best_valid_epoch": best and best["epoch"],
-            "test_ppl_at_best_valid": best and best["test_ppl"],
-            "final_test_acc": None,   # a language model has no accuracy: perplexity instead
-            "best_test_acc": None,
-            "final_lr": optimizer.param_groups[0]["lr"],
-            "throughput_unit": "tokens/s",
-        },
-        "epochs": epochs,
-    }
+    @property
+    def plateau(self) -> bool:
+        return isinstance(self.schedule, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+    def start_epoch(self, batch: int) -> None:
+        self.model.train()
+        if batch == 0 or self.hidden is None:
+            self.hidden = self.model.init_hidden(self.columns)
+
+    def step(self, x, y, loop: Loop, state: LoopState):
+        loop.probe.before_step(state.step + 1, loop.policy)
+        start, (loss, _, self.hidden) = self.hidden, forward(self.model, x, y, self.hidden, loop.policy)
+        train_step(loss, loop, state, replay=lambda: forward(self.model, x, y, start, loop.policy))
+        if not self.plateau:
+            self.schedule.step()
+        return loss.detach(), None, y.numel()
+
+    def row(self, loss: float, window: Window, loop: Loop) -> dict:
+        return {"ppl": perplexity(loss)}
+
+    def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
+        valid_loss = evaluate(self.model, self.valid_source, self.bptt, loop.policy)
+        test_loss = evaluate(self.model, self.test_source, self.bptt, loop.policy)
+        record = {"valid_loss": valid_loss, "valid_ppl": perplexity(valid_loss), "test_loss": test_loss,
+                  "test_ppl": perplexity(test_loss)}
+        best = state.best.get("record")
+        if best is None or valid_loss < best["valid_loss"]:
+            state.best["record"] = {**record, "epoch": state.epoch + 1}
+        if self.plateau:
+            lr = loop.lr
+            self.schedule.step(valid_loss)
+            record["annealed"] = loop.lr < lr
+        return record
+
+    def metrics(self, state: LoopState, loop: Loop) -> dict:
+        final = state.epochs[-1] if state.epochs and loop.status == "completed" else {}
+        best = state.best.get("record")
+        return {"tokens": state.samples,
+                "final_valid_loss": final.get("valid_loss"), "final_valid_ppl": final.get("valid_ppl"),
+                "final_test_loss": final.get("test_loss"), "final_test_ppl": final.get("test_ppl"),
+                "best_valid_ppl": best and best["valid_ppl"], "best_valid_epoch": best and best["epoch"],
+                "test_ppl_at_best_valid": best and best["test_ppl"],
+                "final_test_acc": None,   # a language model has no accuracy: perplexity instead
+                "best_test_acc": None, "final_lr": loop.lr, "throughput_unit": "tokens/s"}
+
+    def state_dict(self) -> dict:
+        return {"hidden": None if self.hidden is None else carried(self.hidden, torch.device("cpu"))}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = next(self.model.parameters()).device
+        self.hidden = None if state["hidden"] is None else carried(state["hidden"], device)

@@ -5,10 +5,13 @@ run.py maps the `trick` flags onto these; the engine calls `cross_entropy`, `EMA
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .hardware import synchronize
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, label_smoothing: float = 0.0,
@@ -23,6 +26,18 @@ def tta_logits(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     """(logits of x, mean of the logits of x and of its left-right mirror): flip test-time augmentation."""
     out = model(x).float()
     return out, (out + model(x.flip(3)).float()) / 2
+
+
+def fit_whitening(t, data, device: torch.device) -> tuple[torch.Tensor | None, float]:
+    """trick.whitening's filters (`t`: the TrickConfig), fitted on the first training images of `data`, and the
+    seconds the fit took: they count as training time (DAWNBench counts preprocessing; Page fitted them outside
+    his timer, milliseconds on a GPU). (None, 0.0) without trick.whitening."""
+    if not t.whitening:
+        return None, 0.0
+    start = time.perf_counter()
+    filters = fit_patch_whitening(data.train_x[:t.whitening_images], data.mean, data.std, t.whitening_eps, device)
+    synchronize(device)
+    return filters, time.perf_counter() - start
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ as .npy in <data_dir>/mixprec-cache/wikitext2/.
 from __future__ import annotations
 
 import math
-import sys
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +30,10 @@ import numpy as np
 import torch
 
 from .config import DatasetConfig
+from .data import Resumable
 from .datafiles import ENV_DATA_DIR, ArrayCache, DataError, data_root, fetch, sha256sum, signature
+
+log = logging.getLogger(__name__)
 
 EOS = "<eos>"
 FOLDER = "wikitext-2"
@@ -110,8 +113,8 @@ def _decode(paths: list[Path]) -> tuple[dict, dict]:
         arrays[split], lines[split] = _tokenize(path, vocab)
         official[split] = sha256sum(path) == SHA256[split]
     if not all(official.values()):
-        print(f"mixprec: note: {', '.join(f'{s}.txt' for s, ok in official.items() if not ok)} in {paths[0].parent} "
-              "differ from the published Wikitext-2 files (sha256); using them as they are", file=sys.stderr)
+        log.warning(f"mixprec: note: {', '.join(f'{s}.txt' for s, ok in official.items() if not ok)} in "
+                    f"{paths[0].parent} differ from the published Wikitext-2 files (sha256); using them as they are")
     return arrays, {"vocab": list(vocab), "lines": lines, "official": official}
 
 
@@ -165,8 +168,9 @@ def get_batch(source: torch.Tensor, i: int, bptt: int) -> tuple[torch.Tensor, to
     return source[i:i + seq_len], source[i + 1:i + 1 + seq_len]
 
 
-class TokenWindows:
-    """Every (input, target) window of a batchified stream, in order: len() = ceil((nbatch - 1) / bptt)."""
+class TokenWindows(Resumable):
+    """Every (input, target) window of a batchified stream, in order: len() = ceil((nbatch - 1) / bptt). It knows
+    its place in the stream (data.Resumable), for a language-model run resumed in the middle of an epoch."""
 
     def __init__(self, source: torch.Tensor, bptt: int):
         self.source, self.bptt = source, bptt
@@ -174,6 +178,8 @@ class TokenWindows:
     def __len__(self) -> int:
         return math.ceil((len(self.source) - 1) / self.bptt)
 
-    def __iter__(self):
-        for i in range(0, len(self.source) - 1, self.bptt):
-            yield get_batch(self.source, i, self.bptt)
+    def _order(self):
+        return None
+
+    def _batch(self, order, i: int):
+        return get_batch(self.source, i * self.bptt, self.bptt)
