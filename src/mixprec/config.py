@@ -332,6 +332,19 @@ class LoggerConfig:
 
 
 @dataclass(frozen=True)
+class ProbeConfig:
+    """The numerics probe (src/mixprec/probe.py): none = no hooks (attribution of skipped and non-finite steps
+    only, at the event); ranges = per-layer ranges at step 1, every `every` steps and every skipped step."""
+    name: Literal["none", "ranges"] = "none"
+    every: int = 50
+    max_skips: int = 20     # skipped steps listed in the summary (all are counted)
+
+    def check(self) -> None:
+        _at_least(self, "every", 1, section="probe")
+        _at_least(self, "max_skips", 0, section="probe")
+
+
+@dataclass(frozen=True)
 class CaseConfig:
     """A named case of an experiment whose outcome is the finding (e.g. a half-precision pitfall)."""
     name: str
@@ -352,6 +365,7 @@ class Config:
     schedule: ScheduleConfig
     trick: TrickConfig
     logger: LoggerConfig
+    probe: ProbeConfig = ProbeConfig()
     case: Optional[CaseConfig] = None
 
     def check(self) -> None:

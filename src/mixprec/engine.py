@@ -48,6 +48,7 @@ from .dist import SINGLE, Ranks
 from .hardware import mark_steady, synchronize
 from .models import set_bn_eval
 from .precision import PrecisionPolicy
+from .probe import Attribution
 from .tricks import cross_entropy, tta_logits
 
 # GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the torch.amp
@@ -154,6 +155,7 @@ class Loop:
     stop: Callable = lambda: None        # the name of a stop signal received, else None
     ranks: Ranks = SINGLE
     progress: bool = True
+    probe: Attribution = field(default_factory=Attribution)   # the numerics probe's calls (probe.py)
     status: str = "completed"
     reason: str | None = None
     warm_at: int = 0
@@ -201,17 +203,27 @@ def all_finite(tensors) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
-def train_step(loss: torch.Tensor, loop: Loop, state: LoopState) -> None:
+def forward(model: nn.Module, x: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    with policy.autocast():
+        return model(policy.cast_input(x))
+
+
+def train_step(loss: torch.Tensor, loop: Loop, state: LoopState, replay=None) -> None:
     """Backward and optimizer step (unscale, clip, step: PrecisionPolicy.step) for one batch's loss, then
     zero_grad. Under on_nonfinite=skip a non-finite loss skips backward and update (the window check counts it);
-    under several ranks, all skip alike."""
-    policy, tr = loop.policy, loop.trainer
+    under several ranks, all skip alike. replay: the step's forward again, for the probe's attribution of a
+    non-finite value (loop.probe, probe.py)."""
+    policy, tr, probe, step = loop.policy, loop.trainer, loop.probe, state.step + 1
     if tr.on_nonfinite == "skip" and loop.ranks.any(not torch.isfinite(loss)):
         if state.nonfinite is None:
-            state.nonfinite = {"step": state.step + 1, "what": f"loss {loss.item()} (step skipped)", "policy": "skip"}
+            what = "; ".join(filter(None, (f"loss {loss.item()} (step skipped)", probe.on_nonfinite(step, replay))))
+            state.nonfinite = {"step": step, "what": what, "policy": "skip"}
     else:
         policy.backward(loss)
-        state.skipped += policy.step(loop.optimizer, tr.grad_clip)
+        probe.after_backward(step, loss, policy, replay)
+        skipped = policy.step(loop.optimizer, tr.grad_clip)
+        probe.after_step(step, policy, skipped)
+        state.skipped += skipped
         if policy.scale_value is not None:
             state.scale_min = min(state.scale_min, policy.scale_value)
             state.scale_max = max(state.scale_max, policy.scale_value)
@@ -221,7 +233,7 @@ def train_step(loss: torch.Tensor, loop: Loop, state: LoopState) -> None:
 def check_window(window: Window, state: LoopState, loop: Loop) -> tuple[float, str | None]:
     """The non-finite check, one host sync: the window's losses (averaged over ranks: the global batches'), then
     the stepped weights. Returns the mean of the finite losses and what went non-finite (None when all is
-    finite); counts it and records the first."""
+    finite); counts it and records the first, with the probe's first non-finite module."""
     losses = (loop.ranks.sum_(torch.stack(window.losses).float()) / loop.ranks.world).cpu()
     finite = torch.isfinite(losses)
     bad_step = what = None
@@ -234,6 +246,7 @@ def check_window(window: Window, state: LoopState, loop: Loop) -> tuple[float, s
         what = f"weights became non-finite by step {bad_step} (checked every {loop.trainer.log_every} steps)"
         state.nonfinite_steps += 1
     if bad_step is not None and state.nonfinite is None:
+        what = "; ".join(filter(None, (what, loop.probe.on_nonfinite(bad_step))))
         state.nonfinite = {"step": bad_step, "what": what, "policy": loop.trainer.on_nonfinite}
     return (losses[finite].mean().item() if finite.any() else math.nan), what
 
@@ -368,10 +381,11 @@ class ImageSteps:
 
     def step(self, x, y, loop: Loop, state: LoopState):
         """One batch trained; returns (its mean loss, its correct count, its size) on the device."""
-        with loop.policy.autocast():
-            out = self.model(loop.policy.cast_input(x))
+        loop.probe.before_step(state.step + 1, loop.policy)
+        out = forward(self.model, x, loop.policy)
         loss = cross_entropy(out, y, self.label_smoothing, summed=self.loss_sum)
-        train_step(loss, loop, state)
+        inner = getattr(self.model, "module", self.model)   # the probe replays a batch on one rank: not through DDP
+        train_step(loss, loop, state, replay=lambda: forward(inner, x, loop.policy))
         if self.ema is not None:
             self.ema.update(self.model)
         self.schedule.step()

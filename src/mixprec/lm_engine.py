@@ -116,8 +116,9 @@ class LMSteps:
             self.hidden = self.model.init_hidden(self.columns)
 
     def step(self, x, y, loop: Loop, state: LoopState):
-        loss, _, self.hidden = forward(self.model, x, y, self.hidden, loop.policy)
-        train_step(loss, loop, state)
+        loop.probe.before_step(state.step + 1, loop.policy)
+        start, (loss, _, self.hidden) = self.hidden, forward(self.model, x, y, self.hidden, loop.policy)
+        train_step(loss, loop, state, replay=lambda: forward(self.model, x, y, start, loop.policy))
         if not self.plateau:
             self.schedule.step()
         return loss.detach(), None, y.numel()

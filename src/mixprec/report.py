@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import plots, reference
+from . import plots, probe_plots, reference
 from .records import METRICS, SUMMARY, read_summary, write_json_atomic
 from .sources import DERIVED, Published, Source, load_sources, matches
 from .tables import baseline_key, sweep_rows
@@ -720,7 +720,8 @@ def make_report(inputs: list[str], out: Path | None = None, published: Path | No
     out = Path(out or default_out(inputs))
     out.mkdir(parents=True, exist_ok=True)
     for exp in data["experiments"]:
-        exp["plots"] = make_plots(exp, sources, out)
+        exp["plots"] = make_plots(exp, sources, out) + probe_plots.numerics_figures(   # jobs run with probe=ranges
+            [(j.dir, f"{g.label}, {j.precision}") for g in exp["_groups"] for j in g.jobs], out / "plots")
     written = {Path(f["path"]).resolve() for exp in data["experiments"] for f in exp["plots"]}
     for old in (out / "plots").glob("*.png"):
         if old.resolve() not in written:

@@ -7,6 +7,7 @@ on with its other jobs, except after a signal, which was meant for the whole com
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -29,6 +30,7 @@ from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
 from .precision import PrecisionPolicy, hazards
 from .prewarm import prewarm
+from .probe import build_probe
 from .records import SUMMARY, Recorder, write_json_atomic
 from .resnet9 import resnet9_options
 from .signals import StopSignals, resume_hint
@@ -252,15 +254,18 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
     build = language_model_parts if config.model.is_language_model else image_parts
     steps, batches, policy, optimizer, info = build(config, device, ranks)
     tr = config.trainer
-    saver.parts.update(model=info.pop("model"), optimizer=optimizer, schedule=steps.schedule,
+    model = info.pop("model")
+    saver.parts.update(model=model, optimizer=optimizer, schedule=steps.schedule,
                        precision=checkpoint.PolicyState(policy), data=batches, **info.pop("parts"))
     state = engine.LoopState()   # setup (the whitening fit) is timed apart, as Page timed it
     if resume is not None:
         saver.restore(resume, state)   # last before training: it sets the RNG states
-    loop = engine.Loop(policy, optimizer, tr, engine.total_steps(tr, len(batches)), log=recorder.log,
-                       checkpoint=saver.save if ranks.main else None, stop=stop, ranks=ranks,
-                       progress=sys.stderr.isatty() and ranks.main)
-    result = engine.fit(steps, batches, loop, state)
+    with probed(config, model, recorder, ranks) as probe:
+        loop = engine.Loop(policy, optimizer, tr, engine.total_steps(tr, len(batches)), log=recorder.log,
+                           checkpoint=saver.save if ranks.main else None, stop=stop, ranks=ranks,
+                           progress=sys.stderr.isatty() and ranks.main, probe=probe)
+        result = engine.fit(steps, batches, loop, state)
+        result["numerics"] = probe.summary()
     if ranks.active:
         result["distributed"] = {"world_size": ranks.world, "per_rank_batch": tr.batch_size // ranks.world,
                                  "sync_bn": tr.sync_bn, "backend": dist.backend_for(device),
@@ -272,6 +277,16 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
         result["weights"] = checkpoint.save_weights(recorder.out_dir, policy.fp32_state_dict(final),
                                                     info.pop("num_classes"))
     return {**result, "data": info["data"]}
+
+
+@contextlib.contextmanager
+def probed(config: Config, model, recorder: Recorder, ranks: dist.Ranks):
+    """The job's numerics probe (probe.py): rank 0 records numerics.jsonl; closed however training ends."""
+    probe = build_probe(config.probe, model, recorder.out_dir if ranks.main else None)
+    try:
+        yield probe
+    finally:
+        probe.close()
 
 
 def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
