@@ -6,8 +6,9 @@ import pytest
 
 from conftest import compose_config, run_cli, run_tiny
 from mixprec.config import validate
-from mixprec.tables import PAGE_LADDER, ladder_rows
+from mixprec.tables import ladder_rows, page_ladder
 
+PAGE_LADDER = page_ladder()
 STEPS = list(PAGE_LADDER)
 # the tiny version of a ladder job: synthetic data (the sweep's cifar10 is overridden), narrow ResNet-9, 2 steps
 LADDER_TINY = ["dataset=synthetic", "dataset.train_size=64", "dataset.test_size=32", "dataset.image_size=16",
