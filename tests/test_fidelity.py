@@ -1,4 +1,4 @@
-"""Fidelity to the sources' own code (issue 23). One table per source: the source's setting -> mixprec's config key ->
+"""Fidelity to the sources' own code. One table per source: the source's setting -> mixprec's config key ->
 value, each with the source file and line (or notebook cell) it comes from, checked on the composed preset; then
 the behaviour behind the settings that are code (fastai's to_fp16, one-cycle and head; Page's clock and ladder
 table; apex's best-validation perplexity), each against an independent implementation or a hand count; and every

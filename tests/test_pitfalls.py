@@ -1,4 +1,4 @@
-"""Issue 6: the half-precision pitfalls as real runs, the BN-eval case, the opt-level and pitfall sweeps, and
+"""The half-precision pitfalls as real runs, the BN-eval case, the opt-level and pitfall sweeps, and
 the batch-size search."""
 import json
 import subprocess
