@@ -17,7 +17,7 @@ from mixprec.precision import PrecisionPolicy
 from mixprec.rnnlm import RNNModel
 from mixprec.checkpoint import WEIGHTS
 from mixprec.tables import published_ppl, sweep_rows
-from mixprec.wikitext import TokenWindows, batchify
+from mixprec.data.wikitext import TokenWindows, batchify
 
 CPU = torch.device("cpu")
 # Tiny but real, as conftest's TINY for images: a 2-layer LSTM of 8 units on a synthetic corpus of 40 words,

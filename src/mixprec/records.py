@@ -27,6 +27,7 @@ def atomic_file(path: Path, mode: str = "wb"):
     """Write `path` all or nothing: into a temp file in the same directory, fsynced, then os.replace'd over it.
     A reader (or a process killed mid-write) never sees half a file; on an error the temp file is removed."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, mode) as f:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .records import write_json_atomic
+from ..records import write_json_atomic
 
 log = logging.getLogger(__name__)
 
