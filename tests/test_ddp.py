@@ -10,7 +10,7 @@ import torch
 
 import mixprec.run
 from conftest import ROOT, TINY, run_tiny
-from mixprec import data, dist
+from mixprec import dist
 from mixprec.data import pipelines
 from mixprec.config import ConfigError
 

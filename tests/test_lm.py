@@ -338,4 +338,5 @@ def test_generate_samples_words_from_a_trained_run(tmp_path, capsys):
     run_tiny(image)
     capsys.readouterr()
     assert generate.main([str(image)]) == 2
-    assert capsys.readouterr().err.strip() == f"generate: {image}: model=small_cnn is not a language model (lstm, gru, rnn_tanh, rnn_relu, gpt)"
+    assert capsys.readouterr().err.strip() == \
+        f"generate: {image}: model=small_cnn is not a language model (lstm, gru, rnn_tanh, rnn_relu, gpt)"

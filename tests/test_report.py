@@ -183,7 +183,8 @@ def test_wandb_offline_says_why_in_one_line_and_writes_the_local_report(runs, tm
     # the shipped published numbers: no job belongs to their experiments, so every value is listed as missing
     assert "## Published numbers with no runs yet" in md
     fastai = md_table(md, "### fastai_2080ti")
-    assert ["ResNet-101, FP32 time / mixed-precision time", "1.18 x", "NVIDIA RTX 2080 Ti", "model=resnet101, precision=fastai_fp16, model.head=fastai"] \
+    assert ["ResNet-101, FP32 time / mixed-precision time", "1.18 x", "NVIDIA RTX 2080 Ti",
+            "model=resnet101, precision=fastai_fp16, model.head=fastai"] \
         == fastai[0][:4]
 
 

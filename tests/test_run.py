@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 from torch import nn
 
 import mixprec.run

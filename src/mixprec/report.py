@@ -400,7 +400,8 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
     _, mems = series("peak_memory_mb", labs=time_labels)
     if times:
         kinds = sorted({k for g in groups for k in _group_data(g)["peak_memory_kind"] if k != "?"})
-        what = {"process_peak_rss": "process peak RSS: CPU run", "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
+        what = {"process_peak_rss": "process peak RSS: CPU run",
+                "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
         mem_kind = " / ".join(what.get(k, k) for k in kinds)
         figs.append({"path": plots.time_and_memory(pdir / f"{slug}_time_memory.png",
                                                    f"{exp['name']}: training time and peak memory",
