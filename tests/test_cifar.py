@@ -7,7 +7,7 @@ import pytest
 import torch
 from hydra.core.hydra_config import HydraConfig
 
-from conftest import TINY, compose_config, run_cli
+from helpers import TINY, compose_config, run_cli
 from test_flops import small_cnn_flops
 from mixprec.data import cifar
 from mixprec.config import ConfigError, validate

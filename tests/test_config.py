@@ -1,7 +1,7 @@
 """Every option of every group composes and validates; bad values fail with one line naming the field."""
 import pytest
 
-from conftest import CONF, compose_config
+from helpers import CONF, compose_config
 from mixprec.config import ConfigError, validate
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mixprec.run
-from conftest import ROOT, TINY, run_tiny
+from helpers import ROOT, TINY, run_tiny
 from mixprec import dist
 from mixprec.data import pipelines
 from mixprec.config import ConfigError

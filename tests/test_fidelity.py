@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import compose_config, run_cli
+from helpers import compose_config, run_cli
 from mixprec.config import ConfigError, plain_config, validate
 from mixprec.models import build_model
 from mixprec.optim import build_optimizer, build_schedule

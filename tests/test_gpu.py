@@ -10,7 +10,7 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 from torch import nn
 
-from conftest import ROOT, TINY, compose_config, run_tiny
+from helpers import ROOT, TINY, compose_config, run_tiny
 from mixprec import checkpoint, data, hardware, precision
 from mixprec.config import validate
 from mixprec.engine import TrainClock

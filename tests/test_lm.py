@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, compose_config, run_cli, run_tiny
+from helpers import ROOT, compose_config, run_cli, run_tiny
 from mixprec import engine, lm_engine
 from mixprec.config import ConfigError, validate
 from mixprec.optim import build_schedule
@@ -20,7 +20,7 @@ from mixprec.tables import published_ppl, sweep_rows
 from mixprec.data.wikitext import TokenWindows, batchify
 
 CPU = torch.device("cpu")
-# Tiny but real, as conftest's TINY for images: a 2-layer LSTM of 8 units on a synthetic corpus of 40 words,
+# Tiny but real, as helpers.TINY for images: a 2-layer LSTM of 8 units on a synthetic corpus of 40 words,
 # 2 steps, the example's optimizer (plain SGD, clipping, the plateau rule).
 LM = ["logger=none", "trainer.max_steps=2", "model=lstm", "dataset=synthetic_text", "dataset.vocab_size=40",
       "dataset.train_size=1200", "dataset.test_size=200", "model.emsize=8", "model.nhid=8", "trainer.batch_size=4",
@@ -285,6 +285,7 @@ def test_plateau_divides_the_lr_after_each_epoch_without_a_better_validation_los
     assert lrs == [20.0, 20.0, 5.0, 1.25, 1.25, 0.3125, 0.3125]
 
 
+@pytest.mark.slow   # a subprocess sweep
 def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
     sweep = tmp_path / "sweep"
     small = ["dataset=synthetic_text", "dataset.vocab_size=40", "dataset.train_size=1200", "dataset.test_size=200",

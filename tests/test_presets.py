@@ -4,7 +4,7 @@ import json
 import pytest
 import yaml
 
-from conftest import CONF, TINY, compose_config, run_cli
+from helpers import CONF, TINY, compose_config, run_cli
 
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 

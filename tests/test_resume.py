@@ -15,7 +15,7 @@ from torch import nn
 
 import mixprec.engine
 import mixprec.run
-from conftest import ROOT, TINY, compose_config, run_tiny
+from helpers import ROOT, TINY, compose_config, run_tiny
 from mixprec.checkpoint import CHECKPOINT, WEIGHTS, load_fp32_model
 from mixprec.config import validate
 from mixprec.data import DeviceBatches, LoaderBatches, synthetic_images

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import ROOT, compose_config
+from helpers import ROOT, compose_config
 from mixprec.data import wikitext
 from mixprec.config import validate
 from mixprec.data.files import DataError, sha256sum
