@@ -2,12 +2,15 @@
 precision, by doubling then binary search; with the ratio against the first precision given.
 
     python scripts/max_batch.py model=resnet50 precision=fp32,amp [any train.py override ...] [--limit 65536]
+    python scripts/max_batch.py ... --records DIR    # also DIR/<precision>/summary.json, for the report
 
 The fastai article saw about 1.8x larger batches fit with fp16. Needs a GPU: without one it says so and
 exits non-zero. Each probe builds a fresh model, policy and optimizer and runs two full steps on random data of
 the dataset's shape, under the job's hardware flags (cudnn.benchmark, TF32); an allocation failure of the caching
 allocator, cuBLAS or cuDNN means "does not fit", and the memory is back at its baseline before the next probe
 (tests/test_gpu.py checks it).
+`--device cpu` runs the same probes on the CPU, where nothing runs out of memory: the search stops at
+--limit (a check that the probes run, not a measurement).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import argparse
 import gc
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -91,11 +95,37 @@ def make_probe(config, device):
     return fits
 
 
+def write_record(job_dir: Path, overrides: list[str], device, best: int, probes: list, limit: int, t0: float):
+    """A summary.json like a training job's, so the report pairs each precision's max batch with fp32's
+    (`config.measure` keeps these records apart from training jobs of the same config)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from mixprec.config import plain_config
+    from mixprec.hardware import describe
+    from mixprec.records import Recorder
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
+    config = dict(plain_config(cfg), measure="max_batch")
+    Recorder(job_dir).write_summary({
+        "status": "completed", "choices": dict(choices, measure="max_batch"), "overrides": overrides,
+        "job": {"name": "max_batch", "num": None, "output_dir": str(job_dir)}, "config": config,
+        "name": config.get("name"), "seed": config.get("seed"), "env": describe(device),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t0)),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "metrics": {"max_batch_size": best, "probes": probes, "limit": limit,
+                    "limited": best >= limit, "search_time_s": time.time() - t0}})
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="train.py overrides; precision=a,b,... lists the precisions")
     parser.add_argument("--limit", type=int, default=65536, help="largest batch size tried")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--records", type=Path, help="also write RECORDS/<precision>/summary.json (name, choices, "
+                        "config, env, metrics.max_batch_size), which the report reads")
+    parser.add_argument("--device", default="auto", help="auto (the GPU), cuda, cuda:N or cpu; "
+                        "cpu: run the probes on the CPU (never out of memory: stops at --limit)")
     args = parser.parse_args(argv)
 
     precisions, rest = ["fp32", "amp"], []
@@ -104,13 +134,19 @@ def main(argv=None) -> int:
             precisions = o.split("=", 1)[1].split(",")
         else:
             rest.append(o)
-    device = hardware.select_device("auto")
-    if device.type == "cpu":
-        print("max_batch: no GPU is visible here; the search measures GPU memory, so it needs one", file=sys.stderr)
-        return 2
     from mixprec.config import ConfigError
 
-    name = hardware.describe(device)["device_name"]
+    try:
+        device = hardware.select_device(args.device)
+    except ConfigError as e:   # e.g. --device cuda:3 on a one-GPU machine
+        print(f"max_batch: {e}".replace("trainer.device", "--device"), file=sys.stderr)
+        return 2
+    if device.type == "cpu" and args.device != "cpu":
+        print("max_batch: no GPU is visible here; the search measures GPU memory, so it needs one "
+              "(--device cpu runs the probes on the CPU, as a check that they run)", file=sys.stderr)
+        return 2
+
+    name = hardware.describe(device)["device_name"] if device.type != "cpu" else "the CPU (no memory limit: --limit)"
     results = []
     for p in precisions:
         try:
@@ -118,9 +154,12 @@ def main(argv=None) -> int:
         except ConfigError as e:
             print(f"max_batch: config error: {e}", file=sys.stderr)
             return 2
+        t0 = time.time()
         best, probes = largest_fitting(make_probe(config, device), limit=args.limit)
         results.append({"precision": p, "max_batch": best, "probes": probes})
         print(f"{p:10s} max batch {best} ({len(probes)} probes)", flush=True)
+        if args.records:
+            write_record(args.records / p, [f"precision={p}", *rest], device, best, probes, args.limit, t0)
     base = results[0]["max_batch"]
     print(f"\nmodel={compose(rest).model.arch} on {name}")
     print(f"{'precision':10s} {'max batch':>10s} {'vs ' + results[0]['precision']:>10s}")

@@ -111,12 +111,22 @@ def test_create_cnn_head_and_frozen_body_by_hand_count():
     torch.testing.assert_close(head[1](head[0](feats)), want)
 
 
-def test_pretrained_weights_missing_offline_is_one_line_and_no_download(tmp_path, monkeypatch):
+def test_pretrained_weights_are_downloaded_with_their_hash_checked_or_offline_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
     c, _ = composed(*FASTAI)
-    with pytest.raises(ConfigError, match=r"resnet18-f37072fd\.pth is missing.*model\.pretrained=false") as e:
+    calls = []
+
+    def offline(url, **kwargs):   # what an offline machine gets from torch.hub (no network in tests)
+        calls.append((url, kwargs))
+        raise OSError("<urlopen error [Errno -3] Temporary failure in name resolution>")
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
+    with pytest.raises(ConfigError, match=r"resnet18-f37072fd\.pth is missing and could not be downloaded"
+                                          r".*model\.pretrained=false") as e:
         build_model(c.model, 100)
     assert "\n" not in str(e.value) and not list(tmp_path.rglob("*.pth"))
+    assert calls == [("https://download.pytorch.org/models/resnet18-f37072fd.pth",
+                      {"progress": True, "check_hash": True})]
 
 
 def fastai_stepper_reference(n_steps, lr_max, div=25.0, pct=0.3, moms=(0.95, 0.85)):

@@ -19,6 +19,8 @@ else starts over. metrics.jsonl is cut back to the rows up to the checkpoint's s
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import random
 import time
@@ -242,7 +244,9 @@ def load_fp32_model(run_dir: Path):
     options = {}
     if config.model.arch == "resnet9":   # the whitening filters are in the saved weights: any tensor of their shape
         options = resnet9_options(config.trick, torch.zeros(27, 3, 3, 3) if config.trick.whitening else None)
-    model = build_model(config.model, summary["weights"]["num_classes"], **options)
+    # the saved weights are the whole model: no ImageNet weights need be read to rebuild a pretrained one
+    model = build_model(dataclasses.replace(config.model, pretrained=False), summary["weights"]["num_classes"],
+                        **options)
     path = run_dir / summary["weights"]["file"]
     try:
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

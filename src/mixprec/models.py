@@ -49,16 +49,20 @@ def resnet(arch: str, stem: str, num_classes: int, pretrained: bool = False) -> 
 
 def imagenet_weights(arch: str):
     """torchvision's ImageNet weights for `arch` (IMAGENET1K_V1: the weights fastai 1.0 loaded through torchvision's
-    `pretrained=True`), read from the torch hub cache only: a missing file is one ConfigError naming what to do,
-    never a download (tests and offline machines stay offline)."""
+    `pretrained=True`), from the torch hub cache, downloaded there once (torchvision's URL, its sha256 prefix
+    checked) when missing; offline, one ConfigError naming what to do."""
     from .config import ConfigError
 
     weights = torchvision.models.get_model_weights(arch).IMAGENET1K_V1
     path = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
     if not path.is_file():
-        raise ConfigError(f"model.pretrained=true: {path} is missing; fetch it once where there is network "
-                          f"(python -c \"import torchvision; torchvision.models.{arch}(weights='IMAGENET1K_V1')\"), "
-                          f"copy it there (or set TORCH_HOME), or set model.pretrained=false")
+        try:
+            torch.hub.load_state_dict_from_url(weights.url, progress=True, check_hash=True)
+        except Exception as e:   # offline, or a broken download (removed by torch.hub)
+            raise ConfigError(f"model.pretrained=true: {path} is missing and could not be downloaded "
+                              f"({str(e).splitlines()[0][:120]}); fetch it once where there is network "
+                              f"(python -c \"import torchvision; torchvision.models.{arch}(weights='IMAGENET1K_V1')\"), "
+                              f"copy it there (or set TORCH_HOME), or set model.pretrained=false") from None
     return weights
 
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import plots
+from . import plots, reference
 from .records import METRICS, SUMMARY, read_summary, write_json_atomic
 from .sources import DERIVED, Published, Source, load_sources, matches
 from .tables import baseline_key, sweep_rows
@@ -621,6 +621,8 @@ def document(data: dict) -> Doc:
         + ". Numbers are read from each job's summary.json and metrics.jsonl. Speed-up = fp32 training time / "
           "the job's training time, against the fp32 job with the same other settings (and seed); "
           "`a ± b (n=k)` is the mean and sample standard deviation over k seeds. Ratio = reproduced / published.")
+    if data.get("reference"):
+        reference.document(d, data["reference"])
     if data["problems"]:
         d.p("Unreadable records (left out):")
         d.bullets(data["problems"])
@@ -710,11 +712,12 @@ def make_report(inputs: list[str], out: Path | None = None, published: Path | No
     """Read the jobs under `inputs`, write report.md, report.html (plots embedded), report.json and plots/*.png
     into `out`, and return the report's data (with "out" and the paths written)."""
     inputs = [str(i) for i in inputs]
-    jobs, problems = load_jobs(find_summaries(inputs))
+    jobs, problems = load_jobs(find_summaries(reference.job_inputs(inputs)))
     if not jobs:
         raise ReportError("no readable summary.json: " + "; ".join(problems))
     sources = load_sources(published)
     data = analyse(jobs, sources, problems, inputs)
+    data["reference"] = reference.section(inputs, sources)   # results folders side by side (scripts/reproduce.py)
     out = Path(out or default_out(inputs))
     out.mkdir(parents=True, exist_ok=True)
     for exp in data["experiments"]:

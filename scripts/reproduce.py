@@ -1,0 +1,623 @@
+"""Reproduce every article on this machine's GPU within a time budget, into one folder to share.
+
+    python scripts/reproduce.py [train.py overrides, e.g. gpu=h100 dataset.data_dir=/data] [--budget 60m]
+    python scripts/reproduce.py --plan --budget 30m          # calibrate, print the plan, run nothing
+    python scripts/reproduce.py --only page_ladder,torch_amp  # some articles (or sweeps) only
+    python scripts/reproduce.py --smoke                       # the whole plan at tiny sizes: a CPU proof
+
+The plan is src/mixprec/plan.yaml. First a calibration times a few steps of each sweep's jobs on this device
+(warm-up excluded, synthetic stand-in data of the real shapes) and predicts each sweep's minutes; with --budget
+the plan is cut to fit (each sweep's `cuts`, the longest sweep first) and printed before anything runs. The
+sweeps run as `python train.py -m ... trainer.resume=auto` into <out>/runs/<sweep>: run the same command again
+after a crash, Ctrl-C or kill -9 and finished jobs are skipped, interrupted ones resume from their checkpoints.
+A failing sweep is recorded and the next one runs. <out> (default outputs/reference/<gpu>-<date>/) ends with
+report/, ENVIRONMENT.md, COMMANDS.md and plan.md (predicted against actual minutes).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from mixprec import plan as P  # noqa: E402
+from mixprec.records import write_json_atomic  # noqa: E402
+
+FINAL = ("completed", "diverged", "failed")
+STATE = "plan.json"
+FIXED = ["hydra.callbacks.sweep_table.report=false"]   # the folder's report is made once, at the end
+
+
+def log(msg: str) -> None:
+    print(f"reproduce: {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- the folder
+
+
+def environment() -> dict:
+    import torch
+    from mixprec.hardware import describe
+
+    env = describe(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        env["driver"] = None
+    return env
+
+
+def default_out(env: dict, args) -> Path:
+    name = "cpu" if not env["gpus"] else re.sub(r"[^a-z0-9]+", "-", env["gpus"][0].lower()).strip("-")
+    profile = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("gpu=")), None)
+    if profile and profile != "auto":
+        name += f"-{profile}"
+    date = datetime.date.today().isoformat()
+    return ROOT / "outputs" / ("smoke" if args.smoke else "reference") / f"{name}-{date}"
+
+
+def write_environment(out: Path, env: dict, args) -> None:
+    rows = [("GPU", ", ".join(env["gpus"]) or "none (CPU)"), ("driver", env.get("driver") or "-"),
+            ("torch", env["torch"]), ("CUDA", env["cuda"] or "-"), ("cuDNN", env["cudnn"] or "-"),
+            ("commit", f"{env['git_commit']}" + (" (with uncommitted changes)" if env.get("git_dirty") else "")),
+            ("python", env["python"]), ("platform", env["platform"]), ("host", env["hostname"]),
+            ("CPU cores", env["cpu_count"]), ("GPU memory (GB)", env.get("gpu_memory_gb") or "-"),
+            ("capability", env.get("capability") or "-"), ("overrides", " ".join(args.overrides) or "-"),
+            ("written", time.strftime("%Y-%m-%d %H:%M:%S %z"))]
+    text = "# Environment\n\n" + P.markdown_table(["", ""], [[k, v] for k, v in rows]) + "\n"
+    (out / "ENVIRONMENT.md").write_text(text)
+    write_json_atomic(out / "environment.json", env)
+
+
+def record_command(out: Path, what: str, cmd: list[str]) -> None:
+    """COMMANDS.md gets the command as it starts (a killed session's command is listed too), record_exit its end."""
+    path = out / "COMMANDS.md"
+    if not path.exists():
+        path.write_text("# Commands run\n\nEvery command this folder's results came from, in order (run from the "
+                        "repository root; the commands of a resumed plan are listed again, a command with no exit "
+                        "line was stopped).\n")
+    with path.open("a") as f:
+        f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M:%S')} {what}\n\n```bash\n{shlex.join(cmd)}\n```\n")
+
+
+def record_exit(out: Path, rc, wall: float) -> None:
+    with (out / "COMMANDS.md").open("a") as f:
+        f.write(f"exit code {rc}, {wall / 60:.1f} min\n")
+
+
+# ---------------------------------------------------------------------------------------------------- commands
+
+
+def exclude_keys(overrides: list[str], grid: dict) -> str:
+    """Job dir names carry only the grid's values (every other override is the same for all the sweep's jobs)."""
+    keys = ["logger.mode", "trainer.device", "trainer.resume"]
+    keys += [k for k in P.override_keys(overrides) if k not in grid]
+    return "hydra.job.config.override_dirname.exclude_keys=[" + ",".join(dict.fromkeys(keys)) + "]"
+
+
+def smoke_parts(sweep) -> tuple[list[str], list[str]]:
+    """A sweep's smoke list as (overrides: key=value, script options: --flag value ...)."""
+    over = [o for o in sweep.smoke if "=" in o and not o.startswith("--")]
+    return over, [o for o in sweep.smoke if o not in over]
+
+
+def sweep_overrides(plan, sweep, args) -> list[str]:
+    """The overrides of the sweep's real run (grid aside): plan, smoke sizes, then the user's."""
+    smoke = list(plan.smoke_common) + smoke_parts(sweep)[0] if args.smoke else []
+    return P.merge_overrides(sweep.overrides, smoke, args.overrides)
+
+
+def script_options(sweep, args) -> list[str]:
+    return smoke_parts(sweep)[1] if args.smoke else []
+
+
+def train_command(overrides: list[str], grid: dict, sweep_dir: Path, extra=()) -> list[str]:
+    over = P.merge_overrides(overrides, extra, FIXED)
+    return [sys.executable, str(ROOT / "train.py"), "-m", *over,
+            *[f"{k}={','.join(v)}" for k, v in grid.items()],
+            f"hydra.sweep.dir={sweep_dir}", exclude_keys(over, grid)]
+
+
+def run_command(plan, sweep, args, out: Path) -> list[str]:
+    runs = out / "runs" / sweep.name
+    over = sweep_overrides(plan, sweep, args)
+    if sweep.command == "max_batch":
+        precisions = ",".join(sweep.grid.get("precision", ("fp32", "amp")))
+        return [sys.executable, str(ROOT / "scripts" / "max_batch.py"), *over, f"precision={precisions}",
+                "--records", str(runs), *script_options(sweep, args)]
+    return train_command(over, sweep.grid, runs, ["trainer.resume=auto"])
+
+
+@lru_cache(maxsize=None)
+def compose(overrides: tuple) -> dict:
+    """A job's resolved config (Hydra's compose API; hydra.* overrides left out)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from mixprec.config import plain_config
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        kept = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+        return plain_config(hydra_compose("config", overrides=kept))
+
+
+def job_configs(plan, sweep, args) -> list[dict]:
+    over = sweep_overrides(plan, sweep, args)
+    return [compose(tuple(P.merge_overrides(over, [f"{k}={v}" for k, v in job.items()]))) for job in sweep.jobs]
+
+
+# ---------------------------------------------------------------------------------------------------- processes
+
+
+def _die_with_parent():   # a kill -9 of reproduce.py takes its running sweep with it (Linux)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def spawn(cmd: list[str], out: Path, name: str, timeout_s=None, tick=None) -> tuple[int | str, float]:
+    """Run one command, its output appended to <out>/logs/<name>.log; tick() is called every second.
+    Returns (exit code or 'timeout', wall seconds)."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+               PYTHONUNBUFFERED="1")
+    env.pop("WANDB_SERVICE", None)
+    t0 = time.monotonic()
+    with (out / "logs" / f"{name}.log").open("a") as logf:
+        logf.write(f"\n$ {shlex.join(cmd)}\n")
+        logf.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=_die_with_parent)
+        try:
+            while proc.poll() is None:
+                if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                    proc.kill()
+                    proc.wait()
+                    return "timeout", time.monotonic() - t0
+                if tick:
+                    tick()
+                time.sleep(1.0)
+        except KeyboardInterrupt:   # Ctrl-C reached the job too: it checkpoints and exits
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    return proc.returncode, time.monotonic() - t0
+
+
+def summaries(folder: Path) -> list[dict]:
+    found = []
+    for p in sorted(folder.glob("*/summary.json")):
+        try:
+            found.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------- calibration
+
+
+def _job_key(summary: dict, keys: list[str]) -> tuple:
+    choices, cfg = summary.get("choices") or {}, summary.get("config") or {}
+    vals = []
+    for k in keys:
+        v = choices.get(k) if k in choices else cfg
+        if k not in choices:
+            for part in k.split("."):
+                v = v.get(part) if isinstance(v, dict) else None
+        vals.append(str(v))
+    return tuple(vals)
+
+
+def calibrate(plan, args, out: Path) -> dict:
+    """Time each train sweep's jobs ('first': one job per sweep) for a few steps on this device.
+    Returns {sweep: {"costs": {job key: cost}, "wall_s", "status"}}."""
+    cal = dict(plan.calibration)
+    if args.smoke:
+        cal = {"warmup_steps": 1, "timed_steps": 1}
+    steps = cal["warmup_steps"] + cal["timed_steps"]
+    result, t_start = {}, time.monotonic()
+    for s in plan.sweeps:
+        if s.command != "train":
+            continue
+        grid = s.grid if args.calibrate == "all" else {k: v[:1] for k, v in s.grid.items()}
+        data = (list(plan.smoke_common) + smoke_parts(s)[0]) if args.smoke else list(s.stand_in)
+        over = P.merge_overrides(s.overrides, args.overrides, data,
+                                 [f"trainer.max_steps={steps}", f"trainer.warmup_steps={cal['warmup_steps']}",
+                                  "logger=none"])
+        folder = out / "calibration" / s.name
+        cmd = train_command(over, grid, folder)
+        n = math.prod(len(v) for v in grid.values())
+        limit = None if args.smoke else args.calibrate_timeout * n + 60   # smoke jobs are tiny: never stopped
+        record_command(out, f"calibration of {s.name}", cmd)
+        rc, wall = spawn(cmd, out, f"calibration_{s.name}", timeout_s=limit)
+        record_exit(out, rc, wall)
+        costs, done = {}, summaries(folder)
+        for summ in done:
+            cost = P.cost_from_summary(summ)
+            if cost is not None:
+                costs["|".join(_job_key(summ, list(s.grid)))] = cost.__dict__
+        startup = max(0.0, wall - sum(P.job_wall_s(x) or 0.0 for x in done))   # the process, once per sweep
+        result[s.name] = {"costs": costs, "wall_s": wall, "status": "timeout" if rc == "timeout" else rc,
+                          "jobs": n, "timeout_s": args.calibrate_timeout, "steps": steps, "startup_s": startup}
+        log(f"calibrated {s.name}: {len(costs)}/{n} job(s) timed in {wall:.0f} s"
+            + (" (stopped: too slow here)" if rc == "timeout" else ""))
+    return {"sweeps": result, "seconds": time.monotonic() - t_start, "mode": args.calibrate}
+
+
+def predictor(plan, args, calibration: dict):
+    """predict(sweep) -> (seconds, job configs, how: 'calibrated' | 'estimate' | '>='), cached per sweep state."""
+    all_costs = [P.JobCost(**c) for v in calibration["sweeps"].values() for c in v["costs"].values()]
+
+    cache = {}
+
+    def predict(sweep):
+        key = (sweep.name, sweep.overrides, tuple(sweep.grid.items()), sweep.dropped)
+        if key not in cache:
+            cache[key] = _predict(sweep)
+        return cache[key]
+
+    def _predict(sweep):
+        if sweep.command != "train":
+            return (10.0 if args.smoke else float(sweep.predicted_s or 120)), [], "estimate"
+        configs = job_configs(plan, sweep, args)
+        cal = calibration["sweeps"].get(sweep.name, {})
+        costs = {k: P.JobCost(**c) for k, c in cal.get("costs", {}).items()}
+        fallback, how = P.mean_cost(list(costs.values())), "calibrated"
+        if fallback is None and cal.get("status") == "timeout":
+            per_step = cal["timeout_s"] * cal["jobs"] / cal["steps"]
+            fallback, how = P.JobCost(per_step, 0.0, 0.0), ">="
+        elif fallback is None:
+            fallback, how = P.mean_cost(all_costs) or P.JobCost(1.0, 0.0, 10.0), "estimate"
+        total = cal.get("startup_s", 0.0)
+        for job, cfg in zip(sweep.jobs, configs):
+            total += P.predict_job(cfg, costs.get("|".join(job.values()), fallback), plan.datasets)
+        return total, configs, how
+
+    return predict
+
+
+# ---------------------------------------------------------------------------------------------------- FLOP estimate
+
+MFU = 0.3   # the model FLOP utilisation assumed by --estimate (small CIFAR models often reach less)
+
+
+@lru_cache(maxsize=None)
+def _flops(model_json: str, num_classes: int, image_size: int | None) -> float:
+    """Forward FLOPs per sample (image) or per token (language model) of the model config."""
+    import torch
+    from mixprec.config import ModelConfig
+    from mixprec.models import build_model, forward_flops
+
+    fields = json.loads(model_json)
+    model = build_model(ModelConfig(**fields), num_classes)
+    if image_size is None:
+        return float(model.flops_per_token())
+    return forward_flops(model, torch.zeros(1, 3, image_size, image_size)) or 0.0
+
+
+def estimate(plan, args, profiles: list[str]) -> int:
+    """Minutes of the full-fidelity plan on named GPU profiles from FLOPs at MFU of each profile's dense peak
+    for the job's precision: a rough figure, not a measurement (a GPU's --plan replaces it)."""
+    from mixprec.config import validate
+    from mixprec.hardware import peak_kind
+
+    peaks = {p: yaml_load(ROOT / "conf" / "gpu" / f"{p}.yaml")["peak_tflops"] for p in profiles}
+    rows, totals = [], {p: 0.0 for p in profiles}
+    for s in plan.sweeps:
+        secs = {p: 0.0 for p in profiles}
+        if s.command != "train":
+            secs = {p: float(s.predicted_s or 0) for p in profiles}
+        for job in s.jobs if s.command == "train" else []:
+            from omegaconf import OmegaConf
+
+            c = validate(OmegaConf.create(compose(tuple(P.merge_overrides(s.overrides, args.overrides,
+                                                                            [f"{k}={v}" for k, v in job.items()])))))
+            text = c.dataset.name in ("wikitext2", "synthetic_text")
+            sizes = plan.datasets.get(c.dataset.name) or {"train": c.dataset.train_size, "test": c.dataset.test_size}
+            f = _flops(json.dumps(c.model.__dict__, default=list), 33278 if text else c.dataset.num_classes,
+                       None if text else c.dataset.image_size)
+            work = c.trainer.epochs * (sizes["train"] * 3 * f + sizes["test"] * f)
+            for p in profiles:
+                peak = peaks[p].get(peak_kind(c.precision)) or peaks[p]["fp32"]
+                secs[p] += work / (peak * 1e12 * MFU)
+        rows.append([s.article, s.name, len(s.jobs)] + [P.minutes(secs[p]) for p in profiles])
+        for p in profiles:
+            totals[p] += secs[p]
+    rows.append(["total", "", sum(len(s.jobs) for s in plan.sweeps)] + [P.minutes(totals[p]) for p in profiles])
+    print(f"FLOP estimate (not measured): minutes of the full-fidelity plan at {MFU:.0%} of each profile's dense "
+          "peak for the job's precision (fp32 where the profile has no peak for it); training and evaluation "
+          "FLOPs only (no data loading, start-up, launch overhead)\n")
+    print(P.table(["article", "sweep", "jobs", *[f"{p} min" for p in profiles]], rows))
+    return 0
+
+
+def yaml_load(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+
+
+def make_state(plan, args, calibration: dict, budget_s) -> dict:
+    predict = predictor(plan, args, calibration)
+    report_s = 60.0
+    room = None if budget_s is None else budget_s - calibration["seconds"] - report_s
+    sweeps = P.fit(plan.sweeps, predict, room)
+    entries = []
+    for s in sweeps:
+        secs, configs, how = predict(s)
+        epochs = sorted({c["trainer"]["epochs"] for c in configs})
+        steps = sorted({c["trainer"]["max_steps"] for c in configs} - {None})
+        entries.append({
+            "article": s.article, "name": s.name,
+            "command": None if s.dropped else run_command(plan, s, args, args.out),
+            "jobs": 0 if s.dropped else len(s.jobs), "planned_jobs": len(s.jobs),
+            "grid": {k: list(v) for k, v in s.grid.items()},
+            "epochs": "/".join(map(str, epochs)) + (f" (<= {steps[0]} steps)" if steps else "") if configs else "-",
+            "predicted_s": 0.0 if s.dropped else secs, "prediction": how, "cuts": list(s.applied),
+            "dropped": s.dropped, "status": "dropped" if s.dropped else "planned", "actual_s": 0.0, "rc": None})
+    return {"key": state_key(args), "created": time.strftime("%Y-%m-%d %H:%M:%S %z"), "budget_s": budget_s,
+            "smoke": args.smoke, "calibration": calibration, "report_s": report_s, "sweeps": entries,
+            "articles": [{"id": a.id, "title": a.title, "not_reproduced": a.not_reproduced,
+                          "sweeps": [s.name for s in a.sweeps]} for a in plan.articles],
+            "elapsed_s": calibration["seconds"]}
+
+
+def state_key(args) -> dict:
+    return {"smoke": args.smoke, "budget": args.budget, "only": args.only, "overrides": list(args.overrides),
+            "calibrate": args.calibrate, "plan_file": str(args.plan_file or P.PLAN_FILE)}
+
+
+def plan_rows(state: dict, actual: bool) -> tuple[list[str], list[list]]:
+    heads = ["article", "sweep", "jobs", "epochs", "predicted min"]
+    heads += (["actual min", "status"] if actual else []) + ["cut"]
+    rows = []
+    for e in state["sweeps"]:
+        pred = "-" if e["dropped"] else P.minutes(e["predicted_s"], e["prediction"] == ">=") + \
+            (" (estimate)" if e["prediction"] == "estimate" else "")
+        jobs = f"{e['jobs']}" + (f" of {e['planned_jobs']}" if e["jobs"] != e["planned_jobs"] else "")
+        rows.append([e["article"], e["name"], jobs, e["epochs"], pred]
+                    + ([P.minutes(e["actual_s"]) if e["actual_s"] else "-", e["status"]] if actual else [])
+                    + ["; ".join(e["cuts"]) or "none (full fidelity)"])
+    return heads, rows
+
+
+def plan_summary(state: dict) -> str:
+    total = sum(e["predicted_s"] for e in state["sweeps"])
+    cal = state["calibration"]
+    budget = "none (full fidelity)" if state["budget_s"] is None else f"{state['budget_s'] / 60:.0f} min"
+    return (f"budget {budget}; calibration {cal['seconds'] / 60:.1f} min ({cal['mode']} jobs timed); "
+            f"sweeps predicted {total / 60:.1f} min + report ~{state['report_s'] / 60:.0f} min; "
+            f"{sum(e['jobs'] for e in state['sweeps'])} jobs")
+
+
+def write_plan_md(out: Path, state: dict) -> None:
+    heads, rows = plan_rows(state, actual=True)
+    text = ("# Plan: predicted against actual minutes\n\n" + plan_summary(state) + "\n\n"
+            + P.markdown_table(heads, rows) + "\n\nPredicted minutes come from the calibration (a few timed steps "
+            "per job on this device, warm-up excluded); `>=` where the calibration was stopped as too slow, "
+            "`(estimate)` where no step of the sweep could be timed. Cuts are applied in the order the plan lists "
+            "them (src/mixprec/plan.yaml).\n")
+    (out / "plan.md").write_text(text)
+    write_json_atomic(out / STATE, state)
+
+
+def load_or_plan(plan, args, env) -> dict:
+    path = args.out / STATE
+    old = json.loads(path.read_text()) if path.exists() else None
+    if old is not None and old["key"] == state_key(args) and not args.replan:
+        log(f"continuing the plan in {args.out} (made {old['created']})")
+        return old
+    if old is not None and not args.replan:
+        raise P.PlanError(f"{args.out} holds a plan made with other options ({old['key']}); run the same command "
+                          "to continue it, add --replan to plan again there, or give --out for a new folder")
+    same_cal = old is not None and {k: v for k, v in old["key"].items() if k != "budget"} == \
+        {k: v for k, v in state_key(args).items() if k != "budget"}
+    calibration = old["calibration"] if same_cal else calibrate(plan, args, args.out)
+    budget_s = P.parse_duration(args.budget) if args.budget else None
+    state = make_state(plan, args, calibration, budget_s)
+    if old is not None:
+        keep_or_set_aside(args.out, old, state)
+    return state
+
+
+def keep_or_set_aside(out: Path, old: dict, state: dict) -> None:
+    """After --replan: a sweep whose command is unchanged keeps its progress; one whose command changed has its
+    earlier runs moved to <out>/replaced/ (a job dir is named by its grid values only, so they would be taken
+    for finished jobs of the new command)."""
+    before = {e["name"]: e for e in old["sweeps"]}
+    for e in state["sweeps"]:
+        prev = before.get(e["name"])
+        if prev is None:
+            continue
+        if prev["command"] == e["command"]:
+            e.update(status=prev["status"], actual_s=prev["actual_s"], rc=prev["rc"])
+        elif (out / "runs" / e["name"]).exists():
+            dest = out / "replaced" / f"{e['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
+            dest.parent.mkdir(exist_ok=True)
+            (out / "runs" / e["name"]).rename(dest)
+            log(f"{e['name']}: its command changed; its earlier runs moved to {dest}")
+
+
+# ---------------------------------------------------------------------------------------------------- running
+
+
+def jobs_done(out: Path, state: dict) -> int:
+    return sum(min(e["jobs"], sum(1 for s in summaries(out / "runs" / e["name"]) if s.get("status") in FINAL))
+               for e in state["sweeps"] if not e["dropped"])
+
+
+class Progress:
+    """One line: jobs done of planned, minutes elapsed against the budget, the sweep running."""
+
+    def __init__(self, out: Path, state: dict):
+        self.out, self.state, self.t0, self.last = out, state, time.monotonic(), None
+        self.base = state["elapsed_s"]
+        self.planned = sum(e["jobs"] for e in state["sweeps"])
+        self.tty = sys.stdout.isatty()
+
+    def elapsed(self) -> float:
+        return self.base + time.monotonic() - self.t0
+
+    def __call__(self, sweep: str = "") -> None:
+        done = jobs_done(self.out, self.state)
+        width = 30
+        bar = "#" * (width * done // max(1, self.planned))
+        budget = f" of {self.state['budget_s'] / 60:.0f}" if self.state["budget_s"] else ""
+        line = (f"[{bar:<{width}}] {done}/{self.planned} jobs | {self.elapsed() / 60:.1f}{budget} min | {sweep}")
+        if self.tty:
+            print("\r" + line.ljust(100), end="", flush=True)
+        elif (done, sweep) != self.last:
+            print(line, flush=True)
+        self.last = (done, sweep)
+
+
+def run_sweeps(out: Path, state: dict, progress: Progress) -> list[str]:
+    failed = []
+    for e in state["sweeps"]:
+        if e["dropped"]:
+            continue
+        if e["status"] == "done":
+            continue
+        e["status"] = "running"
+        write_plan_md(out, state)
+        record_command(out, f"sweep {e['name']} ({e['article']})", e["command"])
+        rc, wall = spawn(e["command"], out, e["name"], tick=lambda: progress(e["name"]))
+        record_exit(out, rc, wall)
+        e["actual_s"] += wall
+        e["rc"] = rc
+        e["status"] = "done" if rc == 0 else "failed"
+        state["elapsed_s"] = progress.elapsed()
+        write_plan_md(out, state)
+        progress(e["name"])
+        if rc != 0:
+            failed.append(e["name"])
+            print()
+            log(f"{e['name']} failed (exit {rc}); its log: {out / 'logs' / (e['name'] + '.log')}; going on")
+    if progress.tty:
+        print()
+    return failed
+
+
+def make_report(out: Path) -> int:
+    cmd = [sys.executable, str(ROOT / "scripts" / "make_report.py"), str(out), "--out", str(out / "report")]
+    record_command(out, "report", cmd)
+    rc, wall = spawn(cmd, out, "report")
+    record_exit(out, rc, wall)
+    if rc == 0:
+        log(f"report: {out / 'report' / 'report.html'} (and report.md, report.json, plots/)")
+    else:
+        log(f"the report was not made (exit {rc}); see {out / 'logs' / 'report.log'}")
+    return rc
+
+
+# ---------------------------------------------------------------------------------------------------- entry
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("overrides", nargs="*",
+                    help="train.py overrides for every job, e.g. gpu=h100 dataset.data_dir=/data")
+    ap.add_argument("--budget", help="time for the whole plan, e.g. 60m, 1h30m (default: full fidelity, uncut)")
+    ap.add_argument("--plan", action="store_true", help="calibrate, print the plan and exit")
+    ap.add_argument("--only", help="comma-separated article ids or sweep names (see src/mixprec/plan.yaml)")
+    ap.add_argument("--smoke", action="store_true", help="every sweep at tiny sizes on the CPU (synthetic data)")
+    ap.add_argument("--out", type=Path, help="the results folder (default outputs/reference/<gpu>-<date>)")
+    ap.add_argument("--replan", action="store_true", help="plan again in a folder that holds a plan (sweeps whose "
+                    "command changed start over; their earlier runs go to replaced/)")
+    ap.add_argument("--calibrate", choices=("all", "first"),
+                    help="time every job, or the first job of each sweep (default: all on a GPU, first on a CPU)")
+    ap.add_argument("--calibrate-timeout", type=float, default=30.0,
+                    help="seconds per calibration job before a sweep's calibration is stopped as too slow")
+    ap.add_argument("--estimate", metavar="PROFILES",
+                    help="print the full plan's minutes on these GPU profiles (e.g. h100,v100) from FLOPs, and exit")
+    ap.add_argument("--plan-file", type=Path, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    try:
+        plan = P.load_plan(args.plan_file)
+        if args.only:
+            plan = plan.only([n for n in args.only.split(",") if n])
+        if args.smoke:
+            plan = plan.smoked()
+        if args.budget:
+            P.parse_duration(args.budget)
+        if args.estimate:
+            return estimate(plan, args, [p for p in args.estimate.split(",") if p])
+        return reproduce(plan, args, argv if argv is not None else sys.argv[1:])
+    except P.PlanError as e:
+        print(f"reproduce: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nreproduce: interrupted; run the same command to continue (finished jobs are skipped)", file=sys.stderr)
+        return 130
+
+
+def reproduce(plan, args, argv: list[str]) -> int:
+    env = environment()
+    args.calibrate = args.calibrate or ("all" if env["gpus"] and not args.smoke else "first")
+    args.out = (args.out or default_out(env, args)).resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not env["gpus"] and not args.smoke:
+        log("no GPU here: the plan is timed on the CPU (fp16/bf16 run slow reference kernels there)")
+    write_environment(args.out, env, args)
+    state = load_or_plan(plan, args, env)
+    write_plan_md(args.out, state)
+    heads, rows = plan_rows(state, actual=False)
+    print(f"\nplan for {args.out}\n{plan_summary(state)}\n{P.table(heads, rows)}\n", flush=True)
+    if args.plan:
+        log(f"plan only: written to {args.out / 'plan.md'}; run the same command without --plan to run it")
+        return 0
+    again = [a for a in argv if a != "--plan"] + ([] if "--out" in argv else ["--out", str(args.out)])
+    resume = "python scripts/reproduce.py " + shlex.join(again)
+    progress = Progress(args.out, state)
+    try:
+        failed = run_sweeps(args.out, state, progress)
+    except KeyboardInterrupt:
+        state["elapsed_s"] = progress.elapsed()
+        for e in state["sweeps"]:
+            if e["status"] == "running":
+                e["status"] = "interrupted"
+        write_plan_md(args.out, state)
+        print(f"\nreproduce: interrupted; to continue (finished jobs are skipped): {resume}", file=sys.stderr)
+        return 130
+    ran = any(not e["dropped"] for e in state["sweeps"])
+    rc = make_report(args.out) if ran else 0
+    if not ran:
+        log("every sweep was cut to fit the budget: nothing ran (see plan.md); give a larger --budget")
+    state["elapsed_s"] = progress.elapsed()
+    write_plan_md(args.out, state)
+    log(f"{sum(1 for e in state['sweeps'] if e['status'] == 'done')} sweep(s) done, {len(failed)} failed"
+        + (f" ({', '.join(failed)}); to retry them: {resume}" if failed else "")
+        + f"; {state['elapsed_s'] / 60:.1f} min in all; folder to share: {args.out}")
+    return 1 if failed or rc else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
