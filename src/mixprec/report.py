@@ -15,13 +15,12 @@ import math
 import os
 import re
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import plots, reference
-from .records import METRICS, SUMMARY, read_summary, write_json_atomic
+from .records import METRICS, SUMMARY, atomic_file, read_summary, write_json_atomic
 from .sources import DERIVED, Published, Source, load_sources, matches
 from .tables import baseline_key, sweep_rows
 
@@ -738,12 +737,5 @@ def make_report(inputs: list[str], out: Path | None = None, published: Path | No
 
 
 def _write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "w") as f:
+        f.write(text)
