@@ -10,7 +10,7 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu on a GPU machine; see README)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu on a GPU machine; see docs/gpus.md)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,5 +1,5 @@
 """What only a CUDA GPU can show (marked gpu: skipped without one; `pytest -m gpu`, about a minute on one GPU).
-Each test guards a CUDA-only branch or a CUDA behaviour the CPU suite cannot see (README: "Tests that need a GPU").
+Each test guards a CUDA-only branch or a CUDA behaviour the CPU suite cannot see (docs/gpus.md).
 """
 import importlib.util
 import time
