@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from mixprec.config import ConfigError, validate  # noqa: E402
 from mixprec.data import build_image_data, image_loaders  # noqa: E402
-from mixprec.datafiles import DataError  # noqa: E402
+from mixprec.data.files import DataError  # noqa: E402
 from mixprec.hardware import describe, select_device, synchronize  # noqa: E402
 
 CIFAR_SIZED = ["dataset=synthetic", "dataset.train_size=50000", "dataset.test_size=1000"]

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from mixprec.config import ConfigError, validate  # noqa: E402
-from mixprec.datafiles import DataError  # noqa: E402
+from mixprec.data.files import DataError  # noqa: E402
 
 
 def image_report(cfg) -> list[str]:
@@ -29,7 +29,7 @@ def image_report(cfg) -> list[str]:
     data = build_image_data(cfg)
     lines = [f"dataset     {cfg.name}  ({data.info.get('source', 'generated from dataset.seed')})"]
     if cfg.name.startswith("cifar"):
-        from mixprec.cifar import official_md5
+        from mixprec.data.cifar import official_md5
         ok = official_md5(cfg.name, cfg.data_dir)
         bad = [f for f, good in ok.items() if not good]
         lines.append("files       " + ("the published files (md5 matches)" if not bad else
@@ -57,7 +57,7 @@ def class_table(title: str, names, train_y: torch.Tensor, test_y: torch.Tensor) 
 
 
 def text_report(cfg) -> list[str]:
-    from mixprec.wikitext import EOS, load_text_corpus
+    from mixprec.data.wikitext import EOS, load_text_corpus
 
     corpus = load_text_corpus(cfg)
     info = corpus.info

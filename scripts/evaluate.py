@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from mixprec.checkpoint import CheckpointError  # noqa: E402
 from mixprec.config import ConfigError  # noqa: E402
-from mixprec.datafiles import DataError  # noqa: E402
+from mixprec.data.files import DataError  # noqa: E402
 from mixprec.run import evaluate_saved  # noqa: E402
 
 

@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from mixprec.config import ConfigError, validate  # noqa: E402
-from mixprec.datafiles import DataError  # noqa: E402
+from mixprec.data.files import DataError  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
 from mixprec.records import SUMMARY, read_summary  # noqa: E402
 from mixprec.checkpoint import WEIGHTS  # noqa: E402
 from mixprec.tables import is_language_model  # noqa: E402
-from mixprec.wikitext import load_text_corpus  # noqa: E402
+from mixprec.data.wikitext import load_text_corpus  # noqa: E402
 
 
 class RunError(Exception):

@@ -13,7 +13,8 @@ them below fp16's max; a verdict per precision. Writes numerics.md and numerics.
 outputs/numerics/<time>/) and prints the verdicts.
 
 On a CPU, fp16/bf16 run PyTorch's slow reference kernels: unless given, the batch is 8 (images at 8 px, a
-64-image synthetic set); a GPU takes the config's own. Language models run with model.dropout=0 so that every precision sees the same masks.
+64-image synthetic set); a GPU takes the config's own. Language models run with model.dropout=0 so that every
+precision sees the same masks.
 Every module is in training mode (BatchNorm on batch statistics), as in a training step.
 """
 from __future__ import annotations

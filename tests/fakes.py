@@ -6,7 +6,7 @@ from torch import nn
 
 import mixprec.run
 
-STEPS_PER_EPOCH = 64 // 16   # conftest.TINY: 64 training images, batches of 16
+STEPS_PER_EPOCH = 64 // 16   # helpers.TINY: 64 training images, batches of 16
 
 
 class FakeClock:

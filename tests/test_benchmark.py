@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
+from helpers import ROOT
 
 BENCH = [sys.executable, str(ROOT / "scripts" / "benchmark.py")]
 TINY = ["model=small_cnn", "model.width=8", "trainer.batch_size=16", "trainer.device=cpu"]

@@ -7,12 +7,12 @@ import pytest
 import torch
 from hydra.core.hydra_config import HydraConfig
 
-from conftest import TINY, compose_config, run_cli
+from helpers import TINY, compose_config, run_cli
 from test_flops import small_cnn_flops
-from mixprec import cifar
+from mixprec.data import cifar
 from mixprec.config import ConfigError, validate
 from mixprec.data import build_image_data
-from mixprec.datafiles import DataError
+from mixprec.data.files import DataError
 from official_formats import FOLDERS, UNREACHABLE, Serve, cifar_files, py2_pickle, write_cifar
 
 
@@ -149,7 +149,7 @@ def test_download_checks_the_md5_then_extracts(tmp_path, monkeypatch):
             build_image_data(dataset("cifar100", root, f"dataset.urls=[{url}{archive}]"))
         assert not root.exists() or list(root.iterdir()) == []
         # with its own md5 published, the first URL that works is used, checked, extracted and loaded
-        from mixprec.datafiles import md5sum
+        from mixprec.data.files import md5sum
         spec = dataclasses.replace(cifar.SPECS["cifar100"], md5=md5sum(served / archive))
         monkeypatch.setitem(cifar.SPECS, "cifar100", spec)
         data = build_image_data(dataset("cifar100", root, f"dataset.urls=[{UNREACHABLE}x,{url}{archive}]"))
@@ -202,7 +202,7 @@ def test_a_job_trains_on_cifar_files(tmp_path, pipeline):
 def test_text_data_in_train_py_is_a_clear_config_error(tmp_path):
     with pytest.raises(SystemExit) as e:
         run_job_with(tmp_path, "dataset=synthetic_text")
-    assert e.value.code == 2   # a config error, as every other: before any work
+    assert e.value.code == 2   # a config error, as every other one (tests/test_cli.py)
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["error"].startswith("config error: dataset=synthetic_text is a text corpus: it trains a language "
                                  "model (model=lstm") and "traceback" not in s

@@ -3,11 +3,12 @@ import json
 
 import pytest
 
-from conftest import TINY, run_cli
+from helpers import TINY, run_cli
 
 SIZES = [o for o in TINY if not o.startswith(("model", "logger"))]
 
 
+@pytest.mark.slow   # a subprocess sweep
 def test_sweep_writes_one_summary_and_one_wandb_run_per_job_and_a_table(tmp_path):
     sweep = tmp_path / "sweep"
     # 8 px images: fp16 convolutions run reference kernels on a CPU (ResNet-18 amp at 32 px takes minutes)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import mixprec.run
-from conftest import ROOT, TINY, run_tiny
-from mixprec import data, dist
+from helpers import ROOT, TINY, run_tiny
+from mixprec import dist
+from mixprec.data import pipelines
 from mixprec.config import ConfigError
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
@@ -152,12 +153,12 @@ def test_ranks_checks():
     with pytest.raises(ConfigError, match="trainer.sync_bn=true: SyncBatchNorm runs on GPUs only"):
         dist.check(16, True, torch.device("cpu"), ranks)
     # rank 1's slices of a global batch: its samples and its share of the random draws
-    assert data.shard_of(torch.arange(16), (1, 2)).tolist() == list(range(8, 16))
+    assert pipelines.shard_of(torch.arange(16), (1, 2)).tolist() == list(range(8, 16))
     gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     images = torch.randint(0, 256, (16, 3, 8, 8), dtype=torch.uint8)
-    mean, std = data.norm_tensors((0.5,) * 3, (0.25,) * 3, torch.device("cpu"))
-    whole = data.prepare(images, mean, std, pad=2, flip=True, cutout=3, generator=gen())
-    half = data.prepare(images[8:], mean, std, pad=2, flip=True, cutout=3, generator=gen(), shard=(1, 2))
+    mean, std = pipelines.norm_tensors((0.5,) * 3, (0.25,) * 3, torch.device("cpu"))
+    whole = pipelines.prepare(images, mean, std, pad=2, flip=True, cutout=3, generator=gen())
+    half = pipelines.prepare(images[8:], mean, std, pad=2, flip=True, cutout=3, generator=gen(), shard=(1, 2))
     assert torch.equal(whole[8:], half)
 
 

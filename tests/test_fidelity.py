@@ -1,4 +1,4 @@
-"""Fidelity to the sources' own code (issue 23). One table per source: the source's setting -> mixprec's config key ->
+"""Fidelity to the sources' own code. One table per source: the source's setting -> mixprec's config key ->
 value, each with the source file and line (or notebook cell) it comes from, checked on the composed preset; then
 the behaviour behind the settings that are code (fastai's to_fp16, one-cycle and head; Page's clock and ladder
 table; apex's best-validation perplexity), each against an independent implementation or a hand count; and every
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import compose_config, run_cli
+from helpers import compose_config, run_cli
 from mixprec.config import ConfigError, plain_config, validate
 from mixprec.models import build_model
 from mixprec.optim import build_optimizer, build_schedule
@@ -310,7 +310,7 @@ APEX_SMALL = [  # workload=apex_small_lstm: examples/word_language_model/main.py
     ("optimizer.momentum", 0.0, "main.py@0f703d13:189 p.data.add_(-lr, grad): plain SGD"),
     ("optimizer.weight_decay", 0.0, "main.py@0f703d13:189: no weight decay"),
 ]
-APEX_LAST = [  # experiment=apex_word_lm apex_lm=fp16: main.py at 254cad2d^ (its last version)
+APEX_LAST = [  # experiment=apex_word_lm precision=apex_fp16: main.py at 254cad2d^ (its last version)
     ("model.emsize", 1504, "main.py:20 --emsize 1504"),
     ("model.nhid", 1504, "main.py:22 --nhid 1504"),
     ("model.nlayers", 2, "main.py:24 --nlayers 2"),
@@ -332,7 +332,7 @@ APEX_LAST = [  # experiment=apex_word_lm apex_lm=fp16: main.py at 254cad2d^ (its
 
 def test_apex_presets_are_main_pys_defaults():
     check_table(composed("workload=apex_small_lstm")[0], APEX_SMALL)
-    c, _ = composed("experiment=apex_word_lm", "apex_lm=fp16")
+    c, _ = composed("experiment=apex_word_lm", "precision=apex_fp16")
     check_table(c, APEX_LAST)
     assert c.trainer.epochs == 30   # the fastai article's run; main.py:30 --epochs 40 is the converged entries'
 
@@ -340,13 +340,13 @@ def test_apex_presets_are_main_pys_defaults():
 def test_apex_published_values_match_only_the_runs_they_come_from():
     values = {v.id: v for v in load_source(PUBLISHED_DIR / "apex_word_lm.yaml").values}
     small = composed("workload=apex_small_lstm")[1]
-    big6 = composed("experiment=apex_word_lm", "apex_lm=fp32", "trainer.epochs=6")[1]
+    big6 = composed("experiment=apex_word_lm", "precision=fp32", "trainer.epochs=6")[1]
     assert matches(values["fp32_ppl_6_epochs"].match, small) and not matches(values["fp32_ppl_6_epochs"].match, big6)
     for vid, scale in (("fp16_ppl_scale1", 1), ("fp16_ppl_scale128", 128)):
-        c, s = composed("experiment=apex_word_lm", "apex_lm=fp16", f"precision.loss_scale={scale}", "trainer.epochs=40")
+        c, s = composed("experiment=apex_word_lm", "precision=apex_fp16", f"precision.loss_scale={scale}", "trainer.epochs=40")
         check_table(c, [row for row in APEX_LAST if row[0] != "precision.loss_scale"])
         assert matches(values[vid].match, s) and c.trainer.epochs == 40   # main.py:30 --epochs 40
-        preset = composed("experiment=apex_word_lm", "apex_lm=fp16", f"precision.loss_scale={scale}")[1]
+        preset = composed("experiment=apex_word_lm", "precision=apex_fp16", f"precision.loss_scale={scale}")[1]
         assert not matches(values[vid].match, preset)   # 30 epochs is not "converged" at 40
 
 

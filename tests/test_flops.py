@@ -4,7 +4,7 @@ conventions count)."""
 import pytest
 import torch
 
-from conftest import compose_config, run_tiny
+from helpers import compose_config, run_tiny
 from mixprec.config import validate
 from mixprec.models import build_model, forward_flops
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import ROOT, compose_config, run_cli, run_tiny
+from helpers import ROOT, compose_config, run_cli, run_tiny
 from test_lm import one_thread  # noqa: F401  (autouse: tiny models on one thread)
 from mixprec.config import ConfigError, validate
 from mixprec.gpt import GPT

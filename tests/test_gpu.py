@@ -1,5 +1,5 @@
 """What only a CUDA GPU can show (marked gpu: skipped without one; `pytest -m gpu`, about a minute on one GPU).
-Each test guards a CUDA-only branch or a CUDA behaviour the CPU suite cannot see (README: "Tests that need a GPU").
+Each test guards a CUDA-only branch or a CUDA behaviour the CPU suite cannot see (docs/gpus.md).
 """
 import importlib.util
 import time
@@ -10,7 +10,7 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 from torch import nn
 
-from conftest import ROOT, TINY, compose_config, run_tiny
+from helpers import ROOT, TINY, compose_config, run_tiny
 from mixprec import checkpoint, data, hardware, precision
 from mixprec.config import validate
 from mixprec.engine import TrainClock

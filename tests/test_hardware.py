@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import compose_config
+from helpers import compose_config
 from mixprec import checkpoint, data, dist, hardware, precision
 from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.models import small_cnn

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, compose_config, run_cli, run_tiny
+from helpers import ROOT, compose_config, run_cli, run_tiny
 from mixprec import engine, lm_engine
 from mixprec.config import ConfigError, validate
 from mixprec.optim import build_schedule
@@ -17,10 +17,10 @@ from mixprec.precision import PrecisionPolicy
 from mixprec.rnnlm import RNNModel
 from mixprec.checkpoint import WEIGHTS
 from mixprec.tables import published_ppl, sweep_rows
-from mixprec.wikitext import TokenWindows, batchify
+from mixprec.data.wikitext import TokenWindows, batchify
 
 CPU = torch.device("cpu")
-# Tiny but real, as conftest's TINY for images: a 2-layer LSTM of 8 units on a synthetic corpus of 40 words,
+# Tiny but real, as helpers.TINY for images: a 2-layer LSTM of 8 units on a synthetic corpus of 40 words,
 # 2 steps, the example's optimizer (plain SGD, clipping, the plateau rule).
 LM = ["logger=none", "trainer.max_steps=2", "model=lstm", "dataset=synthetic_text", "dataset.vocab_size=40",
       "dataset.train_size=1200", "dataset.test_size=200", "model.emsize=8", "model.nhid=8", "trainer.batch_size=4",
@@ -207,7 +207,7 @@ def test_every_precision_trains_every_rnn_kind(tmp_path, kind):
 
 
 def test_a_job_records_perplexity_anneals_the_lr_and_saves_fp32_weights(tmp_path):
-    s = run_lm(tmp_path, "apex_lm=fp16", "model.tied=true", "trainer.max_steps=null", "trainer.epochs=3",
+    s = run_lm(tmp_path, "precision=apex_fp16", "model.tied=true", "trainer.max_steps=null", "trainer.epochs=3",
                "optimizer.lr=40", "schedule.factor=4")
     m = s["metrics"]
     assert s["status"] == "completed" and m["steps"] == 3 * m["steps_per_epoch"] == 3 * math.ceil((300 - 1) / 6)
@@ -259,12 +259,16 @@ def test_bad_language_model_values_name_the_field(override, field):
 
 
 def test_published_numbers_sit_beside_apex_runs_only():
-    config = validate(compose_config("experiment=apex_word_lm", "apex_lm=fp16"))
-    summary = {"config": {"model": vars(config.model), "dataset": {"name": "wikitext2"},
+    config = validate(compose_config("experiment=apex_word_lm", "precision=apex_fp16"))
+    summary = {"choices": {"precision": "apex_fp16", "dataset": "wikitext2", "model": "lstm"},
+               "config": {"model": vars(config.model), "trainer": {"batch_size": 24, "epochs": 30},
                           "precision": vars(config.precision)}, "metrics": {"test_ppl_at_best_valid": 91.5}}
-    assert published_ppl(summary) == "~90 (fp16, scale 128)"
+    assert published_ppl(summary) == "90 (40 epochs)"   # the README's converged value, at loss scale 128
     summary["config"]["precision"] = {**summary["config"]["precision"], "loss_scale": 1.0}
-    assert published_ppl(summary) == "~93 (fp16, scale 1)"
+    assert published_ppl(summary) == "93 (40 epochs)"
+    summary["config"]["precision"] = {**summary["config"]["precision"], "loss_scale": 512.0}
+    assert published_ppl(summary) is None
+    summary["choices"]["precision"] = "amp"
     summary["config"]["precision"] = vars(validate(compose_config("precision=amp")).precision)
     assert published_ppl(summary) is None
     row = sweep_rows([summary])[0]
@@ -281,6 +285,7 @@ def test_plateau_divides_the_lr_after_each_epoch_without_a_better_validation_los
     assert lrs == [20.0, 20.0, 5.0, 1.25, 1.25, 0.3125, 0.3125]
 
 
+@pytest.mark.slow   # a subprocess sweep
 def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
     sweep = tmp_path / "sweep"
     small = ["dataset=synthetic_text", "dataset.vocab_size=40", "dataset.train_size=1200", "dataset.test_size=200",
@@ -288,7 +293,7 @@ def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
     r = run_cli("-m", "experiment=apex_word_lm", *small, "logger=none", f"hydra.sweep.dir={sweep}")
     assert r.returncode == 0, r.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
-    assert sorted(s["choices"]["precision"] for s in summaries) == ["amp", "fp32", "o2"]
+    assert sorted(s["choices"]["precision"] for s in summaries) == ["amp", "apex_fp16", "fp32"]
     for s in summaries:
         c = s["config"]
         assert s["status"] == "completed" and s["metrics"]["steps"] == 2
@@ -297,21 +302,21 @@ def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
         assert (c["optimizer"]["lr"], c["optimizer"]["momentum"], c["trainer"]["grad_clip"], c["schedule"]["name"],
                 c["trainer"]["epochs"], c["trainer"]["batch_size"]) == (20.0, 0.0, 0.25, "plateau", 30, 4)
     assert {s["choices"]["precision"]: s["config"]["precision"]["loss_scale"] for s in summaries} == \
-        {"fp32": "none", "o2": 128.0, "amp": "dynamic"}
+        {"fp32": "none", "apex_fp16": 128.0, "amp": "dynamic"}
     out = r.stdout[r.stdout.index(f"sweep {sweep}: 3 jobs"):].splitlines()
     header = out[1].split()
     assert header[:7] == ["job", "model", "precision", "status", "epochs", "time", "s"]
     assert "tokens/s" in header and "valid" in header and "published" in header and "acc" not in header
     rows = {line.split()[2]: line.split() for line in out[3:6]}
-    assert sorted(rows) == ["amp", "fp32", "o2(x128)"]                  # the static loss scale is shown
-    rows["o2"] = rows.pop("o2(x128)")
+    assert sorted(rows) == ["amp", "apex_fp16(x128)", "fp32"]                  # the static loss scale is shown
+    rows["apex_fp16"] = rows.pop("apex_fp16(x128)")
     by_precision = {s["choices"]["precision"]: s for s in summaries}
     for name, cells in rows.items():
         m = by_precision[name]["metrics"]
         assert cells[3] == "completed" and f"{m['test_ppl_at_best_valid']:.2f}" in cells
     assert rows["fp32"][7] == "1.00" and all(cells[12] == "-" for cells in rows.values())   # not apex's model
     assert rows["fp32"][11] == "+0" and all(cells[8] == "-" for cells in rows.values())   # loss gap; no MFU on a CPU
-    assert out[6].startswith("published (apex word_language_model README") and "~90 with loss scale 128" in out[6]
+    assert out[6].startswith("published test ppl: NVIDIA apex's word_language_model README")
 
 
 def test_generate_samples_words_from_a_trained_run(tmp_path, capsys):
@@ -334,4 +339,5 @@ def test_generate_samples_words_from_a_trained_run(tmp_path, capsys):
     run_tiny(image)
     capsys.readouterr()
     assert generate.main([str(image)]) == 2
-    assert capsys.readouterr().err.strip() == f"generate: {image}: model=small_cnn is not a language model (lstm, gru, rnn_tanh, rnn_relu, gpt)"
+    assert capsys.readouterr().err.strip() == \
+        f"generate: {image}: model=small_cnn is not a language model (lstm, gru, rnn_tanh, rnn_relu, gpt)"

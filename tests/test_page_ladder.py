@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from conftest import compose_config, run_cli, run_tiny
+from helpers import compose_config, run_cli, run_tiny
 from mixprec.config import validate
-from mixprec.tables import PAGE_LADDER, ladder_rows
+from mixprec.tables import ladder_rows, page_ladder
 
+PAGE_LADDER = page_ladder()
 STEPS = list(PAGE_LADDER)
 # the tiny version of a ladder job: synthetic data (the sweep's cifar10 is overridden), narrow ResNet-9, 2 steps
 LADDER_TINY = ["dataset=synthetic", "dataset.train_size=64", "dataset.test_size=32", "dataset.image_size=16",
@@ -73,6 +74,7 @@ def test_the_last_step_trains_with_every_trick_in_its_own_precision(tmp_path):
     assert all(r["loss"] < 10 for r in rows if r["kind"] == "train")   # logged per sample, not summed
 
 
+@pytest.mark.slow   # a subprocess sweep
 def test_the_ladder_sweep_runs_all_ten_steps_and_prints_them_beside_the_article(tmp_path):
     sweep = tmp_path / "sweep"
     r = run_cli("-m", "experiment=page_ladder", "precision=fp32", *LADDER_TINY, f"hydra.sweep.dir={sweep}",

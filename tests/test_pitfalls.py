@@ -1,4 +1,4 @@
-"""Issue 6: the half-precision pitfalls as real runs, the BN-eval case, the opt-level and pitfall sweeps, and
+"""The half-precision pitfalls as real runs, the BN-eval case, the opt-level and pitfall sweeps, and
 the batch-size search."""
 import json
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, compose_config, run_cli
+from helpers import ROOT, compose_config, run_cli
 from mixprec.config import validate
 from mixprec.models import set_bn_eval, small_cnn
 from mixprec.precision import PrecisionPolicy, hazards
@@ -76,6 +76,7 @@ def test_bn_eval_runs_keep_running_statistics(tiny):
     assert s["status"] == "completed" and s["config"]["model"]["bn_eval"] is True
 
 
+@pytest.mark.slow   # a subprocess sweep
 def test_pitfall_and_opt_level_sweeps_run_every_job_with_their_tables(tmp_path):
     expected = {"adam_fp16": "diverged", "adam_fp16_eps1e-4": "completed", "adam_amp": "completed",
                 "bn_eval_fp32bn": "completed", "bn_eval_half": "completed", "small_fp32": "completed",

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import compose_config
+from helpers import compose_config
 from mixprec.config import validate
 from mixprec.models import small_cnn
 from mixprec.optim import build_optimizer

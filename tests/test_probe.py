@@ -11,7 +11,7 @@ from conftest import TINY
 from mixprec import engine, probe_stats as ps
 from mixprec.config import PrecisionConfig, ProbeConfig, TrainerConfig
 from mixprec.precision import PrecisionPolicy
-from mixprec.probe import NUMERICS, Attribution, Ranges, build_probe
+from mixprec.probe import NUMERICS, build_probe
 
 CPU = torch.device("cpu")
 TINY8 = [*TINY, "dataset.image_size=8", "trainer.device=cpu"]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import mixprec.run
-from conftest import TINY, compose_config, run_tiny
+from helpers import TINY, compose_config, run_tiny
 from fakes import STEPS_PER_EPOCH, with_clock
 from mixprec import hardware
 from mixprec.config import validate

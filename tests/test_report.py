@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hydra.core.hydra_config import HydraConfig
 
-from conftest import ROOT, compose_config, run_cli
+from helpers import ROOT, compose_config, run_cli
 from mixprec.report import make_report
 from mixprec.sources import SourceError, load_source, load_sources
 
@@ -40,7 +40,7 @@ values:
 
 
 def job(out_dir, *overrides):
-    """One real job in this process (as conftest.run_tiny, with this file's sizes)."""
+    """One real job in this process (as helpers.run_tiny, with this file's sizes)."""
     from mixprec.run import run_job
 
     cfg = compose_config(*SIZES, *overrides, output_dir=out_dir)
@@ -87,6 +87,7 @@ def md_table(md: str, heading: str) -> list[list[str]]:
     return rows
 
 
+@pytest.mark.slow   # a subprocess sweep
 def test_speedup_column_is_the_ratio_of_recorded_times(runs):
     all_runs = [s for s in summaries(runs["sweep"], runs["extra"]) if s["status"] == "completed"]
 
@@ -115,6 +116,7 @@ def test_speedup_column_is_the_ratio_of_recorded_times(runs):
     assert json.loads((runs["out"] / "report.json").read_text())["experiments"][0]["groups"] == exp["groups"]
 
 
+@pytest.mark.slow   # a subprocess sweep
 def test_published_values_matched_missing_and_diverged(runs):
     exp = runs["data"]["experiments"][0]
     comp = {c["id"]: c for c in exp["comparisons"]}
@@ -143,6 +145,7 @@ def exp_group(exp, model, precision):
     return next(g for g in exp["groups"] if (g["model"], g["precision"], g["variant"]) == (model, precision, "optimizer=sgd"))
 
 
+@pytest.mark.slow   # a subprocess sweep
 def test_every_plot_is_a_png_embedded_in_the_html(runs):
     figs = runs["data"]["experiments"][0]["plots"]
     names = sorted(Path(f["path"]).name for f in figs)
@@ -157,6 +160,7 @@ def test_every_plot_is_a_png_embedded_in_the_html(runs):
     assert html.count("data:image/png;base64,") == len(figs) and "<img" in html and 'src="plots/' not in html
 
 
+@pytest.mark.slow   # a subprocess sweep
 def test_the_sweep_ends_with_its_report(runs):
     out = runs["cli"].stdout
     assert f"report      {runs['sweep'] / 'report' / 'report.html'}" in out
@@ -171,6 +175,7 @@ def run_script(*args, env=None):
                           text=True, timeout=300, env=e, cwd=ROOT)
 
 
+@pytest.mark.slow   # a subprocess sweep
 def test_wandb_offline_says_why_in_one_line_and_writes_the_local_report(runs, tmp_path):
     r = run_script(str(runs["sweep"]), str(runs["extra"] / "*"), "--out", str(tmp_path), "--wandb",
                    env={"WANDB_MODE": "offline"})
@@ -183,7 +188,8 @@ def test_wandb_offline_says_why_in_one_line_and_writes_the_local_report(runs, tm
     # the shipped published numbers: no job belongs to their experiments, so every value is listed as missing
     assert "## Published numbers with no runs yet" in md
     fastai = md_table(md, "### fastai_2080ti")
-    assert ["ResNet-101, FP32 time / mixed-precision time", "1.18 x", "NVIDIA RTX 2080 Ti", "model=resnet101, precision=fastai_fp16, model.head=fastai"] \
+    assert ["ResNet-101, FP32 time / mixed-precision time", "1.18 x", "NVIDIA RTX 2080 Ti",
+            "model=resnet101, precision=fastai_fp16, model.head=fastai"] \
         == fastai[0][:4]
 
 
@@ -195,6 +201,7 @@ def test_bad_input_is_one_line(tmp_path):
     assert r.returncode == 2 and "no summary.json under" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow   # a subprocess sweep
 def test_wandb_report_objects(runs, monkeypatch):
     wr = pytest.importorskip("wandb_workspaces.reports.v2")
     from mixprec import wandb_report

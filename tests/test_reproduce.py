@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, compose_config
+from helpers import ROOT, compose_config
 from mixprec import plan as P
 from mixprec.sources import load_sources
 

@@ -15,11 +15,11 @@ from torch import nn
 
 import mixprec.engine
 import mixprec.run
-from conftest import ROOT, TINY, compose_config, run_tiny
+from helpers import ROOT, TINY, compose_config, run_tiny
 from mixprec.checkpoint import CHECKPOINT, WEIGHTS, load_fp32_model
 from mixprec.config import validate
 from mixprec.data import DeviceBatches, LoaderBatches, synthetic_images
-from mixprec.wikitext import TokenWindows, batchify
+from mixprec.data.wikitext import TokenWindows, batchify
 from mixprec.records import METRICS, SUMMARY
 
 # 64 steps an epoch (about a second on a CPU core): long enough to land a signal in the middle of epoch 2.

@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 from torch import nn
 
 import mixprec.run
@@ -65,7 +64,7 @@ def test_synthetic_data_is_learnable(tiny):
 
 
 def test_same_seed_same_metrics_on_cpu(tmp_path):
-    from conftest import run_tiny
+    from helpers import run_tiny
     runs = [run_tiny(tmp_path / name, "trainer.deterministic=true", "trainer.max_steps=4", f"seed={seed}")
             for name, seed in (("a", 3), ("b", 3), ("c", 4))]
     keys = ("final_test_acc", "final_test_loss", "steps")

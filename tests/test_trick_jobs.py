@@ -14,7 +14,7 @@ from torch import nn
 
 import mixprec.run
 import mixprec.tricks
-from conftest import compose_config, run_tiny
+from helpers import compose_config, run_tiny
 from fakes import with_clock
 from mixprec.checkpoint import WEIGHTS
 from mixprec.config import validate

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import compose_config
+from helpers import compose_config
 from mixprec import engine
 from mixprec.config import ConfigError, validate
 from mixprec.data import DeviceBatches, synthetic_images

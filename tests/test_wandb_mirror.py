@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_tiny
+from helpers import run_tiny
 
 pytest.importorskip("wandb")
 

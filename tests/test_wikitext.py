@@ -5,10 +5,10 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import ROOT, compose_config
-from mixprec import wikitext
+from helpers import ROOT, compose_config
+from mixprec.data import wikitext
 from mixprec.config import validate
-from mixprec.datafiles import DataError, sha256sum
+from mixprec.data.files import DataError, sha256sum
 from official_formats import UNREACHABLE, WIKI, Serve, wiki_expected, write_wikitext
 
 

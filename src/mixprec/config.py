@@ -197,7 +197,8 @@ class PrecisionConfig:
             require_torchao()
         ls = self.loss_scale
         if isinstance(ls, str) and ls not in ("dynamic", "none"):
-            raise ConfigError(f"precision.loss_scale={ls!r}: allowed values are dynamic, none, or a positive number (static scale)")
+            raise ConfigError(f"precision.loss_scale={ls!r}: allowed values are dynamic, none, "
+                              "or a positive number (static scale)")
         if not isinstance(ls, str) and not (math.isfinite(ls) and ls > 0):
             raise ConfigError(f"precision.loss_scale={ls}: a static loss scale must be a positive finite number")
         if not self.init_scale > 0:
@@ -268,7 +269,8 @@ class ScheduleConfig:
             raise ConfigError(f"schedule.factor={self.factor}: must be a number > 1 (the lr is divided by it)")
         k = list(self.knots)
         if len(k) < 2 or len(k) != len(self.values):
-            raise ConfigError(f"schedule.knots/values: need two or more knots and one value per knot (got {len(k)} and {len(self.values)})")
+            raise ConfigError("schedule.knots/values: need two or more knots and one value per knot "
+                              f"(got {len(k)} and {len(self.values)})")
         if k[0] != 0.0 or k[-1] != 1.0 or any(b < a for a, b in zip(k, k[1:])):
             raise ConfigError(f"schedule.knots={k}: must rise from 0.0 to 1.0 (fractions of the run's steps)")
         if any(v < 0 for v in self.values):

@@ -38,7 +38,7 @@ from torch import nn
 from .engine import Loop, LoopState, Window, train_step
 from .precision import PrecisionPolicy
 from .rnnlm import repackage_hidden
-from .wikitext import TokenWindows
+from .data.wikitext import TokenWindows
 
 
 def perplexity(loss: float) -> float:

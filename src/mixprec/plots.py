@@ -67,7 +67,8 @@ def speedup_bars(path: Path, title: str, labels: list[str], series: dict, publis
     ax.axhline(1.0, color="black", lw=1, ls="--", label="fp32 = 1x")
     for n, (j, precision, value, text) in enumerate(published):
         lo, hi = value if isinstance(value, tuple) else (value, value)
-        ax.errorbar([xpos.get((j, precision), j)], [(lo + hi) / 2], yerr=[[(hi - lo) / 2], [(hi - lo) / 2]], fmt="D", color="black",
+        half = (hi - lo) / 2
+        ax.errorbar([xpos.get((j, precision), j)], [(lo + hi) / 2], yerr=[[half], [half]], fmt="D", color="black",
                     ms=7, capsize=4, label="published" if n == 0 else None)
     ax.set_title(title)
     ax.legend(title="precision", fontsize=8)

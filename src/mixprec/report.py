@@ -15,13 +15,12 @@ import math
 import os
 import re
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import plots, probe_plots, reference
-from .records import METRICS, SUMMARY, read_summary, write_json_atomic
+from .records import METRICS, SUMMARY, atomic_file, read_summary, write_json_atomic
 from .sources import DERIVED, Published, Source, load_sources, matches
 from .tables import baseline_key, sweep_rows
 
@@ -400,7 +399,8 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
     _, mems = series("peak_memory_mb", labs=time_labels)
     if times:
         kinds = sorted({k for g in groups for k in _group_data(g)["peak_memory_kind"] if k != "?"})
-        what = {"process_peak_rss": "process peak RSS: CPU run", "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
+        what = {"process_peak_rss": "process peak RSS: CPU run",
+                "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
         mem_kind = " / ".join(what.get(k, k) for k in kinds)
         figs.append({"path": plots.time_and_memory(pdir / f"{slug}_time_memory.png",
                                                    f"{exp['name']}: training time and peak memory",
@@ -738,12 +738,5 @@ def make_report(inputs: list[str], out: Path | None = None, published: Path | No
 
 
 def _write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "w") as f:
+        f.write(text)

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from . import checkpoint, dist, engine, hardware, logs, tricks
 from .config import Config, ConfigError, plain_config, validate_job
 from .data import build_image_data, image_loaders
-from .datafiles import DataError
+from .data.files import DataError
 from .lm_engine import LMSteps
 from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
@@ -35,7 +35,7 @@ from .records import SUMMARY, Recorder, write_json_atomic
 from .resnet9 import resnet9_options
 from .signals import StopSignals, resume_hint
 from .tables import job_block
-from .wikitext import TokenWindows, batchify, load_text_corpus
+from .data.wikitext import TokenWindows, batchify, load_text_corpus
 
 log = logging.getLogger(__name__)
 

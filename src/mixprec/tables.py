@@ -1,18 +1,20 @@
 """Plain-text tables of job summaries: the end-of-job block, the end-of-sweep table, and Page's ladder table."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
 
+from .config import LM_ARCHS, RNN_KINDS
+from .sources import PUBLISHED_DIR, load_source, matches
 
 
-def _page_ladder() -> dict:
+@functools.cache
+def page_ladder() -> dict:
     """step -> (label, seconds, epochs) on one V100, from the published source (published/page_ladder.yaml), in ladder
     order: each step's fixed-schedule training time; a range of seconds (step 9: 33.5-34 s) is shown as its upper
     end."""
-    from .sources import PUBLISHED_DIR, load_source
-
     steps: dict[str, dict] = {}
     for v in load_source(PUBLISHED_DIR / "page_ladder.yaml").values:
         step = steps.setdefault(v.match["trick"], {"label": v.label.split(":")[0].split(" ", 1)[1]})
@@ -21,17 +23,14 @@ def _page_ladder() -> dict:
     return {k: (d["label"], float(d["train_time_s"]), int(d["epochs"])) for k, d in sorted(steps.items())}
 
 
-PAGE_LADDER = _page_ladder()
+@functools.cache
+def _apex_ppl_values() -> tuple:
+    return tuple(v for v in load_source(PUBLISHED_DIR / "apex_word_lm.yaml").values if v.metric == "test_ppl")
 
-from .config import LM_ARCHS, RNN_KINDS
 
-# apex examples/word_language_model README, for its main.py defaults (2-layer LSTM, emsize = nhid = 1504, dropout
-# 0.65, batch 24, bptt 35, lr 20, clip 0.25, 40 epochs) with --fp16: "converged test perplexity ... from around
-# 93 with loss scale 1.0 to around 90 with loss scale 128.0". It gives no fp32 number for that model.
-APEX_WORD_LM_FP16_TEST_PPL = {1.0: 93.0, 128.0: 90.0}
-APEX_NOTE = ("published (apex word_language_model README, 2-layer LSTM 1504/1504, 40 epochs, converged): fp16 test "
-             "ppl ~93 with loss scale 1, ~90 with loss scale 128; no fp32 number. test ppl here = the test "
-             "perplexity of the best-validation epoch, as the example reports it")
+APEX_NOTE = ("published test ppl: NVIDIA apex's word_language_model README (published/apex_word_lm.yaml), shown beside "
+             "the runs of the model, precision and loss scale it was reported for, with the epochs it was reported "
+             "at; test ppl here = the test perplexity of the best-validation epoch, as the example reports it")
 
 FP8_EMULATED_NOTE = ("fp8(emulated): no FP8 tensor cores on this device (a CPU, or a GPU before compute capability "
                      "8.9): torchao emulated the float8 matmuls in fp32, so its loss is FP8's but its time, tokens/s "
@@ -126,16 +125,13 @@ def is_language_model(summary: dict) -> bool:
 
 
 def published_ppl(summary: dict) -> str | None:
-    """apex's published fp16 test perplexity for a job that is its run: its LSTM on Wikitext-2 in fp16 with fp32
-    master weights at a loss scale it reported (None for any other job)."""
-    c = summary.get("config") or {}
-    m, p = c.get("model") or {}, c.get("precision") or {}
-    apex_model = (m.get("arch"), m.get("emsize"), m.get("nhid"), m.get("nlayers")) == ("lstm", 1504, 1504, 2)
-    scale = p.get("loss_scale")
-    if (not apex_model or (c.get("dataset") or {}).get("name") != "wikitext2" or p.get("param_dtype") != "float16"
-            or not p.get("master_weights") or scale not in APEX_WORD_LM_FP16_TEST_PPL):
-        return None
-    return f"~{APEX_WORD_LM_FP16_TEST_PPL[scale]:.0f} (fp16, scale {scale:g})"
+    """apex's published test perplexity for a job that is the run it was reported for (its model, data, precision
+    and loss scale: the value's match keys in published/apex_word_lm.yaml, at any number of epochs), with the
+    epochs it was reported at; None for any other job."""
+    for v in _apex_ppl_values():
+        if matches({k: w for k, w in v.match.items() if k != "trainer.epochs"}, summary):
+            return f"{v.value:g} ({v.match.get('trainer.epochs')} epochs)"
+    return None
 
 
 def sweep_note(summaries: list[dict]) -> str | None:
@@ -237,20 +233,20 @@ def ladder_rows(summaries: list[dict]) -> list[dict]:
     step, failed or diverged ones too), and the median time to the target over all runs, a run that never reached
     it counting as never (so the median is "not reached" when half the runs or more did not). Empty when the sweep
     ran no ladder step."""
-    jobs = [s for s in summaries if s.get("choices", {}).get("trick") in PAGE_LADDER]
+    jobs = [s for s in summaries if s.get("choices", {}).get("trick") in page_ladder()]
     common = set.intersection(*(set(s.get("overrides", [])) for s in jobs)) if jobs else set()
     groups: dict[tuple, list[dict]] = {}
     for s in jobs:
         variant = ",".join(sorted(o for o in set(s.get("overrides", [])) - common
                                   if not o.startswith(("seed=", "trick="))))
         groups.setdefault((s["choices"]["trick"], variant), []).append(s)
-    order = list(PAGE_LADDER)
+    order = list(page_ladder())
     rows = []
     for (step, variant), group in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
         done = [s["metrics"] for s in group if s.get("status") == "completed"]
         to_target = [(s.get("metrics") or {}).get("time_to_target_s") for s in group]
         reached = [t for t in to_target if t is not None]
-        _, page_s, page_epochs = PAGE_LADDER[step]
+        _, page_s, page_epochs = page_ladder()[step]
         rows.append({
             "step": step, "variant": variant, "runs": f"{len(done)}/{len(group)}",
             "epochs": _mean([m.get("epochs") for m in done]),

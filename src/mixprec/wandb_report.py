@@ -114,6 +114,7 @@ def publish(data: dict, jobs) -> tuple[str | None, str]:
         entity = entity or wandb.Api().default_entity
         report = build(data, jobs, entity, project)
         report.save()
-        return report.url, f"saved in {entity}/{project} (offline runs show once uploaded: wandb sync <job dir>/wandb/offline-run-*)"
+        return report.url, (f"saved in {entity}/{project} "
+                            "(offline runs show once uploaded: wandb sync <job dir>/wandb/offline-run-*)")
     except Exception as e:
         return None, f"W&B refused or failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

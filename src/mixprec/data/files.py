@@ -13,18 +13,17 @@ import hashlib
 import json
 import os
 import logging
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from .records import write_json_atomic
+from ..records import atomic_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
 ENV_DATA_DIR = "MIXPREC_DATA_DIR"
 CACHE_VERSION = 1
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]   # src/mixprec/data/files.py -> the project
 
 
 class DataError(RuntimeError):
@@ -112,14 +111,8 @@ class ArrayCache:
             self.manifest.unlink(missing_ok=True)
             for key, value in arrays.items():
                 path = self.folder / f"{key}.npy"
-                fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key}.", suffix=".npy.tmp")
-                try:
-                    with os.fdopen(fd, "wb") as f:
-                        np.save(f, np.ascontiguousarray(value), allow_pickle=False)
-                    os.replace(tmp, path)
-                except BaseException:
-                    Path(tmp).unlink(missing_ok=True)
-                    raise
+                with atomic_file(path, "wb") as f:
+                    np.save(f, np.ascontiguousarray(value), allow_pickle=False)
                 entries[key] = {"file": path.name, "bytes": path.stat().st_size, "shape": list(value.shape),
                                 "dtype": str(value.dtype)}
             write_json_atomic(self.manifest, {"version": CACHE_VERSION, "source": self.source, "arrays": entries,

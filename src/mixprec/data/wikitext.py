@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import DatasetConfig
-from .data import Resumable
-from .datafiles import ENV_DATA_DIR, ArrayCache, DataError, data_root, fetch, sha256sum, signature
+from ..config import DatasetConfig
+from .pipelines import Resumable
+from .files import ENV_DATA_DIR, ArrayCache, DataError, data_root, fetch, sha256sum, signature
 
 log = logging.getLogger(__name__)
 

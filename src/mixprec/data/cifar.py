@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torchvision.datasets import CIFAR10, CIFAR100
 
-from .data import ImageData, channel_stats
-from .datafiles import ENV_DATA_DIR, ArrayCache, DataError, data_root, fetch, md5sum, signature
+from .images import ImageData, channel_stats
+from .files import ENV_DATA_DIR, ArrayCache, DataError, data_root, fetch, md5sum, signature
 
 log = logging.getLogger(__name__)
 
