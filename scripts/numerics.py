@@ -73,7 +73,7 @@ def compose(overrides: list[str]) -> tuple[Config, dict[str, Config]]:
 def one_batch(config: Config, device: torch.device):
     """The first training batch: (x, y, classes) for images, (x, y, vocabulary) for a language model."""
     if config.dataset.is_text:
-        from mixprec.wikitext import TokenWindows, batchify, load_text_corpus
+        from mixprec.data.wikitext import TokenWindows, batchify, load_text_corpus
         corpus = load_text_corpus(config.dataset)
         x, y = next(iter(TokenWindows(batchify(corpus.train, config.trainer.batch_size, device), config.dataset.bptt)))
         return x, y, corpus.vocab_size
