@@ -46,6 +46,16 @@ def test_prewarm_leaves_the_trained_weights_identical(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_prewarm_leaves_a_language_model_identical(tmp_path):
+    """The LM prewarm (random windows, hidden state from zeros) on copies: the same trained weights."""
+    plain = run_tiny(tmp_path / "plain", "trainer.max_steps=4", "trainer.prewarm_steps=0", base=LM)
+    warmed = run_tiny(tmp_path / "warm", "trainer.max_steps=4", "trainer.prewarm_steps=2", base=LM)
+    assert warmed["metrics"]["prewarm_time_s"] > 0 and plain["metrics"]["prewarm_time_s"] == 0.0
+    a, b = (torch.load(tmp_path / d / "model_fp32.pt", weights_only=True) for d in ("plain", "warm"))
+    a, b = (s.get("state_dict", s) for s in (a, b))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 class SyncCounter:
     """Counts the Tensor methods that make the host wait for the device, while `on`. On a CPU every tensor is a
     host tensor, so the policy's host-side copies of the loss scale (PrecisionPolicy._shadow: CPU tensors on

@@ -29,7 +29,7 @@ from .lm_engine import LMSteps
 from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
 from .precision import PrecisionPolicy, hazards
-from .prewarm import prewarm
+from .prewarm import prewarm, prewarm_lm
 from .records import SUMMARY, Recorder, write_json_atomic
 from .resnet9 import resnet9_options
 from .signals import StopSignals, resume_hint
@@ -334,9 +334,11 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     optimizer = build_optimizer(config.optimizer, policy.optimizer_params(model))
     schedule = build_schedule(config.schedule, optimizer, engine.total_steps(tr, len(windows)))
     steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=tr.batch_size)
+    prewarm_s = prewarm_lm(model, policy, optimizer, tr.prewarm_for(device.type), bptt, tr.batch_size,
+                           corpus.vocab_size, tr.grad_clip)
     info = {"model": model, "parts": {"hidden": steps}, "final": model, "num_classes": corpus.vocab_size,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "train_flops_per_sample": 3 * flops,
-                        "flops_per": "token"},
+                        "flops_per": "token", "prewarm_time_s": prewarm_s},
             "data": {**corpus.info, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
                      "valid_tokens": len(corpus.valid), "test_tokens": len(corpus.test), "bptt": bptt}}
     return steps, windows, policy, optimizer, info
