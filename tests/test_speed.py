@@ -163,3 +163,42 @@ def test_a_compiled_language_model_is_refused_in_one_line(tmp_path):
         run_tiny(tmp_path, "trainer.compile=default", base=LM)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert "trainer.compile=default: only the image models are compiled" in s["error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, optimizer_impl, per_step", [
+    ("fp32", "auto", 0), ("amp_bf16", "auto", 0), ("amp", "auto", 1), ("amp", "foreach", 1)])
+def test_cuda_syncs_per_step(tmp_path, monkeypatch, precision, optimizer_impl, per_step):
+    """CUDA's own count: torch.cuda.set_sync_debug_mode("warn") warns at every synchronizing call; it is on
+    during the training steps only (not at the window flush, nor at the clock's explicit synchronize)."""
+    import warnings
+
+    def quiet(original):
+        def wrapped(*args, **kwargs):
+            was = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(was)
+        return wrapped
+    monkeypatch.setattr(engine, "flush", quiet(engine.flush))
+    for name in ("start", "stop", "mark_warm"):
+        monkeypatch.setattr(engine.TrainClock, name, quiet(getattr(engine.TrainClock, name)))
+    run_epoch = engine.run_epoch
+
+    def watched(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return run_epoch(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    monkeypatch.setattr(engine, "run_epoch", watched)
+    gpu = [o for o in SMALL if o != "trainer.device=cpu" and o != "trainer.deterministic=true"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = run_tiny(tmp_path, "trainer.max_steps=6", "trainer.log_every=6", f"precision={precision}",
+                     f"optimizer.impl={optimizer_impl}", "trainer.prewarm_steps=0", base=gpu)
+    assert s["status"] == "completed"
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 6 * per_step, [str(w.message) for w in syncs[:3]]
