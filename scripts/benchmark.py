@@ -1,16 +1,19 @@
 """Benchmarks of the harness itself and of models x precisions.
 
-  python scripts/benchmark.py overhead [train.py overrides]   e.g. model=resnet18 precision=amp trainer.batch_size=512
-      mixprec's training loop (engine.fit through mixprec.run.train_and_record, records and all) against a minimal
-      hand-written PyTorch loop with the same model, batch, data on the device and precision; reports the
-      steady-state samples/s of each and the harness overhead = hand / mixprec - 1. After one discarded round
-      (first-use costs of the process: kernel caches, allocator), repeated --repeats times, alternating, median
-      taken.
+  python scripts/benchmark.py overhead [train.py overrides] [--compile MODE]   e.g. model=resnet18 precision=amp
+      mixprec's training loop (engine.fit through mixprec.run.train_and_record, records and all) against the loop a
+      user would write by hand for the same job: same model, batch, data on the device, optimizer (class and
+      optimizer.impl kernels), schedule, autocast/GradScaler, grad clipping, channels_last and compile mode; a job
+      the hand loop cannot mirror (low-precision weights, master weights, a static loss scale, any trick, augmented
+      or non-synthetic data, on_nonfinite=skip) is refused with the reason. --steps timed steps (300) after
+      --warmup; one discarded round, then --repeats rounds, each running both loops in a random order (--seed);
+      reports each loop's median, the ratio mixprec / hand of the medians, and the spread (min..max) of the
+      per-round ratios. --compile MODE compiles both (trainer.compile=MODE; compilation is untimed in both).
   python scripts/benchmark.py table --models resnet18,resnet50 --precisions fp32,tf32,amp,amp_bf16 [overrides]
       steady-state samples/s per model and precision, speed-up over fp32, and model FLOP utilisation against the
       GPU profile's peak (pass gpu=h100 etc.; gpu=auto has no peaks).
 
-Both run on the CPU too (use small sizes there: model=small_cnn trainer.batch_size=32 --steps 20). What is
+Both run on the CPU too (use small sizes there: model=small_cnn trainer.batch_size=32 dataset.image_size=16). What is
 timed: the same thing for both loops: training steps only (batch slicing and normalisation on the device,
 forward, loss, backward, optimizer step, loss-scale update), after --warmup steps, with the device synchronized
 before each clock reading; no evaluation, no data generation.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -35,6 +39,7 @@ from mixprec import hardware  # noqa: E402
 from mixprec.config import Config, ConfigError, plain_config, validate  # noqa: E402
 from mixprec.data import synthetic_images  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
+from mixprec.optim import build_optimizer, build_schedule  # noqa: E402
 from mixprec.precision import DTYPES  # noqa: E402
 
 
@@ -73,8 +78,28 @@ def mixprec_throughput(overrides: list[str]) -> dict:
             "peak_memory_mb": m["peak_memory_mb"]}
 
 
+def refusal(config: Config) -> str | None:
+    """Why the hand-written loop cannot mirror this job (None when it can)."""
+    p, tr, t = config.precision, config.trainer, config.trick
+    if p.param_dtype != "float32" or p.master_weights or p.loss_scale not in ("dynamic", "none"):
+        return (f"the hand-written loop covers the autocast family (fp32, tf32, amp, amp_bf16, o0, o1), not "
+                f"precision={p.name} (low-precision weights, master weights or a static loss scale)")
+    if t != type(t)():
+        return f"the hand-written loop has no tricks; trick={t.name} changes the step (use trick=none)"
+    if config.model.bn_eval or config.model.arch == "resnet9":
+        return "the hand-written loop trains a plain model; resnet9 and bn_eval are tricks of Page's ladder"
+    if tr.on_nonfinite == "skip":
+        return "the hand-written loop has no loss check before backward; use trainer.on_nonfinite=stop"
+    if config.dataset.name != "synthetic" or config.dataset.augment or config.dataset.pipeline != "device":
+        return "the hand-written loop reads synthetic images from the device, unaugmented (dataset=synthetic)"
+    return None
+
+
 def hand_throughput(overrides: list[str]) -> dict:
-    """The minimal loop a user would write by hand: no mixprec code in the timed part."""
+    """The loop a user would write by hand for the same job: the same model, optimizer (torch.optim class and
+    kernels, optimizer.impl), schedule, autocast and GradScaler, gradient clipping, channels_last, resize and
+    compile mode; no mixprec code in the timed part (build_optimizer/build_schedule are a torch.optim constructor
+    and a LambdaLR, made before the clock)."""
     config, _ = compose(overrides)
     p, tr = config.precision, config.trainer
     device = hardware.select_device(tr.device)
@@ -83,16 +108,17 @@ def hand_throughput(overrides: list[str]) -> dict:
     x_all, y_all = data.train_x.to(device), data.train_y.to(device)
     mean = torch.tensor(data.mean, device=device).view(1, -1, 1, 1) * 255
     std = torch.tensor(data.std, device=device).view(1, -1, 1, 1) * 255
+    size = config.dataset.image_size
     model = build_model(config.model, data.num_classes).to(device)
     if tr.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    o = config.optimizer
-    opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
-                          weight_decay=o.weight_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=p.loss_scale == "dynamic")
-    amp_dtype = DTYPES[p.autocast_dtype] if p.autocast_dtype else None
+    opt = build_optimizer(config.optimizer, list(model.parameters()))
     b, warmup = tr.batch_size, tr.warmup_steps
     steps = len(x_all) // b
+    schedule = build_schedule(config.schedule, opt, steps)
+    net = model if tr.compile == "none" else torch.compile(model, mode=tr.compile)
+    scaler = torch.amp.GradScaler(device.type, enabled=p.loss_scale == "dynamic")
+    amp_dtype = DTYPES[p.autocast_dtype] if p.autocast_dtype else None
     perm = torch.randperm(len(x_all), device=device)
     t0 = None
     for i in range(steps):
@@ -100,38 +126,57 @@ def hand_throughput(overrides: list[str]) -> dict:
             hardware.synchronize(device)
             t0 = time.perf_counter()
         idx = perm[i * b:(i + 1) * b]
-        x = (x_all[idx].float() - mean) / std
+        x = x_all[idx].float()
+        if size != x.shape[-1]:
+            x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=size < x.shape[-1])
+        x = (x - mean) / std
         if tr.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            out = model(x)
+            out = net(x)
         loss = F.cross_entropy(out.float(), y_all[idx])
         scaler.scale(loss).backward()
+        if tr.grad_clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tr.grad_clip)
         scaler.step(opt)
         scaler.update()
+        schedule.step()
         opt.zero_grad(set_to_none=True)
     hardware.synchronize(device)
     return {"samples_per_s": (steps - warmup) * b / (time.perf_counter() - t0)}
 
 
 def overhead(args) -> dict:
-    overrides = sized(args.overrides, args.steps, args.warmup)
-    precision = compose(overrides)[0].precision
-    if precision.param_dtype != "float32":
-        raise SystemExit(f"benchmark: the hand-written loop covers the autocast family (fp32, tf32, amp, "
-                         f"amp_bf16, o0, o1), not precision={precision.name}")
-    mixprec_throughput(overrides), hand_throughput(overrides)   # a discarded round: process-level first-use costs
-    ours, hand = [], []
-    for _ in range(args.repeats):
-        ours.append(mixprec_throughput(overrides)["samples_per_s"])
-        hand.append(hand_throughput(overrides)["samples_per_s"])
+    """Both loops, --repeats rounds after one discarded round, each round's two runs in a random order; the
+    median of each loop, the ratio of the medians and the spread of the per-round ratios."""
+    extra = [f"trainer.compile={args.compile}"] if args.compile != "none" else []
+    overrides = sized([*args.overrides, *extra], args.steps, args.warmup)
+    why = refusal(compose(overrides)[0])
+    if why:
+        raise SystemExit(f"benchmark: {why}")
+    loops = {"mixprec": mixprec_throughput, "hand": hand_throughput}
+    runs = {"mixprec": [], "hand": []}
+    order = random.Random(args.seed)
+    for r in range(args.repeats + 1):   # round 0 is discarded: process-level first-use costs (and compilation caches)
+        names = list(loops)
+        order.shuffle(names)
+        for name in names:
+            value = loops[name](overrides)["samples_per_s"]
+            if r > 0:
+                runs[name].append(value)
+    ours, hand = runs["mixprec"], runs["hand"]
+    ratios = sorted(m / h for m, h in zip(ours, hand))
     m, h = statistics.median(ours), statistics.median(hand)
-    result = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-              "mixprec_samples_per_s": ours, "hand_samples_per_s": hand,
-              "median_mixprec": m, "median_hand": h, "overhead": h / m - 1}
+    result = {"overrides": args.overrides, "compile": args.compile, "steps": args.steps, "warmup": args.warmup,
+              "repeats": args.repeats, "seed": args.seed, "mixprec_samples_per_s": ours, "hand_samples_per_s": hand,
+              "median_mixprec": m, "median_hand": h, "ratio": m / h, "overhead": h / m - 1,
+              "round_ratios": ratios, "spread": [ratios[0], ratios[-1]]}
     print(f"{'loop':10s} {'samples/s (median of ' + str(args.repeats) + ')':>28s}  runs")
     print(f"{'mixprec':10s} {m:>28.1f}  {', '.join(f'{v:.1f}' for v in ours)}")
     print(f"{'hand':10s} {h:>28.1f}  {', '.join(f'{v:.1f}' for v in hand)}")
+    print(f"ratio mixprec / hand: {m / h:.3f} (per-round ratios {ratios[0]:.3f} .. {ratios[-1]:.3f}; "
+          f"compile={args.compile}, {args.steps} timed steps after {args.warmup})")
     print(f"harness overhead: {100 * result['overhead']:+.2f}% (hand / mixprec - 1)")
     return result
 
@@ -159,9 +204,12 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("what", choices=["overhead", "table"])
     parser.add_argument("overrides", nargs="*", help="train.py overrides")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per measurement")
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, default=3, help="overhead: alternating repetitions")
+    parser.add_argument("--repeats", type=int, default=5, help="overhead: rounds (each runs both loops, in random order)")
+    parser.add_argument("--seed", type=int, default=0, help="overhead: seed of the rounds' random order")
+    parser.add_argument("--compile", default="none", choices=["none", "default", "max-autotune", "reduce-overhead"],
+                        help="overhead: compile both loops' models in this torch.compile mode (trainer.compile)")
     parser.add_argument("--models", default="resnet18,resnet50")
     parser.add_argument("--precisions", default="fp32,tf32,amp,amp_bf16")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")

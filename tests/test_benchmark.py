@@ -18,6 +18,9 @@ def test_overhead_reports_both_loops_and_their_ratio(tmp_path):
     assert len(res["mixprec_samples_per_s"]) == len(res["hand_samples_per_s"]) == 2
     assert all(v > 0 for v in res["mixprec_samples_per_s"] + res["hand_samples_per_s"])
     assert res["overhead"] == res["median_hand"] / res["median_mixprec"] - 1
+    assert res["ratio"] == res["median_mixprec"] / res["median_hand"]
+    ratios = sorted(m / h for m, h in zip(res["mixprec_samples_per_s"], res["hand_samples_per_s"]))
+    assert res["spread"] == [ratios[0], ratios[-1]]
     assert "harness overhead:" in r.stdout
 
 
@@ -33,5 +36,7 @@ def test_table_and_bad_input(tmp_path):
     assert all(x["mfu"] is None for x in rows)   # the h100 profile does not match a CPU: not used
     r = subprocess.run([*BENCH, "overhead", "precision=half"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "covers the autocast family" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([*BENCH, "overhead", "trick.label_smoothing=0.1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "has no tricks" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run([*BENCH, "overhead", "trainer.batch_size=0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().startswith("benchmark: config error: trainer.batch_size=0")

@@ -41,14 +41,21 @@ class TrainerConfig:
     grad_clip: Optional[float] = None
     resume: Literal["auto", "never"] = "never"
     sync_bn: bool = False   # under DDP (torchrun): BatchNorm statistics over the global batch (SyncBatchNorm, GPUs)
-    prewarm_steps: int = 0  # untimed training steps on a throwaway copy before the clock starts (prewarm.py)
+    # untimed steps on a throwaway copy before the clock (prewarm.py); auto: 3 on a GPU, 0 on a CPU
+    prewarm_steps: Union[int, Literal["auto"]] = "auto"
+    compile: Literal["none", "default", "max-autotune", "reduce-overhead"] = "none"   # torch.compile mode (compiled.py)
+
+    def prewarm_for(self, device_type: str) -> int:
+        """prewarm_steps, with auto resolved: 3 on an accelerator (autotuning, lazy init), 0 on a CPU."""
+        return (0 if device_type == "cpu" else 3) if self.prewarm_steps == "auto" else self.prewarm_steps
 
     def check(self) -> None:
         _at_least(self, "epochs", 1)
         _at_least(self, "batch_size", 1)
         _at_least(self, "eval_batch_size", 1)
         _at_least(self, "warmup_steps", 0)
-        _at_least(self, "prewarm_steps", 0)
+        if self.prewarm_steps != "auto":
+            _at_least(self, "prewarm_steps", 0)
         _at_least(self, "log_every", 1)
         if self.max_steps is not None:
             _at_least(self, "max_steps", 1)
@@ -235,6 +242,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
+    impl: Literal["auto", "fused", "foreach", "loop"] = "auto"   # the step's kernels (optim.impl_kwargs)
 
     def check(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):

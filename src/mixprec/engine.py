@@ -12,9 +12,16 @@ What is timed: `TrainClock` measures training only (forward, backward, step, and
 preparation, as DAWNBench counts it); evaluation is timed separately and never included. Every clock reading
 synchronizes the device first, so queued GPU work is always counted. Steady-state throughput leaves out the
 first `trainer.warmup_steps` steps (cuDNN autotuning, allocator growth, lazy init); the summary says so.
-Host syncs in the loop: one per `trainer.log_every` steps for the loss/weight check, plus per step: the one
-GradScaler itself makes when a dynamic loss scale is on (PrecisionPolicy.step adds none), one under
-on_nonfinite=skip (the loss check before backward), and under DDP the CPU all-reduce of the stop flag.
+Host syncs in the loop (tests/test_speed.py counts them), exactly these:
+  - every `trainer.log_every` steps and at an epoch's end: the window flush (losses, accuracy, the weights'
+    finiteness; the progress bar shows the mean loss it read);
+  - per step, only under a dynamic loss scale (amp, o1, o2 dynamic, fastai_fp16): one, GradScaler's found-inf
+    check before the optimizer step (or, with a fused optimizer, PrecisionPolicy.step's read of the found-inf
+    flag the fused step used on the device); the skip count and the host copy of the scale follow from it;
+  - per step, only under on_nonfinite=skip without a dynamic loss scale: one, the loss check before backward;
+so at most one per step in every mode, and none between log steps in fp32, tf32, bf16 and static-scale modes.
+Under DDP the stop flag (a small CPU all-reduce, dist.agreed_stop) is agreed every `trainer.log_every` steps, so a
+signal stops the run at the next log step; the clock's barriers come at epoch ends only.
 
 Checkpoints (checkpoint.py writes them): `loop.checkpoint(state)` is called at each epoch end (except the last)
 and when `loop.stop()` returns a reason (SIGTERM/SIGINT, signals.py): then mid-epoch, after the current step.
@@ -211,10 +218,11 @@ def forward(model: nn.Module, x: torch.Tensor, policy: PrecisionPolicy) -> torch
 def train_step(loss: torch.Tensor, loop: Loop, state: LoopState, replay=None) -> None:
     """Backward and optimizer step (unscale, clip, step: PrecisionPolicy.step) for one batch's loss, then
     zero_grad. Under on_nonfinite=skip a non-finite loss skips backward and update (the window check counts it);
-    under several ranks, all skip alike. replay: the step's forward again, for the probe's attribution of a
-    non-finite value (loop.probe, probe.py)."""
+    under several ranks, all skip alike. Under a dynamic loss scale that check is GradScaler's own (a non-finite
+    loss makes non-finite gradients: the step is skipped and the scale backs off), so no second sync is made.
+    replay: the step's forward again, for the probe's attribution of a non-finite value (loop.probe, probe.py)."""
     policy, tr, probe, step = loop.policy, loop.trainer, loop.probe, state.step + 1
-    if tr.on_nonfinite == "skip" and loop.ranks.any(not torch.isfinite(loss)):
+    if tr.on_nonfinite == "skip" and not policy.skips_overflow and loop.ranks.any(not torch.isfinite(loss)):
         if state.nonfinite is None:
             what = "; ".join(filter(None, (f"loss {loss.item()} (step skipped)", probe.on_nonfinite(step, replay))))
             state.nonfinite = {"step": step, "what": what, "policy": "skip"}
@@ -251,8 +259,9 @@ def check_window(window: Window, state: LoopState, loop: Loop) -> tuple[float, s
     return (losses[finite].mean().item() if finite.any() else math.nan), what
 
 
-def flush(steps, window: Window, loop: Loop, state: LoopState) -> None:
-    """Sync once: check the window's losses and the weights; log a row; on_nonfinite=stop ends the run."""
+def flush(steps, window: Window, loop: Loop, state: LoopState) -> float:
+    """Sync once: check the window's losses and the weights; log a row; on_nonfinite=stop ends the run. Returns
+    the window's mean loss (for the progress bar)."""
     loss, what = check_window(window, state, loop)
     elapsed = time.perf_counter() - window.t0
     loop.log({"kind": "train", "step": state.step, "epoch": state.epoch + 1, "loss": loss,
@@ -260,6 +269,7 @@ def flush(steps, window: Window, loop: Loop, state: LoopState) -> None:
               steps.rate: window.samples / elapsed if elapsed > 0 else None})
     if what is not None and loop.trainer.on_nonfinite == "stop":
         loop.status, loop.reason = "diverged", what
+    return loss
 
 
 def fit(steps, batches, loop: Loop, state: LoopState) -> dict:
@@ -301,12 +311,13 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
         if state.step == loop.warm_at:
             loop.clock.mark_warm()
         if state.step % tr.log_every == 0 or state.batch == state.steps_per_epoch or state.step >= loop.total_steps:
-            flush(steps, window, loop, state)
-            bar.set_postfix(loss=f"{window.losses[-1].float().item():.3f}",
+            bar.set_postfix(loss=f"{flush(steps, window, loop, state):.3f}",
                             rate=f"{window.samples / max(time.perf_counter() - window.t0, 1e-9):.0f}")
             window = Window(first_step=state.step + 1)
         if loop.status != "completed" or state.step >= loop.total_steps:
             break
+        if loop.ranks.active and state.step % tr.log_every:   # DDP: the stop flag's all-reduce every log_every steps
+            continue
         why = loop.stop()
         if why:
             loop.status, loop.reason = "interrupted", f"{why} after step {state.step}"

@@ -5,21 +5,40 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .config import OptimizerConfig, ScheduleConfig
+from .config import ConfigError, OptimizerConfig, ScheduleConfig
 
 
-def build_optimizer(cfg: OptimizerConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def impl_kwargs(impl: str, params: list) -> dict:
+    """optimizer.impl as torch.optim's flags. auto: fused where every parameter is a floating-point CUDA tensor
+    (SGD, Adam and AdamW all have fused CUDA kernels for fp32, fp16 and bf16), foreach elsewhere; fused, foreach and
+    loop (a Python loop over the parameters: foreach=False) as asked. A fused step under GradScaler takes the scale
+    and the found-inf flag on the device (torch/amp/grad_scaler.py: `_step_supports_amp_scaling`)."""
+    tensors = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else list(params)
+    if impl == "auto":
+        impl = "fused" if tensors and all(p.is_cuda and p.is_floating_point() for p in tensors) else "foreach"
+    return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+
+
+def build_optimizer(cfg: OptimizerConfig, params: list) -> torch.optim.Optimizer:
+    """The optimizer of `cfg` over `params` (tensors or param groups), in the implementation optimizer.impl picks."""
+    try:
+        return _build(cfg, params, impl_kwargs(cfg.impl, params))
+    except RuntimeError as e:   # fused=True on parameters its kernels do not take
+        raise ConfigError(f"optimizer.impl={cfg.impl}: {str(e).splitlines()[0]}; use optimizer.impl=auto or foreach") from None
+
+
+def _build(cfg: OptimizerConfig, params: list, impl: dict) -> torch.optim.Optimizer:
     # The optimizer's state takes the dtype of the tensors it steps: fp16 under precision=half (the fp16-Adam
     # pitfall), fp32 under master weights.
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                               weight_decay=cfg.weight_decay)
+                               weight_decay=cfg.weight_decay, **impl)
     # adamw is fastai 1.0's default optimizer when betas are (0.9, 0.99): opt_func=AdamW=partial(optim.Adam,
     # betas=(0.9,0.99)) (torch_core.py:63) wrapped in OptimWrapper(true_wd=True, bn_wd=True) (basic_train.py:137-141),
     # whose step multiplies every trainable weight, BatchNorm's included, by 1 - wd * lr before Adam's step
     # (callback.py:38-47): exactly torch.optim.AdamW's decoupled weight decay.
     cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
-    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl)
 
 
 def build_schedule(cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, total_steps: int):

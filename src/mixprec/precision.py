@@ -10,8 +10,10 @@ With precision.fp8_recipe (precision=fp8) prepare_model also swaps the Linear la
 The engine calls: prepare_model -> optimizer_params -> [autocast(), cast_input, backward, step] per step.
 
 Host syncs: `step` adds none to GradScaler's own (the found-inf check before the optimizer step,
-torch/amp/grad_scaler.py:371). Whether that check skipped the step is seen by an optimizer step hook, and the
-scale after update() is followed on the host by the same `torch._amp_update_scale_` GradScaler runs on the
+torch/amp/grad_scaler.py:371). A fused optimizer (optimizer.impl=fused; auto on CUDA) takes the scale and the
+found-inf flag on the device and skips itself there, so GradScaler makes no sync; `step` reads the flag instead:
+one sync per step either way under a dynamic loss scale, none without one. Whether that check skipped the step is
+seen by an optimizer step hook, and the scale after update() is followed on the host by the same `torch._amp_update_scale_` GradScaler runs on the
 device (grad_scaler.py:549), so `scale_value` never reads the device's scale (GradScaler.get_scale() syncs).
 """
 from __future__ import annotations
@@ -88,7 +90,13 @@ class PrecisionPolicy:
         self.scale_value = self.scaler.get_scale() if cfg.scaled else None   # no sync: the initial scale
         self._stepped = False      # set by the optimizer's step hook: still False after step() = GradScaler skipped
         self._hooked: set = set()
+        self._found_inf: torch.Tensor | None = None   # a fused step's found-inf flag (on the device), see step()
         self.fp8: dict | None = None   # what prepare_model converted to float8 (precision=fp8), for the summary
+
+    @property
+    def skips_overflow(self) -> bool:
+        """A dynamic loss scale: GradScaler skips a step whose gradients are not finite (its found-inf check)."""
+        return self.cfg.loss_scale == "dynamic"
 
     @property
     def scale_value(self) -> float | None:
@@ -159,6 +167,10 @@ class PrecisionPolicy:
                 for model_group, master_group in by_dtype(self.model_params, self.master_params):
                     torch._foreach_copy_(model_group, master_group)
         skipped = not self._stepped
+        if self._found_inf is not None:
+            # a fused step is always called: it took GradScaler's found-inf flag on the device and skipped itself
+            # there (GradScaler then makes no sync of its own); reading the flag is this step's one host sync
+            skipped, self._found_inf = bool(self._found_inf), None
         if self._host is not None and self.cfg.loss_scale == "dynamic":
             s = self.scaler
             torch._amp_update_scale_(*self._host, torch.tensor([float(skipped)]), s.get_growth_factor(),
@@ -167,6 +179,7 @@ class PrecisionPolicy:
 
     def _saw_step(self, optimizer, args, kwargs) -> None:
         self._stepped = True
+        self._found_inf = getattr(optimizer, "found_inf", None)   # set by GradScaler.step for a fused step only
 
     def stepped_params(self) -> list[torch.Tensor]:
         return self.master_params if self.master_params is not None else self.model_params

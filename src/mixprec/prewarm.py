@@ -8,7 +8,10 @@ weights) and a fresh optimizer of the same kind over the copied parameters. The 
 was: its model, optimizer, scaler and loader are not touched (the loader is not advanced), and every RNG the step
 could draw from (python, numpy, torch CPU and the accelerator's) is saved and restored. Page's warm-up ran forward
 and backward only, on the real model (so his BatchNorm running statistics saw the random batches); this one also
-warms the optimizer step and leaves the real model untouched.
+warms the optimizer step and leaves the real model untouched. `prewarm_lm` does the same for a language model (a
+window of random tokens, the hidden state from zeros). `trainer.prewarm_steps: auto` is 3 on an accelerator and 0 on
+a CPU (TrainerConfig.prewarm_for). Compilation (trainer.compile) is warmed separately, on the real compiled module
+(compiled.py), and timed as compile_time_s.
 """
 from __future__ import annotations
 
@@ -25,7 +28,36 @@ from .tricks import cross_entropy
 
 def prewarm(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, steps: int, batch_size: int,
             image_shape: tuple, num_classes: int, channels_last: bool = False, grad_clip: float | None = None) -> float:
-    """Run `steps` untimed training steps on copies; return the seconds they took (0.0 when steps == 0)."""
+    """An image job's prewarm: `steps` untimed training steps on copies; the seconds they took (0.0 when steps == 0)."""
+    def batch(gen, device):
+        x = torch.rand(batch_size, *image_shape, device=device, generator=gen)
+        x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+        return x, torch.randint(0, num_classes, (batch_size,), device=device, generator=gen)
+
+    def loss(net, pol, x, y):
+        with pol.autocast():
+            out = net(pol.cast_input(x))
+        return cross_entropy(out, y)
+    return run_prewarm(model, policy, optimizer, steps, batch, loss, grad_clip)
+
+
+def prewarm_lm(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, steps: int, bptt: int,
+               columns: int, vocab_size: int, grad_clip: float | None = None) -> float:
+    """A language model's prewarm: `steps` windows of random tokens, the hidden state from zeros."""
+    from .lm_engine import forward
+    from .wikitext import TokenWindows
+
+    def batch(gen, device):
+        tokens = torch.randint(0, vocab_size, (bptt + 1, columns), device=device, generator=gen)
+        return next(iter(TokenWindows(tokens, bptt)))
+
+    def loss(net, pol, x, y):
+        return forward(net, x, y, net.init_hidden(columns), pol)[0]
+    return run_prewarm(model, policy, optimizer, steps, batch, loss, grad_clip)
+
+
+def run_prewarm(model, policy, optimizer, steps: int, batch, loss, grad_clip: float | None) -> float:
+    """`steps` steps of `loss(net, pol, *batch(generator, device))` on copies of model, policy and optimizer."""
     if steps <= 0:
         return 0.0
     device = policy.device
@@ -39,15 +71,10 @@ def prewarm(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, st
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [memo[id(p)] for p in g["params"]]}
                   for g in optimizer.param_groups]
         opt = type(optimizer)(groups)
-        gen = torch.Generator(device=device).manual_seed(0)
-        x = torch.rand(batch_size, *image_shape, device=device, generator=gen)
-        x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
-        y = torch.randint(0, num_classes, (batch_size,), device=device, generator=gen)
+        x, y = batch(torch.Generator(device=device).manual_seed(0), device)
         net.train()
         for _ in range(steps):
-            with pol.autocast():
-                out = net(pol.cast_input(x))
-            pol.backward(cross_entropy(out, y))
+            pol.backward(loss(net, pol, x, y))
             pol.step(opt, grad_clip)
             opt.zero_grad(set_to_none=True)
         synchronize(device)

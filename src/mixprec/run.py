@@ -22,6 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import checkpoint, dist, engine, hardware, logs, tricks
+from .compiled import compile_model, warm_compile
 from .config import Config, ConfigError, plain_config, validate_job
 from .data import build_image_data, image_loaders
 from .data.files import DataError
@@ -29,7 +30,7 @@ from .lm_engine import LMSteps
 from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
 from .precision import PrecisionPolicy, hazards
-from .prewarm import prewarm
+from .prewarm import prewarm, prewarm_lm
 from .probe import build_probe
 from .records import SUMMARY, Recorder, write_json_atomic
 from .resnet9 import resnet9_options
@@ -313,12 +314,17 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     ema = tricks.EMA(model, t.ema_momentum, t.ema_every) if t.ema else None
     steps = engine.ImageSteps(net, schedule, test_batches, label_smoothing=t.label_smoothing, loss_sum=t.loss_sum,
                               ema=ema, tta=t.tta, bn_eval=config.model.bn_eval, setup_time_s=setup_s)
-    # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py)
-    prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_steps, tr.batch_size // ranks.world,
+    # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py), then the
+    # compilation of the model the loop trains, also before the clock (compiled.py)
+    prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_for(device.type), tr.batch_size // ranks.world,
                         train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
+    steps.model = compile_model(net, tr.compile)
+    compile_s = warm_compile(steps.model, policy, tr.batch_size // ranks.world, train_batches.image_shape,
+                             data.num_classes, tr.compile, tr.channels_last, config.model.bn_eval)
     info = {"model": model, "parts": {} if ema is None else {"ema": ema}, "final": model if ema is None else ema.model,
             "num_classes": data.num_classes,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "prewarm_time_s": prewarm_s,
+                        "compile_time_s": compile_s,
                         "train_flops_per_sample": None if flops is None else 3 * flops},
             "data": {**data.info, "train": len(data.train_y), "test": len(data.test_y), "mean": data.mean,
                      "std": data.std}}
@@ -328,6 +334,9 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
 def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     """A word-level language model on a text corpus (see lm_engine.py); throughput and FLOPs are per token."""
     tr, bptt = config.trainer, config.dataset.bptt
+    if tr.compile != "none":
+        raise ConfigError(f"trainer.compile={tr.compile}: only the image models are compiled here (the language "
+                          "models' hidden state crosses windows outside the graph); use trainer.compile=none")
     corpus = load_text_corpus(config.dataset)
     train_source = batchify(corpus.train, tr.batch_size, device)
     valid_source, test_source = (batchify(ids, tr.eval_batch_size, device) for ids in (corpus.valid, corpus.test))
@@ -340,9 +349,11 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     optimizer = build_optimizer(config.optimizer, policy.optimizer_params(model))
     schedule = build_schedule(config.schedule, optimizer, engine.total_steps(tr, len(windows)))
     steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=tr.batch_size)
+    prewarm_s = prewarm_lm(model, policy, optimizer, tr.prewarm_for(device.type), bptt, tr.batch_size,
+                           corpus.vocab_size, tr.grad_clip)
     info = {"model": model, "parts": {"hidden": steps}, "final": model, "num_classes": corpus.vocab_size,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "train_flops_per_sample": 3 * flops,
-                        "flops_per": "token"},
+                        "flops_per": "token", "prewarm_time_s": prewarm_s},
             "data": {**corpus.info, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
                      "valid_tokens": len(corpus.valid), "test_tokens": len(corpus.test), "bptt": bptt}}
     return steps, windows, policy, optimizer, info

@@ -190,7 +190,9 @@ def job_block(summary: dict) -> str:
         f"optimizer={ch.get('optimizer')}",
         f"device      {env.get('device_name')} ({env.get('device')}), torch {env.get('torch')}",
         f"training    {_fmt(m.get('epochs'), '.2f')} epochs, {m.get('steps')} steps, "
-        f"{_fmt(m.get('train_time_s'), '.2f')} s (eval excluded), epochs {[round(t, 2) for t in m.get('epoch_times_s') or []]}",
+        f"{_fmt(m.get('train_time_s'), '.2f')} s (eval excluded), epochs {[round(t, 2) for t in m.get('epoch_times_s') or []]}"
+        + (f"; compiled in {m['compile_time_s']:.2f} s and prewarmed {_fmt(m.get('prewarm_time_s'), '.2f')} s before the clock"
+           if m.get("compile_time_s") else ""),
         f"throughput  {_fmt(m.get('throughput'), '.1f')} {m.get('throughput_unit', 'samples/s')} ({warm})",
         f"perplexity  valid final {_fmt(m.get('final_valid_ppl'), '.2f')}, best {_fmt(m.get('best_valid_ppl'), '.2f')} "
         f"(epoch {m.get('best_valid_epoch')}); test final {_fmt(m.get('final_test_ppl'), '.2f')}, at best valid "

@@ -1,0 +1,204 @@
+"""Speed features that must not change what is trained: torch.compile (trainer.compile), the optimizer's
+implementation (optimizer.impl, fused steps under GradScaler), the host syncs per step, and prewarm."""
+import json
+
+import pytest
+import torch
+
+import mixprec.engine as engine
+from conftest import compose_config, run_tiny
+from test_lm import LM
+from mixprec.config import ConfigError, validate
+from mixprec.models import small_cnn
+from mixprec.optim import build_optimizer
+from mixprec.precision import PrecisionPolicy
+
+SMALL = ["model=small_cnn", "model.width=8", "dataset.image_size=8", "dataset.train_size=320",
+         "dataset.test_size=16", "trainer.batch_size=16", "trainer.eval_batch_size=16", "logger=none",
+         "trainer.device=cpu", "trainer.deterministic=true", "dataset.augment=false"]
+
+
+def losses(tmp_path, *overrides):
+    s = run_tiny(tmp_path, *overrides, base=SMALL)
+    assert s["status"] == "completed", s.get("error")
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["kind"] == "train"], s
+
+
+@pytest.mark.slow
+def test_compiled_small_cnn_gives_the_eager_losses(tmp_path):
+    """20 deterministic steps, one loss logged per step: inductor's kernels round differently from eager's, so
+    the two agree to 1e-4 relative, not bit for bit; the compile warm-up must leave the weights untouched."""
+    eager, _ = losses(tmp_path / "eager", "trainer.max_steps=20", "trainer.log_every=1")
+    compiled, s = losses(tmp_path / "compiled", "trainer.max_steps=20", "trainer.log_every=1", "trainer.compile=default")
+    assert len(eager) == len(compiled) == 20
+    assert compiled == pytest.approx(eager, rel=1e-4)
+    assert s["metrics"]["compile_time_s"] > 0 and s["config"]["trainer"]["compile"] == "default"
+
+
+def test_prewarm_leaves_the_trained_weights_identical(tmp_path):
+    _, plain = losses(tmp_path / "plain", "trainer.max_steps=6", "trainer.prewarm_steps=0")
+    _, warmed = losses(tmp_path / "warm", "trainer.max_steps=6", "trainer.prewarm_steps=3")
+    assert warmed["metrics"]["prewarm_time_s"] > 0 and plain["metrics"]["prewarm_time_s"] == 0.0
+    a = torch.load(tmp_path / "plain" / "model_fp32.pt", weights_only=True)
+    b = torch.load(tmp_path / "warm" / "model_fp32.pt", weights_only=True)
+    a, b = (s.get("state_dict", s) for s in (a, b))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prewarm_leaves_a_language_model_identical(tmp_path):
+    """The LM prewarm (random windows, hidden state from zeros) on copies: the same trained weights."""
+    plain = run_tiny(tmp_path / "plain", "trainer.max_steps=4", "trainer.prewarm_steps=0", base=LM)
+    warmed = run_tiny(tmp_path / "warm", "trainer.max_steps=4", "trainer.prewarm_steps=2", base=LM)
+    assert warmed["metrics"]["prewarm_time_s"] > 0 and plain["metrics"]["prewarm_time_s"] == 0.0
+    a, b = (torch.load(tmp_path / d / "model_fp32.pt", weights_only=True) for d in ("plain", "warm"))
+    a, b = (s.get("state_dict", s) for s in (a, b))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class SyncCounter:
+    """Counts the Tensor methods that make the host wait for the device, while `on`. On a CPU every tensor is a
+    host tensor, so the policy's host-side copies of the loss scale (PrecisionPolicy._shadow: CPU tensors on
+    every device, never a sync) are told apart by their storage."""
+    METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__")
+
+    def __init__(self, monkeypatch):
+        self.on, self.count, self.host = False, 0, set()
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self.counted(original))
+        shadow = PrecisionPolicy._shadow
+
+        def recorded(policy, scale):
+            tensors = shadow(policy, scale)
+            self.host.update(t.untyped_storage().data_ptr() for t in tensors)
+            return tensors
+        monkeypatch.setattr(PrecisionPolicy, "_shadow", recorded)
+
+    def counted(self, original):
+        def method(tensor, *args, **kwargs):
+            self.count += self.on and tensor.untyped_storage().data_ptr() not in self.host
+            return original(tensor, *args, **kwargs)
+        return method
+
+    def off_during(self, monkeypatch, module, name):
+        original = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            was, self.on = self.on, False
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.on = was
+        monkeypatch.setattr(module, name, wrapped)
+
+
+@pytest.mark.parametrize("overrides, per_step", [
+    (["precision=fp32"], 0),                                   # none between log steps
+    (["precision=amp_bf16"], 0),
+    (["precision=amp"], 1),                                    # GradScaler's found-inf check
+    (["precision=amp", "optimizer.impl=fused"], 1),            # the fused step's found-inf flag, read once
+    (["precision=fp32", "trainer.on_nonfinite=skip"], 1),      # the loss check before backward
+    (["precision=amp", "trainer.on_nonfinite=skip"], 1),       # GradScaler's check serves the skip policy too
+])
+def test_host_syncs_per_step(tmp_path, monkeypatch, overrides, per_step):
+    counter = SyncCounter(monkeypatch)
+    counter.off_during(monkeypatch, engine, "flush")           # the log step's sync, counted apart
+
+    def counted_epoch(*args, **kwargs):
+        counter.on = True
+        try:
+            return run_epoch(*args, **kwargs)
+        finally:
+            counter.on = False
+    run_epoch = engine.run_epoch
+    monkeypatch.setattr(engine, "run_epoch", counted_epoch)
+    s = run_tiny(tmp_path, "trainer.max_steps=6", "trainer.log_every=6", *overrides, base=SMALL)
+    assert s["status"] == "completed" and s["metrics"]["steps"] == 6
+    assert counter.count == 6 * per_step
+
+
+def test_a_fused_step_under_gradscaler_still_reports_its_skip():
+    """A fused optimizer is always called (it skips itself on the device): the policy must read the flag."""
+    config = validate(compose_config("precision=amp", "optimizer=adam", "optimizer.impl=fused", "trainer.device=cpu"))
+    torch.manual_seed(0)
+    policy = PrecisionPolicy(config.precision, torch.device("cpu"))
+    model = policy.prepare_model(small_cnn(8, 10))
+    opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
+    assert opt.param_groups[0]["fused"] is True
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    before = [p.detach().clone() for p in model.parameters()]
+    with policy.autocast():
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+    policy.backward(loss * float("inf"))
+    assert policy.step(opt) is True and policy.scale_value == 65536.0 / 2
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.zero_grad(set_to_none=True)
+    with policy.autocast():
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+    policy.backward(loss)
+    assert policy.step(opt) is False
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_optimizer_impl_and_prewarm_auto():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for impl, fused, foreach in [("auto", None, True), ("foreach", None, True), ("loop", None, False),
+                                 ("fused", True, None)]:
+        config = validate(compose_config("optimizer=sgd", f"optimizer.impl={impl}"))
+        group = build_optimizer(config.optimizer, params).param_groups[0]
+        assert (group["fused"], group["foreach"]) == (fused, foreach), impl
+    config = validate(compose_config())
+    assert config.trainer.prewarm_steps == "auto"
+    assert config.trainer.prewarm_for("cpu") == 0 and config.trainer.prewarm_for("cuda") == 3
+    assert validate(compose_config("trainer.prewarm_steps=2")).trainer.prewarm_for("cpu") == 2
+    with pytest.raises(ConfigError, match="prewarm_steps"):
+        validate(compose_config("trainer.prewarm_steps=-1"))
+    with pytest.raises(ConfigError, match="trainer.compile"):
+        validate(compose_config("trainer.compile=fast"))
+
+
+def test_a_compiled_language_model_is_refused_in_one_line(tmp_path):
+    with pytest.raises(SystemExit):
+        run_tiny(tmp_path, "trainer.compile=default", base=LM)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert "trainer.compile=default: only the image models are compiled" in s["error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, optimizer_impl, per_step", [
+    ("fp32", "auto", 0), ("amp_bf16", "auto", 0), ("amp", "auto", 1), ("amp", "foreach", 1)])
+def test_cuda_syncs_per_step(tmp_path, monkeypatch, precision, optimizer_impl, per_step):
+    """CUDA's own count: torch.cuda.set_sync_debug_mode("warn") warns at every synchronizing call; it is on
+    during the training steps only (not at the window flush, nor at the clock's explicit synchronize)."""
+    import warnings
+
+    def quiet(original):
+        def wrapped(*args, **kwargs):
+            was = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(was)
+        return wrapped
+    monkeypatch.setattr(engine, "flush", quiet(engine.flush))
+    for name in ("start", "stop", "mark_warm"):
+        monkeypatch.setattr(engine.TrainClock, name, quiet(getattr(engine.TrainClock, name)))
+    run_epoch = engine.run_epoch
+
+    def watched(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return run_epoch(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    monkeypatch.setattr(engine, "run_epoch", watched)
+    gpu = [o for o in SMALL if o != "trainer.device=cpu" and o != "trainer.deterministic=true"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = run_tiny(tmp_path, "trainer.max_steps=6", "trainer.log_every=6", f"precision={precision}",
+                     f"optimizer.impl={optimizer_impl}", "trainer.prewarm_steps=0", base=gpu)
+    assert s["status"] == "completed"
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 6 * per_step, [str(w.message) for w in syncs[:3]]
