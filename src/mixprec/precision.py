@@ -13,7 +13,8 @@ Host syncs: `step` adds none to GradScaler's own (the found-inf check before the
 torch/amp/grad_scaler.py:371). A fused optimizer (optimizer.impl=fused; auto on CUDA) takes the scale and the
 found-inf flag on the device and skips itself there, so GradScaler makes no sync; `step` reads the flag instead:
 one sync per step either way under a dynamic loss scale, none without one. Whether that check skipped the step is
-seen by an optimizer step hook, and the scale after update() is followed on the host by the same `torch._amp_update_scale_` GradScaler runs on the
+seen by an optimizer step hook, and the scale after update() is followed on the host by the same
+`torch._amp_update_scale_` GradScaler runs on the
 device (grad_scaler.py:549), so `scale_value` never reads the device's scale (GradScaler.get_scale() syncs).
 """
 from __future__ import annotations
