@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TINY
+from helpers import TINY
 from mixprec import engine, probe_stats as ps
 from mixprec.config import PrecisionConfig, ProbeConfig, TrainerConfig
 from mixprec.precision import PrecisionPolicy
@@ -22,7 +22,7 @@ LM = ["logger=none", "trainer.max_steps=2", "model=lstm", "dataset=synthetic_tex
 
 
 def run_tiny(tmp_path, *overrides):
-    from conftest import run_tiny as run
+    from helpers import run_tiny as run
     return run(tmp_path, *overrides, base=[])
 
 
@@ -295,7 +295,7 @@ def test_rnn_language_models(tmp_path, arch):
 
 def test_numerics_script_gives_a_verdict_per_precision(tmp_path, capsys):
     import importlib.util
-    from conftest import ROOT
+    from helpers import ROOT
     spec = importlib.util.spec_from_file_location("numerics_script", ROOT / "scripts" / "numerics.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

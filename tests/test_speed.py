@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mixprec.engine as engine
-from conftest import compose_config, run_tiny
+from helpers import compose_config, run_tiny
 from test_lm import LM
 from mixprec.config import ConfigError, validate
 from mixprec.models import small_cnn
