@@ -45,7 +45,7 @@ def prewarm_lm(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer,
                columns: int, vocab_size: int, grad_clip: float | None = None) -> float:
     """A language model's prewarm: `steps` windows of random tokens, the hidden state from zeros."""
     from .lm_engine import forward
-    from .wikitext import TokenWindows
+    from .data.wikitext import TokenWindows
 
     def batch(gen, device):
         tokens = torch.randint(0, vocab_size, (bptt + 1, columns), device=device, generator=gen)
