@@ -120,7 +120,8 @@ def test_max_batch_without_a_gpu_says_so():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "max_batch.py"), "model=resnet50", "precision=fp32,amp"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == (
-        "max_batch: no CUDA GPU is visible here; the search measures GPU memory, so it needs one")
+        "max_batch: no GPU is visible here; the search measures GPU memory, so it needs one "
+        "(--device cpu runs the probes on the CPU, as a check that they run)")
 
 
 @pytest.mark.parametrize("precision", ["o2", "half"])
