@@ -155,7 +155,8 @@ def main(argv=None) -> int:
             print(f"max_batch: config error: {e}", file=sys.stderr)
             return 2
         t0 = time.time()
-        best, probes = largest_fitting(make_probe(config, device), limit=args.limit)
+        # from 2: BatchNorm in training mode needs more than one value per channel (fastai's head has BatchNorm1d)
+        best, probes = largest_fitting(make_probe(config, device), start=2, limit=args.limit)
         results.append({"precision": p, "max_batch": best, "probes": probes})
         print(f"{p:10s} max batch {best} ({len(probes)} probes)", flush=True)
         if args.records:
