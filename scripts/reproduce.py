@@ -49,10 +49,12 @@ def log(msg: str) -> None:
 
 def environment() -> dict:
     import torch
-    from mixprec.hardware import describe
+    from mixprec.hardware import describe, select_device
 
-    env = describe(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    device = select_device("auto")   # the build's accelerator (torch.accelerator), else the CPU
+    env = describe(device)
+    env["gpus"] = ([] if device.type == "cpu" else
+                   [torch.get_device_module(device).get_device_name(i) for i in range(torch.accelerator.device_count())])
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)

@@ -182,3 +182,28 @@ def test_fp32_weights_are_cpu_copies():
     for k, v in state.items():
         assert v.device == torch.device("cpu") and v.untyped_storage().data_ptr() not in live, k
         assert v.dtype == (torch.float32 if v.is_floating_point() else model.state_dict()[k].dtype)
+
+
+@pytest.mark.parametrize("cap, reason", [((9, 0), None), ((8, 0), "compute capability 8.0 < 8.9: no FP8 tensor cores")])
+def test_fp8_asks_the_jobs_device_for_its_capability(two_gpus, monkeypatch, cap, reason):
+    from mixprec import fp8
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or cap)
+    assert fp8.emulation_reason(torch.device("cuda", 1)) == reason
+    assert asked == [torch.device("cuda", 1)]
+
+
+def test_the_reproduction_folder_names_every_visible_gpu(two_gpus, monkeypatch):
+    import importlib.util
+
+    from helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("reproduce_script", ROOT / "scripts" / "reproduce.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: f"GPU number {i}")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: type("P", (), dict(
+        name="GPU number 0", major=9, minor=0, total_memory=80 * 2**30))())
+    env = script.environment()
+    assert env["gpus"] == ["GPU number 0", "GPU number 1"] and env["device"] == "cuda:0" and env["capability"] == "9.0"

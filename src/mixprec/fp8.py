@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError
+from .hardware import capability
 
 INSTALL = 'pip install -e ".[fp8]"'
 FP8_CAPABILITY = (8, 9)   # Ada / Hopper and later: FP8 tensor cores
@@ -46,9 +47,9 @@ def require_torchao():
 
 def emulation_reason(device: torch.device) -> str | None:
     """Why this device cannot run FP8 matmuls natively, or None when it can."""
-    if device.type != "cuda":
+    if device.type != "cuda":   # CUDA-only branch (docs/gpus.md): torchao's float8 matmuls are CUDA kernels
         return f"{device.type}: no FP8 tensor cores"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     if (major, minor) < FP8_CAPABILITY:
         return f"compute capability {major}.{minor} < 8.9: no FP8 tensor cores"
     return None
