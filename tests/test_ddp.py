@@ -1,18 +1,21 @@
 """DDP under torchrun (gloo, CPU) and sweeps through hydra-submitit-launcher's local executor: real tiny jobs."""
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import mixprec.run
 from helpers import ROOT, TINY, run_tiny
-from mixprec import dist
+from mixprec import checkpoint, dist
 from mixprec.data import pipelines
 from mixprec.config import ConfigError
+from mixprec.engine import LoopState
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -133,6 +136,41 @@ def test_weight_spread_is_the_largest_difference_between_ranks(tmp_path):
     out = tmp_path / "spreads.json"
     torch.multiprocessing.start_processes(_spreads_on_rank, args=(free_port(), out), nprocs=2, start_method="fork")
     assert json.loads(out.read_text()) == list(OFFSETS)
+
+
+def _draws() -> list:
+    return [random.random(), float(np.random.rand()), torch.rand(2).tolist()]
+
+
+def _rng_round_trip_on_rank(rank, port, folder):
+    """Seed this rank apart, checkpoint, scramble every RNG, restore: what it draws next, before and after."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    saver = checkpoint.Checkpointer(folder, meta={}, ranks=dist.Ranks(rank=rank, world=2))
+    seed = lambda s: (random.seed(s), np.random.seed(s), torch.manual_seed(s))   # noqa: E731
+    seed(100 + rank)
+    fresh = _draws()
+    seed(100 + rank)
+    saver.save(LoopState())      # every rank calls it (a collective); rank 0 writes the file
+    torch.distributed.barrier()
+    seed(7)
+    saver.restore(torch.load(folder / checkpoint.CHECKPOINT, weights_only=True), LoopState())
+    (folder / f"draws.{rank}").write_text(json.dumps({"fresh": fresh, "restored": _draws()}))
+    torch.distributed.destroy_process_group()
+
+
+def test_each_rank_resumes_its_own_rng_states(tmp_path):
+    """Two gloo ranks seeded apart: the checkpoint holds one RNG state per rank and each rank restores its own (it
+    draws what it drew fresh from its seed, not rank 0's numbers); a job with another number of ranks is refused."""
+    torch.multiprocessing.start_processes(_rng_round_trip_on_rank, args=(free_port(), tmp_path), nprocs=2,
+                                          start_method="fork")
+    draws = [json.loads((tmp_path / f"draws.{rank}").read_text()) for rank in (0, 1)]
+    assert draws[0]["fresh"] != draws[1]["fresh"]
+    for d in draws:
+        assert d["restored"] == d["fresh"]
+    ckpt = torch.load(tmp_path / checkpoint.CHECKPOINT, weights_only=True)
+    assert len(ckpt["rng"]) == 2
+    with pytest.raises(checkpoint.CheckpointError, match=r"written by 2 rank\(s\), this job has 1; resume with as many"):
+        checkpoint.Checkpointer(tmp_path, meta={}).restore(ckpt, LoopState())
 
 
 def test_bad_override_under_torchrun_is_one_line(tmp_path):

@@ -29,11 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .dist import SINGLE, Ranks
 from .records import METRICS, SUMMARY, atomic_file
 
 CHECKPOINT = "checkpoint.pt"
 WEIGHTS = "model_fp32.pt"
-FORMAT = 2   # 2: the loop state is engine.LoopState.state_dict(); the loader's place is the part "data"
+FORMAT = 3   # 2: the loop state is engine.LoopState.state_dict(); the loader's place is the part "data";
+             # 3: "rng" is a list, one entry per rank
 FINAL = ("completed", "diverged")        # a job in these states is done: resume=auto skips it
 VOLATILE = ("trainer.resume", "trainer.device", "logger")   # config that may differ between a run and its resume
 
@@ -165,10 +167,8 @@ def _job_accelerator() -> torch.device | None:
 
 def rng_state() -> dict:
     """Every RNG state of this process: python, numpy, torch CPU, and the job's own accelerator device (not every
-    visible GPU by index: a resume on another device, or on another rank, restores it onto its own device).
-    Under DDP rank 0 writes the checkpoint and every rank restores its states: the ranks are seeded alike and draw
-    alike (dropout masks, the loaders' shared-seed permutations), so rank 0's states are every rank's
-    (tests/test_resume.py checks the device a state is restored to)."""
+    visible GPU by index: a resume on another device restores it onto its own device). Under DDP the checkpoint
+    holds one such state per rank, and each rank restores its own (tests/test_ddp.py)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     acc = _job_accelerator()
     return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), int(pos), int(has_gauss), float(gauss)),
@@ -190,17 +190,22 @@ class Checkpointer:
     """Writes out_dir/checkpoint.pt from the registered parts (name -> object with state_dict/load_state_dict)
     and the engine's loop state; `meta` (config, W&B run id, earlier resumes) is stored alongside."""
 
-    def __init__(self, out_dir: Path, meta: dict):
+    def __init__(self, out_dir: Path, meta: dict, ranks: Ranks = SINGLE):
         self.path = Path(out_dir) / CHECKPOINT
         self.meta = meta
+        self.ranks = ranks
         self.parts: dict = {}
         self.seconds = 0.0        # time spent writing checkpoints (never inside the training clock)
 
     def save(self, loop) -> None:
-        """Write the checkpoint: the loop state (engine.LoopState) and every part's state."""
+        """Write the checkpoint: the loop state (engine.LoopState), every part's state and every rank's RNG states.
+        Every rank calls it (the RNG states are gathered, a collective); rank 0 writes the file."""
         t0 = time.perf_counter()
+        rngs = self.ranks.gather(rng_state())
+        if not self.ranks.main:
+            return
         data = {"format": FORMAT, **self.meta, "loop": loop.state_dict(),
-                "parts": {name: part.state_dict() for name, part in self.parts.items()}, "rng": rng_state(),
+                "parts": {name: part.state_dict() for name, part in self.parts.items()}, "rng": rngs,
                 "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         with atomic_file(self.path) as f:
             torch.save(data, f)
@@ -212,10 +217,13 @@ class Checkpointer:
         missing = sorted(set(self.parts) - set(ckpt["parts"]))
         if missing:
             raise CheckpointError(f"{self.path}: holds no state for {', '.join(missing)}; delete it to start over")
+        if len(ckpt["rng"]) != self.ranks.world:   # each rank's RNG states and its slice of the data are its own
+            raise CheckpointError(f"{self.path}: written by {len(ckpt['rng'])} rank(s), this job has {self.ranks.world}; "
+                                  "resume with as many ranks, or delete it to start over")
         for name, part in self.parts.items():
             part.load_state_dict(ckpt["parts"][name])
         loop.load_state_dict(ckpt["loop"])
-        set_rng_state(ckpt["rng"])
+        set_rng_state(ckpt["rng"][self.ranks.rank])
 
     def discard(self) -> None:
         self.path.unlink(missing_ok=True)

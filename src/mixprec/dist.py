@@ -23,6 +23,7 @@ so all ranks share one dir. Under the submitit launcher the launcher names the d
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import sys
 import time
@@ -57,6 +58,18 @@ class Ranks:
         if self.active:
             tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
         return tensor
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (what torch.save takes: tensors, numbers, containers), in rank order, on every rank: a
+        collective that every rank must call. Sent as torch.save bytes: all_gather_object's own pickling of a CPU
+        tensor fails to load on the receiver in torch 2.14 ("UntypedStorage has no attribute dtype")."""
+        if not self.active:
+            return [obj]
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        out = [None] * self.world
+        tdist.all_gather_object(out, buf.getvalue())
+        return [torch.load(io.BytesIO(b), weights_only=True) for b in out]
 
     def barrier(self) -> None:
         if self.active:

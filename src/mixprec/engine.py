@@ -158,7 +158,7 @@ class Loop:
     trainer: TrainerConfig
     total_steps: int
     log: Callable = lambda row: None
-    checkpoint: Callable | None = None   # checkpoint(state): write one (rank 0; None elsewhere)
+    checkpoint: Callable | None = None   # checkpoint(state): every rank calls it (rank 0 writes the file)
     stop: Callable = lambda: None        # the name of a stop signal received, else None
     ranks: Ranks = SINGLE
     progress: bool = True

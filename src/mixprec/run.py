@@ -170,7 +170,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     recorder = Recorder(out_dir, mirror) if ranks.main else dist.Silent(out_dir)
     saver = checkpoint.Checkpointer(out_dir, meta={"config": summary["config"], "device_type": device.type,
                                                    "wandb_run_id": mirror and mirror.run.id,
-                                                   "resumes": summary.get("resumed", {}).get("history", [])})
+                                                   "resumes": summary.get("resumed", {}).get("history", [])}, ranks=ranks)
     recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
     stop = StopSignals()
     try:
@@ -263,7 +263,7 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
         saver.restore(resume, state)   # last before training: it sets the RNG states
     with probed(config, model, recorder, ranks) as probe:
         loop = engine.Loop(policy, optimizer, tr, engine.total_steps(tr, len(batches)), log=recorder.log,
-                           checkpoint=saver.save if ranks.main else None, stop=stop, ranks=ranks,
+                           checkpoint=saver.save, stop=stop, ranks=ranks,
                            progress=sys.stderr.isatty() and ranks.main, probe=probe)
         result = engine.fit(steps, batches, loop, state)
         result["numerics"] = probe.summary()
