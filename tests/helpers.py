@@ -1,5 +1,6 @@
 """Helpers shared by the tests: compose a config as a job sees it, run a tiny job in this process, run train.py in a
-subprocess."""
+subprocess, load a script of scripts/ as a module."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -48,3 +49,11 @@ def run_cli(*args, cwd=ROOT, timeout=600):
     env.pop("WANDB_SERVICE", None)   # an in-process W&B run of an earlier test sets it: a job starts its own service
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=env)
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (its functions called in this process)."""
+    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

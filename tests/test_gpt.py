@@ -1,7 +1,6 @@
 """model=gpt and precision=fp8: the Transformer's parameter count and FLOPs against closed forms, causality, the
 float8 conversion (which Linear layers, which are left in bf16), 50 deterministic fp8 steps, fp8 (emulated on the
 CPU) against amp_bf16 from the same seed, and the one line said when torchao is missing."""
-import importlib.util
 import json
 import math
 import os
@@ -13,7 +12,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import ROOT, compose_config, run_cli, run_tiny
+from helpers import compose_config, run_cli, run_tiny, load_script
 from test_lm import one_thread  # noqa: F401  (autouse: tiny models on one thread)
 from mixprec.config import ConfigError, validate
 from mixprec.gpt import GPT
@@ -153,9 +152,7 @@ def test_an_fp8_run_saves_plain_fp32_gpt_weights_that_generate_text(fp8_and_bf16
     weights = torch.load(s["job"]["output_dir"] + "/model_fp32.pt", weights_only=True)
     assert all(v.dtype == torch.float32 for v in weights.values())
     GPT(64, 1, 2, 32, 16).load_state_dict(weights)   # a plain GPT's state dict: Float8Linear keeps weight, bias
-    spec = importlib.util.spec_from_file_location("generate", ROOT / "scripts" / "generate.py")
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
+    generate = load_script("generate")
     capsys.readouterr()
     assert generate.main([s["job"]["output_dir"], "--words", "25", "--seed", "3"]) == 0   # longer than block_size
     words = capsys.readouterr().out.split()

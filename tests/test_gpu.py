@@ -1,7 +1,6 @@
 """What only a CUDA GPU can show (marked gpu: skipped without one; `pytest -m gpu`, about a minute on one GPU).
 Each test guards a CUDA-only branch or a CUDA behaviour the CPU suite cannot see (docs/gpus.md).
 """
-import importlib.util
 import time
 import warnings
 
@@ -10,7 +9,7 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 from torch import nn
 
-from helpers import ROOT, TINY, compose_config, run_tiny
+from helpers import TINY, compose_config, run_tiny, load_script
 from mixprec import checkpoint, data, hardware, precision
 from mixprec.config import validate
 from mixprec.engine import TrainClock
@@ -118,9 +117,7 @@ def test_layouts_are_as_configured(channels_last):
 
 
 def test_max_batch_returns_memory_to_its_baseline_after_an_oom_probe():
-    spec = importlib.util.spec_from_file_location("max_batch", ROOT / "scripts" / "max_batch.py")
-    max_batch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(max_batch)
+    max_batch = load_script("max_batch")
     GlobalHydra.instance().clear()
     config = max_batch.compose(["model=resnet18", "precision=amp"])
     fits = max_batch.make_probe(config, CUDA0)

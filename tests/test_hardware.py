@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import compose_config
+from helpers import compose_config, load_script
 from mixprec import checkpoint, data, dist, hardware, precision
 from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.models import small_cnn
@@ -195,13 +195,7 @@ def test_fp8_asks_the_jobs_device_for_its_capability(two_gpus, monkeypatch, cap,
 
 
 def test_the_reproduction_folder_names_every_visible_gpu(two_gpus, monkeypatch):
-    import importlib.util
-
-    from helpers import ROOT
-
-    spec = importlib.util.spec_from_file_location("reproduce_script", ROOT / "scripts" / "reproduce.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("reproduce")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: f"GPU number {i}")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: type("P", (), dict(
         name="GPU number 0", major=9, minor=0, total_memory=80 * 2**30))())

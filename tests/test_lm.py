@@ -1,7 +1,6 @@
 """Word language models: bptt windows and targets, the hidden state cut between windows, clipping of unscaled
 gradients, learning on a repetitive corpus, perplexity, every precision x RNN kind, the apex_word_lm sweep, and
 scripts/generate.py."""
-import importlib.util
 import json
 import math
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import ROOT, compose_config, run_cli, run_tiny
+from helpers import ROOT, compose_config, run_cli, run_tiny, load_script
 from mixprec import engine, lm_engine
 from mixprec.config import ConfigError, validate
 from mixprec.optim import build_schedule
@@ -320,9 +319,7 @@ def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
 
 
 def test_generate_samples_words_from_a_trained_run(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("generate", ROOT / "scripts" / "generate.py")
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
+    generate = load_script("generate")
     run = tmp_path / "run"
     run_lm(run, "model=gru", "precision=amp")
     capsys.readouterr()

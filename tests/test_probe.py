@@ -294,11 +294,8 @@ def test_rnn_language_models(tmp_path, arch):
 # -- the one-batch advisor ----------------------------------------------------------------------------------------
 
 def test_numerics_script_gives_a_verdict_per_precision(tmp_path, capsys):
-    import importlib.util
-    from helpers import ROOT
-    spec = importlib.util.spec_from_file_location("numerics_script", ROOT / "scripts" / "numerics.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from helpers import load_script
+    script = load_script("numerics")
     assert script.main(["model=small_cnn", "model.width=8", "trainer.device=cpu", "precision=amp,amp_bf16,o2",
                         "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()

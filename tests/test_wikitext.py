@@ -1,11 +1,10 @@
 """Wikitext-2 from tiny files in the official format, download with sha256, offline errors, batchify and windows,
 the synthetic token stream, and scripts/data_stats.py (run in-process)."""
-import importlib.util
 
 import pytest
 import torch
 
-from helpers import ROOT, compose_config
+from helpers import compose_config, load_script
 from mixprec.data import wikitext
 from mixprec.config import validate
 from mixprec.data.files import DataError, sha256sum
@@ -98,10 +97,7 @@ def test_synthetic_token_stream_is_deterministic_and_learnable():
 
 
 def data_stats():
-    spec = importlib.util.spec_from_file_location("data_stats", ROOT / "scripts" / "data_stats.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("data_stats")
 
 
 def test_data_stats_reports_tokens_and_vocabulary(tmp_path, capsys):
