@@ -1,0 +1,94 @@
+"""No import cycle in src/mixprec: the graph of every `import` / `from ... import` (top-level and inside functions)
+between the package's modules, built with ast, has no cycle."""
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(src: Path = SRC, package: str = "mixprec") -> dict[str, set[str]]:
+    """module -> the package's modules it imports. Importing a.b.c also imports the packages a.b and a (except the
+    importer's own enclosing packages, which Python has already started importing)."""
+    files = {module_name(p, src): p for p in (src / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".")
+                    base = base[:len(base) - node.level + (1 if is_pkg else 0)]
+                    stem = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    stem = node.module
+                targets = [stem] + [f"{stem}.{a.name}" for a in node.names]   # `from pkg import submodule`
+            ancestors = {".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1)}
+            for t in targets:
+                parts = t.split(".")
+                for i in range(1, len(parts) + 1):
+                    name = ".".join(parts[:i])
+                    if name in files and name != mod and name not in ancestors:
+                        graph[mod].add(name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_checker_finds_a_cycle_and_follows_function_level_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import x\n")
+    (pkg / "b.py").write_text("def f():\n    from .sub import c\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from .. import a\n")
+    (pkg / "d.py").write_text("import pkg.a\n")
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.b"] == {"pkg.sub", "pkg.sub.c"}
+    assert graph["pkg.sub.c"] == {"pkg.a"}          # its own package pkg.sub is no edge
+    assert graph["pkg.d"] == {"pkg.a"}
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+    (pkg / "b.py").write_text("x = 1\n")
+    assert cycles(import_graph(tmp_path, "pkg")) == []
+
+
+def test_mixprec_has_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles in src/mixprec: " + "; ".join(" <-> ".join(c) for c in found)
