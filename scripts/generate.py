@@ -27,7 +27,7 @@ from mixprec.data.files import DataError  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
 from mixprec.records import SUMMARY, read_summary  # noqa: E402
 from mixprec.checkpoint import WEIGHTS  # noqa: E402
-from mixprec.tables import is_language_model  # noqa: E402
+from mixprec import records  # noqa: E402
 from mixprec.data.wikitext import load_text_corpus  # noqa: E402
 
 
@@ -44,12 +44,11 @@ def load(run_dir: Path, data_dir: str | None = None, device: str = "cpu"):
         summary = read_summary(path)
     except ValueError as e:
         raise RunError(str(e)) from None
-    arch = ((summary.get("config") or {}).get("model") or {}).get("arch")
-    if not is_language_model(summary):
-        raise RunError(f"{run_dir}: model={arch} is not a language model (lstm, gru, rnn_tanh, rnn_relu, gpt)")
+    if not records.is_language_model(summary):
+        raise RunError(f"{run_dir}: model={records.arch(summary)} is not a language model (lstm, gru, rnn_tanh, rnn_relu, gpt)")
     weights = summary.get("weights") or {}
     if not weights or not (run_dir / weights["file"]).is_file():
-        raise RunError(f"{run_dir}: no {WEIGHTS} (status {summary.get('status')}); only a completed job leaves its "
+        raise RunError(f"{run_dir}: no {WEIGHTS} (status {records.status(summary)}); only a completed job leaves its "
                        "final weights")
     config = validate(summary["config"])
     dataset = config.dataset if data_dir is None else dataclasses.replace(config.dataset, data_dir=data_dir,

@@ -14,8 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a checkout without installing
 
-from mixprec.report import ReportError, make_report  # noqa: E402
-from mixprec.sources import SourceError  # noqa: E402
+from mixprec.report.load import ReportError  # noqa: E402
+from mixprec.report.make import make_report  # noqa: E402
+from mixprec.report.published import SourceError  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     print(f"report: {Path(data['out']) / 'report.html'}")
     print(f"report: {Path(data['out']) / 'report.md'}")
     if args.wandb:
-        from mixprec.wandb_report import publish
+        from mixprec.report.wandb_report import publish
 
         url, message = publish(data, data["_jobs"])
         print(f"W&B report: {url}  ({message})" if url else

@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"numerics: config error: {e}", file=sys.stderr)
         return 2
-    from mixprec.probe_plots import advisor_figure
+    from mixprec.report.probe_plots import advisor_figure
 
     device = hardware.select_device(ref_config.trainer.device)
     hardware.configure(device, ref_config.trainer, ref_config.precision, ref_config.seed)

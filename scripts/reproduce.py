@@ -33,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from mixprec import plan as P  # noqa: E402
-from mixprec.records import write_json_atomic  # noqa: E402
+from mixprec import records  # noqa: E402
+from mixprec.records import write_json_atomic, write_text_atomic  # noqa: E402
+from mixprec.report.load import sweep_jobs  # noqa: E402
 
 FINAL = ("completed", "diverged", "failed")
 STATE = "plan.json"
@@ -82,7 +84,7 @@ def write_environment(out: Path, env: dict, args) -> None:
             ("capability", env.get("capability") or "-"), ("overrides", " ".join(args.overrides) or "-"),
             ("written", time.strftime("%Y-%m-%d %H:%M:%S %z"))]
     text = "# Environment\n\n" + P.markdown_table(["", ""], [[k, v] for k, v in rows]) + "\n"
-    (out / "ENVIRONMENT.md").write_text(text)
+    write_text_atomic(out / "ENVIRONMENT.md", text)
     write_json_atomic(out / "environment.json", env)
 
 
@@ -207,28 +209,15 @@ def spawn(cmd: list[str], out: Path, name: str, timeout_s=None, tick=None) -> tu
 
 
 def summaries(folder: Path) -> list[dict]:
-    found = []
-    for p in sorted(folder.glob("*/summary.json")):
-        try:
-            found.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            continue
-    return found
+    """The readable summaries of a sweep folder's jobs."""
+    return [j.summary for j in sweep_jobs(folder)[0]]
 
 
 # ---------------------------------------------------------------------------------------------------- calibration
 
 
 def _job_key(summary: dict, keys: list[str]) -> tuple:
-    choices, cfg = summary.get("choices") or {}, summary.get("config") or {}
-    vals = []
-    for k in keys:
-        v = choices.get(k) if k in choices else cfg
-        if k not in choices:
-            for part in k.split("."):
-                v = v.get(part) if isinstance(v, dict) else None
-        vals.append(str(v))
-    return tuple(vals)
+    return tuple(str(records.lookup(summary, k)) for k in keys)
 
 
 def calibrate(plan, args, out: Path) -> dict:
@@ -423,7 +412,7 @@ def write_plan_md(out: Path, state: dict) -> None:
             "per job on this device, warm-up excluded); `>=` where the calibration was stopped as too slow, "
             "`(estimate)` where no step of the sweep could be timed. Cuts are applied in the order the plan lists "
             "them (src/mixprec/plan.yaml).\n")
-    (out / "plan.md").write_text(text)
+    write_text_atomic(out / "plan.md", text)
     write_json_atomic(out / STATE, state)
 
 
@@ -468,7 +457,7 @@ def keep_or_set_aside(out: Path, old: dict, state: dict) -> None:
 
 
 def jobs_done(out: Path, state: dict) -> int:
-    return sum(min(e["jobs"], sum(1 for s in summaries(out / "runs" / e["name"]) if s.get("status") in FINAL))
+    return sum(min(e["jobs"], sum(1 for s in summaries(out / "runs" / e["name"]) if records.status(s) in FINAL))
                for e in state["sweeps"] if not e["dropped"])
 
 

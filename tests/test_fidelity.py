@@ -21,8 +21,9 @@ from mixprec.models import build_model
 from mixprec.optim import build_optimizer, build_schedule
 from mixprec.precision import PrecisionPolicy, StaticScaler
 from mixprec.prewarm import prewarm
-from mixprec.sources import PUBLISHED_DIR, load_source, matches
-from mixprec.tables import ladder_rows
+from mixprec.report.published import PUBLISHED_DIR, load_source, matches
+from mixprec.report.analyse import ladder_rows
+from mixprec.report.render import ladder_cells
 
 
 def composed(*overrides):
@@ -272,7 +273,7 @@ def test_two_seed_ladder_sweep_shows_all_runs_and_not_reached(tmp_path):
     assert len(summaries) == 2 and all(s["metrics"]["time_to_target_s"] is None for s in summaries)
     times = [s["metrics"]["train_time_s"] for s in summaries]
     accs = [s["metrics"]["final_test_acc_tta"] for s in summaries]
-    (row,) = ladder_rows(summaries)
+    (row,) = map(ladder_cells, ladder_rows(summaries))
     assert row["runs"] == "2/2" and row["reached"] == "0/2" and row["to_94_s"] == "not reached"
     assert row["train_time_s"] == f"{np.mean(times):.2f} +- {np.std(times, ddof=1):.2f}"
     assert row["acc_tta"] == f"{np.mean(accs):.4f} +- {np.std(accs, ddof=1):.4f}"
@@ -282,9 +283,9 @@ def test_two_seed_ladder_sweep_shows_all_runs_and_not_reached(tmp_path):
     # over both runs is not the survivor's time, and the fraction counts both
     reached = json.loads(json.dumps(summaries[0]))
     reached["metrics"]["time_to_target_s"] = 1.5
-    (row,) = ladder_rows([reached, summaries[1]])
+    (row,) = map(ladder_cells, ladder_rows([reached, summaries[1]]))
     assert row["reached"] == "1/2" and row["to_94_s"] == "not reached"
-    (row,) = ladder_rows([reached, reached, summaries[1]])
+    (row,) = map(ladder_cells, ladder_rows([reached, reached, summaries[1]]))
     assert row["reached"] == "2/3" and row["to_94_s"] == "1.50"
 
 
@@ -353,7 +354,7 @@ def test_apex_published_values_match_only_the_runs_they_come_from():
 def test_the_report_reads_the_best_validation_models_test_perplexity_and_says_so(tmp_path):
     import json
 
-    from mixprec.report import make_report
+    from mixprec.report.make import make_report
 
     _, s = composed("workload=apex_small_lstm")
     s.update(status="completed", job={"num": 0}, metrics={"final_test_ppl": 120.0, "test_ppl_at_best_valid": 117.0,

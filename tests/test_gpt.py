@@ -18,7 +18,8 @@ from mixprec.config import ConfigError, validate
 from mixprec.gpt import GPT
 from mixprec.models import build_model
 from mixprec.precision import PrecisionPolicy
-from mixprec.tables import format_table, sweep_note, sweep_rows
+from mixprec.report.analyse import sweep_rows
+from mixprec.report.render import format_table, sweep_note
 
 CPU = torch.device("cpu")
 # Tiny but real: a 1-layer GPT of width 32 on a synthetic corpus of 64 words, AdamW, deterministic, 50 steps.

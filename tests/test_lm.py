@@ -15,7 +15,7 @@ from mixprec.optim import build_schedule
 from mixprec.precision import PrecisionPolicy
 from mixprec.rnnlm import RNNModel
 from mixprec.checkpoint import WEIGHTS
-from mixprec.tables import published_ppl, sweep_rows
+from mixprec.report.analyse import published_ppl, sweep_rows
 from mixprec.data.wikitext import TokenWindows, batchify
 
 CPU = torch.device("cpu")

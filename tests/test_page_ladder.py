@@ -6,7 +6,9 @@ import pytest
 
 from helpers import compose_config, run_cli, run_tiny
 from mixprec.config import validate
-from mixprec.tables import ladder_rows, page_ladder
+from mixprec.report.analyse import ladder_rows
+from mixprec.report.published import page_ladder
+from mixprec.report.render import ladder_cells
 
 PAGE_LADDER = page_ladder()
 STEPS = list(PAGE_LADDER)
@@ -107,7 +109,7 @@ def test_the_ladder_table_summarises_repeated_runs_per_step():
                  fake("page_01_baseline", 2, 0.95, 0.96, 70.0), fake("page_01_baseline", 0, 0.9, 0.9, None,
                                                                       ["precision=amp"]),
                  {"status": "completed", "choices": {"trick": "none"}, "overrides": [], "metrics": {}}]
-    rows = ladder_rows(summaries)
+    rows = [ladder_cells(r) for r in ladder_rows(summaries)]
     assert [(r["step"], r["variant"]) for r in rows] == [("page_01_baseline", ""), ("page_01_baseline", "precision=amp"),
                                                          ("page_10_tta", "")]
     base, amp, tta = rows

@@ -306,7 +306,7 @@ def test_numerics_script_gives_a_verdict_per_precision(tmp_path, capsys):
 
 
 def test_make_report_draws_the_probed_jobs(tmp_path):
-    from mixprec.report import make_report
+    from mixprec.report.make import make_report
     s = run_tiny(tmp_path / "job", *TINY8, "precision=amp", "trainer.max_steps=3", "probe=ranges", "probe.every=2")
     assert s["status"] == "completed"
     run_tiny(tmp_path / "plain", *TINY8, "precision=amp")   # not probed: no figure

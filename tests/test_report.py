@@ -10,8 +10,8 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 
 from helpers import ROOT, compose_config, run_cli
-from mixprec.report import make_report
-from mixprec.sources import SourceError, load_source, load_sources
+from mixprec.report.make import make_report
+from mixprec.report.published import SourceError, load_source, load_sources
 
 # small enough for ResNet-18 on a CPU: 8x8 images, one step per epoch, two epochs; every step logged
 SIZES = ["dataset.image_size=8", "dataset.train_size=8", "dataset.test_size=8", "trainer.batch_size=8",
@@ -204,7 +204,7 @@ def test_bad_input_is_one_line(tmp_path):
 @pytest.mark.slow   # a subprocess sweep
 def test_wandb_report_objects(runs, monkeypatch):
     wr = pytest.importorskip("wandb_workspaces.reports.v2")
-    from mixprec import wandb_report
+    from mixprec.report import wandb_report
 
     data, jobs = runs["data"], runs["data"]["_jobs"]
     ids = [j.summary["wandb"]["run_id"] for j in jobs if j.summary.get("wandb")]
@@ -260,7 +260,8 @@ def test_a_bad_published_file_names_the_file_and_field(tmp_path, text, expect):
 
 
 def test_variants_name_what_sets_jobs_apart_and_nothing_it_implies(tmp_path):
-    from mixprec.report import Job, by_experiment
+    from mixprec.report.analyse import by_experiment
+    from mixprec.report.load import Job
 
     def summary(case, optimizer, precision, extra=()):
         return {"name": "half_pitfalls", "status": "completed", "seed": 0, "config": {"seed": 0},

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mixprec.report import make_report
+from mixprec.report.make import make_report
 
 SOURCE = """
 id: verdicts

@@ -15,7 +15,7 @@ import yaml
 
 from helpers import ROOT, compose_config
 from mixprec import plan as P
-from mixprec.sources import load_sources
+from mixprec.report.published import load_sources
 
 SCRIPT = ROOT / "scripts" / "reproduce.py"
 

@@ -17,32 +17,14 @@ forward and backward without emulation, but as a reference kernel that is slower
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 from torch import nn
 
-from .config import ConfigError
+from .config import require_torchao
 from .hardware import capability
 
-INSTALL = 'pip install -e ".[fp8]"'
 FP8_CAPABILITY = (8, 9)   # Ada / Hopper and later: FP8 tensor cores
-
-
-def require_torchao():
-    """torchao.float8, or a ConfigError whose one line says what to install."""
-    quiet = logging.getLogger("torch.utils._pytree")   # torchao 0.18's import warns about an Enum registration
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        import torchao.float8 as float8
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError as e:
-        raise ConfigError(f"precision=fp8 needs torchao (float8 training), which is not importable here ({e}); "
-                          f"install it with: {INSTALL}") from None
-    finally:
-        quiet.setLevel(level)
-    return float8, Float8Linear
 
 
 def emulation_reason(device: torch.device) -> str | None:

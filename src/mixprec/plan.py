@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from . import records
+
 PLAN_FILE = Path(__file__).parent / "plan.yaml"
 CUT_KINDS = ("epochs", "max_steps", "grid")
 
@@ -224,7 +226,7 @@ def job_wall_s(summary: dict) -> float | None:
 
 def cost_from_summary(summary: dict) -> JobCost | None:
     """A calibration job's cost: None unless it ran with a steady (warm-up excluded) throughput."""
-    m, cfg = summary.get("metrics") or {}, summary.get("config") or {}
+    m, cfg = records.metrics(summary), records.config(summary)
     if not m.get("throughput") or m.get("throughput_includes_warmup"):
         return None
     step_s = samples_per_step(cfg) / m["throughput"]

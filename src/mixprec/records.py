@@ -12,6 +12,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .config import LM_ARCHS
+
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
 
@@ -86,3 +88,108 @@ def read_summary(path: Path) -> dict:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not a valid summary.json ({e.msg} at line {e.lineno}); re-run that job") from None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_file(path, "w") as f:
+        f.write(text)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """A .jsonl file's rows (an incomplete last line, as a killed job may leave, is skipped); [] when it is absent."""
+    rows = []
+    path = Path(path)
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- summary fields
+# The summary-format contract: everything that reads a summary.json (the report, the sweep table, the reference
+# folders, scripts/reproduce.py) reaches its fields through these accessors.
+
+
+def config(summary: dict) -> dict:
+    """The job's resolved config (plain values)."""
+    return summary.get("config") or {}
+
+
+def metrics(summary: dict) -> dict:
+    return summary.get("metrics") or {}
+
+
+def choices(summary: dict) -> dict:
+    """The config-group choices (model, precision, dataset, trick...)."""
+    return summary.get("choices") or {}
+
+
+def env(summary: dict) -> dict:
+    """The hardware and software it ran on; {} for a job that failed before recording it."""
+    return summary.get("env") or {}
+
+
+def status(summary: dict) -> str | None:
+    return summary.get("status")
+
+
+def completed(summary: dict) -> bool:
+    return summary.get("status") == "completed"
+
+
+def experiment(summary: dict) -> str:
+    """The experiment the job belongs to (set by an experiment preset), "default" without one."""
+    return str(summary.get("name") or config(summary).get("name") or "default")
+
+
+def seed(summary: dict):
+    return summary.get("seed", config(summary).get("seed"))
+
+
+def job_num(summary: dict):
+    """Its job number in a sweep (None for a single run)."""
+    return (summary.get("job") or {}).get("num")
+
+
+def reason(summary: dict) -> str:
+    """Why it did not complete (a divergence's reason, a failure's error); "" when it says nothing."""
+    return summary.get("reason") or summary.get("error") or ""
+
+
+def fp8_emulated(summary: dict) -> bool:
+    return bool((summary.get("fp8") or {}).get("fp8_emulated"))
+
+
+def arch(summary: dict) -> str | None:
+    return (config(summary).get("model") or {}).get("arch")
+
+
+def is_language_model(summary: dict) -> bool:
+    return arch(summary) in LM_ARCHS
+
+
+def lookup(summary: dict, key: str, missing=None):
+    """A choice (`precision`) or else a dotted config path (`trainer.epochs`); `missing` where it has none."""
+    if key in choices(summary):
+        return choices(summary)[key]
+    have = config(summary)
+    for part in key.split("."):
+        if not isinstance(have, dict) or part not in have:
+            return missing
+        have = have[part]
+    return have
+
+
+def baseline_key(summary: dict) -> str:
+    """Jobs whose resolved configs differ only in precision (and in the case label) share this key: a job's fp32
+    partner is the fp32 job with its key."""
+    cfg = {k: v for k, v in config(summary).items() if k not in ("precision", "case")}
+    return json.dumps(cfg, sort_keys=True)
+
+
+def wandb_run_id(summary: dict) -> str | None:
+    """The W&B run it was mirrored to (None: logger=none)."""
+    return (summary.get("wandb") or {}).get("run_id")

@@ -35,7 +35,7 @@ from .probe import build_probe
 from .records import SUMMARY, Recorder, write_json_atomic
 from .resnet9 import resnet9_options
 from .signals import StopSignals, resume_hint
-from .tables import job_block
+from .report.render import job_block
 from .data.wikitext import TokenWindows, batchify, load_text_corpus
 
 log = logging.getLogger(__name__)

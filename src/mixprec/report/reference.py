@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .analyse import by_experiment, compare, groups_of, stats
+from .load import ReportError, find_summaries, load_jobs
+
 STATE = "plan.json"
 RUNS = "runs"
 RATIO_EXPERIMENT = "fastai_cifar100"
@@ -32,8 +35,6 @@ def _read(path: Path) -> dict:
 
 
 def _column(folder: Path) -> dict:
-    from .report import by_experiment, find_summaries, groups_of, load_jobs, ReportError
-
     state, env = _read(folder / STATE), _read(folder / "environment.json")
     try:
         jobs, _ = load_jobs(find_summaries([str(folder / RUNS)]))
@@ -59,8 +60,6 @@ def _number(st: dict, unit: str) -> str:
 
 
 def _cell(col: dict, source, value) -> str:
-    from .report import compare
-
     groups = [g for exp in source.experiments for g in col["groups"].get(exp, [])]
     rows = [r for r in compare(value, groups) if r["group"] is not None]
     if not rows:
@@ -115,8 +114,6 @@ def _reason(col: dict, source, value) -> str:
 
 def _ratios(columns: list[dict], sources) -> dict | None:
     """Per model: FP32 training time / mixed-precision (amp) time in each folder, beside the published ones."""
-    from .report import stats
-
     models = list(dict.fromkeys(g.model for c in columns for g in c["groups"].get(RATIO_EXPERIMENT, [])))
     if not models:
         return None
@@ -149,20 +146,3 @@ def section(inputs: list[str], sources) -> dict | None:
         articles.append({"id": s.id, "title": s.title, "rows": rows})
     return {"columns": [c["label"] for c in columns], "folders": [c["folder"] for c in columns],
             "articles": articles, "ratios": _ratios(columns, sources)}
-
-
-def document(d, sec: dict) -> None:
-    """Add the section to the report's Doc."""
-    cols = sec["columns"]
-    d.h(2, "Reproductions side by side")
-    d.p("One column per results folder (scripts/reproduce.py): " + "; ".join(f"`{f}`" for f in sec["folders"])
-        + ". Each cell is the reproduced value (ratio = reproduced / published) with the plan's cuts in [brackets], "
-          "or the reason it has none.")
-    if sec["ratios"]:
-        d.h(3, "FP32 / mixed-precision training time (fastai's ratio), per model and GPU")
-        d.table(["model", *cols, "published"],
-                [[r["model"], *r["cells"], r["published"]] for r in sec["ratios"]["rows"]])
-    for a in sec["articles"]:
-        d.h(3, f"{a['id']}: {a['title']}")
-        d.table(["value", "published", "published on", *cols],
-                [[r["label"], r["published"], r["hardware"], *r["cells"]] for r in a["rows"]])

@@ -8,13 +8,16 @@ and `match`: which runs it is compared with, by config-group choice (`precision:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-PUBLISHED_DIR = Path(__file__).parent / "published"
+from ..records import lookup
+
+PUBLISHED_DIR = Path(__file__).resolve().parents[1] / "published"
 
 # metrics a value can name besides any key of summary["metrics"] (the report computes these per run)
 DERIVED = {
@@ -142,19 +145,14 @@ def _opt_str(x) -> str | None:
     return None if x is None else str(x)
 
 
+_MISSING = object()
+
+
 def matches(match: dict, summary: dict) -> bool:
     """Whether a run's summary has every value `match` asks for (choices first, then dotted config paths)."""
-    choices = summary.get("choices") or {}
     for key, want in match.items():
-        if key in choices:
-            have = choices[key]
-        else:
-            have = summary.get("config") or {}
-            for part in key.split("."):
-                if not isinstance(have, dict) or part not in have:
-                    return False
-                have = have[part]
-        if not any(_same(have, w) for w in (want if isinstance(want, list) else [want])):
+        have = lookup(summary, key, _MISSING)
+        if have is _MISSING or not any(_same(have, w) for w in (want if isinstance(want, list) else [want])):
             return False
     return True
 
@@ -163,3 +161,35 @@ def _same(have, want) -> bool:
     if _is_number(have) and _is_number(want):
         return math.isclose(float(have), float(want), rel_tol=1e-9, abs_tol=0.0)
     return str(have) == str(want)
+
+
+@functools.cache
+def shipped(source_id: str) -> Source:
+    """One of the package's published sources (published/<id>.yaml), read when first asked for, then kept."""
+    return load_source(PUBLISHED_DIR / f"{source_id}.yaml")
+
+
+# the published values that draw a ladder staircase: Page's fixed-schedule training times (train_time_s), or times to
+# a target accuracy
+LADDER_METRICS = ("train_time_s", "time_to_target_s")
+
+
+def ladder_steps(values) -> list[Published]:
+    """The values among `values` that are ladder steps, in the source's order."""
+    return [v for v in values if v.metric in LADDER_METRICS]
+
+
+@functools.cache
+def page_ladder() -> dict:
+    """trick -> (label, seconds, epochs) on one V100, from published/page_ladder.yaml, in ladder order: each step's
+    fixed-schedule training time; a range of seconds (step 9: 33.5-34 s) is shown as its upper end."""
+    values = shipped("page_ladder").values
+    epochs = {v.match["trick"]: int(v.value) for v in values if v.metric == "epochs"}
+    return {v.match["trick"]: (v.label.split(" ", 1)[1], float(max(v.value) if isinstance(v.value, tuple) else v.value),
+                               epochs[v.match["trick"]])
+            for v in sorted(ladder_steps(values), key=lambda v: v.match["trick"])}
+
+
+def apex_ppl_values() -> tuple:
+    """apex's published test perplexities (published/apex_word_lm.yaml)."""
+    return tuple(v for v in shipped("apex_word_lm").values if v.metric == "test_ppl")

@@ -11,7 +11,8 @@ import socket
 from collections import Counter
 from urllib.parse import urlparse
 
-from .report import Doc, _ratio, _reproduced
+from .. import records
+from .render import Doc, format_ratio, format_reproduced
 
 GROUP_BY = ["config.precision.name", "config.model.arch"]
 BARS = [("train_time_s", "training time (s)"), ("throughput", "samples/s (steady state)"),
@@ -22,7 +23,7 @@ def run_ids(jobs) -> dict[str, list[str]]:
     """W&B run ids per experiment, for the jobs that logged to W&B."""
     out: dict[str, list[str]] = {}
     for j in jobs:
-        rid = (j.summary.get("wandb") or {}).get("run_id")
+        rid = records.wandb_run_id(j.summary)
         if rid:
             out.setdefault(j.experiment, []).append(rid)
     return out
@@ -30,9 +31,8 @@ def run_ids(jobs) -> dict[str, list[str]]:
 
 def project_of(jobs) -> tuple[str | None, str | None]:
     """The (entity, project) most of the W&B-logged jobs used (config.logger)."""
-    pairs = Counter(((j.summary.get("config") or {}).get("logger", {}).get("entity"),
-                     (j.summary.get("config") or {}).get("logger", {}).get("project") or "mixprec")
-                    for j in jobs if (j.summary.get("wandb") or {}).get("run_id"))
+    pairs = Counter((records.lookup(j.summary, "logger.entity"), records.lookup(j.summary, "logger.project") or "mixprec")
+                    for j in jobs if records.wandb_run_id(j.summary))
     return pairs.most_common(1)[0][0] if pairs else (None, None)
 
 
@@ -68,7 +68,7 @@ def build(data: dict, jobs, entity: str, project: str, title: str = "mixprec rep
 def _comparison_markdown(exp: dict) -> str:
     d = Doc()
     rows = [[c["label"], c["published"], c["hardware"], f"{r['group']}, {r['precision']}" if r["group"] else "-",
-             r["verdict"] if r["group"] is None else _reproduced(c, r), _ratio(r)]
+             r["verdict"] if r["group"] is None else format_reproduced(c, r), format_ratio(r)]
             for c in exp["comparisons"] for r in c["rows"]]
     if not rows:
         return ""

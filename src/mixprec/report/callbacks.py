@@ -1,4 +1,6 @@
-"""Hydra callbacks: at the end of a multirun, print the table of every job from its summary.json."""
+"""The Hydra callback (conf/config.yaml: hydra.callbacks.sweep_table): at the end of a multirun, print the table of
+every job and, for a sweep over Page's ladder, the ladder table: the rows the report is made from (load.sweep_jobs
+-> analyse.by_experiment / ladder_rows -> render.format_table); with report=true, also the sweep's report."""
 from __future__ import annotations
 
 import sys
@@ -7,26 +9,12 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from .signals import resume_hint
-from .dist import from_env
-from .records import SUMMARY, read_summary
-from .tables import LADDER_COLUMNS, format_table, ladder_rows, sweep_note, sweep_rows
-
-
-def collect(sweep_dir: Path) -> tuple[list[dict], list[str]]:
-    """Every job's summary under sweep_dir, in job order, and the problems found (unreadable files)."""
-    summaries, problems = [], []
-    for path in sorted(Path(sweep_dir).glob(f"*/{SUMMARY}"), key=lambda p: _job_num(p.parent.name)):
-        try:
-            summaries.append(read_summary(path))
-        except ValueError as e:
-            problems.append(str(e))
-    return summaries, problems
-
-
-def _job_num(name: str) -> tuple:
-    head = name.split("_", 1)[0]
-    return (int(head), name) if head.isdigit() else (10**9, name)
+from .. import records
+from ..dist import from_env
+from ..signals import resume_hint
+from .analyse import by_experiment, ladder_rows
+from .load import sweep_jobs
+from .render import LADDER_COLUMNS, format_table, ladder_cells, sweep_note
 
 
 class SweepTable(Callback):
@@ -37,21 +25,23 @@ class SweepTable(Callback):
         if not from_env().main:   # `torchrun ... train.py -m`: rank 0 prints the table (jobs under a launcher
             return                # end in the submitting process, which has no rank)
         sweep_dir = Path(config.hydra.sweep.dir)
-        summaries, problems = collect(sweep_dir)
-        print(f"\nsweep {sweep_dir}: {len(summaries)} jobs")
-        if summaries:
-            print(format_table(sweep_rows(summaries)))
+        jobs, problems = sweep_jobs(sweep_dir)
+        summaries = [j.summary for j in jobs]
+        print(f"\nsweep {sweep_dir}: {len(jobs)} jobs")
+        if jobs:
+            by_experiment(jobs)   # each job's sweep row, as the report has it
+            print(format_table([j.row for j in jobs]))
             if sweep_note(summaries):
                 print(sweep_note(summaries))
         ladder = ladder_rows(summaries)
         if ladder:  # a sweep over Page's ladder steps: per step, beside the article's V100 times
             print("\nPage's ladder (article: one V100, each step's fixed-schedule time; statistics over all runs):\n"
-                  + format_table(ladder, LADDER_COLUMNS))
+                  + format_table([ladder_cells(r) for r in ladder], LADDER_COLUMNS))
         for p in problems:
             print(f"unreadable: {p}")
-        if self.report and summaries:
+        if self.report and jobs:
             sweep_report(sweep_dir)
-        failed = [s for s in summaries if s.get("status") not in ("completed", "diverged")]
+        failed = [s for s in summaries if records.status(s) not in ("completed", "diverged")]
         if failed or problems:
             print(f"{len(failed) + len(problems)} job(s) did not complete; see their summary.json", file=sys.stderr)
             print(f"to retry them (completed jobs are skipped): {resume_hint(None, sweep_dir)}", file=sys.stderr)
@@ -62,7 +52,7 @@ def sweep_report(sweep_dir: Path) -> None:
     """The sweep's report, made by the same code as scripts/make_report.py; a failure here is reported in one
     line and never fails the sweep (its jobs' records are what counts)."""
     try:
-        from .report import make_report
+        from .make import make_report   # matplotlib is imported only when a report is asked for
 
         data = make_report([str(sweep_dir)], out=sweep_dir / "report")
         print(f"report      {Path(data['out']) / 'report.html'} (and report.md)")

@@ -6,15 +6,15 @@ scripts/numerics.py draws its histogram with the same function.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 
-from . import probe_stats as ps
-from .plots import _save, color, plt
-from .probe import MODEL, NUMERICS
+from .. import probe_stats as ps
+from ..probe import MODEL, NUMERICS
+from ..records import read_jsonl
+from .plots import color, plt, save
 
 FP16 = ps.FORMATS["fp16"]
 SHADES = [  # (from log2, to log2, colour, label): fp16's ranges on a log2-magnitude axis
@@ -25,22 +25,11 @@ SHADES = [  # (from log2, to log2, colour, label): fp16's ranges on a log2-magni
 ]
 
 
-def read_rows(job_dir: Path) -> list[dict]:
-    """numerics.jsonl rows (an incomplete last line, as a killed job may leave, is skipped)."""
-    rows = []
-    for line in (Path(job_dir) / NUMERICS).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def magnitude_histogram(path: Path, title: str, hists: list[tuple[str, dict, int]]) -> Path:
     """hists: (label, sparse histogram, log2 shift: the scale applied to the values)."""
     fig, ax = plt.subplots(figsize=(9.0, 4.6))
     draw_histogram(ax, title, hists)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def draw_histogram(ax, title: str, hists: list[tuple[str, dict, int]]) -> None:
@@ -103,7 +92,7 @@ def layer_heatmap(path: Path, title: str, rows: list[dict]) -> Path | None:
         fig.colorbar(im, ax=ax, fraction=0.04)
     axes[0].set_yticks(range(len(names)), names, fontsize=6 if len(names) > 30 else 8)
     fig.suptitle(title)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def act_grad_hists(rows: list[dict], step: int) -> list[tuple[str, dict, int]]:
@@ -129,7 +118,7 @@ def numerics_figures(jobs: list[tuple[Path, str]], pdir: Path) -> list[dict]:
         d = Path(d)
         if not (d / NUMERICS).exists():
             continue
-        rows = read_rows(d)
+        rows = read_jsonl(d / NUMERICS)
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{d.name[:40]}_{hashlib.sha1(str(d).encode()).hexdigest()[:8]}")
         p = layer_heatmap(pdir / f"numerics_heatmap_{slug}.png", f"fp16 ranges per layer: {label}", rows)
         if p is not None:
@@ -164,4 +153,4 @@ def advisor_figure(path: Path, title: str, layers: list[str], errors: dict, hist
     a1.legend(fontsize=8)
     a1.set_title("per layer, forward order: ||y - y_fp32|| / ||y_fp32||")
     draw_histogram(a2, title, hists)
-    return _save(fig, path)
+    return save(fig, path)

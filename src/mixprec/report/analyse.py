@@ -1,0 +1,350 @@
+"""The report's analysis: jobs grouped by experiment and by model x variant x precision, each published value
+compared with the runs it matches, the per-job sweep rows and Page's ladder rows. It returns plain data (written
+as report.json); render.py turns it into the report and the end-of-sweep console tables, plots.py into figures.
+
+Within an experiment (summary["name"]) the variant is whatever else differs between its jobs: a trick, an
+optimizer, a ladder step; seeds are not a variant: repeated seeds are summarised as mean and spread (stats()).
+Speed-ups are sweep_rows's: fp32 training time / the job's, for the fp32 job with the same other overrides.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+from .. import records
+from .load import Job, number
+from .published import Published, Source, apex_ppl_values, matches, page_ladder
+
+# choice groups and overrides that never make a variant: they are the axes of the report, or change no result
+_AXES = ("model", "precision", "experiment", "logger", "hydra")
+_NOT_VARIANT = ("seed", "logger", "hydra", "trainer.device", "name", "experiment")
+MAX_VARIANT = 28
+PRECISION_ORDER = ["fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3", "fp8"]
+
+
+def precision_key(p: str) -> tuple:
+    return (PRECISION_ORDER.index(p), p) if p in PRECISION_ORDER else (len(PRECISION_ORDER), str(p))
+
+
+def stats(values: list) -> dict | None:
+    """Mean and spread (sample standard deviation, min, max) of the numbers among `values`; None if none."""
+    xs = [float(v) for v in values if number(v) is not None]
+    if not xs:
+        return None
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else None,
+            "min": min(xs), "max": max(xs), "n": len(xs), "values": xs}
+
+
+@dataclass
+class Group:
+    model: str
+    variant: str
+    precision: str
+    jobs: list
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.variant}".strip()
+
+    def stats(self, metric: str) -> dict | None:
+        return stats([j.metric(metric) for j in self.jobs])
+
+
+def by_experiment(jobs: list[Job]) -> dict[str, list[Job]]:
+    """Jobs per experiment, each with its sweep_rows row, fp32 partner and variant label."""
+    out: dict[str, list[Job]] = {}
+    for j in jobs:
+        out.setdefault(j.experiment, []).append(j)
+    for exp_jobs in out.values():
+        for j, row in zip(exp_jobs, sweep_rows([j.summary for j in exp_jobs])):
+            j.row = row
+        fp32 = {records.baseline_key(j.summary): j.summary for j in exp_jobs
+                if j.precision == "fp32" and j.status == "completed"}
+        described = [_describe(j.summary) for j in exp_jobs]
+        keys = sorted({k for d in described for k in d})
+        varying = _independent([k for k in keys if len({d.get(k) for d in described}) > 1], described)
+        names: dict[str, str] = {}
+        for j, d in zip(exp_jobs, described):
+            j.fp32 = fp32.get(records.baseline_key(j.summary))
+            j.variant_full = ",".join(f"{k}={d[k]}" for k in varying if k in d)
+            if j.variant_full not in names:  # a long one (unlike sweeps read together) gets a short name
+                short = sum(1 for v in names.values() if v.startswith("[v"))
+                names[j.variant_full] = j.variant_full if len(j.variant_full) <= MAX_VARIANT else f"[v{short + 1}]"
+            j.variant = names[j.variant_full]
+    return out
+
+
+def _independent(keys: list[str], described: list[dict]) -> list[str]:
+    """Leave out a key whose value a finer key's value always implies (a case that sets its optimizer)."""
+    n = {k: len({d.get(k) for d in described}) for k in keys}
+
+    def implies(a: str, b: str) -> bool:
+        seen: dict = {}
+        return all(seen.setdefault(d.get(a), d.get(b)) == d.get(b) for d in described)
+
+    return [k for k in keys if not any(n[k2] > n[k] and implies(k2, k) for k2 in keys)]
+
+
+def _describe(summary: dict) -> dict:
+    """What sets a job apart besides model, precision and seed: its other choices and value overrides."""
+    choices = records.choices(summary)
+    d = {k: str(v) for k, v in choices.items() if v is not None and not k.startswith(_AXES)}
+    for o in summary.get("overrides") or []:
+        k, _, v = o.lstrip("+~").partition("=")
+        if k not in choices and not k.startswith(_NOT_VARIANT):
+            d[k] = v
+    return d
+
+
+def groups_of(jobs: list[Job]) -> list[Group]:
+    groups: dict[tuple, Group] = {}
+    for j in jobs:
+        key = (j.model, j.variant, j.precision)
+        groups.setdefault(key, Group(*key, jobs=[])).jobs.append(j)
+    models = list(dict.fromkeys((g.model, g.variant) for g in groups.values()))
+    return sorted(groups.values(), key=lambda g: (models.index((g.model, g.variant)), precision_key(g.precision)))
+
+
+def compare(value: Published, groups: list[Group]) -> list[dict]:
+    """One row per group with runs matching the published value; one 'missing' row where none match."""
+    rows = []
+    for g in groups:
+        jobs = [j for j in g.jobs if matches(value.match, j.summary)]
+        if not jobs:
+            continue
+        row = {"group": g.label, "precision": g.precision, "runs": len(jobs), "devices": _devices(jobs),
+               "software": _software(jobs), "reproduced": None, "ratio": None, "difference": None, "verdict": None}
+        if value.metric == "status":
+            seen = [j.status for j in jobs]
+            agree = seen.count(value.value)
+            row["reproduced"] = {"statuses": seen}
+            row["verdict"] = "agrees" if agree == len(seen) else ("differs" if agree == 0 else f"{agree}/{len(seen)} agree")
+        else:
+            st = stats([j.metric(value.metric) for j in jobs])
+            row["reproduced"] = st
+            if st is None:
+                row["verdict"] = "no value (" + ", ".join(sorted({j.status for j in jobs})) + ")"
+            elif value.compare == "difference":
+                ref = sum(value.value) / 2 if isinstance(value.value, tuple) else value.value
+                row["difference"] = st["mean"] - ref
+            elif isinstance(value.value, tuple):
+                lo, hi = value.value
+                row["ratio"] = [st["mean"] / hi, st["mean"] / lo] if lo > 0 else None
+                row["verdict"] = "within range" if lo <= st["mean"] <= hi else ("below" if st["mean"] < lo else "above")
+            elif value.value:
+                row["ratio"] = st["mean"] / value.value
+        rows.append(row)
+    return rows or [{"group": None, "verdict": "missing: no run yet", "reproduced": None, "ratio": None,
+                     "difference": None, "runs": 0}]
+
+
+def _devices(jobs: list[Job]) -> list[str]:
+    out = []
+    for j in jobs:
+        e = records.env(j.summary)
+        if e:
+            cap = f", sm_{''.join(map(str, e['capability']))}" if e.get("capability") else ""
+            out.append(f"{e.get('device_name')} ({e.get('device')}{cap})")
+    return sorted(set(out))
+
+
+def _software(jobs: list[Job]) -> list[str]:
+    envs = [records.env(j.summary) for j in jobs]
+    return sorted({f"torch {e.get('torch')}, CUDA {e.get('cuda')}, cuDNN {e.get('cudnn')}" for e in envs if e})
+
+
+def analyse(jobs: list[Job], sources: list[Source], problems: list[str], inputs: list[str]) -> dict:
+    """Everything the report shows, as plain data (written as report.json; the renderers read only this)."""
+    experiments = by_experiment(jobs)
+    present = set(experiments)
+    data = {"generated": time.strftime("%Y-%m-%d %H:%M:%S %z"), "inputs": [str(i) for i in inputs],
+            "jobs": len(jobs), "problems": problems, "experiments": [], "sources_without_runs": []}
+    for name, exp_jobs in experiments.items():
+        groups = groups_of(exp_jobs)
+        applicable = [s for s in sources if name in s.experiments]
+        exp = {
+            "name": name, "jobs": len(exp_jobs), "sources": [s.id for s in applicable],
+            "env": _env_table(exp_jobs),
+            "groups": [_group_data(g) for g in groups],
+            "comparisons": [dict(_published_data(v, s), rows=compare(v, groups)) for s in applicable for v in s.values],
+            "not_completed": [_problem_data(j) for j in exp_jobs if j.status != "completed"],
+            "variants": {j.variant: j.variant_full for j in exp_jobs if j.variant != j.variant_full},
+            "ladder": ladder_rows([j.summary for j in exp_jobs]),   # the sweep's console ladder table, the same rows
+        }
+        exp["_groups"] = groups  # for the plots; not serialised
+        data["experiments"].append(exp)
+    for s in sources:
+        if not present & set(s.experiments):
+            data["sources_without_runs"].append({"id": s.id, "title": s.title, "url": s.url,
+                                                 "experiments": list(s.experiments),
+                                                 "values": [_published_data(v, s) for v in s.values]})
+    return data
+
+
+def _group_data(g: Group) -> dict:
+    statuses = [j.status for j in g.jobs]
+    return {"model": g.model, "variant": g.variant, "precision": g.precision, "label": g.label,
+            "runs": len(g.jobs), "statuses": {s: statuses.count(s) for s in dict.fromkeys(statuses)},
+            "seeds": [j.seed for j in g.jobs], "dirs": [str(j.dir) for j in g.jobs],
+            "metrics": {m: g.stats(m) for m in ("train_time_s", "speedup", "throughput", "final_test_acc",
+                                                "best_test_acc", "time_to_target_s", "peak_memory_mb", "mfu",
+                                                "loss_gap")},
+            "fp8_emulated": any(records.fp8_emulated(j.summary) for j in g.jobs),
+            "peak_memory_kind": sorted({records.metrics(j.summary).get("peak_memory_kind") or "?"
+                                        for j in g.jobs}),
+            "devices": _devices(g.jobs), "software": _software(g.jobs)}
+
+
+def _published_data(v: Published, s: Source) -> dict:
+    return {"source": s.id, "source_title": s.title, "url": s.url, "id": v.id, "label": v.label,
+            "metric": v.metric, "value": list(v.value) if isinstance(v.value, tuple) else v.value,
+            "published": v.format_value(), "unit": v.unit, "hardware": v.hardware, "quote": v.quote,
+            "match": v.match, "compare": v.compare}
+
+
+def _problem_data(j: Job) -> dict:
+    s = j.summary
+    why = records.reason(s) or "no reason recorded"
+    return {"dir": str(j.dir), "job": records.job_num(s), "model": j.model, "precision": j.precision,
+            "variant": j.variant, "seed": j.seed, "status": j.status, "reason": str(why).splitlines()[0],
+            "step": (s.get("nonfinite") or {}).get("step")}
+
+
+def _env_table(jobs: list[Job]) -> list[dict]:
+    seen: dict[tuple, dict] = {}
+    for j in jobs:
+        e = records.env(j.summary)
+        if not e:
+            continue   # failed before its environment was recorded (a config error)
+        key = tuple(str(e.get(k)) for k in ("device_name", "capability", "torch", "cuda", "cudnn", "git_commit"))
+        row = seen.setdefault(key, {"device": _devices([j])[0], "torch": e.get("torch"),
+                                    "cuda": e.get("cuda"), "cudnn": e.get("cudnn"), "python": e.get("python"),
+                                    "git_commit": (e.get("git_commit") or "")[:10] + ("+dirty" if e.get("git_dirty") else ""),
+                                    "tf32": f"matmul {e.get('tf32_matmul')}, cudnn {e.get('tf32_cudnn')}", "jobs": 0})
+        row["jobs"] += 1
+    return list(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------------- per-job rows
+
+# per experiment: the precision options that are its article's columns; the sweep's other precisions are labelled
+# "modern column" (fastai's article compared fp32 with fastai 1.0's to_fp16; amp, tf32, amp_bf16 came later)
+ARTICLE_PRECISIONS = {"fastai_cifar100": ("fp32", "fastai_fp16")}
+
+
+def column_note(summary: dict) -> str:
+    """"article's column " / "modern column " for a job of an experiment whose article had fewer precisions."""
+    article = ARTICLE_PRECISIONS.get(records.experiment(summary))
+    if not article:
+        return ""
+    return "[article's column] " if records.choices(summary).get("precision") in article else "[modern column] "
+
+
+def sweep_rows(summaries: list[dict]) -> list[dict]:
+    """One row per job; speedup = fp32 train time / this job's train time, for the fp32 job whose config is the
+    same but for precision (None where the sweep has no such fp32 job); loss_gap (language models) = this job's
+    final validation loss - that fp32 job's, when both ran the same number of steps."""
+    fp32 = {records.baseline_key(s): records.metrics(s) for s in summaries
+            if records.choices(s).get("precision") == "fp32" and records.completed(s)}
+    rows = []
+    for s in summaries:
+        m = records.metrics(s)
+        f = fp32.get(records.baseline_key(s)) or {}
+        base = f.get("train_time_s")
+        t = m.get("train_time_s")
+        gap = (m["final_valid_loss"] - f["final_valid_loss"] if f.get("steps") == m.get("steps")
+               and isinstance(m.get("final_valid_loss"), float) and isinstance(f.get("final_valid_loss"), float)
+               else None)
+        rows.append({
+            "job": records.job_num(s),
+            "model": records.choices(s).get("model"),
+            "precision": precision_label(s),
+            "status": records.status(s),
+            "epochs": m.get("epochs"),
+            "train_time_s": t,
+            "samples_per_s": m.get("throughput"),
+            "speedup": base / t if base and t and records.completed(s) else None,
+            "test_acc": m.get("final_test_acc"),
+            "lm": records.is_language_model(s),
+            "valid_ppl": m.get("best_valid_ppl"),
+            "test_ppl": m.get("test_ppl_at_best_valid"),
+            "published": published_ppl(s),
+            "loss_gap": gap,
+            "mfu": m.get("mfu"),
+            "peak_mem_mb": m.get("peak_memory_mb"),
+            "note": column_note(s) + _case_note(s.get("case")) + records.reason(s),
+        })
+    return rows
+
+
+def precision_label(summary: dict) -> str | None:
+    """The precision choice, with its static loss scale when it has one (apex's fp16: o2(x128)), or marked
+    `(emulated)` when it is fp8 without FP8 tensor cores (its time is then not an FP8 time)."""
+    choice = records.choices(summary).get("precision")
+    if records.fp8_emulated(summary):
+        return f"{choice}(emulated)"
+    scale = records.lookup(summary, "precision.loss_scale")
+    return f"{choice}(x{scale:g})" if isinstance(scale, (int, float)) and not isinstance(scale, bool) else choice
+
+
+def _case_note(case: dict | None) -> str:
+    if not case:
+        return ""
+    verdict = "as expected" if case.get("as_expected") else f"NOT as expected ({case.get('expect')})"
+    return f"[{case.get('name')}: {verdict}] "
+
+
+def published_ppl(summary: dict) -> str | None:
+    """apex's published test perplexity for a job that is the run it was reported for (its model, data, precision
+    and loss scale: the value's match keys in published/apex_word_lm.yaml, at any number of epochs), with the
+    epochs it was reported at; None for any other job."""
+    for v in apex_ppl_values():
+        if matches({k: w for k, w in v.match.items() if k != "trainer.epochs"}, summary):
+            return f"{v.value:g} ({v.match.get('trainer.epochs')} epochs)"
+    return None
+
+
+def ladder_rows(summaries: list[dict]) -> list[dict]:
+    """One row per ladder step (and per variant: the overrides other than seed and trick that differ between the
+    sweep's jobs), in ladder order, every statistic over ALL the step's runs (seeds), as Page reported his ladder
+    (bag_of_tricks.ipynb: the fixed-schedule `total time` of Timer and `summary(logs)`, the final-epoch accuracy's
+    count, mean, min, max, std over the runs): stats() of the fixed-schedule training time (eval excluded; the
+    whitening fit and the untimed prewarm are not in it, setup_s is the mean apart), the final accuracy without and
+    with flip TTA; the runs that completed and that reached the target (k, n), n counting every run of the step,
+    failed or diverged ones too; and the median time to the target over all runs, a run that never reached it
+    counting as never (so the median is inf, not reached, when half the runs or more did not). Empty when the
+    sweep ran no ladder step."""
+    steps = page_ladder()
+    jobs = [s for s in summaries if records.choices(s).get("trick") in steps]
+    common = set.intersection(*(set(s.get("overrides", [])) for s in jobs)) if jobs else set()
+    groups: dict[tuple, list[dict]] = {}
+    for s in jobs:
+        variant = ",".join(sorted(o for o in set(s.get("overrides", [])) - common
+                                  if not o.startswith(("seed=", "trick="))))
+        groups.setdefault((records.choices(s)["trick"], variant), []).append(s)
+    order = list(steps)
+    rows = []
+    for (step, variant), group in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
+        done = [records.metrics(s) for s in group if records.completed(s)]
+        to_target = [records.metrics(s).get("time_to_target_s") for s in group]
+        _, page_s, page_epochs = steps[step]
+        rows.append({
+            "step": step, "variant": variant, "runs": (len(done), len(group)),
+            "epochs": _mean([m.get("epochs") for m in done]),
+            "train_time_s": stats([m.get("train_time_s") for m in done]),
+            "setup_s": _mean([m.get("setup_time_s") for m in done]),
+            "acc": stats([m.get("final_test_acc_no_tta", m.get("final_test_acc")) for m in done]),
+            "acc_tta": stats([m.get("final_test_acc_tta") for m in done]),
+            "reached": (sum(t is not None for t in to_target), len(group)),
+            "to_94_s": statistics.median([math.inf if t is None else t for t in to_target]),
+            "page_s": page_s, "page_epochs": page_epochs,
+            "note": "; ".join(sorted({records.reason(s) for s in group} - {""})),
+        })
+    return rows
+
+
+def _mean(values: list) -> float | None:
+    st = stats(values)
+    return st and st["mean"]

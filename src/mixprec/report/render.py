@@ -1,0 +1,361 @@
+"""Rendering the analysis: the report as Markdown and self-contained HTML (Doc, document()), and the plain-text
+tables printed at the end of a job (job_block) and of a sweep (format_table over analyse.sweep_rows and
+analyse.ladder_rows: the same rows the report is made from). Only formatting here: the numbers are analyse.py's.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import math
+import os
+import re
+from pathlib import Path
+
+from .. import records
+from ..config import RNN_KINDS
+from .published import DERIVED
+
+
+def mean_sd(st: dict | None, spec: str = ".3g", scale: float = 1.0, unit: str = "", of: int = 0, pm: str = " ± ",
+            counts: bool = True) -> str:
+    """`mean ± std unit (n=k)` of analyse.stats() (`-` for None); `of`: how many runs could have had a value (says
+    when some had none); counts=False leaves out the (n=...)."""
+    if st is None:
+        return "-"
+    s = format(scale * st["mean"], spec)
+    if st["n"] > 1:
+        s += f"{pm}{format(scale * st['std'], spec)}"
+    s += f" {unit}" if unit else ""
+    if not counts:
+        return s
+    if of > st["n"]:
+        s += f" (n={st['n']} of {of})"
+    elif st["n"] > 1:
+        s += f" (n={st['n']})"
+    return s
+
+
+def format_ratio(r: dict) -> str:
+    if r.get("difference") is not None:
+        return f"{r['difference']:+.3g} (difference)"
+    if isinstance(r.get("ratio"), list):
+        return f"{r['ratio'][0]:.2f}-{r['ratio'][1]:.2f}"
+    if r.get("ratio") is not None:
+        return f"{r['ratio']:.2f}"
+    return "-"
+
+
+def format_reproduced(c: dict, r: dict) -> str:
+    rep = r.get("reproduced")
+    if rep is None:
+        return "-"
+    if "statuses" in rep:
+        seen = rep["statuses"]
+        return ", ".join(f"{s} ({seen.count(s)}/{len(seen)})" for s in dict.fromkeys(seen))
+    return mean_sd(rep, unit=c["unit"], of=r["runs"])
+
+
+class Doc:
+    """Blocks (heading, paragraph, table, image, list) rendered to Markdown and to self-contained HTML."""
+
+    def __init__(self):
+        self.blocks: list[tuple] = []
+
+    def h(self, level: int, text: str):
+        self.blocks.append(("h", level, text))
+
+    def p(self, text: str):
+        self.blocks.append(("p", text))
+
+    def table(self, headers: list[str], rows: list[list]):
+        self.blocks.append(("table", headers, [[str(c) for c in r] for r in rows]))
+
+    def image(self, path: str, caption: str):
+        self.blocks.append(("img", path, caption))
+
+    def bullets(self, items: list[str]):
+        self.blocks.append(("ul", items))
+
+    def markdown(self, base: Path | None = None) -> str:
+        out = []
+        for b in self.blocks:
+            if b[0] == "h":
+                out.append("#" * b[1] + " " + b[2])
+            elif b[0] == "p":
+                out.append(b[1])
+            elif b[0] == "table":
+                cell = lambda c: c.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+                out.append("\n".join(["| " + " | ".join(map(cell, b[1])) + " |", "|" + "---|" * len(b[1])]
+                                     + ["| " + " | ".join(map(cell, r)) + " |" for r in b[2]]))
+            elif b[0] == "img":
+                out.append(f"![{b[2]}]({os.path.relpath(b[1], base) if base else b[1]})\n\n*{b[2]}*")
+            elif b[0] == "ul":
+                out.append("\n".join(f"- {i}" for i in b[1]))
+        return "\n\n".join(out) + "\n"
+
+    def html(self, title: str) -> str:
+        e = html.escape
+        out = [f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{e(title)}</title><style>"
+               "body{font-family:system-ui,sans-serif;max-width:1250px;margin:auto;padding:1em;color:#222}"
+               "table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ccc;"
+               "padding:3px 7px;text-align:left;vertical-align:top}th{background:#f2f2f2}"
+               "figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}figcaption{font-size:13px;color:#555}"
+               "</style></head><body>"]
+        for b in self.blocks:
+            if b[0] == "h":
+                out.append(f"<h{b[1]}>{_inline(b[2])}</h{b[1]}>")
+            elif b[0] == "p":
+                out.append(f"<p>{_inline(b[1])}</p>")
+            elif b[0] == "table":
+                out.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in b[1]) + "</tr>"
+                           + "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in b[2])
+                           + "</table>")
+            elif b[0] == "img":
+                data = base64.b64encode(Path(b[1]).read_bytes()).decode("ascii")
+                out.append(f"<figure><img alt=\"{e(b[2])}\" src=\"data:image/png;base64,{data}\">"
+                           f"<figcaption>{e(b[2])}</figcaption></figure>")
+            elif b[0] == "ul":
+                out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in b[1]) + "</ul>")
+        out.append("</body></html>\n")
+        return "\n".join(out)
+
+
+def _inline(text: str) -> str:
+    """Escape, then turn `code` and bare URLs into tags (the only markup the report's text uses)."""
+    t = html.escape(text)
+    t = re.sub(r"`([^`]+)`", r"<code>\1</code>", t)
+    return re.sub(r"(https?://[^\s<]+)", r'<a href="\1">\1</a>', t)
+
+
+def document(data: dict) -> Doc:
+    d = Doc()
+    d.h(1, "mixprec reproduction report")
+    d.p(f"Generated {data['generated']} from {data['jobs']} job(s) under: " + ", ".join(f"`{i}`" for i in data["inputs"])
+        + ". Numbers are read from each job's summary.json and metrics.jsonl. Speed-up = fp32 training time / "
+          "the job's training time, against the fp32 job with the same other settings (and seed); "
+          "`a ± b (n=k)` is the mean and sample standard deviation over k seeds. Ratio = reproduced / published.")
+    if data.get("reference"):
+        reference_section(d, data["reference"])
+    if data["problems"]:
+        d.p("Unreadable records (left out):")
+        d.bullets(data["problems"])
+    for exp in data["experiments"]:
+        d.h(2, f"Experiment `{exp['name']}` ({exp['jobs']} jobs)")
+        d.p("Published sources: " + (", ".join(exp["sources"]) if exp["sources"] else
+                                      "none lists this experiment; reproduced numbers only."))
+        d.h(3, "Hardware and software")
+        d.table(["device", "torch", "CUDA", "cuDNN", "python", "TF32", "git commit", "jobs"],
+                [[r["device"], r["torch"], r["cuda"], r["cudnn"], r["python"], r["tf32"], r["git_commit"], r["jobs"]]
+                 for r in exp["env"]])
+        unrecorded = exp["jobs"] - sum(r["jobs"] for r in exp["env"])
+        if unrecorded:
+            d.p(f"{unrecorded} job(s) failed before recording their environment (see below).")
+        d.h(3, "Runs")
+        gs = exp["groups"]
+        ttt = any(g["metrics"]["time_to_target_s"] for g in gs)
+        lm = any(g["metrics"]["loss_gap"] or g["metrics"]["mfu"] for g in gs)   # language models: MFU, loss gap
+        heads = ["model", "precision", "runs", "train time (s)", "speed-up vs fp32 (x)", "tokens/s" if lm else "samples/s",
+                 "test acc (%)"] + (["time to target (s)"] if ttt else []) + ["peak memory (MB)"] + (
+                ["MFU (%)", "valid loss - fp32's, same steps"] if lm else [])
+        rows = []
+        for g in gs:
+            runs = ", ".join(f"{n} {s}" for s, n in g["statuses"].items())
+            if len(g["seeds"]) > 1:
+                runs += " (seeds " + ",".join(str(s) for s in g["seeds"]) + ")"
+            m = g["metrics"]
+            done = g["statuses"].get("completed", 0)
+            precision = g["precision"] + (" (emulated: not an FP8 time)" if g["fp8_emulated"] else "")
+            rows.append([g["label"], precision, runs, mean_sd(m["train_time_s"], ".3f"), mean_sd(m["speedup"], ".2f"),
+                         mean_sd(m["throughput"], ".1f"), mean_sd(m["final_test_acc"], ".2f", 100)]
+                        + ([mean_sd(m["time_to_target_s"], ".3g", of=done)] if ttt else [])
+                        + [mean_sd(m["peak_memory_mb"], ".0f")]
+                        + ([mean_sd(m["mfu"], ".3g", 100), mean_sd(m["loss_gap"], "+.3g")] if lm else []))
+        d.table(heads, rows)
+        if exp["variants"]:
+            d.p("Variants (what else differs between these jobs): "
+                + "; ".join(f"{k} = `{v}`" for k, v in exp["variants"].items()))
+        if exp.get("ladder"):
+            d.h(3, "Ladder")
+            d.p("Per ladder step, as the sweep's console table: statistics over all the step's runs (seeds); "
+                "Page s and Page ep: the article's V100 time and epochs for that step.")
+            d.table([h for _, h, _ in LADDER_COLUMNS], [row_cells(ladder_cells(r), LADDER_COLUMNS) for r in exp["ladder"]])
+        if exp["comparisons"]:
+            d.h(3, "Reproduced against published")
+            rows = []
+            for c in exp["comparisons"]:
+                for r in c["rows"]:
+                    rows.append([c["source"], c["label"], c["published"], c["hardware"],
+                                 r["group"] and f"{r['group']}, {r['precision']}" or "-",
+                                 r["verdict"] if r["group"] is None else format_reproduced(c, r),
+                                 "; ".join(x for x in (format_ratio(r), r["group"] and r.get("verdict"))
+                                           if x and x != "-") or "-",
+                                 "; ".join(r.get("devices") or []) or "-", "; ".join(r.get("software") or []) or "-"])
+            d.table(["source", "value", "published", "published on", "our runs", "reproduced", "ratio / verdict",
+                     "our device", "our software"], rows)
+            missing = sum(1 for c in exp["comparisons"] for r in c["rows"] if r["group"] is None)
+            if missing:
+                d.p(f"{missing} published value(s) have no matching run yet (\"missing\" above): the runs they "
+                    "need are named by each value's `match` in src/mixprec/published/<source>.yaml.")
+            d.p("Where each published value comes from:")
+            d.bullets([f"{c['source']} / {c['label']}: \"{c['quote']}\" ({c['source_title']}"
+                       + (f", {c['url']}" if c["url"] else "") + ")" for c in exp["comparisons"]])
+            used = sorted({c["metric"] for c in exp["comparisons"]} & set(DERIVED))
+            if used:   # e.g. test_ppl: the best-validation model's test perplexity, as apex's main.py reports it
+                d.p("How the reproduced values are read: " + "; ".join(f"`{m}`: {DERIVED[m]}" for m in used) + ".")
+        if exp["not_completed"]:
+            d.h(3, "Runs that diverged or failed")
+            d.table(["job", "model", "precision", "seed", "status", "reason", "non-finite at step"],
+                    [[p["job"] if p["job"] is not None else Path(p["dir"]).name, f"{p['model']} {p['variant']}".strip(),
+                      p["precision"], p["seed"], p["status"], p["reason"], p["step"] if p["step"] is not None else "-"]
+                     for p in exp["not_completed"]])
+        for fig in exp.get("plots", []):
+            d.image(fig["path"], fig["caption"])
+    if data["sources_without_runs"]:
+        d.h(2, "Published numbers with no runs yet")
+        d.p("No job of these sources' experiments is among the inputs: every value below is missing.")
+        for s in data["sources_without_runs"]:
+            d.h(3, f"{s['id']}: {s['title']} (experiments: {', '.join(s['experiments'])})")
+            d.table(["value", "published", "published on", "compared with runs of", "source"],
+                    [[v["label"], v["published"], v["hardware"], ", ".join(f"{k}={v2}" for k, v2 in v["match"].items()),
+                      v["quote"]] for v in s["values"]])
+    return d
+
+
+def reference_section(d: Doc, sec: dict) -> None:
+    """The side-by-side section of reference folders (reference.section's data)."""
+    cols = sec["columns"]
+    d.h(2, "Reproductions side by side")
+    d.p("One column per results folder (scripts/reproduce.py): " + "; ".join(f"`{f}`" for f in sec["folders"])
+        + ". Each cell is the reproduced value (ratio = reproduced / published) with the plan's cuts in [brackets], "
+          "or the reason it has none.")
+    if sec["ratios"]:
+        d.h(3, "FP32 / mixed-precision training time (fastai's ratio), per model and GPU")
+        d.table(["model", *cols, "published"],
+                [[r["model"], *r["cells"], r["published"]] for r in sec["ratios"]["rows"]])
+    for a in sec["articles"]:
+        d.h(3, f"{a['id']}: {a['title']}")
+        d.table(["value", "published", "published on", *cols],
+                [[r["label"], r["published"], r["hardware"], *r["cells"]] for r in a["rows"]])
+
+
+# ---------------------------------------------------------------------------------------------------- console
+
+
+APEX_NOTE = ("published test ppl: NVIDIA apex's word_language_model README (published/apex_word_lm.yaml), shown beside "
+             "the runs of the model, precision and loss scale it was reported for, with the epochs it was reported "
+             "at; test ppl here = the test perplexity of the best-validation epoch, as the example reports it")
+
+FP8_EMULATED_NOTE = ("fp8(emulated): no FP8 tensor cores on this device (a CPU, or a GPU before compute capability "
+                     "8.9): torchao emulated the float8 matmuls in fp32, so its loss is FP8's but its time, tokens/s "
+                     "and speed-up are not FP8 timings")
+
+
+def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
+    if v is None:
+        return none
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def sweep_note(summaries: list[dict]) -> str | None:
+    """What a sweep's table is to be read beside: the published numbers of a recurrent language-model sweep;
+    that an emulated fp8 job's time is no FP8 time."""
+    notes = []
+    if summaries and all(records.arch(s) in RNN_KINDS for s in summaries):
+        notes.append(APEX_NOTE)
+    if any(records.fp8_emulated(s) for s in summaries):
+        notes.append(FP8_EMULATED_NOTE)
+    return "\n".join(notes) or None
+
+
+SWEEP_COLUMNS = [("job", "job", "d"), ("model", "model", "s"), ("precision", "precision", "s"),
+                 ("status", "status", "s"), ("epochs", "epochs", ".2f"), ("train_time_s", "time s", ".2f"),
+                 ("samples_per_s", "samples/s", ".1f"), ("speedup", "vs fp32", ".2f"), ("test_acc", "test acc", ".4f"),
+                 ("peak_mem_mb", "peak MB", ".0f"), ("note", "note", "s")]
+# language models: tokens/s, MFU, and perplexity (best validation, test at that epoch) beside apex's published
+# one, the validation-loss gap to fp32 after the same steps
+LM_COLUMNS = SWEEP_COLUMNS[:6] + [("samples_per_s", "tokens/s", ".0f"), ("speedup", "vs fp32", ".2f"),
+                                  ("mfu", "MFU", ".1%"), ("valid_ppl", "valid ppl", ".2f"),
+                                  ("test_ppl", "test ppl", ".2f"), ("loss_gap", "dloss vs fp32", "+.3g"),
+                                  ("published", "published test ppl", "s"), ("peak_mem_mb", "peak MB", ".0f"),
+                                  ("note", "note", "s")]
+
+
+def format_table(rows: list[dict], cols: list[tuple] | None = None) -> str:
+    """rows as aligned text columns; cols: (row key, header, format spec) per column; by default SWEEP_COLUMNS,
+    or LM_COLUMNS when every row is a language model's."""
+    if cols is None:
+        cols = LM_COLUMNS if rows and all(r.get("lm") for r in rows) else SWEEP_COLUMNS
+    cells = [[h for _, h, _ in cols]] + [row_cells(r, cols) for r in rows]
+    cells = [[c if len(c) <= 90 else c[:87] + "..." for c in row] for row in cells]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def row_cells(row: dict, cols: list[tuple]) -> list[str]:
+    """A row's cells as text, each formatted by its column's spec."""
+    return [row[k] if isinstance(row[k], str) else _fmt(row[k], spec if spec not in ("s", "d") else "")
+            for k, _, spec in cols]
+
+
+def job_block(summary: dict) -> str:
+    """The one-screen summary printed when a job ends."""
+    m = records.metrics(summary)
+    ch = records.choices(summary)
+    env = records.env(summary)
+    ls = m.get("loss_scale")
+    warm = ("warm-up included: too few steps" if m.get("throughput_includes_warmup")
+            else f"first {m.get('warmup_steps')} steps excluded")
+    scale = "none" if not ls else f"min {ls['min']:g}, max {ls['max']:g}, final {ls['final']:g}"
+    lines = [
+        f"status      {records.status(summary)}" + (f"  ({records.reason(summary)})" if records.reason(summary) else ""),
+        f"job         model={ch.get('model')} precision={ch.get('precision')} dataset={ch.get('dataset')} "
+        f"optimizer={ch.get('optimizer')}",
+        f"device      {env.get('device_name')} ({env.get('device')}), torch {env.get('torch')}",
+        f"training    {_fmt(m.get('epochs'), '.2f')} epochs, {m.get('steps')} steps, "
+        f"{_fmt(m.get('train_time_s'), '.2f')} s (eval excluded), epochs {[round(t, 2) for t in m.get('epoch_times_s') or []]}"
+        + (f"; compiled in {m['compile_time_s']:.2f} s and prewarmed {_fmt(m.get('prewarm_time_s'), '.2f')} s before the clock"
+           if m.get("compile_time_s") else ""),
+        f"throughput  {_fmt(m.get('throughput'), '.1f')} {m.get('throughput_unit', 'samples/s')} ({warm})",
+        f"perplexity  valid final {_fmt(m.get('final_valid_ppl'), '.2f')}, best {_fmt(m.get('best_valid_ppl'), '.2f')} "
+        f"(epoch {m.get('best_valid_epoch')}); test final {_fmt(m.get('final_test_ppl'), '.2f')}, at best valid "
+        f"{_fmt(m.get('test_ppl_at_best_valid'), '.2f')}" if records.is_language_model(summary) else
+        f"accuracy    final {_fmt(m.get('final_test_acc'), '.4f')}, best {_fmt(m.get('best_test_acc'), '.4f')}"
+        + (f", {_fmt(m.get('time_to_target_s'), '.2f')} s to {m.get('target_acc')}" if m.get("target_acc") else ""),
+        f"memory      peak {_fmt(m.get('peak_memory_mb'), '.0f')} MB ({m.get('peak_memory_kind')})",
+        f"loss scale  {scale}; skipped steps {m.get('skipped_steps')}",
+    ]
+    if summary.get("resumed"):
+        r = summary["resumed"]
+        lines.append(f"resumed     at step {r['from_step']} (epoch {r['from_epoch']:.2f}), {len(r['history'])} time(s); "
+                     "the time before is included")
+    fp8 = summary.get("fp8")
+    if fp8:
+        lines.append(f"fp8         recipe {fp8['recipe']}, {len(fp8['float8_layers'])} Linear layers in float8, "
+                     f"{len(fp8['bf16_layers'])} in bf16 ({', '.join(fp8['bf16_layers']) or 'none'}); fp8_emulated: "
+                     + (f"true ({fp8['emulation_reason']}: the time above is not an FP8 time)" if fp8["fp8_emulated"]
+                        else "false"))
+    if m.get("mfu") is not None:
+        lines.append(f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} peak")
+    return "\n".join(lines)
+
+
+LADDER_COLUMNS = [("step", "step", "s"), ("variant", "variant", "s"), ("runs", "runs", "s"),
+                  ("epochs", "epochs", ".2f"), ("train_time_s", "time s", "s"), ("setup_s", "setup s", ".2f"),
+                  ("acc", "acc (no TTA)", "s"), ("acc_tta", "acc (TTA)", "s"), ("reached", "reached", "s"),
+                  ("to_94_s", "to target s (median)", "s"), ("page_s", "Page s", ".1f"),
+                  ("page_epochs", "Page ep", "d"), ("note", "note", "s")]
+NOT_REACHED = "not reached"
+
+
+def ladder_cells(row: dict) -> dict:
+    """An analyse.ladder_rows row as the ladder table's text cells (mean +- sample std over the step's runs)."""
+    to_target = row["to_94_s"]
+    return dict(row, runs="{}/{}".format(*row["runs"]), reached="{}/{}".format(*row["reached"]),
+                train_time_s=mean_sd(row["train_time_s"], ".2f", pm=" +- ", counts=False),
+                acc=mean_sd(row["acc"], ".4f", pm=" +- ", counts=False),
+                acc_tta=mean_sd(row["acc_tta"], ".4f", pm=" +- ", counts=False),
+                to_94_s=NOT_REACHED if math.isinf(to_target) else f"{to_target:.2f}")
