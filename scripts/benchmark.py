@@ -21,7 +21,6 @@ before each clock reading; no evaluation, no data generation.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -41,6 +40,7 @@ from mixprec.data import synthetic_images  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
 from mixprec.optim import build_optimizer, build_schedule  # noqa: E402
 from mixprec.precision import DTYPES  # noqa: E402
+from mixprec.records import write_json_atomic  # noqa: E402
 
 
 def compose(overrides: list[str]) -> tuple[Config, dict]:
@@ -223,8 +223,7 @@ def main(argv=None) -> int:
         return 2
     result.update(torch=torch.__version__, command=" ".join(["python scripts/benchmark.py", *sys.argv[1:]]))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json_atomic(args.out, result)
     return 0
 
 

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         sys.stdout.write(text)
     else:
-        args.out.write_text(text)
+        records.write_text_atomic(args.out, text)
         print(f"generate: {args.words} words -> {args.out}", file=sys.stderr)
     return 0
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from mixprec import hardware  # noqa: E402
+from mixprec.records import write_json_atomic  # noqa: E402
 from mixprec.search import largest_fitting  # noqa: E402
 
 
@@ -168,8 +168,7 @@ def main(argv=None) -> int:
         r["ratio"] = r["max_batch"] / base if base else None
         print(f"{r['precision']:10s} {r['max_batch']:>10d} {r['ratio']:>10.2f}")
     if args.out:
-        args.out.write_text(json.dumps({"overrides": rest, "device": name,
-                                        "torch": torch.__version__, "results": results}, indent=2))
+        write_json_atomic(args.out, {"overrides": rest, "device": name, "torch": torch.__version__, "results": results})
     return 0
 
 

@@ -36,6 +36,7 @@ from mixprec.config import Config, ConfigError, validate  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
 from mixprec.precision import PrecisionPolicy  # noqa: E402
 from mixprec.probe import ForwardTrace, param_names  # noqa: E402
+from mixprec.records import write_text_atomic  # noqa: E402
 
 CPU_IMAGES = {"trainer.batch_size": "8", "dataset.image_size": "8"}
 CPU_SYNTHETIC = {"dataset.train_size": "64", "dataset.test_size": "8"}
@@ -259,7 +260,7 @@ def main(argv=None) -> int:
     advisor_figure(out / "numerics.png", f"{ref_config.model.arch}: activation gradients of one batch vs fp16",
                    ref["order"], {n: [e["forward"][m] for m in ref["order"]] for n, (_, e) in results.items()}, hists)
     command = " ".join(["python scripts/numerics.py", *(argv if argv is not None else sys.argv[1:])])
-    (out / "numerics.md").write_text(markdown(command, ref_config, device, ranges, results, verdicts, "numerics.png"))
+    write_text_atomic(out / "numerics.md", markdown(command, ref_config, device, ranges, results, verdicts, "numerics.png"))
     for v in verdicts:
         print(v)
     print(f"numerics: {time.perf_counter() - t0:.1f} s on {device}; {out / 'numerics.md'}, {out / 'numerics.png'}")

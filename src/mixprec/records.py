@@ -132,6 +132,11 @@ def env(summary: dict) -> dict:
     return summary.get("env") or {}
 
 
+def overrides(summary: dict) -> list[str]:
+    """The job's command-line overrides (`precision=amp`, `seed=1`...)."""
+    return summary.get("overrides") or []
+
+
 def status(summary: dict) -> str | None:
     return summary.get("status")
 

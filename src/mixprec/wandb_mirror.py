@@ -10,6 +10,7 @@ import os
 import time
 from pathlib import Path
 
+from . import records
 from .config import LoggerConfig
 
 IN_USE_WAIT_S = 120.0   # how long a resumed job waits for a killed predecessor's W&B service to let go of the run id
@@ -54,8 +55,8 @@ class WandbMirror:
                      step=row.get("step"))
 
     def summary(self, summary: dict) -> None:
-        self._summary = {"status": summary.get("status")}
-        for k, v in (summary.get("metrics") or {}).items():
+        self._summary = {"status": records.status(summary)}
+        for k, v in records.metrics(summary).items():
             if isinstance(v, dict):
                 self._summary.update({f"{k}/{kk}": vv for kk, vv in v.items()})
             elif v is not None:

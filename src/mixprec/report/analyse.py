@@ -91,7 +91,7 @@ def _describe(summary: dict) -> dict:
     """What sets a job apart besides model, precision and seed: its other choices and value overrides."""
     choices = records.choices(summary)
     d = {k: str(v) for k, v in choices.items() if v is not None and not k.startswith(_AXES)}
-    for o in summary.get("overrides") or []:
+    for o in records.overrides(summary):
         k, _, v = o.lstrip("+~").partition("=")
         if k not in choices and not k.startswith(_NOT_VARIANT):
             d[k] = v
@@ -318,10 +318,10 @@ def ladder_rows(summaries: list[dict]) -> list[dict]:
     sweep ran no ladder step."""
     steps = page_ladder()
     jobs = [s for s in summaries if records.choices(s).get("trick") in steps]
-    common = set.intersection(*(set(s.get("overrides", [])) for s in jobs)) if jobs else set()
+    common = set.intersection(*(set(records.overrides(s)) for s in jobs)) if jobs else set()
     groups: dict[tuple, list[dict]] = {}
     for s in jobs:
-        variant = ",".join(sorted(o for o in set(s.get("overrides", [])) - common
+        variant = ",".join(sorted(o for o in set(records.overrides(s)) - common
                                   if not o.startswith(("seed=", "trick="))))
         groups.setdefault((records.choices(s)["trick"], variant), []).append(s)
     order = list(steps)

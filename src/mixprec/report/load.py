@@ -47,7 +47,7 @@ class Job:
 
     @property
     def status(self) -> str:
-        return str(self.summary.get("status", "unknown"))
+        return str(records.status(self.summary) or "unknown")
 
     @property
     def seed(self):
