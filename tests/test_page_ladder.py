@@ -120,3 +120,34 @@ def test_the_ladder_table_summarises_repeated_runs_per_step():
     # one of two reached: the median over both runs is "not reached", never the survivor's 30 s
     assert tta["acc_tta"] == "0.9410 +- 0.0014" and tta["reached"] == "1/2" and tta["to_94_s"] == "not reached"
     assert ladder_rows([summaries[-1]]) == []
+
+
+def test_the_sweep_table_and_the_report_show_the_same_ladder_rows(tmp_path, capsys):
+    """The end-of-sweep callback and make_report read the same sweep folder: the console's ladder table and the
+    report's come from one analysis (analyse.ladder_rows), so their cells agree, and match a hand count."""
+    from omegaconf import OmegaConf
+
+    from mixprec.report.callbacks import SweepTable
+    from mixprec.report.make import make_report
+
+    sweep = tmp_path / "sweep"
+    runs = [fake("page_01_baseline", 0, 0.93, 0.94, None), fake("page_01_baseline", 1, 0.94, 0.95, 80.0),
+            fake("page_01_baseline", 2, 0.95, 0.96, 70.0), fake("page_10_tta", 0, 0.93, 0.940, 30.0)]
+    for i, s in enumerate(runs):
+        s.update(name="page_ladder", choices=dict(s["choices"], model="resnet9", precision="fp32"))
+        (sweep / f"{i}_job").mkdir(parents=True)
+        (sweep / f"{i}_job" / "summary.json").write_text(json.dumps(s))
+    SweepTable().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    out = capsys.readouterr().out
+    console = [line.split("  ") for line in out[out.index("Page's ladder"):].splitlines()[3:]]
+    console = [[c.strip() for c in row if c.strip() not in ("", "-")] for row in console if row and row[0]]
+    data = make_report([str(sweep)], out=tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    table = md[md.index("### Ladder"):].split("\n\n")[2].splitlines()[2:]
+    report = [[c.strip() for c in line.strip("|").split(" | ") if c.strip() and c.strip() != "-"] for line in table]
+    assert console == report
+    # page_01: 3 of 3 completed and reached 2/3, times 100, 101, 102 s; the median time to target of (never, 80, 70)
+    assert report[0] == ["page_01_baseline", "3/3", "10.00", "101.00 +- 1.00", "0.9400 +- 0.0100",
+                         "0.9500 +- 0.0100", "2/3", "80.00", "75.0", "24"]
+    assert report[1][:2] == ["page_10_tta", "1/1"] and report[1][-3:] == ["30.00", "26.0", "10"]
+    assert [r["step"] for r in data["experiments"][0]["ladder"]] == ["page_01_baseline", "page_10_tta"]
