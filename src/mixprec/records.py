@@ -1,7 +1,11 @@
 """Records: a job's metrics.jsonl and summary.json (the source of truth), mirrored to W&B when enabled.
 
 summary.json is written atomically (a temp file in the same directory, then os.replace), so a reader never
-sees half a file; metrics.jsonl gets one complete line per row, flushed as it is written.
+sees half a file; metrics.jsonl gets one complete line per row, flushed as it is written. atomic_file is the
+package's one atomic writer: checkpoints, caches, the report and its figures, the scripts' outputs all use it.
+
+The second half is the summary-format contract: the accessors through which every reader (the report, the sweep
+table, the reference folders, scripts/reproduce.py) reads a summary's fields.
 """
 from __future__ import annotations
 
