@@ -58,10 +58,10 @@ def by_experiment(jobs: list[Job]) -> dict[str, list[Job]]:
     for j in jobs:
         out.setdefault(j.experiment, []).append(j)
     for exp_jobs in out.values():
-        for j, row in zip(exp_jobs, sweep_rows([j.summary for j in exp_jobs])):
+        summaries = [j.summary for j in exp_jobs]
+        for j, row in zip(exp_jobs, sweep_rows(summaries)):
             j.row = row
-        fp32 = {records.baseline_key(j.summary): j.summary for j in exp_jobs
-                if j.precision == "fp32" and j.status == "completed"}
+        fp32 = fp32_partners(summaries)
         described = [_describe(j.summary) for j in exp_jobs]
         keys = sorted({k for d in described for k in d})
         varying = _independent([k for k in keys if len({d.get(k) for d in described}) > 1], described)
@@ -242,16 +242,21 @@ def column_note(summary: dict) -> str:
     return "[article's column] " if records.choices(summary).get("precision") in article else "[modern column] "
 
 
+def fp32_partners(summaries: list[dict]) -> dict[str, dict]:
+    """records.baseline_key -> the completed fp32 job with that key: the job a speed-up is measured against."""
+    return {records.baseline_key(s): s for s in summaries
+            if records.choices(s).get("precision") == "fp32" and records.completed(s)}
+
+
 def sweep_rows(summaries: list[dict]) -> list[dict]:
     """One row per job; speedup = fp32 train time / this job's train time, for the fp32 job whose config is the
     same but for precision (None where the sweep has no such fp32 job); loss_gap (language models) = this job's
     final validation loss - that fp32 job's, when both ran the same number of steps."""
-    fp32 = {records.baseline_key(s): records.metrics(s) for s in summaries
-            if records.choices(s).get("precision") == "fp32" and records.completed(s)}
+    fp32 = fp32_partners(summaries)
     rows = []
     for s in summaries:
         m = records.metrics(s)
-        f = fp32.get(records.baseline_key(s)) or {}
+        f = records.metrics(fp32.get(records.baseline_key(s)) or {})
         base = f.get("train_time_s")
         t = m.get("train_time_s")
         gap = (m["final_valid_loss"] - f["final_valid_loss"] if f.get("steps") == m.get("steps")

@@ -17,7 +17,7 @@ import yaml
 
 from ..records import lookup
 
-PUBLISHED_DIR = Path(__file__).resolve().parents[1] / "published"
+PUBLISHED_DIR = Path(__file__).parent.parent / "published"
 
 # metrics a value can name besides any key of summary["metrics"] (the report computes these per run)
 DERIVED = {
