@@ -275,3 +275,12 @@ def test_variants_name_what_sets_jobs_apart_and_nothing_it_implies(tmp_path):
     # the case implies its optimizer: only the case is named; a long difference gets a short name
     assert [j.variant for j in jobs] == ["pitfall=adam_fp16", "pitfall=small_fp32", "pitfall=small_half", "[v1]"]
     assert jobs[3].variant_full == "dataset.train_size=4096,pitfall=small_half,trainer.batch_size=256"
+
+
+def test_every_precision_mode_has_its_own_colour_and_place():
+    from mixprec.report.analyse import PRECISION_ORDER
+    from mixprec.report.plots import color
+
+    modes = sorted(p.stem for p in (ROOT / "conf" / "precision").glob("*.yaml"))
+    assert sorted(PRECISION_ORDER) == modes
+    assert len({color(m) for m in modes}) == len(modes)
