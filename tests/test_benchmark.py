@@ -39,6 +39,7 @@ def step_clock(monkeypatch):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
+@pytest.mark.slow
 def test_both_loops_time_exactly_their_steps_after_warmup(bench, step_clock, precision):
     overrides = bench.sized([*TINY, "model.width=4", "dataset.image_size=8", f"precision={precision}"], steps=4, warmup=3)
     expected = 16 / STEP_S   # batch 16, one fake step each

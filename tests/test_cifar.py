@@ -208,6 +208,7 @@ def test_text_data_in_train_py_is_a_clear_config_error(tmp_path):
                                  "model (model=lstm") and "traceback" not in s
 
 
+@pytest.mark.slow
 def test_cli_offline_and_missing_is_one_line_and_a_non_zero_exit(tmp_path):
     r = run_cli("dataset=cifar10", f"dataset.data_dir={tmp_path / 'data'}", f"dataset.urls=[{UNREACHABLE}a.tar.gz]",
                 "model=small_cnn", "logger=none", f"hydra.run.dir={tmp_path / 'run'}")

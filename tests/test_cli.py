@@ -48,6 +48,7 @@ def test_sweep_writes_one_summary_and_one_wandb_run_per_job_and_a_table(tmp_path
     (["precision.loss_scale=banana"], "precision.loss_scale='banana': allowed values are dynamic, none"),
     (["optimizer.lr=-1"], "optimizer.lr=-1.0: must be a positive number"),
 ])
+@pytest.mark.slow
 def test_bad_values_give_one_clear_line(tmp_path, args, expect):
     r = run_cli(*args, "logger=none", f"hydra.run.dir={tmp_path}")
     assert r.returncode == 2
@@ -58,6 +59,7 @@ def test_bad_values_give_one_clear_line(tmp_path, args, expect):
     assert f"[mixprec.run][ERROR] - mixprec: config error: {expect}" in (tmp_path / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_unknown_option_lists_the_choices(tmp_path):
     r = run_cli("model=resnet9000", f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0 and "Traceback" not in r.stderr

@@ -30,6 +30,7 @@ def test_every_option_composes_and_validates(group, option):
         assert getattr(section, "name", getattr(section, "arch", None)) is not None
 
 
+@pytest.mark.slow
 def test_precision_table_semantics():
     p = {o: validate(compose_config(f"precision={o}")).precision for o in options("precision")}
     assert not p["fp32"].tf32 and p["tf32"].tf32

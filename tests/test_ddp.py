@@ -62,6 +62,7 @@ def rows(job_dir, kind):
     return [r for r in map(json.loads, (job_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_equal_one_process(tmp_path, monkeypatch):
     (tmp_path / "site").mkdir()
     ddp = run([*SAME, "logger=wandb"], cwd=tmp_path, watch_destroy=tmp_path / "site")
@@ -173,6 +174,7 @@ def test_each_rank_resumes_its_own_rng_states(tmp_path):
         checkpoint.Checkpointer(tmp_path, meta={}).restore(ckpt, LoopState())
 
 
+@pytest.mark.slow
 def test_bad_override_under_torchrun_is_one_line(tmp_path):
     r = run([*TINY, "trainer.batch_size=0", f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path, timeout=120)
     assert r.returncode != 0
@@ -200,6 +202,7 @@ def test_ranks_checks():
     assert torch.equal(whole[8:], half)
 
 
+@pytest.mark.slow
 def test_submitit_local_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     r = run(["-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *TINY, "precision=fp32,tf32",

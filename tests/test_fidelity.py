@@ -226,6 +226,7 @@ def test_page_first_and_last_ladder_steps_are_the_notebooks():
     check_table(composed("trick=page_10_tta")[0], PAGE_LAST)
 
 
+@pytest.mark.slow
 def test_every_page_ladder_value_matches_the_step_it_names():
     for v in load_source(PUBLISHED_DIR / "page_ladder.yaml").values:
         c, s = composed("experiment=page_ladder", f"trick={v.match['trick']}")

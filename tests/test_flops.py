@@ -29,6 +29,7 @@ def resnet18_cifar_flops(classes=10):
     return total + 2 * 512 * classes
 
 
+@pytest.mark.slow
 def test_small_cnn_flops_by_hand(tmp_path):
     expected = small_cnn_flops(8)
     assert expected == 2 * (3 * 8 * 9 * 1024 + 8 * 16 * 9 * 256 + 16 * 32 * 9 * 64 + 32 * 32 * 9 * 16 + 32 * 10)
@@ -37,6 +38,7 @@ def test_small_cnn_flops_by_hand(tmp_path):
     assert s["metrics"]["train_flops_per_sample"] == pytest.approx(3 * expected, rel=0.01)
 
 
+@pytest.mark.slow
 def test_resnet18_flops_by_hand():
     expected = resnet18_cifar_flops()
     assert expected == 2 * 555_422_720   # the 555.42M MACs usually quoted for a CIFAR-10 ResNet-18
@@ -52,6 +54,7 @@ def lstm_flops_per_token(vocab, emsize, nhid, nlayers):
     return 2 * (gates + nhid * vocab)
 
 
+@pytest.mark.slow
 def test_lstm_flops_per_token_by_hand(tmp_path):
     lm = ["logger=none", "trainer.device=cpu", "trainer.max_steps=1", "model=lstm", "dataset=synthetic_text",
           "dataset.vocab_size=40", "dataset.train_size=600", "dataset.test_size=100", "model.emsize=12",

@@ -186,6 +186,7 @@ def test_what_cpu_autocast_does_with_the_recurrent_layers():
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+@pytest.mark.slow
 def test_every_precision_trains_every_rnn_kind(tmp_path, kind):
     torch.manual_seed(0)   # the run's seed, set just before its model is built: its initial weights
     initial = RNNModel(kind, 40, 8, 8, 2).state_dict()

@@ -62,6 +62,7 @@ def test_a_trick_flag_combines_alone_and_the_precision_can_be_swept_over_a_step(
     assert c.precision.name == "amp" and c.precision.loss_scale == "dynamic" and c.trick.tta
 
 
+@pytest.mark.slow
 def test_the_last_step_trains_with_every_trick_in_its_own_precision(tmp_path):
     s = run_tiny(tmp_path, "trick=page_10_tta", base=LADDER_TINY)   # fp16 weights, BN fp32, ghost BN, whitening...
     m = s["metrics"]

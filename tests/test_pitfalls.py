@@ -18,6 +18,7 @@ SMALL = ["dataset.train_size=64", "dataset.test_size=16", "trainer.batch_size=8"
          "dataset.image_size=8", "logger=none"]
 
 
+@pytest.mark.slow
 def test_adam_in_pure_fp16_diverges_for_real_and_says_why(tiny, tmp_path):
     s = tiny("pitfall=adam_fp16", "trainer.max_steps=6", "trainer.log_every=1")
     on_disk = json.loads((tmp_path / "summary.json").read_text())
@@ -30,6 +31,7 @@ def test_adam_in_pure_fp16_diverges_for_real_and_says_why(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["adam_fp16_eps1e4", "adam_amp"])
+@pytest.mark.slow
 def test_the_fixes_train(tiny, case):
     s = tiny(f"pitfall={case}", "trainer.max_steps=6", "trainer.log_every=1")
     assert s["status"] == "completed" and s["nonfinite"] is None and s["case"]["as_expected"]
@@ -71,6 +73,7 @@ def test_bn_in_eval_mode_inside_a_half_model(keep_bn_fp32):
     assert torch.equal(bn.running_mean, stats)   # eval mode: running statistics frozen
 
 
+@pytest.mark.slow
 def test_bn_eval_runs_keep_running_statistics(tiny):
     s = tiny("pitfall=bn_eval_fp32bn", "trainer.max_steps=3")
     assert s["status"] == "completed" and s["config"]["model"]["bn_eval"] is True
@@ -116,6 +119,7 @@ def test_largest_fitting_doubles_then_bisects():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
+@pytest.mark.slow
 def test_max_batch_without_a_gpu_says_so():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "max_batch.py"), "model=resnet50", "precision=fp32,amp"],
                        capture_output=True, text=True, timeout=120)
@@ -125,6 +129,7 @@ def test_max_batch_without_a_gpu_says_so():
 
 
 @pytest.mark.parametrize("precision", ["o2", "half"])
+@pytest.mark.slow
 def test_saved_weights_are_fp32_and_reproduce_the_runs_accuracy(tiny, tmp_path, precision):
     s = tiny(f"precision={precision}", "trainer.max_steps=null", "trainer.epochs=2", "dataset.test_size=256",
              "trainer.eval_batch_size=64")
@@ -139,6 +144,7 @@ def test_saved_weights_are_fp32_and_reproduce_the_runs_accuracy(tiny, tmp_path, 
     assert result["test_loss"] == pytest.approx(s["metrics"]["final_test_loss"], rel=0.01)
 
 
+@pytest.mark.slow
 def test_evaluate_without_weights_says_so(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(tmp_path)],
                        capture_output=True, text=True, timeout=120)

@@ -14,6 +14,7 @@ def sweep_params(name):
             .get("sweeper", {}).get("params") or {})
 
 
+@pytest.mark.slow
 def test_every_sweep_preset_runs_as_a_sweep_and_the_others_as_one_job():
     sweeps = [p for p in PRESETS if sweep_params(p)]
     assert "smoke" not in sweeps and {"page_ladder", "torch_amp", "half_pitfalls", "apex_word_lm"} <= set(sweeps)

@@ -99,6 +99,7 @@ def hook_count(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_probe_none_registers_no_hooks(tmp_path, hook_count):
     s = run_tiny(tmp_path / "none", *TINY8, "probe=none", "precision=amp")
     assert s["status"] == "completed" and hook_count == [] and not (tmp_path / "none" / NUMERICS).exists()
@@ -238,6 +239,7 @@ def test_a_skipped_step_lists_the_parameters_with_nonfinite_gradients(tmp_path):
     assert probe.summary()["skipped_steps"] == [{"step": 1, "scale": 65536.0, "nonfinite_grads": expected}]
 
 
+@pytest.mark.slow
 def test_skips_are_attributed_in_a_job(tmp_path):
     # o2's fp16 gradients overflow at a scale of 1e20: the first steps are skipped
     s = run_tiny(tmp_path, *TINY8, "precision=o2", "precision.init_scale=1e20", "trainer.max_steps=3",
@@ -277,6 +279,7 @@ def test_every_precision_mode(tmp_path, precision):
     assert ("fp16" in stall) == (precision not in ("half", "bf16", "o3"))   # what-ifs for fp32-stepped weights
 
 
+@pytest.mark.slow
 def test_ema_and_ghost_bn_resnet9(tmp_path):
     s = run_tiny(tmp_path, *TINY_RESNET9, "trick.ghost_bn=true",
                  "trick.ghost_splits=2", "trick.ema=true", "precision=amp", "probe=ranges", "probe.every=1")
@@ -284,6 +287,7 @@ def test_ema_and_ghost_bn_resnet9(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["lstm", "gru"])
+@pytest.mark.slow
 def test_rnn_language_models(tmp_path, arch):
     s = run_tiny(tmp_path, *LM, f"model={arch}", "precision=amp", "probe=ranges", "probe.every=1")
     check_job(s, tmp_path, scaled=True)
@@ -293,6 +297,7 @@ def test_rnn_language_models(tmp_path, arch):
 
 # -- the one-batch advisor ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_numerics_script_gives_a_verdict_per_precision(tmp_path, capsys):
     from helpers import load_script
     script = load_script("numerics")
@@ -305,6 +310,7 @@ def test_numerics_script_gives_a_verdict_per_precision(tmp_path, capsys):
     assert "| layer | forward error |" in md and (tmp_path / "numerics.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_make_report_draws_the_probed_jobs(tmp_path):
     from mixprec.report.make import make_report
     s = run_tiny(tmp_path / "job", *TINY8, "precision=amp", "trainer.max_steps=3", "probe=ranges", "probe.every=2")

@@ -26,6 +26,7 @@ def rows(run_dir, kind):
 # ---------------------------------------------------------------------------------------------------- throughput
 
 
+@pytest.mark.slow
 def test_throughput_leaves_out_exactly_the_warmup_steps(tmp_path, monkeypatch):
     # 8 steps of 16 samples; the 3 warm-up steps take 10 s each, the 5 others 1 s each:
     # steady throughput = 5 * 16 samples / 5 s = 16 samples/s (warm-up counted: 128 / 35 s = 3.7;
@@ -49,6 +50,7 @@ def test_too_few_steps_for_a_warmup_count_every_sample(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------------- time to target
 
 
+@pytest.mark.slow
 def test_time_to_target_sums_the_epochs_until_the_target_is_first_reached(tmp_path, monkeypatch):
     """4 epochs; each step of epoch e costs e seconds (epochs of 4, 8, 12, 16 s). The evaluation answers class 10,
     which no label has, until 3 epochs are done, then always the test set's most common class: accuracy 0, 0, f, f
@@ -98,6 +100,7 @@ def test_configure_sets_tf32_for_matmul_and_cudnn(precision, restore_math_flags)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.slow
 def test_the_job_records_the_tf32_flags_it_ran_with(tmp_path, precision, restore_math_flags):
     want = TF32_ON[precision]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not want
@@ -115,6 +118,7 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+@pytest.mark.slow
 def test_cpu_peak_memory_is_the_process_peak_rss(tmp_path, monkeypatch):
     """A job whose model holds an extra 256 MB buffer (touched, so resident) reports a peak at least the resident
     size before the job plus 256 MB, and no more than the process's peak read from `resource` after it."""
@@ -139,6 +143,7 @@ def test_cpu_peak_memory_is_the_process_peak_rss(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["adam_fp16_eps1e4", "adam_amp"])
+@pytest.mark.slow
 def test_the_fixes_loss_falls(tmp_path, case):
     """The fixed Adam cases train: the mean loss of the last 4 of 12 logged steps is below that of the first 4."""
     s = run_tiny(tmp_path, *CPU, f"pitfall={case}", "trainer.max_steps=12", "trainer.epochs=3", "trainer.log_every=1",
@@ -165,6 +170,7 @@ def first_nonfinite_step_by_hand(lr: float, steps: int = 6) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_the_diverged_pitfall_names_the_step_it_diverged_at(tmp_path):
     c = validate(compose_config(*TINY, *CPU, "pitfall=adam_fp16"))
     expected = first_nonfinite_step_by_hand(c.optimizer.lr)

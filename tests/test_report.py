@@ -193,6 +193,7 @@ def test_wandb_offline_says_why_in_one_line_and_writes_the_local_report(runs, tm
         == fastai[0][:4]
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line(tmp_path):
     r = run_script(str(tmp_path / "nowhere"))
     assert r.returncode == 2 and r.stderr.strip() == f"make_report: {tmp_path / 'nowhere'}: no such file or folder"

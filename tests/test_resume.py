@@ -119,6 +119,7 @@ def uninterrupted(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_sigkill_in_epoch_2_then_resume_gives_the_uninterrupted_run(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     code, _, _ = signal_in_epoch_2(run_dir, signal.SIGKILL, "logger=wandb")
@@ -142,6 +143,7 @@ def test_sigkill_in_epoch_2_then_resume_gives_the_uninterrupted_run(tmp_path, un
     assert len([d for d in (run_dir / "wandb").glob(f"offline-run-*-{run_id}") if (d / f"run-{run_id}.wandb").is_file()]) == 2
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     code, _, err = signal_in_epoch_2(run_dir, signal.SIGTERM)
@@ -164,6 +166,7 @@ def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues
     assert s["resumed"]["previous_status"] == "interrupted"
 
 
+@pytest.mark.slow
 def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(tmp_path):
     """The LM steps run in the shared loop: a checkpoint on SIGTERM (the hidden state and the window position with
     it), status interrupted, and trainer.resume=auto ends with the perplexities and weights of one run through;
@@ -192,6 +195,7 @@ def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(
 
 
 @pytest.mark.parametrize("kind", ["device", "dataloader", "windows"])
+@pytest.mark.slow
 def test_a_loader_restored_mid_epoch_serves_the_rest_of_the_epoch_and_the_next_as_before(kind):
     """A loader owns its place in the epoch: restored from state_dict() taken after 2 batches of epoch 2, it
     serves exactly the batches the original serves next (augmentation draws included), then the same epoch 3."""
@@ -233,6 +237,7 @@ class SignalAt(nn.Module):
         return self.inner(x)
 
 
+@pytest.mark.slow
 def test_resume_restores_master_weights_loss_scaler_and_optimizer_exactly(tmp_path, monkeypatch):
     build = mixprec.run.build_model
     # fp16 weights with fp32 masters (apex O2) stepped by Adam, under a dynamic loss scale that grows every
@@ -256,6 +261,7 @@ def test_resume_restores_master_weights_loss_scaler_and_optimizer_exactly(tmp_pa
     assert_same_run(tmp_path / "run", tmp_path / "reference")
 
 
+@pytest.mark.slow
 def test_sweep_records_a_failing_job_goes_on_and_resume_skips_completed_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", "seed=1,2,3", "model=small_cnn", *SIZES, "trainer.epochs=2", "logger=none"]
@@ -328,6 +334,7 @@ def failed_job(tmp_path_factory):
     (lambda p: torch.save({"weights": torch.zeros(3)}, p), "not a mixprec checkpoint"),
     (None, "written by a different config (optimizer.lr: 0.1 -> 0.05)"),
 ])
+@pytest.mark.slow
 def test_a_bad_checkpoint_gives_one_line_naming_the_file(tmp_path, failed_job, capsys, damage, expect):
     path = tmp_path / CHECKPOINT
     shutil.copy(failed_job / CHECKPOINT, path)
@@ -348,6 +355,7 @@ def test_a_bad_checkpoint_gives_one_line_naming_the_file(tmp_path, failed_job, c
         assert [r["epoch"] for r in rows(tmp_path) if r["kind"] == "epoch"] == [1, 2]
 
 
+@pytest.mark.slow
 def test_final_weights_are_fp32_and_load_into_a_rebuilt_model(tmp_path):
     s = run_tiny(tmp_path, "precision=o2")
     assert s["weights"] == {"file": WEIGHTS, "dtype": "float32", "num_classes": 10}
@@ -359,6 +367,7 @@ def test_final_weights_are_fp32_and_load_into_a_rebuilt_model(tmp_path):
     assert all(torch.equal(state[k], saved[k]) for k in saved) and not model.training
 
 
+@pytest.mark.slow
 def test_a_run_without_final_weights_is_refused_by_name(tmp_path, monkeypatch):
     fail_at_the_end(monkeypatch)
     with pytest.raises(SystemExit):
@@ -367,6 +376,7 @@ def test_a_run_without_final_weights_is_refused_by_name(tmp_path, monkeypatch):
         load_fp32_model(tmp_path)
 
 
+@pytest.mark.slow
 def test_the_training_clock_syncs_the_device_at_every_reading(tiny, monkeypatch):
     calls = []
     monkeypatch.setattr(mixprec.engine, "synchronize", lambda device: calls.append(device.type))

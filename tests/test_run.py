@@ -34,6 +34,7 @@ def read_rows(path):
     return [json.loads(line) for line in (path / METRICS).read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_tiny_job_writes_complete_records(tiny, tmp_path):
     s = tiny("precision=amp", "trainer.max_steps=null", "trainer.epochs=2", "trainer.warmup_steps=2")
     on_disk = json.loads((tmp_path / SUMMARY).read_text())
@@ -57,12 +58,14 @@ def test_tiny_job_writes_complete_records(tiny, tmp_path):
     assert not list(tmp_path.glob(".summary.json.*"))   # the atomic write left no temp file
 
 
+@pytest.mark.slow
 def test_synthetic_data_is_learnable(tiny):
     s = tiny("dataset.train_size=512", "dataset.test_size=256", "trainer.max_steps=null", "trainer.epochs=3",
              "model.width=16", "trainer.batch_size=32")
     assert s["metrics"]["final_test_acc"] > 0.5   # chance is 0.1
 
 
+@pytest.mark.slow
 def test_same_seed_same_metrics_on_cpu(tmp_path):
     from helpers import run_tiny
     runs = [run_tiny(tmp_path / name, "trainer.deterministic=true", "trainer.max_steps=4", f"seed={seed}")

@@ -99,6 +99,7 @@ EMA = ["trainer.device=cpu", "trick.ema=true", "trick.ema_momentum=0.5", "trick.
        "optimizer.lr=0.2"]
 
 
+@pytest.mark.slow
 def test_an_ema_job_evaluates_and_saves_the_average_of_its_weights(tmp_path, monkeypatch):
     """Momentum 0.5 every 2 steps (rho = 0.25), updated after steps 1 and 3, from the initial weights: the average
     is recomputed from the model's state after each step (read at the start of the next forward, and at the end)."""
