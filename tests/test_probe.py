@@ -61,6 +61,41 @@ def test_tensor_counts_by_hand():
     assert bins == {16: 1, 1: 1, -20: 1, -26: 1, -1: 1, math.floor(math.log2(1e-40)): 1}
 
 
+def reference_counts(x: torch.Tensor) -> list[int]:
+    """HEAD and the bins by direct comparisons, one element at a time (a second, plain implementation)."""
+    head = dict.fromkeys(ps.HEAD, 0)
+    bins = [0] * ps.NBINS
+    for v in x.tolist():
+        head["n"] += 1
+        if not math.isfinite(v):
+            head["nonfinite"] += 1
+            head["nan"] += math.isnan(v)
+        elif v == 0:
+            head["zero"] += 1
+        else:
+            a = abs(v)
+            head["finite_nonzero"] += 1
+            bins[math.frexp(a)[1] - 1 - ps.LO] += 1
+            for name in ps.MEASURED:
+                f = ps.FORMATS[name]
+                head[f"{name}_overflow"] += a >= f.overflow_at
+                head[f"{name}_subnormal"] += f.lost_at < a < f.min_normal
+                head[f"{name}_lost"] += a <= f.lost_at
+    return [head[k] for k in ps.HEAD] + bins
+
+
+def test_tensor_counts_equal_direct_comparisons_at_every_edge():
+    """Random magnitudes over fp32's range plus every format edge exactly, just above and just below it."""
+    torch.manual_seed(0)
+    edges = [e for name in ps.MEASURED for f in [ps.FORMATS[name]] for e in (f.lost_at, f.min_normal, f.overflow_at, f.max)]
+    near = torch.tensor(edges)
+    special = torch.cat([near, near.nextafter(torch.tensor(0.0)), near.nextafter(torch.tensor(float("inf"))),
+                         torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, 3.4e38])])
+    x = torch.cat([special, -special, torch.randn(4000) * 2.0 ** torch.randint(-150, 128, (4000,)).float()])
+    counts, _ = ps.tensor_counts(x)
+    assert counts.tolist() == reference_counts(x)
+
+
 def test_update_stall_is_half_the_spacing():
     torch.manual_seed(0)
     w = torch.randn(20000) * 3

@@ -242,8 +242,9 @@ class Ranges(Attribution):
             stepped = policy.stepped_params()
             what_if = ps.MEASURED if stepped and stepped[0].dtype == torch.float32 else ()
             for i, (n, old, new) in enumerate(zip(self.names, self.before, stepped)):
-                self.measure("update", n, i, new.detach().float() - old.float())
-                self.updates.append((n, ps.stall_counts(old, new.detach(), new.grad, what_if)))
+                dw = new.detach().float() - old.float()
+                self.measure("update", n, i, dw)
+                self.updates.append((n, ps.stall_counts(old, new.detach(), new.grad, what_if, dw)))
             self.before = None
             self.write(step, event, what_if)
         elif event is not None:   # a skipped step that was not probed: its gradients at least

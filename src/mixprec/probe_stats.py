@@ -16,6 +16,7 @@ fractions of the finite non-zero elements (a ReLU's exact zeros are not underflo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,21 +62,38 @@ def format_of(dtype: torch.dtype) -> Format | None:
 
 
 def tensor_counts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 counts: HEAD then the NBINS log2 bins, float32 absmax of the finite values), on t's device."""
+    """(int64 counts: HEAD then the NBINS log2 bins, float32 absmax of the finite values), on t's device.
+    Few passes over the tensor: every finite non-zero element goes to its log2 bin (zeros and non-finite ones to
+    one extra bin) and the per-format counts are read off the bins, since each format's `lost_at` and `min_normal`
+    are powers of two (bin edges); only the overflow threshold and the values exactly at `lost_at` (they round to
+    zero, yet sit in the bin above) take a pass of their own."""
     x = t.detach().reshape(-1).float()
     a = x.abs()
-    finite = torch.isfinite(x)
+    finite = torch.isfinite(a)
     af = torch.where(finite, a, torch.zeros((), device=a.device))
-    nz = af > 0
-    head = [torch.tensor(x.numel(), device=x.device), (~finite).sum(), torch.isnan(x).sum(), (x == 0).sum(), nz.sum()]
+    nonfinite = x.numel() - finite.sum()
+    exponent = torch.frexp(af)[1] - 1   # 2^e <= |x| < 2^(e+1)
+    bins = torch.where(af > 0, exponent.clamp(LO, HI - 1) - LO, NBINS)
+    hist = torch.bincount(bins.long(), minlength=NBINS + 1)
+    head = [torch.tensor(x.numel(), device=x.device), nonfinite, torch.isnan(x).sum(), hist[NBINS] - nonfinite,
+            hist[:NBINS].sum()]
     for name in MEASURED:
         f = FORMATS[name]
-        head += [(af >= f.overflow_at).sum(), (nz & (af > f.lost_at) & (af < f.min_normal)).sum(),
-                 (nz & (af <= f.lost_at)).sum()]
-    exponent = torch.frexp(af[nz])[1] - 1   # 2^e <= |x| < 2^(e+1)
-    hist = torch.bincount((exponent.clamp(LO, HI - 1) - LO).long(), minlength=NBINS)
+        lost, normal = _EDGES[name]
+        at_lost = (af == f.lost_at).sum()
+        head += [(af >= f.overflow_at).sum(), hist[lost:normal].sum() - at_lost, hist[:lost].sum() + at_lost]
     absmax = af.max() if x.numel() else torch.zeros((), device=x.device)
-    return torch.cat([torch.stack(head).long(), hist]), absmax.float()
+    return torch.cat([torch.stack(head).long(), hist[:NBINS]]), absmax.float()
+
+
+def _edge(value: float) -> int:
+    """The histogram bin that starts at `value`, a power of two."""
+    e = math.log2(value)
+    assert e.is_integer() and LO <= e < HI, value
+    return int(e) - LO
+
+
+_EDGES = {name: (_edge(FORMATS[name].lost_at), _edge(FORMATS[name].min_normal)) for name in MEASURED}
 
 
 def describe(counts: list[int], absmax: float) -> dict:
@@ -129,12 +147,13 @@ def update_stall(w: torch.Tensor, dw: torch.Tensor, fmt: Format) -> torch.Tensor
 
 
 def stall_counts(w_old: torch.Tensor, w_new: torch.Tensor, grad: torch.Tensor | None,
-                 what_if: tuple[str, ...]) -> torch.Tensor:
+                 what_if: tuple[str, ...], dw: torch.Tensor | None = None) -> torch.Tensor:
     """[moving, stalled, stalled in each format of `what_if`]: moving = elements with a non-zero gradient (all,
     without one); stalled = those whose weight did not change in the stepped dtype; stalled in a format = those
-    whose update dw = w_new - w_old that format would lose (w + dw == w there; an fp32 stall is one too)."""
+    whose update dw = w_new - w_old that format would lose (w + dw == w there; an fp32 stall is one too).
+    `dw`: that difference in fp32, when the caller has it already."""
     moving = (grad != 0) if grad is not None else torch.ones_like(w_old, dtype=torch.bool)
-    dw = w_new.float() - w_old.float()
+    dw = w_new.float() - w_old.float() if dw is None else dw
     out = [moving.sum(), (moving & (w_new == w_old)).sum()]
     out += [(moving & update_stall(w_old, dw, FORMATS[name])).sum() for name in what_if]
     return torch.stack(out)
