@@ -301,6 +301,8 @@ def _flops(model_json: str, num_classes: int, image_size: int | None) -> float:
     from mixprec.models import build_model, forward_flops
 
     fields = json.loads(model_json)
+    if "pretrained" in fields:   # FLOPs do not depend on the weights: no ImageNet download to count them
+        fields.update(pretrained=False, freeze_body=False)
     model = build_model(ModelConfig(**fields), num_classes)
     if image_size is None:
         return float(model.flops_per_token())

@@ -72,3 +72,10 @@ def test_dynamic_scale_needs_fp32_gradients():
     with pytest.raises(ConfigError, match="master_weights"):
         validate(compose_config("precision=half", "precision.loss_scale=dynamic"))
     assert validate(compose_config("precision=half", "precision.loss_scale=128")).precision.loss_scale == 128.0
+
+
+def test_a_data_folder_does_not_name_the_job_dir():
+    """`dataset.data_dir=/data` (the docs' commands) stays out of the sweep's job dir names: its '/' would nest
+    each job's dir under folders named after the path, where the end-of-sweep table does not look."""
+    hydra = compose_config("dataset=cifar10", "dataset.data_dir=/data/cifar", "precision=amp").hydra
+    assert hydra.job.override_dirname == "dataset=cifar10,precision=amp"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, compose_config
+from helpers import ROOT, compose_config, load_script
 from mixprec import plan as P
 from mixprec.report.published import load_sources
 
@@ -229,3 +229,19 @@ def test_smoke_runs_every_command_and_reports_every_published_value(tmp_path):
     for f in ("ENVIRONMENT.md", "plan.md", "report/report.html", "report/report.md"):
         assert (out / f).is_file(), f
     print(f"smoke: {time.time() - t0:.0f} s")
+
+
+def test_estimate_counts_a_pretrained_model_without_its_weights(tmp_path, monkeypatch):
+    """--estimate counts FLOPs: the fastai preset's pretrained ResNets need no ImageNet weights for that (none in an
+    empty hub cache here, and no download: one would fail)."""
+    import torch
+
+    def offline(*a, **k):
+        raise OSError("no network")
+
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
+    reproduce = load_script("reproduce")
+    model = {"arch": "resnet18", "stem": "imagenet", "head": "fastai"}
+    pretrained = reproduce._flops(json.dumps({**model, "pretrained": True, "freeze_body": True}), 100, 32)
+    assert pretrained == reproduce._flops(json.dumps({**model, "pretrained": False}), 100, 32) > 0
