@@ -68,7 +68,7 @@ def main() -> int:
             base = [o for o in CIFAR_SIZED if o.split("=", 1)[0] not in given] if "dataset" not in given else []
             config = validate(compose("config", overrides=[*base, *overrides,
                                                            f"trainer.batch_size={args.batch_size}"]))
-        device = select_device(args.device)
+        device = select_device(args.device, option="--device")
         data = build_image_data(config.dataset)
     except (ConfigError, DataError) as e:
         print(f"bench_pipeline: {e}", file=sys.stderr)

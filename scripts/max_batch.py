@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     from mixprec.config import ConfigError
 
     try:
-        device = hardware.select_device(args.device)
+        device = hardware.select_device(args.device, option="--device")
     except ConfigError as e:   # e.g. --device cuda:3 on a one-GPU machine
         print(f"max_batch: {e}".replace("trainer.device", "--device"), file=sys.stderr)
         return 2

@@ -51,6 +51,8 @@ def test_no_gpu_visible_is_a_config_error_and_auto_falls_back(monkeypatch):
     assert hardware.select_device("auto") == torch.device("cpu")
     with pytest.raises(ConfigError, match="trainer.device=cuda: no CUDA device is visible here"):
         hardware.select_device("cuda")
+    with pytest.raises(ConfigError, match="^--device=cuda: no CUDA device is visible here; use --device=auto or cpu$"):
+        hardware.select_device("cuda", option="--device")   # a script's own flag (bench_pipeline, max_batch)
 
 
 def test_one_gpu_per_rank(two_gpus, monkeypatch):

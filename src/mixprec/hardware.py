@@ -21,10 +21,11 @@ JOBS_IN_PROCESS = 0   # a sweep's jobs share one process: the first pays lazy CU
 CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")   # the values torch.use_deterministic_algorithms accepts for cuBLAS
 
 
-def select_device(name: str) -> torch.device:
+def select_device(name: str, option: str = "trainer.device") -> torch.device:
     """The job's device, always with an index on an accelerator (set_device refuses a device without one:
     torch/accelerator/_utils.py:25 and torch/_utils.py:920, "Expected a torch.device with a specified index").
-    auto: the build's accelerator (torch.accelerator) when one is visible, else the CPU."""
+    auto: the build's accelerator (torch.accelerator) when one is visible, else the CPU. `option`: how the user
+    chose it (a script's `--device`), for the error message."""
     if name == "cpu":
         return torch.device("cpu")
     if name == "auto":
@@ -35,11 +36,11 @@ def select_device(name: str) -> torch.device:
     device = torch.device(name)
     module = torch.get_device_module(device)
     if not module.is_available():
-        raise ConfigError(f"trainer.device={name}: no {device.type.upper()} device is visible here; use "
-                          "trainer.device=auto or cpu")
+        raise ConfigError(f"{option}={name}: no {device.type.upper()} device is visible here; use "
+                          f"{option}=auto or cpu")
     index = 0 if device.index is None else device.index
     if index >= module.device_count():
-        raise ConfigError(f"trainer.device={name}: only {module.device_count()} {device.type} device(s) visible "
+        raise ConfigError(f"{option}={name}: only {module.device_count()} {device.type} device(s) visible "
                           f"(cuda:0..cuda:{module.device_count() - 1}); CUDA_VISIBLE_DEVICES chooses which")
     return torch.device(device.type, index)
 
