@@ -402,9 +402,11 @@ def plan_summary(state: dict) -> str:
     total = sum(e["predicted_s"] for e in state["sweeps"])
     cal = state["calibration"]
     budget = "none (full fidelity)" if state["budget_s"] is None else f"{state['budget_s'] / 60:.0f} min"
+    over = state["budget_s"] is not None and total > state["budget_s"]
     return (f"budget {budget}; calibration {cal['seconds'] / 60:.1f} min ({cal['mode']} jobs timed); "
             f"sweeps predicted {total / 60:.1f} min + report ~{state['report_s'] / 60:.0f} min; "
-            f"{sum(e['jobs'] for e in state['sweeps'])} jobs")
+            f"{sum(e['jobs'] for e in state['sweeps'])} jobs"
+            + ("; OVER BUDGET: every cut the plan allows is made (sweeps without a `drop` cut are kept)" if over else ""))
 
 
 def write_plan_md(out: Path, state: dict) -> None:

@@ -245,3 +245,14 @@ def test_estimate_counts_a_pretrained_model_without_its_weights(tmp_path, monkey
     model = {"arch": "resnet18", "stem": "imagenet", "head": "fastai"}
     pretrained = reproduce._flops(json.dumps({**model, "pretrained": True, "freeze_body": True}), 100, 32)
     assert pretrained == reproduce._flops(json.dumps({**model, "pretrained": False}), 100, 32) > 0
+
+
+def test_a_plan_that_cannot_fit_its_budget_says_so():
+    script = load_script("reproduce")
+    state = {"budget_s": 1800, "calibration": {"seconds": 60, "mode": "first"}, "report_s": 60,
+             "sweeps": [{"predicted_s": 1500, "jobs": 9}, {"predicted_s": 0, "jobs": 0}]}
+    assert "OVER BUDGET" not in script.plan_summary(state)
+    state["sweeps"][0]["predicted_s"] = 3408
+    line = script.plan_summary(state)
+    assert "sweeps predicted 56.8 min" in line and "OVER BUDGET: every cut the plan allows is made" in line
+    assert "OVER BUDGET" not in script.plan_summary({**state, "budget_s": None})
