@@ -244,7 +244,7 @@ class Ranges(Attribution):
             for i, (n, old, new) in enumerate(zip(self.names, self.before, stepped)):
                 dw = new.detach().float() - old.float()
                 self.measure("update", n, i, dw)
-                self.updates.append((n, ps.stall_counts(old, new.detach(), new.grad, what_if, dw)))
+                self.updates.append((n, ps.stall_counts(old, new.detach(), dw, new.grad, what_if)))
             self.before = None
             self.write(step, event, what_if)
         elif event is not None:   # a skipped step that was not probed: its gradients at least

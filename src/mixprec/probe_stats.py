@@ -146,14 +146,13 @@ def update_stall(w: torch.Tensor, dw: torch.Tensor, fmt: Format) -> torch.Tensor
     return (w_low.float() + dw.float()).to(dt) == w_low
 
 
-def stall_counts(w_old: torch.Tensor, w_new: torch.Tensor, grad: torch.Tensor | None,
-                 what_if: tuple[str, ...], dw: torch.Tensor | None = None) -> torch.Tensor:
+def stall_counts(w_old: torch.Tensor, w_new: torch.Tensor, dw: torch.Tensor, grad: torch.Tensor | None,
+                 what_if: tuple[str, ...]) -> torch.Tensor:
     """[moving, stalled, stalled in each format of `what_if`]: moving = elements with a non-zero gradient (all,
     without one); stalled = those whose weight did not change in the stepped dtype; stalled in a format = those
-    whose update dw = w_new - w_old that format would lose (w + dw == w there; an fp32 stall is one too).
-    `dw`: that difference in fp32, when the caller has it already."""
+    whose update dw = w_new - w_old (in fp32, as the probe measured it) that format would lose (w + dw == w there;
+    an fp32 stall is one too)."""
     moving = (grad != 0) if grad is not None else torch.ones_like(w_old, dtype=torch.bool)
-    dw = w_new.float() - w_old.float() if dw is None else dw
     out = [moving.sum(), (moving & (w_new == w_old)).sum()]
     out += [(moving & update_stall(w_old, dw, FORMATS[name])).sum() for name in what_if]
     return torch.stack(out)
