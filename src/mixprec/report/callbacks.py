@@ -31,8 +31,9 @@ class SweepTable(Callback):
         if jobs:
             by_experiment(jobs)   # each job's sweep row, as the report has it
             print(format_table([j.row for j in jobs]))
-            if sweep_note(summaries):
-                print(sweep_note(summaries))
+            note = sweep_note(summaries)
+            if note:
+                print(note)
         ladder = ladder_rows(summaries)
         if ladder:  # a sweep over Page's ladder steps: per step, beside the article's V100 times
             print("\nPage's ladder (article: one V100, each step's fixed-schedule time; statistics over all runs):\n"
