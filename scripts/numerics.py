@@ -31,11 +31,12 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from mixprec import engine, hardware, lm_engine, probe_stats as ps  # noqa: E402
+from mixprec import engine, hardware, lm_engine  # noqa: E402
+from mixprec.numerics import probe_stats as ps  # noqa: E402
 from mixprec.config import Config, ConfigError, validate  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
 from mixprec.precision import PrecisionPolicy  # noqa: E402
-from mixprec.probe import ForwardTrace, param_names  # noqa: E402
+from mixprec.numerics.probe import ForwardTrace, param_names  # noqa: E402
 from mixprec.records import write_text_atomic  # noqa: E402
 
 CPU_IMAGES = {"trainer.batch_size": "8", "dataset.image_size": "8"}

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from helpers import compose_config, run_cli, run_tiny, load_script
 from test_lm import one_thread  # noqa: F401  (autouse: tiny models on one thread)
 from mixprec.config import ConfigError, validate
-from mixprec.gpt import GPT
+from mixprec.models.gpt import GPT
 from mixprec.models import build_model
 from mixprec.precision import PrecisionPolicy
 from mixprec.report.analyse import sweep_rows

@@ -15,8 +15,8 @@ from mixprec.config import validate
 from mixprec.engine import TrainClock
 from mixprec.models import small_cnn
 from mixprec.optim import build_optimizer
-from mixprec.resnet9 import GhostBatchNorm
-from mixprec.rnnlm import RNNModel
+from mixprec.models.resnet9 import GhostBatchNorm
+from mixprec.models.rnnlm import RNNModel
 
 pytestmark = pytest.mark.gpu
 GPU_TINY = [o for o in TINY if not o.startswith("trainer.device")]   # trainer.device=auto: the GPU

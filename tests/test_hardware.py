@@ -9,7 +9,7 @@ from mixprec import checkpoint, data, dist, hardware, precision
 from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.models import small_cnn
 from mixprec.optim import build_optimizer
-from mixprec.resnet9 import GhostBatchNorm, ResNet9
+from mixprec.models.resnet9 import GhostBatchNorm, ResNet9
 
 CUDA = torch.device("cuda")
 
@@ -188,7 +188,7 @@ def test_fp32_weights_are_cpu_copies():
 
 @pytest.mark.parametrize("cap, reason", [((9, 0), None), ((8, 0), "compute capability 8.0 < 8.9: no FP8 tensor cores")])
 def test_fp8_asks_the_jobs_device_for_its_capability(two_gpus, monkeypatch, cap, reason):
-    from mixprec import fp8
+    from mixprec.numerics import fp8
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or cap)

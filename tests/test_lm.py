@@ -13,7 +13,7 @@ from mixprec import engine, lm_engine
 from mixprec.config import ConfigError, validate
 from mixprec.optim import build_schedule
 from mixprec.precision import PrecisionPolicy
-from mixprec.rnnlm import RNNModel
+from mixprec.models.rnnlm import RNNModel
 from mixprec.checkpoint import WEIGHTS
 from mixprec.report.analyse import published_ppl, sweep_rows
 from mixprec.data.wikitext import TokenWindows, batchify

@@ -1,4 +1,4 @@
-"""The numerics probe (src/mixprec/probe.py, probe_stats.py): format facts, per-tensor counts, hooks, attribution."""
+"""The numerics probe (src/mixprec/numerics/probe.py, probe_stats.py): format facts, per-tensor counts, hooks, attribution."""
 import json
 import math
 from pathlib import Path
@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from helpers import TINY
-from mixprec import engine, probe_stats as ps
+from mixprec import engine
+from mixprec.numerics import probe_stats as ps
 from mixprec.config import PrecisionConfig, ProbeConfig, TrainerConfig
 from mixprec.precision import PrecisionPolicy
-from mixprec.probe import NUMERICS, build_probe
+from mixprec.numerics.probe import NUMERICS, build_probe
 
 CPU = torch.device("cpu")
 TINY8 = [*TINY, "dataset.image_size=8", "trainer.device=cpu"]

@@ -13,7 +13,7 @@ from mixprec.config import ConfigError, validate
 from mixprec.data import DeviceBatches, synthetic_images
 from mixprec.models import small_cnn
 from mixprec.precision import PrecisionPolicy
-from mixprec.resnet9 import GhostBatchNorm, ResNet9, conv_bn
+from mixprec.models.resnet9 import GhostBatchNorm, ResNet9, conv_bn
 from mixprec.tricks import EMA, bn_bias_groups, cross_entropy, fit_patch_whitening, tta_logits
 
 SMALL = (8, 16, 32, 64)

@@ -241,7 +241,7 @@ def load_fp32_model(run_dir: Path):
     Returns (model, config). CheckpointError, naming the file, when the run has no usable weights."""
     from .config import validate
     from .models import build_model
-    from .resnet9 import resnet9_options
+    from .models.resnet9 import resnet9_options
 
     run_dir = Path(run_dir)
     summary = prior_summary(run_dir)

@@ -362,7 +362,7 @@ class LoggerConfig:
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    """The numerics probe (src/mixprec/probe.py): none = no hooks (attribution of skipped and non-finite steps
+    """The numerics probe (src/mixprec/numerics/probe.py): none = no hooks (attribution of skipped and non-finite steps
     only, at the event); ranges = per-layer ranges at step 1, every `every` steps and every skipped step."""
     name: Literal["none", "ranges"] = "none"
     every: int = 50

@@ -55,7 +55,7 @@ from .dist import SINGLE, Ranks
 from .hardware import mark_steady, synchronize
 from .models import set_bn_eval
 from .precision import PrecisionPolicy
-from .probe import Attribution
+from .numerics.probe import Attribution
 from .tricks import cross_entropy, tta_logits
 
 # GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the torch.amp
@@ -162,7 +162,7 @@ class Loop:
     stop: Callable = lambda: None        # the name of a stop signal received, else None
     ranks: Ranks = SINGLE
     progress: bool = True
-    probe: Attribution = field(default_factory=Attribution)   # the numerics probe's calls (probe.py)
+    probe: Attribution = field(default_factory=Attribution)   # the numerics probe's calls (numerics/probe.py)
     status: str = "completed"
     reason: str | None = None
     warm_at: int = 0
@@ -220,7 +220,7 @@ def train_step(loss: torch.Tensor, loop: Loop, state: LoopState, replay=None) ->
     zero_grad. Under on_nonfinite=skip a non-finite loss skips backward and update (the window check counts it);
     under several ranks, all skip alike. Under a dynamic loss scale that check is GradScaler's own (a non-finite
     loss makes non-finite gradients: the step is skipped and the scale backs off), so no second sync is made.
-    replay: the step's forward again, for the probe's attribution of a non-finite value (loop.probe, probe.py)."""
+    replay: the step's forward again, for the probe's attribution of a non-finite value (loop.probe, numerics/probe.py)."""
     policy, tr, probe, step = loop.policy, loop.trainer, loop.probe, state.step + 1
     if tr.on_nonfinite == "skip" and not policy.skips_overflow and loop.ranks.any(not torch.isfinite(loss)):
         if state.nonfinite is None:

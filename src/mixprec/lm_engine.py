@@ -37,7 +37,7 @@ from torch import nn
 
 from .engine import Loop, LoopState, Window, train_step
 from .precision import PrecisionPolicy
-from .rnnlm import repackage_hidden
+from .models.rnnlm import repackage_hidden
 from .data.wikitext import TokenWindows
 
 
@@ -143,7 +143,7 @@ class LMSteps:
     def metrics(self, state: LoopState, loop: Loop) -> dict:
         final = state.epochs[-1] if state.epochs and loop.status == "completed" else {}
         best = state.best.get("record")
-        rnn_dtype = getattr(self.model, "rnn_dtype", None)   # what the recurrent layers really ran in (rnnlm.py)
+        rnn_dtype = getattr(self.model, "rnn_dtype", None)   # what the recurrent layers really ran in (models/rnnlm.py)
         return {"tokens": state.samples,
                 "final_valid_loss": final.get("valid_loss"), "final_valid_ppl": final.get("valid_ppl"),
                 "final_test_loss": final.get("test_loss"), "final_test_ppl": final.get("test_ppl"),

@@ -6,7 +6,7 @@ A mode is four decisions, each made once here:
   3. whether the optimizer steps fp32 master copies (apex O2) that are copied back into the low-precision model;
   4. how the loss is scaled: torch.amp.GradScaler (dynamic), a static factor (apex --loss-scale N), or none.
 With precision.fp8_recipe (precision=fp8) prepare_model also swaps the Linear layers for torchao's float8 ones
-(fp8.py); what it converted is self.fp8, for the job's summary.
+(numerics/fp8.py); what it converted is self.fp8, for the job's summary.
 The engine calls: prepare_model -> optimizer_params -> [autocast(), cast_input, backward, step] per step.
 
 Host syncs: `step` adds none to GradScaler's own (the found-inf check before the optimizer step,
@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from . import fp8
+from .numerics import fp8
 from .config import OptimizerConfig, PrecisionConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -31,9 +31,9 @@ from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
 from .precision import PrecisionPolicy, hazards
 from .prewarm import prewarm, prewarm_lm
-from .probe import build_probe
+from .numerics.probe import build_probe
 from .records import SUMMARY, Recorder, write_json_atomic
-from .resnet9 import resnet9_options
+from .models.resnet9 import resnet9_options
 from .signals import StopSignals, resume_hint
 from .report.render import job_block
 from .data.wikitext import TokenWindows, batchify, load_text_corpus
@@ -282,7 +282,7 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
 
 @contextlib.contextmanager
 def probed(config: Config, model, recorder: Recorder, ranks: dist.Ranks):
-    """The job's numerics probe (probe.py): rank 0 records numerics.jsonl; closed however training ends."""
+    """The job's numerics probe (numerics/probe.py): rank 0 records numerics.jsonl; closed however training ends."""
     probe = build_probe(config.probe, model, recorder.out_dir if ranks.main else None)
     try:
         yield probe

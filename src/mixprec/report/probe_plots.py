@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import probe_stats as ps
-from ..probe import MODEL, NUMERICS
+from ..numerics import probe_stats as ps
+from ..numerics.probe import MODEL, NUMERICS
 from ..records import read_jsonl
 from .plots import color, plt, save
 

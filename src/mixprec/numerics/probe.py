@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from . import probe_stats as ps
-from .config import ProbeConfig
+from ..config import ProbeConfig
 
 NUMERICS = "numerics.jsonl"
 MODEL = "(model)"

@@ -21,8 +21,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from .config import require_torchao
-from .hardware import capability
+from ..config import require_torchao
+from ..hardware import capability
 
 FP8_CAPABILITY = (8, 9)   # Ada / Hopper and later: FP8 tensor cores
 

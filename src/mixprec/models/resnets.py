@@ -1,6 +1,5 @@
-"""Models: torchvision ResNets with a CIFAR or ImageNet stem (or as fastai 1.0's create_cnn builds them: body, concat-
-pool head, optionally pretrained and frozen), a small CNN, Page's ResNet-9 (resnet9.py), RNN language models
-(rnnlm.py) and a GPT-style Transformer language model (gpt.py)."""
+"""torchvision ResNets with a CIFAR or ImageNet stem, as fastai 1.0's create_cnn builds them (body, concat-pool
+head, optionally pretrained and frozen), and a small CNN."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,30 +7,6 @@ from pathlib import Path
 import torch
 import torchvision
 from torch import nn
-
-from .config import ModelConfig
-from .gpt import GPT
-from .resnet9 import ResNet9
-from .rnnlm import RNNModel
-
-
-def build_model(cfg: ModelConfig, num_classes: int, **resnet9_options) -> nn.Module:
-    """num_classes: the vocabulary size for a language model (cfg.is_language_model). resnet9_options: ResNet9's
-    trick switches (activation, ghost_splits, ...), which resnet9.resnet9_options maps from `trick`."""
-    if cfg.arch == "gpt":
-        return GPT(num_classes, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.dropout, cfg.vocab_multiple)
-    if cfg.is_language_model:
-        return RNNModel(cfg.arch, num_classes, cfg.emsize, cfg.nhid, cfg.nlayers, cfg.dropout, cfg.tied,
-                        cfg.vocab_multiple)
-    if cfg.arch == "resnet9":
-        return ResNet9(num_classes, cfg.channels, cfg.output_scale, **resnet9_options)
-    if cfg.arch.startswith("resnet"):
-        if cfg.head == "fastai":
-            return fastai_cnn(cfg.arch, cfg.stem, num_classes, cfg.pretrained, cfg.freeze_body)
-        return resnet(cfg.arch, cfg.stem, num_classes, cfg.pretrained)
-    if cfg.arch == "small_cnn":
-        return small_cnn(cfg.width, num_classes)
-    raise ValueError(f"unknown model.arch {cfg.arch!r}")  # unreachable: the schema allows only the above
 
 
 def resnet(arch: str, stem: str, num_classes: int, pretrained: bool = False) -> nn.Module:
@@ -51,7 +26,7 @@ def imagenet_weights(arch: str):
     """torchvision's ImageNet weights for `arch` (IMAGENET1K_V1: the weights fastai 1.0 loaded through torchvision's
     `pretrained=True`), from the torch hub cache, downloaded there once (torchvision's URL, its sha256 prefix
     checked) when missing; offline, one ConfigError naming what to do."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     weights = torchvision.models.get_model_weights(arch).IMAGENET1K_V1
     path = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
@@ -119,27 +94,3 @@ def small_cnn(width: int, num_classes: int) -> nn.Module:
         *block(4 * width, 4 * width),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes),
     )
-
-
-def set_bn_eval(model: nn.Module) -> None:
-    """Put every BatchNorm layer in eval mode (running statistics, no updates) inside a training model."""
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.eval()
-
-
-def forward_flops(model: nn.Module, sample: torch.Tensor) -> float | None:
-    """FLOPs of one forward pass per sample (matmuls and convolutions, 2 per multiply-add), counted by
-    torch.utils.flop_counter on a real forward in eval mode; None where the counter cannot run."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(sample)
-        return counter.get_total_flops() / sample.shape[0]
-    except Exception:  # an op the counter does not know; MFU is then left out, not guessed
-        return None
-    finally:
-        model.train(was_training)

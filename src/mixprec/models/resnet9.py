@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import TrickConfig
+from ..config import TrickConfig
 
 POOL_ORDERS = {
     "conv_bn_act_pool": ("conv", "bn", "act", "pool"),  # Page's baseline
