@@ -214,8 +214,13 @@ class PrecisionConfig:
     growth_interval: int = 2000
     tf32: bool = False
     fp8_recipe: Optional[Literal["tensorwise", "rowwise"]] = None   # precision=fp8: torchao float8 Linear layers
+    # fp16/bf16 rounding emulated on fp32 kernels (numerics/emulation.py): auto = wherever the device is not CUDA
+    emulate: Union[bool, Literal["auto"]] = "auto"
 
     def check(self) -> None:
+        if self.emulate is True and self.fp8_recipe is not None:
+            raise ConfigError("precision.emulate=true with precision=fp8: torchao emulates the float8 matmuls itself "
+                              "and its bf16 part runs on the device's own kernels; use precision.emulate=auto")
         if self.fp8_recipe is not None:
             if self.autocast_dtype != "bfloat16" or self.param_dtype != "float32":
                 raise ConfigError("precision.fp8_recipe: float8 Linear layers run beside bf16 autocast on fp32 "

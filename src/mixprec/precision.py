@@ -8,6 +8,9 @@ A mode is four decisions, each made once here:
 With precision.fp8_recipe (precision=fp8) prepare_model also swaps the Linear layers for torchao's float8 ones
 (numerics/fp8.py); what it converted is self.fp8, for the job's summary.
 The engine calls: prepare_model -> optimizer_params -> [autocast(), cast_input, backward, step] per step.
+Where the device is not CUDA (precision.emulate=auto), an fp16/bf16 mode runs emulated (numerics/emulation.py):
+the job runs under emulation.numerics(), so the same four decisions make Emulated tensors that round as a GPU's
+kernels store, and autocast() applies CUDA autocast's policy instead of the device's.
 
 Host syncs: `step` adds none to GradScaler's own (the found-inf check before the optimizer step,
 torch/amp/grad_scaler.py:371). A fused optimizer (optimizer.impl=fused; auto on CUDA) takes the scale and the
@@ -24,7 +27,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from .numerics import fp8
+from .numerics import emulation, fp8
 from .config import OptimizerConfig, PrecisionConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -73,10 +76,24 @@ def by_dtype(*lists: list[torch.Tensor]) -> list[list[list[torch.Tensor]]]:
     return list(groups.values())
 
 
+def low_dtype(cfg: PrecisionConfig) -> str | None:
+    """The mode's fp16/bf16 dtype (its autocast dtype, else its weights'), None for fp32 and tf32."""
+    return cfg.autocast_dtype or (cfg.param_dtype if cfg.param_dtype != "float32" else None)
+
+
+def emulates(cfg: PrecisionConfig, device: torch.device) -> bool:
+    """Whether the job's fp16/bf16 arithmetic is emulated on fp32 kernels (precision.emulate; auto: wherever the
+    device is not CUDA, whose kernels the emulation reproduces). precision=fp8 never is: torchao emulates it."""
+    if low_dtype(cfg) is None or cfg.fp8_recipe is not None:
+        return False
+    return device.type != "cuda" if cfg.emulate == "auto" else bool(cfg.emulate)
+
+
 class PrecisionPolicy:
     def __init__(self, cfg: PrecisionConfig, device: torch.device):
         self.cfg = cfg
         self.device = device
+        self.emulated = emulates(cfg, device)
         self.param_dtype = DTYPES[cfg.param_dtype]
         self.autocast_dtype = DTYPES[cfg.autocast_dtype] if cfg.autocast_dtype else None
         if cfg.loss_scale == "dynamic":
@@ -136,6 +153,8 @@ class PrecisionPolicy:
 
     # -- 2. forward ----------------------------------------------------------------------------------------
     def autocast(self):
+        if self.emulated and self.autocast_dtype is not None:
+            return emulation.autocast(self.autocast_dtype)
         return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
                               enabled=self.autocast_dtype is not None)
 

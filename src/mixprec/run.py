@@ -29,7 +29,8 @@ from .data.files import DataError
 from .lm_engine import LMSteps
 from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
-from .precision import PrecisionPolicy, hazards
+from .numerics import emulation
+from .precision import PrecisionPolicy, emulates, hazards, low_dtype
 from .prewarm import prewarm, prewarm_lm
 from .numerics.probe import build_probe
 from .records import SUMMARY, Recorder, write_json_atomic
@@ -156,9 +157,11 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     hardware.configure(device, config.trainer, config.precision, config.seed)
     env = hardware.describe(device)
     profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type != "cpu" else "cpu")
+    emulated = emulates(config.precision, device)
     summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
-                   hazards=hazards(config.precision, config.optimizer))
-    warn_if_slow(config, device, profile)
+                   hazards=hazards(config.precision, config.optimizer),
+                   arithmetic="emulated" if emulated else "native")
+    warn_if_slow(config, device, profile, emulated)
     try:
         resume = open_job_dir(config, summary, out_dir, device.type, ranks)
         mirror = open_mirror(config, summary, out_dir, group, name, resume) if ranks.main else None
@@ -174,7 +177,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
     stop = StopSignals()
     try:
-        with stop:   # torchrun forwards a SIGTERM to every rank
+        with stop, emulation.numerics(emulated):   # torchrun forwards a SIGTERM to every rank
             summary.update(train_job(config, device, recorder, saver, resume, ranks.agreed_stop(stop), ranks))
         if summary["status"] == "interrupted":
             summary["interrupted_by"] = stop()
@@ -318,6 +321,9 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     # compilation of the model the loop trains, also before the clock (compiled.py)
     prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_for(device.type), tr.batch_size // ranks.world,
                         train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
+    if policy.emulated and tr.compile != "none":
+        raise ConfigError(f"trainer.compile={tr.compile}: emulated {low_dtype(config.precision)} (precision.emulate) "
+                          "runs eagerly; use trainer.compile=none, or precision.emulate=false for the native kernels")
     steps.model = compile_model(net, tr.compile)
     compile_s = warm_compile(steps.model, policy, tr.batch_size // ranks.world, train_batches.image_shape,
                              data.num_classes, tr.compile, tr.channels_last, config.model.bn_eval)
@@ -380,10 +386,13 @@ def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
             "recorded_test_loss": recorded.get("final_test_loss"), "precision": config.precision.name}
 
 
-def warn_if_slow(config: Config, device: torch.device, profile: dict) -> None:
+def warn_if_slow(config: Config, device: torch.device, profile: dict, emulated: bool = False) -> None:
     if profile.get("note") and profile.get("matched") is False:
         log.info(f"mixprec: note: {profile['note']}")
-    low = config.precision.autocast_dtype or config.precision.param_dtype
-    if device.type == "cpu" and low in ("float16", "bfloat16"):
+    low = low_dtype(config.precision)
+    if emulated:
+        log.info(f"mixprec: note: {low} emulated on fp32 kernels with CUDA's rounding and autocast policy "
+                 "(precision.emulate): its losses and accuracies are a GPU's, its timings are fp32 timings")
+    elif device.type == "cpu" and low in ("float16", "bfloat16"):
         log.info(f"mixprec: note: {low} on a CPU without native support (AVX512-FP16/AMX) runs PyTorch's slow "
                  "reference kernels, often 10-50x slower than fp32: CPU timings say nothing about GPUs")

@@ -22,6 +22,8 @@ import math
 import torch
 from torch import nn
 
+from ..numerics import emulation
+
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
 
@@ -52,8 +54,8 @@ class RNNModel(nn.Module):
     def forward(self, tokens: torch.Tensor, hidden):
         x = self.drop(self.encoder(tokens))
         kind = tokens.device.type
-        if kind == "cuda" and torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16:
-            with torch.autocast(kind, enabled=False):   # CUDA-only: autocast's cuDNN RNN would run fp16 (above)
+        if emulation.cuda_autocast_dtype(kind) == torch.bfloat16:   # CUDA's autocast, real or emulated
+            with emulation.autocast_off(kind):   # CUDA autocast's cuDNN RNN would run fp16 (above)
                 w = self.rnn.all_weights[0][0]
                 out, hidden = self.rnn(x.to(w.dtype), rnn_cast(hidden, w.dtype))
         else:

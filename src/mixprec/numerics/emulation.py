@@ -1,0 +1,371 @@
+"""Emulated fp16/bf16 numerics: a GPU's rounding around fp32 kernels, at close to fp32 speed on a CPU.
+
+PyTorch's CUDA kernels compute a half or bfloat16 op in fp32 ("opmath") and round the result to the storage type;
+matmuls and convolutions take fp16/bf16 inputs, accumulate in fp32 and round the output. A CPU's own fp16/bf16
+kernels are exact IEEE too but run reference code, ~150x slower than fp32 on AVX2. Emulation keeps fp32 storage
+and kernels and rounds wherever the real run would store an fp16/bf16 tensor:
+
+- `Emulated` is a tensor that reports dtype float16 or bfloat16 and holds an fp32 tensor (`_data`) whose values
+  are exactly representable in that dtype. Everything above the dispatcher (autograd, nn.Module.half(),
+  GradScaler's fp16-gradient check, the optimizers' grouping by dtype) sees the low-precision dtype.
+- `EmulationMode`, a TorchDispatchMode active for the whole job, runs every op that touches a low-precision tensor
+  (or asks for a low dtype) on the fp32 data, and rounds each new low-precision output once, as the CUDA kernel
+  does: `x.to(dtype).to(float32)` is round-to-nearest-even, the conversion the kernels' stores make. The output
+  dtypes are those of the real op, found by running it once on meta tensors of the real dtypes (cached). In-place
+  ops round what they wrote, views share the data unrounded (it is representable already). Ops with no
+  low-precision tensor run untouched: fp32 work costs nothing extra.
+- `autocast(dtype)`, a TorchFunctionMode, applies CUDA autocast's policy, not the CPU's: the op lists of the
+  installed PyTorch's ATen/autocast_mode.h (tests/test_emulation.py parses the header and checks every op is
+  here). It sits above autograd, so its casts are recorded and the gradients are rounded on the way back.
+
+Where it differs from a GPU (docs/numerics.md measures it): a kernel's accumulation order (matmul, conv, sums);
+cuDNN's fused RNN cell, which keeps the gate arithmetic in fp32 where the emulation (PyTorch's per-step LSTM, as a
+CPU runs it in fp16) rounds every intermediate; libraries that may accumulate fp16 GEMMs in reduced precision.
+Timings of an emulated job are fp32 timings plus the rounding, never fp16 speed.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+log = logging.getLogger(__name__)
+
+LOW = (torch.float16, torch.bfloat16)
+FP32 = torch.float32
+aten = torch.ops.aten
+
+
+class Emulated(torch.Tensor):
+    """A float16/bfloat16 tensor held as fp32 values that dtype can represent (see the module docstring)."""
+    _data: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, dtype: torch.dtype):
+        t = torch.Tensor._make_wrapper_subclass(cls, data.size(), strides=data.stride(), dtype=dtype,
+                                                storage_offset=data.storage_offset(), device=data.device,
+                                                layout=data.layout, requires_grad=False)
+        t._data = data
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        with EmulationMode():   # an Emulated tensor used outside a job's mode: the same rules
+            return func(*args, **(kwargs or {}))
+
+    def to_real(self) -> torch.Tensor:
+        """The same values as a real float16/bfloat16 tensor (exact)."""
+        with _disable_current_modes():
+            return self._data.to(self.dtype)
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"Emulated({self.to_real()!r})"
+
+    def __reduce_ex__(self, proto):
+        return self.to_real().__reduce_ex__(proto)   # saved as a real tensor: checkpoints load anywhere
+
+
+def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 `x` rounded to `dtype` (round to nearest even, as a kernel's store), kept in fp32."""
+    return x.to(dtype).to(FP32)
+
+
+CHUNK = 1 << 15   # elements rounded per pass: the fp32 chunk and its fp16 copy stay in the CPU's L2 cache
+
+
+def round_(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round fp32 `x` to `dtype` in place (the same values as `rounded`): chunk by chunk through a small buffer
+    where its elements are dense in memory, so that the data crosses main memory once each way (about 3x faster
+    than x.to(dtype).to(float32) on large activations)."""
+    if x.is_contiguous():
+        flat = x.view(-1)
+    elif x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        flat = x.permute(0, 2, 3, 1).reshape(-1)   # a view: channels-last data is dense in NHWC order
+    else:
+        return x.copy_(x.to(dtype))
+    buf = torch.empty(min(CHUNK, flat.numel()), dtype=dtype, device=x.device)
+    for chunk in flat.split(CHUNK):
+        b = buf[:chunk.numel()]
+        b.copy_(chunk)
+        chunk.copy_(b)
+    return x
+
+
+def is_emulated(x) -> bool:
+    return isinstance(x, Emulated)
+
+
+def _low(a) -> bool:
+    return (isinstance(a, torch.Tensor) and a.dtype in LOW) or (isinstance(a, torch.dtype) and a in LOW)
+
+
+def _fp32(a):
+    """An argument as the fp32 kernel takes it: Emulated -> its data, a real low tensor -> an fp32 copy,
+    a low dtype -> float32."""
+    if isinstance(a, Emulated):
+        return a._data
+    if isinstance(a, torch.Tensor) and a.dtype in LOW:
+        return a.to(FP32)
+    if isinstance(a, torch.dtype) and a in LOW:
+        return FP32
+    return a
+
+
+def _key(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.dim() == 0
+    if isinstance(a, (torch.dtype, str, bool)) or a is None:
+        return a
+    return type(a)
+
+
+def _meta(a):
+    if isinstance(a, torch.Tensor):
+        return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device="meta")
+    return torch.device("meta") if isinstance(a, torch.device) else a
+
+
+_OUT_DTYPES: dict = {}
+_FALLBACKS: set = set()
+# BatchNorm's running statistics are written in place without an alias annotation in the schema
+_WRITES_STATS = {aten.native_batch_norm.default: (3, 4), aten._native_batch_norm_legit.default: (3, 4),
+                 aten._native_batch_norm_legit_functional.default: ()}
+
+
+def out_dtypes(func, flat: list, spec) -> list:
+    """The dtypes of func's tensor outputs for these argument dtypes: the real op run once on meta tensors."""
+    key = (func, tuple(_key(a) for a in flat))
+    found = _OUT_DTYPES.get(key)
+    if found is None:
+        try:
+            args, kwargs = tree_unflatten([_meta(a) for a in flat], spec)
+            out = func(*args, **kwargs)
+            found = [t.dtype for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        except Exception:   # no meta kernel (data-dependent shapes): the low dtype of the inputs, if any
+            if func not in _FALLBACKS:
+                _FALLBACKS.add(func)
+                log.warning(f"emulation: {func} has no meta kernel; its fp32 outputs take the dtype it was asked "
+                            "for, else its inputs' low dtype")
+            found = None
+        _OUT_DTYPES[key] = found
+    return found
+
+
+def _written(func) -> list[str]:
+    return [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+# Ops whose outputs take their values from their inputs (or are 0 or 1): nothing to round when every floating
+# input is of the output's low dtype already (tests/test_emulation.py checks them against the real dtypes).
+EXACT = {aten.relu.default, aten.relu_.default, aten.threshold_backward.default, aten.clone.default,
+         aten._to_copy.default, aten.copy_.default, aten.cat.default, aten.stack.default, aten.index_select.default,
+         aten.embedding.default, aten.gather.default, aten.where.self, aten.constant_pad_nd.default,
+         aten.index.Tensor, aten.neg.default, aten.abs.default, aten.amax.default, aten.max.default,
+         aten.max_pool2d_with_indices.default, aten.zeros_like.default, aten.zero_.default, aten.flip.default,
+         aten.roll.default, aten.repeat.default, aten.max.dim, aten.fill_.Scalar}
+
+
+def _exact(func, flat: list, dtype: torch.dtype) -> bool:
+    """func only moves values: every floating input tensor already holds `dtype` values."""
+    if func not in EXACT or func is aten.fill_.Scalar and not _fits(flat[1], dtype):
+        return False
+    return all(a.dtype == dtype for a in flat if isinstance(a, torch.Tensor) and a.is_floating_point())
+
+
+def _fits(value, dtype: torch.dtype) -> bool:
+    return isinstance(value, (int, float)) and torch.tensor(value, dtype=dtype).item() == value
+
+
+def _round_written(func, flat: list, originals: list, unwrapped: list) -> None:
+    """After an in-place op: round what it wrote into each low-precision argument (or copy it back)."""
+    for orig, data in zip(originals, unwrapped):
+        if isinstance(orig, Emulated):
+            if not _exact(func, flat, orig.dtype):
+                round_(data, orig.dtype)
+        elif isinstance(orig, torch.Tensor) and orig.dtype in LOW:
+            orig.copy_(data)
+
+
+def _mutated_args(func, args, kwargs, fargs, fkwargs) -> tuple[list, list]:
+    names = _written(func)
+    originals, unwrapped = [], []
+    schema_args = func._schema.arguments
+    for i, a in enumerate(schema_args):
+        if a.name not in names and i not in _WRITES_STATS.get(func, ()):
+            continue
+        orig, data = (args[i], fargs[i]) if i < len(args) else (kwargs.get(a.name), fkwargs.get(a.name))
+        if isinstance(orig, (list, tuple)):
+            originals += list(orig)
+            unwrapped += list(data)
+        elif orig is not None:
+            originals.append(orig)
+            unwrapped.append(data)
+    return originals, unwrapped
+
+
+def _wrap_outputs(func, flat_args, out, dtypes, originals, unwrapped, fallback):
+    """Real outputs -> what the op returns: in-place results are the original arguments, views of low data are
+    wrapped unrounded, new low-precision outputs are rounded once."""
+    back = {id(d): o for o, d in zip(originals, unwrapped)}
+    views = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+    flat, spec = tree_flatten(out)
+    tensors = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+    if dtypes is None:
+        dtypes = [fallback if flat[i].dtype == FP32 else flat[i].dtype for i in tensors]
+    for i, dt in zip(tensors, dtypes):
+        t = flat[i]
+        if id(t) in back:
+            flat[i] = back[id(t)]
+        elif dt in LOW:
+            flat[i] = Emulated(t if views or _exact(func, flat_args, dt) else round_(t, dt), dt)
+    return tree_unflatten(flat, spec)
+
+
+class EmulationMode(TorchDispatchMode):
+    """Runs every op that touches a float16/bfloat16 tensor on fp32 kernels and rounds as the GPU stores."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        if not any(_low(a) for a in flat):
+            return func(*args, **kwargs)
+        dtypes = None if func._schema.returns == [] else out_dtypes(func, flat, spec)
+        fargs, fkwargs = tree_unflatten([_fp32(a) for a in flat], spec)
+        originals, unwrapped = _mutated_args(func, args, kwargs, fargs, fkwargs)
+        out = func(*fargs, **fkwargs)
+        _round_written(func, flat, originals, unwrapped)
+        fallback = next((a for a in flat if isinstance(a, torch.dtype)), None) or next(
+            (a.dtype for a in flat if isinstance(a, torch.Tensor) and a.dtype in LOW), FP32)
+        return _wrap_outputs(func, flat, out, dtypes, originals, unwrapped, fallback)
+
+
+# -- CUDA autocast's policy ------------------------------------------------------------------------------------
+# From the installed PyTorch's ATen/autocast_mode.h (the CUDA lists): AT_FORALL_LOWER_PRECISION_FP,
+# AT_FORALL_FP32 with AT_FORALL_FP32_SET_OPT_DTYPE and norm (fp32_append_dtype), AT_FORALL_PROMOTE.
+LOWER = frozenset("""_convolution conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d
+    convolution prelu addmm addmv addr matmul einsum mm mv linalg_vecdot linear addbmm baddbmm bmm chain_matmul
+    linalg_multi_dot _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
+    _scaled_dot_product_flash_attention scaled_dot_product_attention""".split())
+TO_FP32 = frozenset("""acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow softplus
+    layer_norm native_layer_norm rms_norm group_norm frobenius_norm nuclear_norm cosine_similarity poisson_nll_loss
+    cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss
+    margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss
+    binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp upsample_nearest1d _upsample_nearest_exact1d
+    upsample_nearest2d _upsample_nearest_exact2d upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d
+    upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa
+    prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum norm""".split())
+PROMOTE = frozenset("addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split())
+# Seen at Python level only, as composites of listed ops: cross_entropy runs log_softmax and nll_loss (fp32);
+# F.interpolate and friends reach the upsample kernels. cuDNN's RNNs are cast to fp16 whatever the autocast dtype
+# (aten/src/ATen/cudnn/AutocastRNN.cpp, _cudnn_rnn_cast_reflatten; not in the header).
+COMPOSITE_FP32 = frozenset("cross_entropy interpolate upsample softmin".split())
+RNN_FP16 = frozenset("lstm gru rnn_tanh rnn_relu".split())
+DUNDERS = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow"}
+
+
+def cast_rule(name: str) -> str | None:
+    """What CUDA autocast does to an op, by its name: lower, fp32, promote, rnn (fp16), or None (untouched)."""
+    name = DUNDERS.get(name, name)
+    if name in LOWER:
+        return "lower"
+    if name in TO_FP32 or name in COMPOSITE_FP32:
+        return "fp32"
+    if name in PROMOTE:
+        return "promote"
+    return "rnn" if name in RNN_FP16 else None
+
+
+def _cast(args, kwargs, eligible, dtype, floats):
+    """args and kwargs with each of `floats` (floating tensors, fp64 excepted) that is `eligible` cast to dtype."""
+    ids = {id(a) for a in floats}
+    flat, spec = tree_flatten((args, kwargs))
+    flat = [a.to(dtype) if id(a) in ids and eligible(a) else a for a in flat]
+    return tree_unflatten(flat, spec)
+
+
+class AutocastMode(TorchFunctionMode):
+    """CUDA autocast's casts, as a function mode over any device (see cast_rule)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rule = cast_rule(getattr(func, "__name__", ""))
+        if rule is None or not _STATE["enabled"]:
+            return func(*args, **kwargs)
+        floats = [a for a in tree_flatten((args, kwargs))[0]
+                  if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64]
+        if rule == "lower" or rule == "rnn":
+            to = self.dtype if rule == "lower" else torch.float16
+            args, kwargs = _cast(args, kwargs, lambda a: a.dtype != to, to, floats)
+        elif rule == "fp32":
+            args, kwargs = _cast(args, kwargs, lambda a: a.dtype in LOW, FP32, floats)
+        elif len({a.dtype for a in floats}) > 1:   # promote: the widest floating type among them
+            widest = FP32 if FP32 in {a.dtype for a in floats} else torch.float16
+            args, kwargs = _cast(args, kwargs, lambda a: True, widest, floats)
+        return func(*args, **kwargs)
+
+
+_STATE = {"dtype": None, "enabled": True}
+
+
+@contextlib.contextmanager
+def autocast(dtype: torch.dtype):
+    """CUDA autocast's policy to `dtype` on emulated numerics (needs EmulationMode: numerics())."""
+    was = dict(_STATE)
+    _STATE.update(dtype=dtype, enabled=True)
+    try:
+        with AutocastMode(dtype):
+            yield
+    finally:
+        _STATE.update(was)
+
+
+@contextlib.contextmanager
+def autocast_off(device_type: str):
+    """No autocast inside, real or emulated (torch.autocast(device_type, enabled=False) for both)."""
+    was = _STATE["enabled"]
+    _STATE["enabled"] = False
+    try:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    finally:
+        _STATE["enabled"] = was
+
+
+def cuda_autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype CUDA autocast runs in here: the emulated one, else the real one on a CUDA device, else None."""
+    if _STATE["dtype"] is not None:
+        return _STATE["dtype"] if _STATE["enabled"] else None
+    if device_type == "cuda" and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The active autocast dtype, emulated or real (None without autocast)."""
+    if _STATE["dtype"] is not None:
+        return _STATE["dtype"] if _STATE["enabled"] else None
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+@contextlib.contextmanager
+def numerics(emulate: bool):
+    """The job's numerics: EmulationMode throughout when emulating, nothing otherwise. Module.half() and friends
+    then make new Parameters (an Emulated one cannot take over a plain Parameter's storage by `param.data = ...`)."""
+    if not emulate:
+        yield
+        return
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        with EmulationMode():
+            yield
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
