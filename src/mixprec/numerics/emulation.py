@@ -18,6 +18,8 @@ and kernels and rounds wherever the real run would store an fp16/bf16 tensor:
   installed PyTorch's ATen/autocast_mode.h (tests/test_emulation.py parses the header and checks every op is
   here). It sits above autograd, so its casts are recorded and the gradients are rounded on the way back.
 
+Numbers in an op (`x * 0.1`) stay unrounded, as in CUDA's binary kernels, which read a CPU scalar in fp32
+(ATen/native/cuda/Loops.cuh: scalar_value<opmath_t>; a CPU's Half kernels round some of them first).
 Where it differs from a GPU (docs/numerics.md measures it): a kernel's accumulation order (matmul, conv, sums);
 cuDNN's fused RNN cell, which keeps the gate arithmetic in fp32 where the emulation (PyTorch's per-step LSTM, as a
 CPU runs it in fp16) rounds every intermediate; libraries that may accumulate fp16 GEMMs in reduced precision.
