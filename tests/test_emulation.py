@@ -16,6 +16,7 @@ its output, as CUDA's do), under the same CUDA autocast policy (emulation.Autoca
 from __future__ import annotations
 
 import copy
+import math
 import io
 import re
 from pathlib import Path
@@ -362,3 +363,65 @@ def test_emulated_values_are_representable():
             y = (x.to(dt) * 1.1 + 0.3).exp()
             assert torch.equal(y._data, y._data.to(dt).float())
             assert y.dtype == dt and torch.equal(y.to_real().float(), y._data)
+
+
+# -- whole models: a few training steps, emulated against the real dtypes -------------------------------------------
+MODELS = {
+    "resnet18": ["model=resnet18"],
+    "resnet9": ["model=resnet9", "model.channels=[8,16,32,64]"],
+    "lstm": ["model=lstm", "dataset=synthetic_text", "model.emsize=32", "model.nhid=32", "model.dropout=0"],
+    "gpt": ["model=gpt", "dataset=synthetic_text", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+            "model.block_size=16", "model.dropout=0", "dataset.bptt=8"],
+}
+
+
+def train_losses(model_name: str, precision: str, emulate: bool, steps: int = 3) -> list[float]:
+    """`steps` optimizer steps of a small model under precision's policy (CUDA autocast's policy either way),
+    on emulated or on real fp16/bf16 tensors; the losses."""
+    from helpers import compose_config
+
+    from mixprec.config import validate
+    from mixprec.models import build_model
+    from mixprec.optim import build_optimizer
+    from mixprec.precision import PrecisionPolicy
+
+    config = validate(compose_config(*MODELS[model_name], f"precision={precision}", "precision.emulate=true",
+                                     "optimizer=sgd", "optimizer.lr=0.01", "trainer.device=cpu"))
+    torch.manual_seed(0)
+    lm = config.model.is_language_model
+    vocab = 50
+    model = build_model(config.model, vocab if lm else 10)
+    losses = []
+    with emulation.numerics(emulate):
+        policy = PrecisionPolicy(config.precision, torch.device("cpu"))
+        model = policy.prepare_model(model)
+        opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            if lm:
+                x = torch.randint(0, vocab, (8, 4), generator=gen)
+                y = torch.randint(0, vocab, (8, 4), generator=gen)
+                with policy.autocast():
+                    out = model(x, model.init_hidden(4) if model_name == "lstm" else None)[0]
+                loss = F.cross_entropy(out.float().reshape(-1, out.size(-1)), y.reshape(-1))
+            else:
+                x, y = torch.randn(16, 3, 16, 16, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+                with policy.autocast():
+                    out = model(policy.cast_input(x))
+                loss = F.cross_entropy(out.float(), y)
+            policy.backward(loss)
+            policy.step(opt)
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["amp", "amp_bf16", "half", "bf16", "o2", "apex_fp16"])
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_whole_models_train_as_with_the_real_dtypes(model_name, precision):
+    emulated, native = train_losses(model_name, precision, True), train_losses(model_name, precision, False)
+    print(model_name, precision, emulated, native)
+    assert all(math.isfinite(v) for v in native)
+    for e, n in zip(emulated, native):
+        assert abs(e - n) <= 0.01 * abs(n), (emulated, native)
