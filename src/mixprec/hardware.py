@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, GpuConfig, PrecisionConfig, TrainerConfig
+from .versions import installed
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,6 +169,7 @@ def describe(device: torch.device) -> dict:
         env.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
                    gpu_memory_gb=round(props.total_memory / 2**30, 1))
     env["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    env["versions"] = installed()   # the key packages; the report flags those that differ from constraints.txt
     env.update(git_state())
     return env
 
