@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from mixprec import cli  # noqa: E402
 from mixprec import plan as P  # noqa: E402
 from mixprec import records  # noqa: E402
 from mixprec.records import write_json_atomic, write_text_atomic  # noqa: E402
@@ -149,15 +150,21 @@ def run_command(plan, sweep, args, out: Path) -> list[str]:
 
 @lru_cache(maxsize=None)
 def compose(overrides: tuple) -> dict:
-    """A job's resolved config (Hydra's compose API; hydra.* overrides left out)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """A job's resolved config (Hydra's compose API; hydra.* overrides left out); a bad override: ConfigError."""
     from mixprec.config import plain_config
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        kept = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
-        return plain_config(hydra_compose("config", overrides=kept))
+    return plain_config(cli.compose([o for o in overrides if not o.lstrip("+~").startswith("hydra")]))
+
+
+def check_overrides(plan, args) -> None:
+    """The user's overrides on the first job of each sweep, composed and validated before anything runs: a typo
+    is one line now, not a failed calibration later (ConfigError)."""
+    from mixprec.config import validate
+
+    for s in plan.sweeps:
+        if s.command == "train" and s.jobs:
+            validate(compose(tuple(P.merge_overrides(sweep_overrides(plan, s, args),
+                                                     [f"{k}={v}" for k, v in s.jobs[0].items()]))))
 
 
 def job_configs(plan, sweep, args) -> list[dict]:
@@ -315,6 +322,12 @@ def estimate(plan, args, profiles: list[str]) -> int:
     from mixprec.config import validate
     from mixprec.hardware import peak_kind
 
+    known = sorted(f.stem for f in (ROOT / "conf" / "gpu").glob("*.yaml") if f.stem != "auto")
+    for p in profiles:
+        if p not in known:
+            raise P.PlanError(f"--estimate {p}: no GPU profile of that name (conf/gpu/); choose from: {', '.join(known)}")
+    if not profiles:
+        raise P.PlanError(f"--estimate: name one or more GPU profiles, e.g. --estimate h100,v100 ({', '.join(known)})")
     peaks = {p: yaml_load(ROOT / "conf" / "gpu" / f"{p}.yaml")["peak_tflops"] for p in profiles}
     rows, totals = [], {p: 0.0 for p in profiles}
     for s in plan.sweeps:
@@ -533,7 +546,7 @@ def make_report(out: Path) -> int:
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.ArgumentParser(description=__doc__.split("\n\n")[0], prog="reproduce.py")
     ap.add_argument("overrides", nargs="*",
                     help="train.py overrides for every job, e.g. gpu=h100 dataset.data_dir=/data")
     ap.add_argument("--budget", help="time for the whole plan, e.g. 60m, 1h30m (default: full fidelity, uncut)")
@@ -563,11 +576,12 @@ def main(argv=None) -> int:
             plan = plan.smoked()
         if args.budget:
             P.parse_duration(args.budget)
-        if args.estimate:
+        check_overrides(plan, args)
+        if args.estimate is not None:
             return estimate(plan, args, [p for p in args.estimate.split(",") if p])
         return reproduce(plan, args, argv if argv is not None else sys.argv[1:])
     except P.PlanError as e:
-        print(f"reproduce: {e}", file=sys.stderr)
+        print(f"reproduce: {cli.one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nreproduce: interrupted; run the same command to continue (finished jobs are skipped)", file=sys.stderr)
@@ -615,4 +629,4 @@ def reproduce(plan, args, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run("reproduce", main, known=(P.PlanError,)))
