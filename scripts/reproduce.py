@@ -40,6 +40,7 @@ from mixprec.report.load import sweep_jobs  # noqa: E402
 
 FINAL = ("completed", "diverged", "failed")
 STATE = "plan.json"
+CALIBRATION = "calibration.json"   # the calibration so far (calibrate): a killed one continues
 FIXED = ["hydra.callbacks.sweep_table.report=false"]   # the folder's report is made once, at the end
 
 
@@ -87,6 +88,30 @@ def write_environment(out: Path, env: dict, args) -> None:
     text = "# Environment\n\n" + P.markdown_table(["", ""], [[k, v] for k, v in rows]) + "\n"
     write_text_atomic(out / "ENVIRONMENT.md", text)
     write_json_atomic(out / "environment.json", env)
+
+
+GITIGNORE_UNFINISHED = """\
+# Written by scripts/reproduce.py: this results folder is not complete (a --plan, or a run still going or stopped),
+# so git leaves all of it out. The run that completes it (its report made) replaces this file with one that keeps
+# the results and leaves out only the weights, checkpoints, W&B files and the calibration's jobs.
+*
+"""
+GITIGNORE_FINISHED = """\
+# Written by scripts/reproduce.py when this folder's run completed: commit the folder (runs/*/*/summary.json and
+# metrics.jsonl, report/, ENVIRONMENT.md, COMMANDS.md, plan.md, plan.json, calibration.json, logs/); git leaves out:
+*.pt
+wandb/
+.submitit/
+calibration/
+replaced/
+"""
+
+
+def write_gitignore(out: Path, finished: bool) -> None:
+    """<out>/.gitignore (for a folder inside the repository): everything until the run is complete, then the
+    heavy files only."""
+    if out.resolve().is_relative_to(ROOT):
+        write_text_atomic(out / ".gitignore", GITIGNORE_FINISHED if finished else GITIGNORE_UNFINISHED)
 
 
 def record_command(out: Path, what: str, cmd: list[str]) -> None:
@@ -157,14 +182,12 @@ def compose(overrides: tuple) -> dict:
 
 
 def check_overrides(plan, args) -> None:
-    """The user's overrides on the first job of each sweep, composed and validated before anything runs: a typo
-    is one line now, not a failed calibration later (ConfigError)."""
-    from mixprec.config import validate
-
+    """The user's overrides composed with the first job of each sweep before anything runs: an unknown option or
+    key is one line now (ConfigError), not a failed calibration later. Values are checked by each job, which
+    records a bad one as a failed job and the plan goes on."""
     for s in plan.sweeps:
         if s.command == "train" and s.jobs:
-            validate(compose(tuple(P.merge_overrides(sweep_overrides(plan, s, args),
-                                                     [f"{k}={v}" for k, v in s.jobs[0].items()]))))
+            compose(tuple(P.merge_overrides(sweep_overrides(plan, s, args), [f"{k}={v}" for k, v in s.jobs[0].items()])))
 
 
 def job_configs(plan, sweep, args) -> list[dict]:
@@ -227,16 +250,35 @@ def _job_key(summary: dict, keys: list[str]) -> tuple:
     return tuple(str(records.lookup(summary, k)) for k in keys)
 
 
+def calibration_key(args) -> dict:
+    """What a calibration depends on: the plan's options except the budget (a new budget re-cuts the same timings)."""
+    return {k: v for k, v in state_key(args).items() if k != "budget"}
+
+
 def calibrate(plan, args, out: Path) -> dict:
     """Time each train sweep's jobs ('first': one job per sweep) for a few steps on this device.
-    Returns {sweep: {"costs": {job key: cost}, "wall_s", "status"}}."""
+    Returns {sweep: {"costs": {job key: cost}, "wall_s", "status"}}.
+
+    Resumable as the sweeps are: each sweep's timings go to <out>/calibration.json as soon as it is calibrated, and
+    its jobs run with trainer.resume=auto, so after a crash, Ctrl-C or kill -9 the same command keeps the sweeps
+    calibrated before and the jobs finished before, and times the rest. A calibration made with other options is
+    moved to <out>/replaced/ first (its job folders would be taken for finished jobs of this one)."""
     cal = dict(plan.calibration)
     if args.smoke:
         cal = {"warmup_steps": 1, "timed_steps": 1}
     steps = cal["warmup_steps"] + cal["timed_steps"]
-    result, t_start = {}, time.monotonic()
+    path, key = out / CALIBRATION, calibration_key(args)
+    saved = json.loads(path.read_text()) if path.exists() else None
+    if saved is None or saved.get("key") != key:
+        set_aside(out, "calibration", "it was made with other options" if saved else "no calibration.json says how "
+                  "it was made")
+        saved = {"key": key, "sweeps": {}, "seconds": 0.0}
+        write_json_atomic(path, saved)   # before the first job: a kill from now on leaves a calibration to continue
+    result, before, t_start = dict(saved["sweeps"]), saved["seconds"], time.monotonic()
+    if result:
+        log(f"continuing the calibration in {out / 'calibration'}: {len(result)} sweep(s) calibrated before, kept")
     for s in plan.sweeps:
-        if s.command != "train":
+        if s.command != "train" or s.name in result:
             continue
         grid = s.grid if args.calibrate == "all" else {k: v[:1] for k, v in s.grid.items()}
         data = (list(plan.smoke_common) + smoke_parts(s)[0]) if args.smoke else list(s.stand_in)
@@ -244,23 +286,36 @@ def calibrate(plan, args, out: Path) -> dict:
                                  [f"trainer.max_steps={steps}", f"trainer.warmup_steps={cal['warmup_steps']}",
                                   "logger=none"])
         folder = out / "calibration" / s.name
-        cmd = train_command(over, grid, folder)
+        cmd = train_command(over, grid, folder, ["trainer.resume=auto"])
         n = math.prod(len(v) for v in grid.values())
         limit = None if args.smoke else args.calibrate_timeout * n + 60   # smoke jobs are tiny: never stopped
         record_command(out, f"calibration of {s.name}", cmd)
+        started = time.time()
         rc, wall = spawn(cmd, out, f"calibration_{s.name}", timeout_s=limit)
         record_exit(out, rc, wall)
-        costs, done = {}, summaries(folder)
-        for summ in done:
+        costs, jobs = {}, sweep_jobs(folder)[0] if folder.exists() else []
+        for summ in (j.summary for j in jobs):
             cost = P.cost_from_summary(summ)
             if cost is not None:
                 costs["|".join(_job_key(summ, list(s.grid)))] = cost.__dict__
-        startup = max(0.0, wall - sum(P.job_wall_s(x) or 0.0 for x in done))   # the process, once per sweep
+        ran = [j.summary for j in jobs if (j.dir / records.SUMMARY).stat().st_mtime >= started]   # not skipped
+        startup = max(0.0, wall - sum(P.job_wall_s(x) or 0.0 for x in ran))   # the process, once per sweep
         result[s.name] = {"costs": costs, "wall_s": wall, "status": "timeout" if rc == "timeout" else rc,
                           "jobs": n, "timeout_s": args.calibrate_timeout, "steps": steps, "startup_s": startup}
+        write_json_atomic(path, {"key": key, "sweeps": result, "seconds": before + time.monotonic() - t_start})
         log(f"calibrated {s.name}: {len(costs)}/{n} job(s) timed in {wall:.0f} s"
             + (" (stopped: too slow here)" if rc == "timeout" else ""))
-    return {"sweeps": result, "seconds": time.monotonic() - t_start, "mode": args.calibrate}
+    return {"sweeps": result, "seconds": before + time.monotonic() - t_start, "mode": args.calibrate}
+
+
+def set_aside(out: Path, name: str, why: str) -> None:
+    """<out>/<name> moved to <out>/replaced/<name>-<time>."""
+    if not (out / name).exists():
+        return
+    dest = out / "replaced" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    dest.parent.mkdir(exist_ok=True)
+    (out / name).rename(dest)
+    log(f"{name}: {why}; moved to {dest}")
 
 
 def predictor(plan, args, calibration: dict):
@@ -593,6 +648,7 @@ def reproduce(plan, args, argv: list[str]) -> int:
     args.calibrate = args.calibrate or ("all" if env["gpus"] and not args.smoke else "first")
     args.out = (args.out or default_out(env, args)).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    write_gitignore(args.out, finished=False)
     if not env["gpus"] and not args.smoke:
         log("no GPU here: the plan is timed on the CPU (fp16/bf16 run slow reference kernels there)")
     write_environment(args.out, env, args)
@@ -618,6 +674,7 @@ def reproduce(plan, args, argv: list[str]) -> int:
         return 130
     ran = any(not e["dropped"] for e in state["sweeps"])
     rc = make_report(args.out) if ran else 0
+    write_gitignore(args.out, finished=ran and rc == 0)
     if not ran:
         log("every sweep was cut to fit the budget: nothing ran (see plan.md); give a larger --budget")
     state["elapsed_s"] = progress.elapsed()
