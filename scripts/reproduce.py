@@ -9,7 +9,8 @@ The plan is src/mixprec/plan.yaml. First a calibration times a few steps of each
 (warm-up excluded, synthetic stand-in data of the real shapes) and predicts each sweep's minutes; with --budget
 the plan is cut to fit (each sweep's `cuts`, the longest sweep first) and printed before anything runs. The
 sweeps run as `python train.py -m ... trainer.resume=auto` into <out>/runs/<sweep>: run the same command again
-after a crash, Ctrl-C or kill -9 and finished jobs are skipped, interrupted ones resume from their checkpoints.
+after a crash, Ctrl-C or kill -9 and finished jobs are skipped, interrupted ones resume from their checkpoints; a
+calibration stopped part-way continues likewise (<out>/calibration.json, its jobs also with trainer.resume=auto).
 A failing sweep is recorded and the next one runs. <out> (default outputs/reference/<gpu>-<date>/) ends with
 report/, ENVIRONMENT.md, COMMANDS.md and plan.md (predicted against actual minutes).
 """
