@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     try:
         r = evaluate_saved(args.run_dir, args.device)
     except (CheckpointError, ConfigError, DataError) as e:
-        print(f"evaluate: {e}", file=sys.stderr)
+        print(f"evaluate: {e}".replace("trainer.device", "--device"), file=sys.stderr)
         return 2
     print(f"trained in {r['precision']}; fp32 evaluation of model_fp32.pt: test acc {r['test_acc']:.4f} "
           f"(the job recorded {r['recorded_test_acc']:.4f}), test loss {r['test_loss']:.4f} "

@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             raise RunError(f"--words {args.words}: must be at least 1")
         if not args.temperature >= 1e-3:
             raise RunError(f"--temperature {args.temperature}: must be at least 1e-3")
-        model, vocab = load(args.run_dir, args.data_dir, args.device)
+        from mixprec.hardware import select_device
+
+        device = select_device(args.device, option="--device")   # one that is not here: a ConfigError, one line
+        model, vocab = load(args.run_dir, args.data_dir, device)
     except (RunError, ConfigError) as e:
         print(f"generate: {e}", file=sys.stderr)
         return 2

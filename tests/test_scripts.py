@@ -23,6 +23,7 @@ CASES = [   # (script and arguments, what the one line must say)
     (["max_batch.py", "--device", "cpu", "model=nonexistent"], ["model=nonexistent: no such option", MODELS]),
     (["evaluate.py", "{tmp}/no_run"], ["no_run: no summary.json there", "train.py job"]),
     (["generate.py", "{tmp}/no_run"], ["summary.json: not found", "train.py run"]),
+    (["generate.py", "{tmp}/no_run", "--device", "banana"], ["--device=banana: not a device", "cuda:N"]),
     (["make_report.py", "{tmp}/no_sweep"], ["no_sweep: no such file or folder"]),
     (["data_stats.py", "dataset=nonexistent"], ["dataset=nonexistent: no such option", "cifar10"]),
     (["bench_pipeline.py", "model=["], ["an override does not parse", "key=value"]),

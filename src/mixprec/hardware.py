@@ -34,7 +34,10 @@ def select_device(name: str, option: str = "trainer.device") -> torch.device:
         if acc is None:
             return torch.device("cpu")
         name = acc.type
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:   # not a device string at all
+        raise ConfigError(f"{option}={name}: not a device; use auto, cpu, cuda or cuda:N") from None
     module = torch.get_device_module(device)
     if not module.is_available():
         raise ConfigError(f"{option}={name}: no {device.type.upper()} device is visible here; use "
