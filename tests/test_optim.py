@@ -2,12 +2,11 @@
 import pytest
 import torch
 
-from helpers import TINY, run_tiny
+from helpers import TINY, compose_config, run_tiny
 from mixprec.config import ConfigError, ModelConfig, OptimizerConfig, validate
 from mixprec.models import build_model
 from mixprec.optim import build_optimizer, decay_mode, param_groups
 
-from helpers import compose_config
 
 GPT_JOB = ["logger=none", "model=gpt", "dataset=synthetic_text", "dataset.vocab_size=64", "dataset.train_size=400",
            "dataset.test_size=100", "model.n_layer=2", "model.n_head=2", "model.n_embd=16", "model.block_size=8",
