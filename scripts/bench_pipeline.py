@@ -14,7 +14,6 @@ allocator warm-up; with --epochs 2 or more, the last epoch's rate is reported as
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -22,11 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from mixprec import cli  # noqa: E402
 from mixprec.config import ConfigError, validate  # noqa: E402
 from mixprec.data import build_image_data, image_loaders  # noqa: E402
 from mixprec.data.files import DataError  # noqa: E402
@@ -53,7 +52,7 @@ def bench(data, dataset_cfg, trainer, device, epochs: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(prog="bench_pipeline.py", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, auto")
     ap.add_argument("--workers", default="0,2", help="DataLoader worker counts to try, comma-separated")
     ap.add_argument("--batch-size", type=int, default=512)
@@ -63,11 +62,9 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            given = {o.split("=", 1)[0] for o in overrides}
-            base = [o for o in CIFAR_SIZED if o.split("=", 1)[0] not in given] if "dataset" not in given else []
-            config = validate(compose("config", overrides=[*base, *overrides,
-                                                           f"trainer.batch_size={args.batch_size}"]))
+        given = {o.split("=", 1)[0] for o in overrides}
+        base = [o for o in CIFAR_SIZED if o.split("=", 1)[0] not in given] if "dataset" not in given else []
+        config = validate(cli.compose([*base, *overrides, f"trainer.batch_size={args.batch_size}"]))
         device = select_device(args.device, option="--device")
         data = build_image_data(config.dataset)
     except (ConfigError, DataError) as e:
@@ -99,4 +96,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run("bench_pipeline", lambda _: main()))

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from mixprec import hardware  # noqa: E402
+from mixprec import cli, hardware  # noqa: E402
 from mixprec.config import Config, ConfigError, plain_config, validate  # noqa: E402
 from mixprec.data import synthetic_images  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
@@ -45,10 +45,7 @@ from mixprec.records import write_json_atomic  # noqa: E402
 
 def compose(overrides: list[str]) -> tuple[Config, dict]:
     """The validated config, and the summary fields a job gets from Hydra (choices, overrides, config)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = hydra_compose("config", overrides=["logger=none", *overrides], return_hydra_config=True)
+    cfg = cli.compose(["logger=none", *overrides], return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
     return validate(cfg), {"choices": choices, "overrides": overrides, "config": plain_config(cfg)}
 
@@ -200,7 +197,7 @@ def table(args) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = cli.ArgumentParser(prog="benchmark.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("what", choices=["overhead", "table"])
     parser.add_argument("overrides", nargs="*", help="train.py overrides")
@@ -228,4 +225,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run("benchmark", main))

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from mixprec import cli  # noqa: E402
 from mixprec.config import ConfigError, validate  # noqa: E402
 from mixprec.data.files import DataError  # noqa: E402
 
@@ -82,13 +82,9 @@ def text_report(cfg) -> list[str]:
 
 def main(overrides: list[str]) -> int:
     try:
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = validate(compose("config", overrides=overrides)).dataset
-    except ConfigError as e:
+        cfg = validate(cli.compose(overrides)).dataset
+    except ConfigError as e:   # a bad value, an unknown group option or key
         print(f"data_stats: config error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # Hydra: an unknown group option or key
-        print(f"data_stats: {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     try:
         lines = text_report(cfg) if cfg.is_text else image_report(cfg)
@@ -103,4 +99,4 @@ if __name__ == "__main__":
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
         print(__doc__)
         sys.exit(0)
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(cli.run("data_stats", main, sys.argv[1:]))

@@ -5,7 +5,6 @@
 Whatever precision the job trained in (half, o2, amp ...), it saved model_fp32.pt; this loads it into a fresh fp32
 model rebuilt from the job's summary.json and prints the accuracy beside the one the job recorded.
 """
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from mixprec import cli  # noqa: E402
 from mixprec.checkpoint import CheckpointError  # noqa: E402
 from mixprec.config import ConfigError  # noqa: E402
 from mixprec.data.files import DataError  # noqa: E402
@@ -20,14 +20,18 @@ from mixprec.run import evaluate_saved  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
+    if not (args.run_dir / "summary.json").is_file():
+        print(f"evaluate: {args.run_dir}: no summary.json there; give the folder of a finished train.py job "
+              "(outputs/runs/<time>, or a job folder of a sweep)", file=sys.stderr)
+        return 2
     try:
         r = evaluate_saved(args.run_dir, args.device)
     except (CheckpointError, ConfigError, DataError) as e:
-        print(f"evaluate: {e}", file=sys.stderr)
+        print(f"evaluate: {e}".replace("trainer.device", "--device"), file=sys.stderr)
         return 2
     print(f"trained in {r['precision']}; fp32 evaluation of model_fp32.pt: test acc {r['test_acc']:.4f} "
           f"(the job recorded {r['recorded_test_acc']:.4f}), test loss {r['test_loss']:.4f} "
@@ -37,4 +41,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run("evaluate", main))

@@ -12,7 +12,6 @@ its corpus cannot be read.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from mixprec import cli  # noqa: E402
 from mixprec.config import ConfigError, validate  # noqa: E402
 from mixprec.data.files import DataError  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
@@ -81,7 +81,7 @@ def generate(model, vocab: list, words: int, temperature: float = 1.0, seed: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.ArgumentParser(prog="generate.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path, help="a language-model job's output directory")
     ap.add_argument("--words", type=int, default=1000, help="number of words to generate (default 1000)")
     ap.add_argument("--temperature", type=float, default=1.0, help="higher: more diverse (default 1.0; >= 1e-3)")
@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             raise RunError(f"--words {args.words}: must be at least 1")
         if not args.temperature >= 1e-3:
             raise RunError(f"--temperature {args.temperature}: must be at least 1e-3")
-        model, vocab = load(args.run_dir, args.data_dir, args.device)
+        from mixprec.hardware import select_device
+
+        device = select_device(args.device, option="--device")   # one that is not here: a ConfigError, one line
+        model, vocab = load(args.run_dir, args.data_dir, device)
     except (RunError, ConfigError) as e:
         print(f"generate: {e}", file=sys.stderr)
         return 2
@@ -112,4 +115,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run("generate", main, known=(RunError,)))

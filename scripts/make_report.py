@@ -8,19 +8,19 @@ Writes report.md, report.html (self-contained: plots embedded), report.json and 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a checkout without installing
 
+from mixprec import cli  # noqa: E402
 from mixprec.report.load import ReportError  # noqa: E402
 from mixprec.report.make import make_report  # noqa: E402
 from mixprec.report.published import SourceError  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.ArgumentParser(prog="make_report.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", metavar="RUN_DIRS", help="sweep or job folders, summary.json files, or globs")
     ap.add_argument("--out", type=Path, help="output folder (default: RUN_DIR/report for one folder, else outputs/report)")
     ap.add_argument("--published", type=Path, help="folder of published-number YAMLs (default: src/mixprec/published)")
@@ -47,4 +47,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run("make_report", main, known=(ReportError, SourceError)))

@@ -14,7 +14,6 @@ allocator, cuBLAS or cuDNN means "does not fit", and the memory is back at its b
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
@@ -25,17 +24,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from mixprec import hardware  # noqa: E402
+from mixprec import cli, hardware  # noqa: E402
 from mixprec.records import write_json_atomic  # noqa: E402
 from mixprec.search import largest_fitting  # noqa: E402
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
     from mixprec.config import validate
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return validate(hydra_compose("config", overrides=overrides))
+    return validate(cli.compose(overrides))
 
 
 OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
@@ -98,13 +95,11 @@ def make_probe(config, device):
 def write_record(job_dir: Path, overrides: list[str], device, best: int, probes: list, limit: int, t0: float):
     """A summary.json like a training job's, so the report pairs each precision's max batch with fp32's
     (`config.measure` keeps these records apart from training jobs of the same config)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
     from mixprec.config import plain_config
     from mixprec.hardware import describe
     from mixprec.records import Recorder
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
+    cfg = cli.compose(overrides, return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
     config = dict(plain_config(cfg), measure="max_batch")
     Recorder(job_dir).write_summary({
@@ -118,7 +113,7 @@ def write_record(job_dir: Path, overrides: list[str], device, best: int, probes:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="max_batch.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="train.py overrides; precision=a,b,... lists the precisions")
     parser.add_argument("--limit", type=int, default=65536, help="largest batch size tried")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
@@ -173,4 +168,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run("max_batch", main))

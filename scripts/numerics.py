@@ -31,7 +31,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from mixprec import engine, hardware, lm_engine  # noqa: E402
+from mixprec import cli, engine, hardware, lm_engine  # noqa: E402
 from mixprec.numerics import probe_stats as ps  # noqa: E402
 from mixprec.config import Config, ConfigError, validate  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
@@ -46,11 +46,8 @@ CPU_TEXT = {"trainer.batch_size": "8", "dataset.train_size": "4000", "dataset.te
 
 def compose(overrides: list[str]) -> tuple[Config, dict[str, Config]]:
     """The fp32 reference config and one config per candidate precision (same everything else)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
     def make(extra: list[str]) -> Config:
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            return validate(hydra_compose("config", overrides=["logger=none", *extra]))
+        return validate(cli.compose(["logger=none", *extra]))
 
     candidates = ["amp", "amp_bf16", "half"]
     rest = []
@@ -225,7 +222,7 @@ def markdown(command: str, config: Config, device, ranges: dict, results: dict, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+    ap = cli.ArgumentParser(prog="numerics.py", description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="train.py overrides; precision=a,b,c lists the candidates")
     ap.add_argument("--out", type=Path, help="output folder (default outputs/numerics/<time>)")
@@ -269,4 +266,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run("numerics", main))

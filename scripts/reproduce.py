@@ -9,7 +9,8 @@ The plan is src/mixprec/plan.yaml. First a calibration times a few steps of each
 (warm-up excluded, synthetic stand-in data of the real shapes) and predicts each sweep's minutes; with --budget
 the plan is cut to fit (each sweep's `cuts`, the longest sweep first) and printed before anything runs. The
 sweeps run as `python train.py -m ... trainer.resume=auto` into <out>/runs/<sweep>: run the same command again
-after a crash, Ctrl-C or kill -9 and finished jobs are skipped, interrupted ones resume from their checkpoints.
+after a crash, Ctrl-C or kill -9 and finished jobs are skipped, interrupted ones resume from their checkpoints; a
+calibration stopped part-way continues likewise (<out>/calibration.json, its jobs also with trainer.resume=auto).
 A failing sweep is recorded and the next one runs. <out> (default outputs/reference/<gpu>-<date>/) ends with
 report/, ENVIRONMENT.md, COMMANDS.md and plan.md (predicted against actual minutes).
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from mixprec import cli  # noqa: E402
 from mixprec import plan as P  # noqa: E402
 from mixprec import records  # noqa: E402
 from mixprec.records import write_json_atomic, write_text_atomic  # noqa: E402
@@ -39,6 +41,7 @@ from mixprec.report.load import sweep_jobs  # noqa: E402
 
 FINAL = ("completed", "diverged", "failed")
 STATE = "plan.json"
+CALIBRATION = "calibration.json"   # the calibration so far (calibrate): a killed one continues
 FIXED = ["hydra.callbacks.sweep_table.report=false"]   # the folder's report is made once, at the end
 
 
@@ -86,6 +89,30 @@ def write_environment(out: Path, env: dict, args) -> None:
     text = "# Environment\n\n" + P.markdown_table(["", ""], [[k, v] for k, v in rows]) + "\n"
     write_text_atomic(out / "ENVIRONMENT.md", text)
     write_json_atomic(out / "environment.json", env)
+
+
+GITIGNORE_UNFINISHED = """\
+# Written by scripts/reproduce.py: this results folder is not complete (a --plan, or a run still going or stopped),
+# so git leaves all of it out. The run that completes it (its report made) replaces this file with one that keeps
+# the results and leaves out only the weights, checkpoints, W&B files and the calibration's jobs.
+*
+"""
+GITIGNORE_FINISHED = """\
+# Written by scripts/reproduce.py when this folder's run completed: commit the folder (runs/*/*/summary.json and
+# metrics.jsonl, report/, ENVIRONMENT.md, COMMANDS.md, plan.md, plan.json, calibration.json, logs/); git leaves out:
+*.pt
+wandb/
+.submitit/
+calibration/
+replaced/
+"""
+
+
+def write_gitignore(out: Path, finished: bool) -> None:
+    """<out>/.gitignore (for a folder inside the repository): everything until the run is complete, then the
+    heavy files only."""
+    if out.resolve().is_relative_to(ROOT):
+        write_text_atomic(out / ".gitignore", GITIGNORE_FINISHED if finished else GITIGNORE_UNFINISHED)
 
 
 def record_command(out: Path, what: str, cmd: list[str]) -> None:
@@ -149,15 +176,19 @@ def run_command(plan, sweep, args, out: Path) -> list[str]:
 
 @lru_cache(maxsize=None)
 def compose(overrides: tuple) -> dict:
-    """A job's resolved config (Hydra's compose API; hydra.* overrides left out)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """A job's resolved config (Hydra's compose API; hydra.* overrides left out); a bad override: ConfigError."""
     from mixprec.config import plain_config
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        kept = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
-        return plain_config(hydra_compose("config", overrides=kept))
+    return plain_config(cli.compose([o for o in overrides if not o.lstrip("+~").startswith("hydra")]))
+
+
+def check_overrides(plan, args) -> None:
+    """The user's overrides composed with the first job of each sweep before anything runs: an unknown option or
+    key is one line now (ConfigError), not a failed calibration later. Values are checked by each job, which
+    records a bad one as a failed job and the plan goes on."""
+    for s in plan.sweeps:
+        if s.command == "train" and s.jobs:
+            compose(tuple(P.merge_overrides(sweep_overrides(plan, s, args), [f"{k}={v}" for k, v in s.jobs[0].items()])))
 
 
 def job_configs(plan, sweep, args) -> list[dict]:
@@ -220,16 +251,35 @@ def _job_key(summary: dict, keys: list[str]) -> tuple:
     return tuple(str(records.lookup(summary, k)) for k in keys)
 
 
+def calibration_key(args) -> dict:
+    """What a calibration depends on: the plan's options except the budget (a new budget re-cuts the same timings)."""
+    return {k: v for k, v in state_key(args).items() if k != "budget"}
+
+
 def calibrate(plan, args, out: Path) -> dict:
     """Time each train sweep's jobs ('first': one job per sweep) for a few steps on this device.
-    Returns {sweep: {"costs": {job key: cost}, "wall_s", "status"}}."""
+    Returns {sweep: {"costs": {job key: cost}, "wall_s", "status"}}.
+
+    Resumable as the sweeps are: each sweep's timings go to <out>/calibration.json as soon as it is calibrated, and
+    its jobs run with trainer.resume=auto, so after a crash, Ctrl-C or kill -9 the same command keeps the sweeps
+    calibrated before and the jobs finished before, and times the rest. A calibration made with other options is
+    moved to <out>/replaced/ first (its job folders would be taken for finished jobs of this one)."""
     cal = dict(plan.calibration)
     if args.smoke:
         cal = {"warmup_steps": 1, "timed_steps": 1}
     steps = cal["warmup_steps"] + cal["timed_steps"]
-    result, t_start = {}, time.monotonic()
+    path, key = out / CALIBRATION, calibration_key(args)
+    saved = json.loads(path.read_text()) if path.exists() else None
+    if saved is None or saved.get("key") != key:
+        set_aside(out, "calibration", "it was made with other options" if saved else "no calibration.json says how "
+                  "it was made")
+        saved = {"key": key, "sweeps": {}, "seconds": 0.0}
+        write_json_atomic(path, saved)   # before the first job: a kill from now on leaves a calibration to continue
+    result, before, t_start = dict(saved["sweeps"]), saved["seconds"], time.monotonic()
+    if result:
+        log(f"continuing the calibration in {out / 'calibration'}: {len(result)} sweep(s) calibrated before, kept")
     for s in plan.sweeps:
-        if s.command != "train":
+        if s.command != "train" or s.name in result:
             continue
         grid = s.grid if args.calibrate == "all" else {k: v[:1] for k, v in s.grid.items()}
         data = (list(plan.smoke_common) + smoke_parts(s)[0]) if args.smoke else list(s.stand_in)
@@ -237,23 +287,36 @@ def calibrate(plan, args, out: Path) -> dict:
                                  [f"trainer.max_steps={steps}", f"trainer.warmup_steps={cal['warmup_steps']}",
                                   "logger=none"])
         folder = out / "calibration" / s.name
-        cmd = train_command(over, grid, folder)
+        cmd = train_command(over, grid, folder, ["trainer.resume=auto"])
         n = math.prod(len(v) for v in grid.values())
         limit = None if args.smoke else args.calibrate_timeout * n + 60   # smoke jobs are tiny: never stopped
         record_command(out, f"calibration of {s.name}", cmd)
+        started = time.time()
         rc, wall = spawn(cmd, out, f"calibration_{s.name}", timeout_s=limit)
         record_exit(out, rc, wall)
-        costs, done = {}, summaries(folder)
-        for summ in done:
+        costs, jobs = {}, sweep_jobs(folder)[0] if folder.exists() else []
+        for summ in (j.summary for j in jobs):
             cost = P.cost_from_summary(summ)
             if cost is not None:
                 costs["|".join(_job_key(summ, list(s.grid)))] = cost.__dict__
-        startup = max(0.0, wall - sum(P.job_wall_s(x) or 0.0 for x in done))   # the process, once per sweep
+        ran = [j.summary for j in jobs if (j.dir / records.SUMMARY).stat().st_mtime >= started]   # not skipped
+        startup = max(0.0, wall - sum(P.job_wall_s(x) or 0.0 for x in ran))   # the process, once per sweep
         result[s.name] = {"costs": costs, "wall_s": wall, "status": "timeout" if rc == "timeout" else rc,
                           "jobs": n, "timeout_s": args.calibrate_timeout, "steps": steps, "startup_s": startup}
+        write_json_atomic(path, {"key": key, "sweeps": result, "seconds": before + time.monotonic() - t_start})
         log(f"calibrated {s.name}: {len(costs)}/{n} job(s) timed in {wall:.0f} s"
             + (" (stopped: too slow here)" if rc == "timeout" else ""))
-    return {"sweeps": result, "seconds": time.monotonic() - t_start, "mode": args.calibrate}
+    return {"sweeps": result, "seconds": before + time.monotonic() - t_start, "mode": args.calibrate}
+
+
+def set_aside(out: Path, name: str, why: str) -> None:
+    """<out>/<name> moved to <out>/replaced/<name>-<time>."""
+    if not (out / name).exists():
+        return
+    dest = out / "replaced" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    dest.parent.mkdir(exist_ok=True)
+    (out / name).rename(dest)
+    log(f"{name}: {why}; moved to {dest}")
 
 
 def predictor(plan, args, calibration: dict):
@@ -315,6 +378,12 @@ def estimate(plan, args, profiles: list[str]) -> int:
     from mixprec.config import validate
     from mixprec.hardware import peak_kind
 
+    known = sorted(f.stem for f in (ROOT / "conf" / "gpu").glob("*.yaml") if f.stem != "auto")
+    for p in profiles:
+        if p not in known:
+            raise P.PlanError(f"--estimate {p}: no GPU profile of that name (conf/gpu/); choose from: {', '.join(known)}")
+    if not profiles:
+        raise P.PlanError(f"--estimate: name one or more GPU profiles, e.g. --estimate h100,v100 ({', '.join(known)})")
     peaks = {p: yaml_load(ROOT / "conf" / "gpu" / f"{p}.yaml")["peak_tflops"] for p in profiles}
     rows, totals = [], {p: 0.0 for p in profiles}
     for s in plan.sweeps:
@@ -533,7 +602,7 @@ def make_report(out: Path) -> int:
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.ArgumentParser(description=__doc__.split("\n\n")[0], prog="reproduce.py")
     ap.add_argument("overrides", nargs="*",
                     help="train.py overrides for every job, e.g. gpu=h100 dataset.data_dir=/data")
     ap.add_argument("--budget", help="time for the whole plan, e.g. 60m, 1h30m (default: full fidelity, uncut)")
@@ -563,11 +632,12 @@ def main(argv=None) -> int:
             plan = plan.smoked()
         if args.budget:
             P.parse_duration(args.budget)
-        if args.estimate:
+        check_overrides(plan, args)
+        if args.estimate is not None:
             return estimate(plan, args, [p for p in args.estimate.split(",") if p])
         return reproduce(plan, args, argv if argv is not None else sys.argv[1:])
     except P.PlanError as e:
-        print(f"reproduce: {e}", file=sys.stderr)
+        print(f"reproduce: {cli.one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nreproduce: interrupted; run the same command to continue (finished jobs are skipped)", file=sys.stderr)
@@ -579,6 +649,7 @@ def reproduce(plan, args, argv: list[str]) -> int:
     args.calibrate = args.calibrate or ("all" if env["gpus"] and not args.smoke else "first")
     args.out = (args.out or default_out(env, args)).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    write_gitignore(args.out, finished=False)
     if not env["gpus"] and not args.smoke:
         log("no GPU here: the plan is timed on the CPU (fp16/bf16 run slow reference kernels there)")
     write_environment(args.out, env, args)
@@ -604,6 +675,7 @@ def reproduce(plan, args, argv: list[str]) -> int:
         return 130
     ran = any(not e["dropped"] for e in state["sweeps"])
     rc = make_report(args.out) if ran else 0
+    write_gitignore(args.out, finished=ran and rc == 0)
     if not ran:
         log("every sweep was cut to fit the budget: nothing ran (see plan.md); give a larger --budget")
     state["elapsed_s"] = progress.elapsed()
@@ -615,4 +687,4 @@ def reproduce(plan, args, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run("reproduce", main, known=(P.PlanError,)))

@@ -14,7 +14,9 @@ from mixprec.data import DeviceBatches, synthetic_images
 from mixprec.models import small_cnn
 from mixprec.precision import PrecisionPolicy
 from mixprec.models.resnet9 import GhostBatchNorm, ResNet9, conv_bn
-from mixprec.tricks import EMA, bn_bias_groups, cross_entropy, fit_patch_whitening, tta_logits
+from mixprec.config import OptimizerConfig
+from mixprec.optim import param_groups
+from mixprec.tricks import EMA, cross_entropy, fit_patch_whitening, tta_logits
 
 SMALL = (8, 16, 32, 64)
 
@@ -65,7 +67,7 @@ def test_frozen_bn_scales_do_not_move_and_biases_learn_at_their_own_rate():
     model = ResNet9(10, SMALL, frozen_bn_scale=0.25, ghost_splits=4, activation="celu", celu_alpha=0.3)
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = bn_bias_groups(model, params, params, 64, lr=0.1, weight_decay=5e-4)
+    groups, _ = param_groups(model, params, params, OptimizerConfig("sgd", lr=0.1, weight_decay=5e-4), "resnet9", 64)
     assert groups[1]["lr"] == pytest.approx(6.4) and groups[1]["weight_decay"] == pytest.approx(5e-4 / 64)
     assert {id(p) for p in groups[1]["params"]} == {id(m.bias) for m in bns}
     assert not {id(m.weight) for m in bns} & {id(p) for g in groups for p in g["params"]}

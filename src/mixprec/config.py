@@ -267,6 +267,9 @@ class OptimizerConfig:
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
     impl: Literal["auto", "fused", "foreach", "loop"] = "auto"   # the step's kernels (optim.impl_kwargs)
+    # which tensors weight_decay applies to: all; matrices (>= 2-D: matmul and embedding weights, not biases and
+    # norms); auto: the model family's recipe (matrices for the gpt, all otherwise; optim.DECAY_AUTO)
+    decay: Literal["auto", "all", "matrices"] = "auto"
 
     def check(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):

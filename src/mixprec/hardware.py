@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, GpuConfig, PrecisionConfig, TrainerConfig
+from .versions import installed
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +34,10 @@ def select_device(name: str, option: str = "trainer.device") -> torch.device:
         if acc is None:
             return torch.device("cpu")
         name = acc.type
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:   # not a device string at all
+        raise ConfigError(f"{option}={name}: not a device; use auto, cpu, cuda or cuda:N") from None
     module = torch.get_device_module(device)
     if not module.is_available():
         raise ConfigError(f"{option}={name}: no {device.type.upper()} device is visible here; use "
@@ -168,6 +172,7 @@ def describe(device: torch.device) -> dict:
         env.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
                    gpu_memory_gb=round(props.total_memory / 2**30, 1))
     env["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    env["versions"] = installed()   # the key packages; the report flags those that differ from constraints.txt
     env.update(git_state())
     return env
 

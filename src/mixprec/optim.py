@@ -19,6 +19,49 @@ def impl_kwargs(impl: str, params: list) -> dict:
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
 
 
+# optimizer.decay=auto: what each model family's own recipe decays. The GPT decays its matmul and embedding weights
+# only (nanoGPT's configure_optimizers: `p.dim() >= 2`; GPT-2, minGPT and the usual transformer recipes alike); the
+# image models and the RNN language models keep their articles' rule, weight decay on every parameter (fastai 1.0's
+# bn_wd=True, Page's ladder, PyTorch's word_language_model has none).
+DECAY_AUTO = {"gpt": "matrices"}
+
+
+def decay_mode(decay: str, arch: str) -> str:
+    """optimizer.decay with auto resolved for the model: 'all' or 'matrices' (no decay on 1-D tensors)."""
+    return DECAY_AUTO.get(arch, "all") if decay == "auto" else decay
+
+
+def param_groups(model: torch.nn.Module, model_params: list, stepped: list, cfg: OptimizerConfig, arch: str,
+                 bn_bias_lr: float = 1.0) -> tuple[list[dict], dict]:
+    """The optimizer's parameter groups and what summary.json records of them. `stepped[i]` is what the optimizer
+    steps for model_params[i] (the parameter, or its fp32 master copy). optimizer.decay=matrices (the GPT's auto):
+    tensors of fewer than 2 dimensions (biases, LayerNorm/BatchNorm gains and shifts) get weight decay 0, the
+    matmul and embedding weights optimizer.weight_decay. trick.bn_bias_lr != 1: BatchNorm biases at lr * factor
+    and their weight decay divided by it (Page's step 7). Groups: decayed, not decayed, BatchNorm biases."""
+    mode = decay_mode(cfg.decay, arch)
+    names = {id(p): n for n, p in model.named_parameters()}
+    bn_biases = set()
+    if bn_bias_lr != 1.0:
+        bn_biases = {id(m.bias) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    split: dict[str, list] = {"decay": [], "no_decay": [], "bn_bias": []}
+    for p, s in zip(model_params, stepped):
+        kind = "bn_bias" if id(p) in bn_biases else "decay" if mode == "all" or p.dim() >= 2 else "no_decay"
+        split[kind].append((names.get(id(p), "?"), s))
+    settings = {"decay": {}, "no_decay": {"weight_decay": 0.0},
+                "bn_bias": {"lr": cfg.lr * bn_bias_lr,
+                            "weight_decay": (cfg.weight_decay if mode == "all" else 0.0) / bn_bias_lr}}
+    groups, record = [], []
+    for kind, members in split.items():
+        if not members:
+            continue
+        groups.append({"params": [s for _, s in members], **settings[kind]})
+        record.append({"kind": kind, "weight_decay": settings[kind].get("weight_decay", cfg.weight_decay),
+                       "lr": settings[kind].get("lr", cfg.lr), "tensors": len(members),
+                       "numel": sum(s.numel() for _, s in members),
+                       **({"names": [n for n, _ in members]} if kind != "decay" else {})})
+    return groups, {"decay": mode, "groups": record}
+
+
 def build_optimizer(cfg: OptimizerConfig, params: list) -> torch.optim.Optimizer:
     """The optimizer of `cfg` over `params` (tensors or param groups), in the implementation optimizer.impl picks."""
     try:

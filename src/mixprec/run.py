@@ -28,7 +28,7 @@ from .data import build_image_data, image_loaders
 from .data.files import DataError
 from .lm_engine import LMSteps
 from .models import build_model, forward_flops
-from .optim import build_optimizer, build_schedule
+from .optim import build_optimizer, build_schedule, param_groups
 from .numerics import emulation
 from .precision import PrecisionPolicy, emulates, hazards, low_dtype
 from .prewarm import prewarm, prewarm_lm
@@ -280,7 +280,7 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
     if result["status"] in checkpoint.FINAL and ranks.main:
         result["weights"] = checkpoint.save_weights(recorder.out_dir, policy.fp32_state_dict(final),
                                                     info.pop("num_classes"))
-    return {**result, "data": info["data"]}
+    return {**result, "data": info["data"], "optimizer": info["optimizer"]}   # its weight-decay groups
 
 
 @contextlib.contextmanager
@@ -308,10 +308,8 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     if tr.channels_last:
         model = model.to(memory_format=torch.channels_last)
     net = dist.wrap(model, device, tr.sync_bn, ranks)   # what the loop trains: DDP under several ranks, else model
-    params = policy.optimizer_params(model)
-    if t.bn_bias_lr != 1.0:
-        params = tricks.bn_bias_groups(model, policy.model_params, params, t.bn_bias_lr, config.optimizer.lr,
-                                       config.optimizer.weight_decay)
+    stepped = policy.optimizer_params(model)
+    params, groups = param_groups(model, policy.model_params, stepped, config.optimizer, config.model.arch, t.bn_bias_lr)
     optimizer = build_optimizer(config.optimizer, params)
     schedule = build_schedule(config.schedule, optimizer, engine.total_steps(tr, len(train_batches)))
     ema = tricks.EMA(model, t.ema_momentum, t.ema_every) if t.ema else None
@@ -328,7 +326,7 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     compile_s = warm_compile(steps.model, policy, tr.batch_size // ranks.world, train_batches.image_shape,
                              data.num_classes, tr.compile, tr.channels_last, config.model.bn_eval)
     info = {"model": model, "parts": {} if ema is None else {"ema": ema}, "final": model if ema is None else ema.model,
-            "num_classes": data.num_classes,
+            "num_classes": data.num_classes, "optimizer": groups,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "prewarm_time_s": prewarm_s,
                         "compile_time_s": compile_s,
                         "train_flops_per_sample": None if flops is None else 3 * flops},
@@ -352,12 +350,15 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     n_params = sum(p.numel() for p in model.parameters())
     policy = PrecisionPolicy(config.precision, device)
     model = policy.prepare_model(model)
-    optimizer = build_optimizer(config.optimizer, policy.optimizer_params(model))
+    stepped = policy.optimizer_params(model)
+    params, groups = param_groups(model, policy.model_params, stepped, config.optimizer, config.model.arch)
+    optimizer = build_optimizer(config.optimizer, params)
     schedule = build_schedule(config.schedule, optimizer, engine.total_steps(tr, len(windows)))
     steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=tr.batch_size)
     prewarm_s = prewarm_lm(model, policy, optimizer, tr.prewarm_for(device.type), bptt, tr.batch_size,
                            corpus.vocab_size, tr.grad_clip)
     info = {"model": model, "parts": {"hidden": steps}, "final": model, "num_classes": corpus.vocab_size,
+            "optimizer": groups,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "train_flops_per_sample": 3 * flops,
                         "flops_per": "token", "prewarm_time_s": prewarm_s},
             "data": {**corpus.info, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),

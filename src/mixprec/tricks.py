@@ -90,13 +90,3 @@ class EMA:
         self.model.load_state_dict(state["model"])
         self.steps = state["steps"]
 
-
-def bn_bias_groups(model: nn.Module, model_params: list, stepped: list, factor: float, lr: float,
-                   weight_decay: float) -> list[dict]:
-    """Optimizer parameter groups with the BatchNorm biases at lr * factor and weight decay / factor (Page's step
-    7: frozen scales, bias lr x64). `stepped[i]` is what the optimizer steps for model_params[i] (the parameter
-    itself, or its fp32 master copy)."""
-    bn_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
-    biases = [s for p, s in zip(model_params, stepped) if id(p) in bn_biases]
-    others = [s for p, s in zip(model_params, stepped) if id(p) not in bn_biases]
-    return [{"params": others}, {"params": biases, "lr": lr * factor, "weight_decay": weight_decay / factor}]

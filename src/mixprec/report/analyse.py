@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from .. import records
+from ..versions import differences
 from .load import Job, number
 from .published import Published, Source, apex_ppl_values, matches, page_ladder
 
@@ -219,8 +220,12 @@ def _env_table(jobs: list[Job]) -> list[dict]:
         e = records.env(j.summary)
         if not e:
             continue   # failed before its environment was recorded (a config error)
+        unpinned = differences(e.get("versions"))   # versions other than constraints.txt's pins
         key = tuple(str(e.get(k)) for k in ("device_name", "capability", "torch", "cuda", "cudnn", "git_commit"))
-        row = seen.setdefault(key, {"device": _devices([j])[0], "torch": e.get("torch"),
+        key += (bool(e.get("versions")), *unpinned)
+        row = seen.setdefault(key, {"device": _devices([j])[0], "torch": e.get("torch"), "unpinned": unpinned,
+                                    "pinned": "not recorded" if not e.get("versions") else
+                                    "differ: " + ", ".join(unpinned) if unpinned else "as constraints.txt",
                                     "cuda": e.get("cuda"), "cudnn": e.get("cudnn"), "python": e.get("python"),
                                     "git_commit": (e.get("git_commit") or "")[:10] + ("+dirty" if e.get("git_dirty") else ""),
                                     "tf32": f"matmul {e.get('tf32_matmul')}, cudnn {e.get('tf32_cudnn')}", "jobs": 0})

@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from ..jobdirs import shorten  # noqa: E402
 from ..records import atomic_file  # noqa: E402
 from ..records import metrics  # noqa: E402
 from .analyse import PRECISION_ORDER, Group, precision_key, stats  # noqa: E402
@@ -172,7 +173,7 @@ def loss_scale(path: Path, title: str, traces: list[dict]) -> Path:
 def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
     """The experiment's figures as [{path, caption}]; a figure with nothing to show is left out."""
     groups: list[Group] = exp["_groups"]
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", exp["name"])
+    slug = shorten(re.sub(r"[^A-Za-z0-9_.-]+", "_", exp["name"]), 100, 60)   # a file name: 255 bytes at most
     pdir = out / "plots"
     figs = []
     labels = list(dict.fromkeys(g.label for g in groups))

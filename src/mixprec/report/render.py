@@ -144,9 +144,13 @@ def document(data: dict) -> Doc:
         d.p("Published sources: " + (", ".join(exp["sources"]) if exp["sources"] else
                                       "none lists this experiment; reproduced numbers only."))
         d.h(3, "Hardware and software")
-        d.table(["device", "torch", "CUDA", "cuDNN", "python", "TF32", "git commit", "jobs"],
-                [[r["device"], r["torch"], r["cuda"], r["cudnn"], r["python"], r["tf32"], r["git_commit"], r["jobs"]]
-                 for r in exp["env"]])
+        d.table(["device", "torch", "CUDA", "cuDNN", "python", "TF32", "git commit", "jobs", "versions"],
+                [[r["device"], r["torch"], r["cuda"], r["cudnn"], r["python"], r["tf32"], r["git_commit"], r["jobs"],
+                  r.get("pinned", "-")] for r in exp["env"]])
+        unpinned = sum(r["jobs"] for r in exp["env"] if r.get("unpinned"))
+        if unpinned:
+            d.p(f"**Versions:** {unpinned} job(s) ran with package versions other than the tested ones "
+                "(constraints.txt; the README's set-up command installs them): see the versions column.")
         unrecorded = exp["jobs"] - sum(r["jobs"] for r in exp["env"])
         if unrecorded:
             d.p(f"{unrecorded} job(s) failed before recording their environment (see below).")
