@@ -169,6 +169,7 @@ class Loop:
 
     def __post_init__(self):
         self.clock = TrainClock(self.policy.device, self.ranks.barrier)
+        self.probe.optimizer = self.optimizer   # read at a non-finite event only (Adam's state: numerics/probe.py)
 
     @property
     def lr(self) -> float:
@@ -393,6 +394,7 @@ class ImageSteps:
     def step(self, x, y, loop: Loop, state: LoopState):
         """One batch trained; returns (its mean loss, its correct count, its size) on the device."""
         loop.probe.before_step(state.step + 1, loop.policy)
+        loop.probe.see_batch(state.step + 1, x, y, loop.policy)   # step 1 only: a blank batch, one label
         out = forward(self.model, x, loop.policy)
         loss = cross_entropy(out, y, self.label_smoothing, summed=self.loss_sum)
         inner = getattr(self.model, "module", self.model)   # the probe replays a batch on one rank: not through DDP
