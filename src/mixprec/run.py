@@ -31,6 +31,7 @@ from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
 from .precision import PrecisionPolicy, hazards
 from .prewarm import prewarm, prewarm_lm
+from .numerics import verdicts
 from .numerics.probe import build_probe
 from .records import SUMMARY, Recorder, write_json_atomic
 from .models.resnet9 import resnet9_options
@@ -267,6 +268,8 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
                            progress=sys.stderr.isatty() and ranks.main, probe=probe)
         result = engine.fit(steps, batches, loop, state)
         result["numerics"] = probe.summary()
+        result["verdict"] = verdicts.judge(result["numerics"], probe.rows(),
+                                           verdicts.context(config, result["status"], result["metrics"].get("steps")))
     if ranks.active:
         result["distributed"] = {"world_size": ranks.world, "per_rank_batch": tr.batch_size // ranks.world,
                                  "sync_bn": tr.sync_bn, "backend": dist.backend_for(device),

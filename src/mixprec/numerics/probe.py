@@ -73,6 +73,16 @@ def nonfinite(t: torch.Tensor) -> bool:
     return not bool(torch.isfinite(t).all())
 
 
+def module_type(model: nn.Module | None, name: str | None) -> str | None:
+    """The class name of the module a row is about: a module ('relu#2', 'rnn[1]') or a parameter's owner."""
+    if model is None or name is None:
+        return None
+    base = name.split("#")[0].split("[")[0]
+    mods = dict(model.named_modules())
+    m = mods.get(base, mods.get(base.rpartition(".")[0]))
+    return type(m).__name__ if m is not None else None
+
+
 class ForwardTrace:
     """Forward hooks on every submodule, for one forward: calls `seen(name, module, tensors)` in completion order
     (a module called twice, e.g. torchvision's shared ReLU, is `name#2` the second time). Use as a context."""
@@ -191,14 +201,20 @@ class Attribution:
         name, tensor, t = found
         if tensor == "output":
             what = ev.what_of("forward", str(t.dtype)[6:], int(torch.isinf(t).sum()), int(torch.isnan(t).sum()))
-            return ev.event(step, "forward", name, str(t.dtype)[6:], what)
-        e = {**ev.event(step, "update", name, str(t.dtype)[6:], None), "tensor": "weights"}
+            return {**ev.event(step, "forward", name, str(t.dtype)[6:], what),
+                    "module_type": module_type(self.model, name)}
+        e = {**ev.event(step, "update", name, str(t.dtype)[6:], None), "tensor": "weights",
+             "module_type": module_type(self.model, name)}
         state = self.optimizer.state.get(t) if self.optimizer is not None else None
         if state and "exp_avg_sq" in state:   # Adam: the non-finite weights' second moment (and first) at 0?
             bad = ~torch.isfinite(t)
             v0, m0 = (float((state[k][bad] == 0).float().mean()) for k in ("exp_avg_sq", "exp_avg"))
             e.update(what="0/0" if v0 == 1.0 else None, adam_state={"v_zero": v0, "m_zero": m0})
         return e
+
+    def rows(self) -> list[dict]:
+        """The rows recorded (numerics.jsonl; none without probe=ranges), for the verdict (verdicts.py)."""
+        return []
 
     def summary(self) -> dict | None:
         if not self.skipped_total and self.first_nonfinite is None and not self.inputs:
@@ -331,6 +347,7 @@ class Ranges(Attribution):
             return None
         if not skipped and (f is None or f.get("row") is None):
             self.first_nonfinite = found[1]   # rows are exact; a replay of this step only repeats its forward
+            found[1]["module_type"] = module_type(self.model, found[1]["module"])
         return found[0]
 
     def track(self, r: dict, origin: bool = False) -> None:
@@ -372,6 +389,11 @@ class Ranges(Attribution):
             out["update_stall"] = {k: sum(s[1] for s in v) / max(sum(s[0] for s in v), 1)
                                    for k, v in self.stalls.items()}
         return out
+
+    def rows(self) -> list[dict]:
+        self.file.flush()
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
 
     def close(self) -> None:
         self.disarm()
