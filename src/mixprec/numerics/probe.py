@@ -345,8 +345,9 @@ class Ranges(Attribution):
         found = ev.first_in_rows(timed)
         if found is None:
             return None
-        if not skipped and (f is None or f.get("row") is None):
-            self.first_nonfinite = found[1]   # rows are exact; a replay of this step only repeats its forward
+        replayed = f is not None and f.get("row") is None   # this step's replay: its forward, before any backward
+        if not skipped and (f is None or replayed and (f["module"] is None or found[1]["pass"] == "forward")):
+            self.first_nonfinite = found[1]
             found[1]["module_type"] = module_type(self.model, found[1]["module"])
         return found[0]
 

@@ -71,6 +71,8 @@ def finish(v: dict, n: dict) -> dict:
         v["line"] += "; inputs at step 1: " + ", ".join(f["what"] for f in found)
         v["cites"] += [f"step 1 inputs: {f['what']} ({f['detail']})" for f in found]
     v["line"] += f"; fix: {v['fix']}" if v["fix"] else ""
+    where_ = ", ".join(str(v[k]) for k in ("step", "pass", "module") if v[k] is not None)
+    v["short"] = f"{v['mechanism'] or 'no rule fits'}" + (f" (step {where_})" if where_ else "")
     return v
 
 

@@ -289,8 +289,8 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
             "loss_gap": gap,
             "mfu": m.get("mfu"),
             "peak_mem_mb": m.get("peak_memory_mb"),
-            "note": column_note(s) + _case_note(s.get("case")) + "; ".join(
-                filter(None, (records.reason(s), records.verdict(s) and "verdict: " + records.verdict(s)))),
+            "note": column_note(s) + _case_note(s.get("case"))
+            + "; ".join(filter(None, (records.verdict_short(s), records.reason(s)))),
         })
     return rows
 
@@ -356,7 +356,8 @@ def ladder_rows(summaries: list[dict]) -> list[dict]:
             "reached": (sum(t is not None for t in to_target), len(group)),
             "to_94_s": statistics.median([math.inf if t is None else t for t in to_target]),
             "page_s": page_s, "page_epochs": page_epochs,
-            "note": "; ".join(sorted(({records.reason(s) for s in group} | {records.verdict(s) for s in group}) - {""})),
+            "note": "; ".join(sorted({records.verdict_short(s) for s in group} - {""})
+                              + sorted({records.reason(s) for s in group} - {""})),
         })
     return rows
 
