@@ -31,7 +31,7 @@ from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule
 from .precision import PrecisionPolicy, hazards
 from .prewarm import prewarm, prewarm_lm
-from .numerics import verdicts
+from .numerics import replay, verdicts
 from .numerics.probe import build_probe
 from .records import SUMMARY, Recorder, write_json_atomic
 from .models.resnet9 import resnet9_options
@@ -177,6 +177,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     try:
         with stop:   # torchrun forwards a SIGTERM to every rank
             summary.update(train_job(config, device, recorder, saver, resume, ranks.agreed_stop(stop), ranks))
+            summary.update(replay.explain(summary, config, device, out_dir, ranks.active, train_job))   # probe=none
         if summary["status"] == "interrupted":
             summary["interrupted_by"] = stop()
     except KeyboardInterrupt:
