@@ -54,7 +54,8 @@ def judge(numerics: dict | None, rows: list[dict], ctx: dict) -> dict | None:
     if e is not None or ctx.get("status") == "diverged":
         where = ev.line(e) or "no non-finite value was attributed"
         hint = "" if rows else "; rerun with probe=ranges probe.every=1 to time it"
-        return finish(verdict(None, f"no rule fits: {where}{hint}", e, [], None), n)
+        cites = [cite(e, rows)] if e and e.get("module") else []
+        return finish(verdict(None, f"no rule fits: {where}{hint}", e, cites, None), n)
     return None
 
 
@@ -112,8 +113,9 @@ def bn_eval_half(e, n, rows, ctx):
         return None
     if not str(e.get("module_type", "")).startswith("BatchNorm") or e.get("dtype") not in ev.LOW:
         return None
-    line = (f"BatchNorm in half precision in eval mode ({where(e)}): its output went {e['what']} in {e['dtype']}, "
-            "normalised by running statistics it does not update")
+    went = "overflowed" if e["what"] == "overflow" else "went NaN"
+    line = (f"BatchNorm in half precision in eval mode ({where(e)}): its output {went} in {e['dtype']}, normalised "
+            "by running statistics it does not update")
     return verdict("bn_eval_half", line, e, [cite(e, rows)],
                    "keep BatchNorm in fp32 (precision.keep_bn_fp32=true) or train it in train mode (model.bn_eval=false)")
 
@@ -173,9 +175,10 @@ def scale_backoff(e, n, rows, ctx):
              f"{b['scale']:g}, non-finite gradients in {len(b['nonfinite_grads'])} parameters"]
     if first:
         cites.append(f"numerics.jsonl step {first['step']} {first['kind']} {first['name']} (the step's first non-finite)")
+    named = f"first non-finite in the backward: {module}" if first else f"non-finite gradient first listed: {module}"
     line = (f"the dynamic loss scale keeps backing off (steps {a['step']}-{b['step']} skipped, scale "
-            f"{a['scale']:g} -> {b['scale']:g}; first non-finite in the backward: {module}): the gradients are "
-            "non-finite at every scale, so the scale is not the cause")
+            f"{a['scale']:g} -> {b['scale']:g}; {named}): the gradients are non-finite at every scale tried, so "
+            "the scale is not the cause")
     return verdict("scale_backoff", line, e, cites, "find what makes the gradients non-finite (the module named)")
 
 
@@ -200,7 +203,7 @@ def underflow_verdict(step: int, at: list[dict], frac: float, rows: list[dict]) 
     scale = f"a loss scale of 2^{k} would have lifted 99% of them into the normal range" if k else "a loss scale"
     line = (f"gradients lost to underflow ({where(e)}): {frac:.0%} of the non-zero activation gradients were below "
             f"fp16's smallest normal 2^-14 (the smaller ones already 0); {scale}")
-    cites = [f"numerics.jsonl step {step} act_grad {worst['name']} (fp16 subnormal {worst['fp16']['subnormal']:.3g})"]
+    cites = [f"numerics.jsonl step {step} act_grad {worst['name']} (fp16 subnormal {worst['fp16']['subnormal']:.1%})"]
     if pooled:
         cites.append(f"numerics.jsonl step {step} act_grad (model) histogram")
     return verdict("grad_underflow", line, e, cites,
