@@ -53,9 +53,12 @@ def explain(summary: dict, config, device, out_dir: Path, several_ranks: bool, t
     hardware.configure(device, cfg.trainer, cfg.precision, cfg.seed)
     recorder = Recorder(where)
     saver = checkpoint.Checkpointer(where, meta={"config": summary.get("config")})
+    quiet, level = logging.getLogger(ev.__name__), logging.getLogger(ev.__name__).level
+    quiet.setLevel(logging.ERROR)   # step 1's input warnings were said by the run itself
     try:
         result = train(cfg, device, recorder, saver)
     finally:
+        quiet.setLevel(level)
         saver.discard()
         recorder.close()
     return merged(summary, result, where, step)
