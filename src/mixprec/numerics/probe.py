@@ -1,21 +1,26 @@
 """The numerics probe: what fp16/bf16 do inside a training run, layer by layer (conf/probe).
 
-The training loop makes four calls per step; `build_probe` gives it one of two objects:
+The training loop makes these calls per step; `build_probe` gives it one of two objects:
 
     probe.before_step(step, policy)                 hooks armed on a probed step (step 1, every probe.every)
+    probe.see_batch(step, x, y, policy)             step 1 only (image models): the input checks (events.py)
     probe.after_backward(step, loss, policy, replay)  gradients as the backward left them (scaled) and unscaled
     probe.after_step(step, policy, skipped)         weight updates; skip attribution; rows written; hooks removed
-    probe.on_nonfinite(step[, replay]) -> str       names the first module whose weights or output went non-finite
+    probe.on_nonfinite(step[, replay]) -> str       the first non-finite value in time order, as a line
 
 `Attribution` (probe=none) registers no hooks and does nothing on a normal step: its only work is at an event. A
 step the dynamic loss scale skipped: which parameters had non-finite gradients, and the scale (the flag is the one
 PrecisionPolicy.step returns, the gradients are still there). A non-finite loss or weight found by the loop's
 check: `replay()` runs the forward of the loop's current batch again under forward hooks, with no gradient and
 the BatchNorm statistics restored afterwards, and the first module in forward order whose weights or output are
-non-finite is named ("first non-finite: layer3.1.bn2 output"). The name is exact when the weights the bad forward
-used are still there (a skipped step under a dynamic scale; trainer.on_nonfinite=skip); otherwise the update of the
-bad step has already spread NaN, and the name says "weights". `Ranges` (probe=ranges) checks the loss of every
-step before the update (one host sync per step: a diagnostic mode), so its attribution is always exact.
+non-finite is named ("first non-finite: step 3 forward, layer3.1.bn2 output: NaN"). The name is exact when the
+weights the bad forward used are still there (a skipped step under a dynamic scale; trainer.on_nonfinite=skip);
+otherwise the update of the bad step has already spread NaN: the event is "optimizer update by step N, <module>
+weights" (for Adam, its state says whether that update was 0/0), and run.py replays the run under probe=ranges
+(replay.py). `Ranges` (probe=ranges) checks the loss of every step before the update (one host sync per step: a
+diagnostic mode), and its first event is read from the rows in time order (events.first_in_rows): a step's forward
+outputs, then its backward's tensors as produced, then its updates. An fp16/bf16 row that is the step's first
+non-finite one, with finite weights entering the step, came from a finite computation: its infs count as overflow.
 
 `Ranges` measures, on probed steps and on every skipped or non-finite step (probe_stats.py has the arithmetic):
   forward     every submodule's output (each tensor of a tuple output, e.g. nn.LSTM's (out, (h, c)))
