@@ -35,7 +35,8 @@ def rows_of(path):
 
 
 def fit(model, precision: PrecisionConfig, tmp_path, probe="ranges", steps=3, x_scale=1.0, bn_eval=False):
-    """engine.fit on a constructed model and random batches; returns (result, numerics summary, rows)."""
+    """engine.fit on a constructed model and random batches (x_scale=0: blank ones); returns (result, numerics
+    summary, rows)."""
     torch.manual_seed(0)
     batches = [(torch.randn(8, 3, 8, 8) * x_scale, torch.randint(0, 10, (8,))) for _ in range(steps)]
     policy = PrecisionPolicy(precision, CPU)
@@ -181,8 +182,19 @@ def test_gradients_lost_to_underflow_say_which_scale_keeps_them(tmp_path):
     half = PrecisionConfig(name="half", param_dtype="float16", keep_bn_fp32=False)
     result, n, rows = fit(model, half, tmp_path, steps=1)
     v = judged(result, n, rows, half)
-    assert (v["mechanism"], v["step"], v["pass"]) == ("grad_underflow", 1, "backward"), v
+    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == ("grad_underflow", 1, "backward", "1"), v   # Tanh
     assert "would have lifted 99% of them" in v["line"] and "precision.loss_scale=" in v["fix"]
+
+
+def test_blank_inputs_that_do_not_diverge_are_the_verdict(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.ReLU(), nn.Flatten(), nn.Linear(256, 10))
+    fp32 = PrecisionConfig(name="fp32")
+    result, n, rows = fit(model, fp32, tmp_path, probe="none", steps=2, x_scale=0.0)
+    assert result["status"] == "completed" and n["first_nonfinite"] is None
+    assert [f["what"] for f in n["inputs"]] == ["batch all zeros", "first layer output all zeros"]
+    v = judged(result, n, rows, fp32)
+    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == ("blank_inputs", 1, "forward", "0"), v
 
 
 def test_no_rule_fits_says_so(tmp_path):
