@@ -1,7 +1,7 @@
 """The probe's story of a divergence (src/mixprec/numerics/events.py, verdicts.py): the first event in time order,
 the mechanism from the measurements, inputs that are not what they seem; each verdict made to happen on the CPU
 at small size, and a healthy run that gets none."""
-import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,10 +28,6 @@ def ctx(precision: PrecisionConfig, status: str, steps: int, optimizer="sgd", ep
             "autocast_dtype": precision.autocast_dtype, "master_weights": precision.master_weights,
             "loss_scale": precision.loss_scale, "keep_bn_fp32": precision.keep_bn_fp32, "optimizer": optimizer,
             "eps": eps, "bn_eval": bn_eval, "status": status, "steps": steps}
-
-
-def rows_of(path):
-    return [json.loads(line) for line in (path / NUMERICS).read_text().splitlines()] if (path / NUMERICS).exists() else []
 
 
 def fit(model, precision: PrecisionConfig, tmp_path, probe="ranges", steps=3, x_scale=1.0, bn_eval=False):
@@ -211,3 +207,28 @@ def test_a_healthy_run_gets_no_verdict(tmp_path, precision):
     s = run_tiny(tmp_path, *TINY8, f"precision={precision}", "probe=ranges", "probe.every=1", base=[])
     assert s["status"] == "completed" and s["verdict"] is None, s["verdict"]
     assert s["numerics"]["first_nonfinite"] is None and s["numerics"]["inputs"] == []
+
+
+# -- shown where people look ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_verdict_is_in_the_console_block_the_sweep_note_report_md_and_wandb(tmp_path):
+    """A blank batch (cutout = image, on purpose) in fp32: it completes, and the verdict says what was wrong."""
+    pytest.importorskip("wandb")
+    from mixprec.report.analyse import sweep_rows
+    from mixprec.report.make import make_report
+    from mixprec.report.render import job_block
+    from test_wandb_mirror import final_summary
+
+    s = run_tiny(tmp_path / "job", *TINY8, "dataset.cutout=8", "dataset.cutout_on_purpose=true", "logger=wandb",
+                 base=[])
+    v = s["verdict"]
+    assert s["status"] == "completed" and v["mechanism"] == "blank_inputs", v
+    block = job_block(s)
+    assert f"verdict     {v['line']}" in block and "            from step 1 inputs: batch all zeros" in block
+    assert sweep_rows([s])[0]["note"].startswith("verdict: blank_inputs (step 1, forward")
+    make_report([str(tmp_path / "job")], tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "### Numerics verdicts" in md and v["line"] in md
+    mirrored = final_summary(Path(s["wandb"]["dir"]))
+    assert mirrored["verdict"] == v["line"] and mirrored["verdict_mechanism"] == "blank_inputs"
