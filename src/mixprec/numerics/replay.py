@@ -4,13 +4,17 @@ non-finite, under probe=ranges with every step probed, in `<job dir>/replay/`; t
 pass, module, tensor, what) and verdict replace the inexact ones. Nothing is done for a run that did not diverge,
 so probe=none still costs nothing on a normal run; the replay is skipped beyond MAX_STEPS steps (the reason then
 says to rerun with probe=ranges), under several ranks, and when the replay does not diverge alike (a
-non-deterministic run: the summary says so).
+non-deterministic run: the summary says so). The replay runs in the job's process after its training: the
+job's peak memory includes it.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 from pathlib import Path
+
+import torch
 
 from . import events as ev
 
@@ -42,7 +46,7 @@ def replay_config(config, step: int):
 def explain(summary: dict, config, device, out_dir: Path, several_ranks: bool, train) -> dict:
     """What the replay changes in the summary ({} when none is due): numerics.first_nonfinite, numerics.replay,
     the verdict, and the reason's first-event clause. `train(config, device, recorder, saver)` is run.train_job."""
-    from .. import checkpoint, hardware
+    from .. import checkpoint
     from ..records import Recorder
 
     step = replay_step(summary, config.probe.name, several_ranks)
@@ -50,7 +54,8 @@ def explain(summary: dict, config, device, out_dir: Path, several_ranks: bool, t
         return {}
     cfg, where = replay_config(config, step), Path(out_dir) / DIR
     log.info(f"mixprec: replaying steps 1-{step} under probe=ranges to time the first non-finite value ({where})")
-    hardware.configure(device, cfg.trainer, cfg.precision, cfg.seed)
+    random.seed(cfg.seed)   # as hardware.configure seeded the job (its flags are still set)
+    torch.manual_seed(cfg.seed)
     recorder = Recorder(where)
     saver = checkpoint.Checkpointer(where, meta={"config": summary.get("config")})
     quiet, level = logging.getLogger(ev.__name__), logging.getLogger(ev.__name__).level
