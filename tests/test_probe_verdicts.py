@@ -62,6 +62,8 @@ def test_a_cutout_as_large_as_the_image_is_refused_in_one_line_unless_meant():
     assert "\n" not in str(e.value)
     assert validate(compose_config(*PAGE8, "dataset.cutout_on_purpose=true")).dataset.cutout == 8
     assert validate(compose_config(*PAGE8, "dataset.cutout=2")).dataset.cutout == 2
+    with pytest.raises(ConfigError, match=r"dataset.crop_padding=32: the random crop reflect-pads the stored 32 px"):
+        validate(compose_config(*PAGE8, "dataset.cutout=2", "dataset.crop_padding=32"))
 
 
 def test_batch_findings():

@@ -202,6 +202,9 @@ class DatasetConfig:
         unless dataset.cutout_on_purpose says it is meant; larger than the image it cannot be placed at all."""
         if self.cutout > self.image_size:
             raise ConfigError(f"dataset.cutout={self.cutout}: must be at most dataset.image_size={self.image_size}")
+        if self.augment and not self.is_text and self.crop_padding >= 32:   # the crop pads the stored 32 px image
+            raise ConfigError(f"dataset.crop_padding={self.crop_padding}: the random crop reflect-pads the stored "
+                              "32 px images, so the padding must be less than 32 (Page used 4)")
         if self.augment and self.cutout == self.image_size and not self.cutout_on_purpose:
             raise ConfigError(f"dataset.cutout={self.cutout} is as large as dataset.image_size={self.image_size}: it "
                               f"blanks every image; scale it (dataset.cutout={max(self.image_size // 4, 1)}, a "
