@@ -174,6 +174,14 @@ def test_a_dynamic_scale_that_keeps_backing_off(tmp_path):
     assert "steps 1-6 skipped, scale 65536 -> 2048" in v["line"]
 
 
+def test_a_scale_that_backs_off_at_the_start_and_then_fits_is_no_verdict():
+    amp = PrecisionConfig(name="amp", autocast_dtype="float16", loss_scale="dynamic")
+    skips = [{"step": k, "scale": 2.0 ** (17 - k), "nonfinite_grads": ["0.weight"]} for k in range(1, 7)]
+    n = {"skipped_steps": skips, "skipped_total": 6, "first_nonfinite": None, "inputs": []}
+    assert verdicts.judge(n, [], ctx(amp, "completed", 50)) is None    # 6 skips at the start of 50 steps: healthy
+    assert verdicts.judge(n, [], ctx(amp, "completed", 6))["mechanism"] == "scale_backoff"   # to the end: not
+
+
 def test_gradients_lost_to_underflow_say_which_scale_keeps_them(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), Scale(1e-4), nn.Flatten(), nn.Linear(256, 10))

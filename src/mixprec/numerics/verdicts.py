@@ -13,8 +13,8 @@ wins; each needs its measurement, none is taken from the config alone:
   forward_overflow        the first event is a forward overflow (a named layer's output passed the format's max)
   adam_eps_zero           the first event is a non-finite Adam update from a finite gradient (0/0), or NaN weights
                           whose second moment is 0, with an eps that rounds to 0 in the stepped dtype
-  scale_backoff           the dynamic loss scale skipped every step of a streak of 5 or more (or every step of a
-                          run of 3 or more): the gradients are non-finite at every scale
+  scale_backoff           the dynamic loss scale skipped every step from some step to the run's end, 5 or more
+                          (a healthy run's first skips end once the scale fits): non-finite at every scale tried
   grad_underflow          a float16 run without a dynamic scale whose activation gradients are for a quarter or
                           more below fp16's normal range (they lose bits, the smaller ones are already 0); it says
                           which power-of-two loss scale would have lifted them (probe_stats.smallest_scale)
@@ -66,7 +66,7 @@ def verdict(mechanism, line: str, e: dict | None, cites: list[str], fix: str | N
 
 
 def finish(v: dict, n: dict) -> dict:
-    """The input findings join every verdict: they are the usual cause of what follows them."""
+    """The input findings are named beside every verdict (and its cites), the short form for a table's note."""
     found = n.get("inputs") or []
     if found and v["mechanism"] != "blank_inputs":
         v["line"] += "; inputs at step 1: " + ", ".join(f["what"] for f in found)
@@ -163,9 +163,10 @@ def skip_streak(skips: list[dict]) -> list[dict]:
 def scale_backoff(e, n, rows, ctx):
     if ctx.get("loss_scale") != "dynamic":
         return None
-    streak, steps = skip_streak(n.get("skipped_steps") or []), ctx.get("steps") or 0
-    whole = steps >= 3 and n.get("skipped_total", 0) >= steps and len(streak) == steps
-    if len(streak) < STREAK and not whole:
+    skips, steps = n.get("skipped_steps") or [], ctx.get("steps") or 0
+    streak = skip_streak(skips)
+    tail = n.get("skipped_total", 0) - (len(skips) - len(streak))   # the last streak's skips, recorded or not
+    if not streak or tail < STREAK or tail != steps - streak[0]["step"] + 1:   # it must last to the run's end
         return None
     a, b = streak[0], streak[-1]
     first = next((r for r in rows if r["step"] == a["step"] and r["nonfinite"] > 0 and r["name"] != "(model)"), None)
