@@ -242,3 +242,19 @@ def test_the_verdict_is_in_the_console_block_the_sweep_note_report_md_and_wandb(
     assert "### Numerics verdicts" in md and v["line"] in md
     mirrored = final_summary(Path(s["wandb"]["dir"]))
     assert mirrored["verdict"] == v["line"] and mirrored["verdict_mechanism"] == "blank_inputs"
+
+
+def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path):
+    from mixprec.numerics import replay
+
+    cfg = validate(compose_config(*TINY8, "probe=none"))
+    e = {**ev.event(2, "update", "0", "float16", None), "tensor": "weights"}
+    summary = {"status": "diverged", "nonfinite": {"step": 2}, "numerics": {"first_nonfinite": e}, "config": {}}
+
+    def out_of_memory(*args):
+        raise RuntimeError("out of memory")
+    out = replay.explain(summary, cfg, CPU, tmp_path, False, out_of_memory)
+    assert out["numerics"]["first_nonfinite"] == e and "verdict" not in out and "reason" not in out
+    assert out["numerics"]["replay"] == {"dir": str(tmp_path / "replay"), "steps": 2, "matched": False,
+                                         "error": "RuntimeError: out of memory"}
+    assert replay.replay_step(summary, "ranges", False) is None and replay.replay_step(summary, "none", True) is None

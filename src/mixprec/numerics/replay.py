@@ -62,6 +62,9 @@ def explain(summary: dict, config, device, out_dir: Path, several_ranks: bool, t
     quiet.setLevel(logging.ERROR)   # step 1's input warnings were said by the run itself
     try:
         result = train(cfg, device, recorder, saver)
+    except Exception as e:   # the job diverged whatever the replay does: it stays diverged, the replay's error noted
+        log.warning(f"mixprec: the replay failed ({type(e).__name__}: {e}); the attribution stays as it was")
+        result = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
     finally:
         quiet.setLevel(level)
         saver.discard()
@@ -73,7 +76,8 @@ def merged(summary: dict, result: dict, where: Path, step: int) -> dict:
     numerics = dict(summary.get("numerics") or {})
     old, new = numerics.get("first_nonfinite"), (result.get("numerics") or {}).get("first_nonfinite")
     if result.get("status") != "diverged" or not new or not new.get("row"):
-        numerics["replay"] = {"dir": str(where), "steps": step, "matched": False}
+        numerics["replay"] = {"dir": str(where), "steps": step, "matched": False,
+                              **({"error": result["error"]} if result.get("error") else {})}
         return {"numerics": numerics}
     numerics.update(first_nonfinite={**new, "replayed": True}, replay={"dir": str(where), "steps": step,
                                                                        "matched": True})
