@@ -242,8 +242,10 @@ def train_constructed(model, precision: PrecisionConfig, probe_cfg: ProbeConfig,
 def test_a_layer_emitting_nan_at_step_k_is_named_in_the_diverged_reason(tmp_path, precision, probe):
     result, summary = train_constructed(nan_net(3), precision, ProbeConfig(name=probe), tmp_path)
     assert result["status"] == "diverged"
-    assert result["reason"].startswith("loss became nan at step 3; first non-finite: 3 output"), result["reason"]
-    assert summary["first_nonfinite"]["module"] == "3"
+    assert result["reason"].startswith("loss became nan at step 3; first non-finite: step 3 forward, 3 output: NaN"), \
+        result["reason"]
+    e = summary["first_nonfinite"]
+    assert (e["step"], e["pass"], e["module"], e["tensor"], e["what"]) == (3, "forward", "3", "output", "NaN")
 
 
 def test_a_skipped_step_lists_the_parameters_with_nonfinite_gradients(tmp_path):

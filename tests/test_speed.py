@@ -12,6 +12,7 @@ from mixprec.config import ConfigError, validate
 from mixprec.models import small_cnn
 from mixprec.optim import build_optimizer
 from mixprec.precision import PrecisionPolicy
+from mixprec.numerics.probe import Attribution
 
 SMALL = ["model=small_cnn", "model.width=8", "dataset.image_size=8", "dataset.train_size=320",
          "dataset.test_size=16", "trainer.batch_size=16", "trainer.eval_batch_size=16", "logger=none",
@@ -104,6 +105,7 @@ class SyncCounter:
 def test_host_syncs_per_step(tmp_path, monkeypatch, overrides, per_step):
     counter = SyncCounter(monkeypatch)
     counter.off_during(monkeypatch, engine, "flush")           # the log step's sync, counted apart
+    counter.off_during(monkeypatch, Attribution, "see_batch")  # step 1's input check, once a run, counted apart
 
     def counted_epoch(*args, **kwargs):
         counter.on = True
@@ -183,6 +185,7 @@ def test_cuda_syncs_per_step(tmp_path, monkeypatch, precision, optimizer_impl, p
                 torch.cuda.set_sync_debug_mode(was)
         return wrapped
     monkeypatch.setattr(engine, "flush", quiet(engine.flush))
+    monkeypatch.setattr(Attribution, "see_batch", quiet(Attribution.see_batch))   # step 1's input check, once
     for name in ("start", "stop", "mark_warm"):
         monkeypatch.setattr(engine.TrainClock, name, quiet(getattr(engine.TrainClock, name)))
     run_epoch = engine.run_epoch

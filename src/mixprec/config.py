@@ -159,6 +159,7 @@ class DatasetConfig:
     augment: bool = True
     crop_padding: int = 4
     cutout: int = 0                       # side of the square zeroed after normalisation (0 = off)
+    cutout_on_purpose: bool = False       # true: a cutout as large as the image (it blanks every image) is meant
     pipeline: Literal["device", "dataloader"] = "device"
     workers: int = 2                      # dataloader pipeline only
     pin_memory: bool = True               # dataloader pipeline only (used on CUDA)
@@ -190,12 +191,25 @@ class DatasetConfig:
         _at_least(self, "workers", 0, section="dataset")
         _at_least(self, "bptt", 1, section="dataset")
         _at_least(self, "vocab_size", 2, section="dataset")
-        if self.cutout > self.image_size:
-            raise ConfigError(f"dataset.cutout={self.cutout}: must be at most dataset.image_size={self.image_size}")
+        self.check_cutout()
         if not self.noise >= 0:
             raise ConfigError(f"dataset.noise={self.noise}: must be >= 0")
         if any(not isinstance(u, str) or "://" not in u for u in self.urls):
             raise ConfigError(f"dataset.urls={list(self.urls)}: must be a list of URLs (scheme://...)")
+
+    def check_cutout(self) -> None:
+        """A cutout as large as the image blanks every image (the batch is all zeros after normalisation): refused
+        unless dataset.cutout_on_purpose says it is meant; larger than the image it cannot be placed at all."""
+        if self.cutout > self.image_size:
+            raise ConfigError(f"dataset.cutout={self.cutout}: must be at most dataset.image_size={self.image_size}")
+        if self.augment and not self.is_text and self.crop_padding >= 32:   # the crop pads the stored 32 px image
+            raise ConfigError(f"dataset.crop_padding={self.crop_padding}: the random crop reflect-pads the stored "
+                              "32 px images, so the padding must be less than 32 (Page used 4)")
+        if self.augment and self.cutout == self.image_size and not self.cutout_on_purpose:
+            raise ConfigError(f"dataset.cutout={self.cutout} is as large as dataset.image_size={self.image_size}: it "
+                              f"blanks every image; scale it (dataset.cutout={max(self.image_size // 4, 1)}, a "
+                              "quarter of the side as Page's 8 of 32), set dataset.cutout=0, or "
+                              "dataset.cutout_on_purpose=true if blank inputs are meant")
 
     @property
     def is_text(self) -> bool:

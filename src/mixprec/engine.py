@@ -19,7 +19,10 @@ Host syncs in the loop (tests/test_speed.py counts them), exactly these:
     check before the optimizer step (or, with a fused optimizer, PrecisionPolicy.step's read of the found-inf
     flag the fused step used on the device); the skip count and the host copy of the scale follow from it;
   - per step, only under on_nonfinite=skip without a dynamic loss scale: one, the loss check before backward;
-so at most one per step in every mode, and none between log steps in fp32, tf32, bf16 and static-scale modes.
+  - once, at step 1: the input check (probe.see_batch: a blank or constant batch, one label, a first layer that
+    outputs zeros; numerics/probe.py);
+so at most one per step in every mode (two at step 1), and none between log steps after step 1 in fp32, tf32,
+bf16 and static-scale modes.
 Under DDP the stop flag (a small CPU all-reduce, dist.agreed_stop) is agreed every `trainer.log_every` steps, so a
 signal stops the run at the next log step; the clock's barriers come at epoch ends only.
 
@@ -169,6 +172,7 @@ class Loop:
 
     def __post_init__(self):
         self.clock = TrainClock(self.policy.device, self.ranks.barrier)
+        self.probe.optimizer = self.optimizer   # read at a non-finite event only (Adam's state: numerics/probe.py)
 
     @property
     def lr(self) -> float:
@@ -393,6 +397,7 @@ class ImageSteps:
     def step(self, x, y, loop: Loop, state: LoopState):
         """One batch trained; returns (its mean loss, its correct count, its size) on the device."""
         loop.probe.before_step(state.step + 1, loop.policy)
+        loop.probe.see_batch(state.step + 1, x, y, loop.policy)   # step 1 only: a blank batch, one label
         out = forward(self.model, x, loop.policy)
         loss = cross_entropy(out, y, self.label_smoothing, summed=self.loss_sum)
         inner = getattr(self.model, "module", self.model)   # the probe replays a batch on one rank: not through DDP

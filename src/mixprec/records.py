@@ -163,6 +163,17 @@ def job_num(summary: dict):
     return (summary.get("job") or {}).get("num")
 
 
+def verdict(summary: dict) -> str:
+    """The numerics verdict's line (numerics/verdicts.py): the mechanism, where, and the fix; "" when none."""
+    return (summary.get("verdict") or {}).get("line") or ""
+
+
+def verdict_short(summary: dict) -> str:
+    """The verdict's mechanism and where (step, pass, module), for a table's note; "" when none."""
+    v = summary.get("verdict") or {}
+    return f"verdict: {v['short']}" if v.get("short") else ""
+
+
 def reason(summary: dict) -> str:
     """Why it did not complete (a divergence's reason, a failure's error); "" when it says nothing."""
     return summary.get("reason") or summary.get("error") or ""

@@ -32,6 +32,7 @@ from .optim import build_optimizer, build_schedule, param_groups
 from .numerics import emulation
 from .precision import PrecisionPolicy, emulates, hazards, low_dtype
 from .prewarm import prewarm, prewarm_lm
+from .numerics import replay, verdicts
 from .numerics.probe import build_probe
 from .records import SUMMARY, Recorder, write_json_atomic
 from .models.resnet9 import resnet9_options
@@ -179,6 +180,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     try:
         with stop, emulation.numerics(emulated):   # torchrun forwards a SIGTERM to every rank
             summary.update(train_job(config, device, recorder, saver, resume, ranks.agreed_stop(stop), ranks))
+            summary.update(replay.explain(summary, config, device, out_dir, ranks.active, train_job))   # probe=none
         if summary["status"] == "interrupted":
             summary["interrupted_by"] = stop()
     except KeyboardInterrupt:
@@ -270,6 +272,8 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
                            progress=sys.stderr.isatty() and ranks.main, probe=probe)
         result = engine.fit(steps, batches, loop, state)
         result["numerics"] = probe.summary()
+        result["verdict"] = verdicts.judge(result["numerics"], probe.rows(),
+                                           verdicts.context(config, result["status"], result["metrics"].get("steps")))
     if ranks.active:
         result["distributed"] = {"world_size": ranks.world, "per_rank_batch": tr.batch_size // ranks.world,
                                  "sync_bn": tr.sync_bn, "backend": dist.backend_for(device),

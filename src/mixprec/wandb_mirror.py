@@ -56,6 +56,8 @@ class WandbMirror:
 
     def summary(self, summary: dict) -> None:
         self._summary = {"status": records.status(summary)}
+        if records.verdict(summary):   # the numerics verdict (numerics/verdicts.py): mechanism, where, fix
+            self._summary.update(verdict=records.verdict(summary), verdict_mechanism=summary["verdict"]["mechanism"])
         for k, v in records.metrics(summary).items():
             if isinstance(v, dict):
                 self._summary.update({f"{k}/{kk}": vv for kk, vv in v.items()})

@@ -1,21 +1,26 @@
 """The numerics probe: what fp16/bf16 do inside a training run, layer by layer (conf/probe).
 
-The training loop makes four calls per step; `build_probe` gives it one of two objects:
+The training loop makes these calls per step; `build_probe` gives it one of two objects:
 
     probe.before_step(step, policy)                 hooks armed on a probed step (step 1, every probe.every)
+    probe.see_batch(step, x, y, policy)             step 1 only (image models): the input checks (events.py)
     probe.after_backward(step, loss, policy, replay)  gradients as the backward left them (scaled) and unscaled
     probe.after_step(step, policy, skipped)         weight updates; skip attribution; rows written; hooks removed
-    probe.on_nonfinite(step[, replay]) -> str       names the first module whose weights or output went non-finite
+    probe.on_nonfinite(step[, replay]) -> str       the first non-finite value in time order, as a line
 
 `Attribution` (probe=none) registers no hooks and does nothing on a normal step: its only work is at an event. A
 step the dynamic loss scale skipped: which parameters had non-finite gradients, and the scale (the flag is the one
 PrecisionPolicy.step returns, the gradients are still there). A non-finite loss or weight found by the loop's
 check: `replay()` runs the forward of the loop's current batch again under forward hooks, with no gradient and
 the BatchNorm statistics restored afterwards, and the first module in forward order whose weights or output are
-non-finite is named ("first non-finite: layer3.1.bn2 output"). The name is exact when the weights the bad forward
-used are still there (a skipped step under a dynamic scale; trainer.on_nonfinite=skip); otherwise the update of the
-bad step has already spread NaN, and the name says "weights". `Ranges` (probe=ranges) checks the loss of every
-step before the update (one host sync per step: a diagnostic mode), so its attribution is always exact.
+non-finite is named ("first non-finite: step 3 forward, layer3.1.bn2 output: NaN"). The name is exact when the
+weights the bad forward used are still there (a skipped step under a dynamic scale; trainer.on_nonfinite=skip);
+otherwise the update of the bad step has already spread NaN: the event is "optimizer update by step N, <module>
+weights" (for Adam, its state says whether that update was 0/0), and run.py replays the run under probe=ranges
+(replay.py). `Ranges` (probe=ranges) checks the loss of every step before the update (one host sync per step: a
+diagnostic mode), and its first event is read from the rows in time order (events.first_in_rows): a step's forward
+outputs, then its backward's tensors as produced, then its updates. An fp16/bf16 row that is the step's first
+non-finite one, with finite weights entering the step, came from a finite computation: its infs count as overflow.
 
 `Ranges` measures, on probed steps and on every skipped or non-finite step (probe_stats.py has the arithmetic):
   forward     every submodule's output (each tensor of a tuple output, e.g. nn.LSTM's (out, (h, c)))
@@ -40,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import events as ev
 from . import probe_stats as ps
 from ..config import ProbeConfig
 
@@ -70,6 +76,16 @@ def param_names(model: nn.Module) -> list[str]:
 
 def nonfinite(t: torch.Tensor) -> bool:
     return not bool(torch.isfinite(t).all())
+
+
+def module_type(model: nn.Module | None, name: str | None) -> str | None:
+    """The class name of the module a row is about: a module ('relu#2', 'rnn[1]') or a parameter's owner."""
+    if model is None or name is None:
+        return None
+    base = name.split("#")[0].split("[")[0]
+    mods = dict(model.named_modules())
+    m = mods.get(base, mods.get(base.rpartition(".")[0]))
+    return type(m).__name__ if m is not None else None
 
 
 class ForwardTrace:
@@ -109,10 +125,27 @@ class Attribution:
         self.replay = None   # the forward of the loop's current batch (kept by after_backward)
         self.skipped: list[dict] = []
         self.skipped_total = 0
-        self.first_nonfinite: dict | None = None
+        self.first_nonfinite: dict | None = None   # the first non-finite event in time order (events.py)
+        self.inputs: list[dict] | None = None      # what is wrong with step 1's batch (events.batch_findings)
+        self.optimizer = None                      # set by engine.Loop: Adam's state, read at an event only
 
     def before_step(self, step: int, policy) -> None:
         self.scale = policy.scale_value or 1.0   # the scale this step's backward uses (its update may change it)
+
+    def see_batch(self, step: int, x: torch.Tensor, y: torch.Tensor | None, policy) -> None:
+        """At step 1 only (one host sync): a batch that is all zeros or constant, labels that are one class, a first
+        layer whose output is all zeros; each is logged as a warning and kept for the summary."""
+        if step != 1 or self.inputs is not None or self.model is None:
+            return
+        self.inputs = ev.batch_findings(x, y)
+        first = ev.first_layer(self.model)
+        if first is not None and isinstance(first[1], (nn.Conv2d, nn.Linear)) and x.is_floating_point():
+            with torch.no_grad(), policy.autocast():
+                out = first[1](policy.cast_input(x))
+            if not bool(out.any()):
+                self.inputs.append({"what": "first layer output all zeros", "module": first[0],
+                                    "detail": f"{first[0]} outputs only zeros at step 1"})
+        ev.warn(self.inputs, step)
 
     def after_backward(self, step: int, loss: torch.Tensor, policy, replay) -> None:
         self.replay = replay
@@ -138,24 +171,26 @@ class Attribution:
         if self.model is None or replay is None:
             return ""
         if self.first_nonfinite is None:
-            self.first_nonfinite = {"step": step, **self.replay_attribution(replay)}
-        f = self.first_nonfinite
-        return f"first non-finite: {f['module']} {f['what']}" if f["module"] else \
-            "first non-finite: no module on replaying the batch (the forward was finite)"
+            self.first_nonfinite = self.replay_attribution(step, replay)
+        return ev.line(self.first_nonfinite)
 
     @torch.no_grad()
-    def replay_attribution(self, replay) -> dict:
-        """Run `replay()` (the loop's forward of its current batch) under forward hooks; the first module in
-        forward order whose parameters or output are non-finite. BatchNorm statistics are restored after."""
-        found: list[tuple[str, str]] = []
+    def replay_attribution(self, step: int, replay) -> dict:
+        """Run `replay()` (the loop's forward of its current batch) under forward hooks; the event of the first
+        module in forward order whose parameters or output are non-finite (weights: an earlier update made them so,
+        and Adam's state says whether it was 0/0). BatchNorm statistics are restored after."""
+        found: list[tuple] = []
 
         def seen(name, module, tensors):
             if found:
                 return
-            if any(nonfinite(p) for p in module.parameters(recurse=False)):
-                found.append((name, "weights"))
-            elif any(nonfinite(t) for t in tensors):
-                found.append((name, "output"))
+            bad = [p for p in module.parameters(recurse=False) if nonfinite(p)]
+            if bad:
+                found.append((name, "weights", bad[0]))
+            else:
+                t = next((t for t in tensors if nonfinite(t)), None)
+                if t is not None:
+                    found.append((name, "output", t))
 
         buffers = {k: v.clone() for k, v in self.model.named_buffers()}
         try:
@@ -163,14 +198,34 @@ class Attribution:
                 replay()
         finally:
             self.model.load_state_dict(buffers, strict=False)
-        name, what = found[0] if found else (None, None)
-        return {"module": name, "what": what}
+        return self.replay_event(step, found[0] if found else None)
+
+    def replay_event(self, step: int, found: tuple | None) -> dict:
+        if found is None:
+            return {**ev.event(step, "forward", None, None, None), "tensor": None}
+        name, tensor, t = found
+        if tensor == "output":
+            what = ev.what_of("forward", str(t.dtype)[6:], int(torch.isinf(t).sum()), int(torch.isnan(t).sum()))
+            return {**ev.event(step, "forward", name, str(t.dtype)[6:], what),
+                    "module_type": module_type(self.model, name)}
+        e = {**ev.event(step, "update", name, str(t.dtype)[6:], None), "tensor": "weights",
+             "module_type": module_type(self.model, name)}
+        state = self.optimizer.state.get(t) if self.optimizer is not None else None
+        if state and "exp_avg_sq" in state:   # Adam: the non-finite weights' second moment (and first) at 0?
+            bad = ~torch.isfinite(t)
+            v0, m0 = (float((state[k][bad] == 0).float().mean()) for k in ("exp_avg_sq", "exp_avg"))
+            e.update(what="0/0" if v0 == 1.0 else None, adam_state={"v_zero": v0, "m_zero": m0})
+        return e
+
+    def rows(self) -> list[dict]:
+        """The rows recorded (numerics.jsonl; none without probe=ranges), for the verdict (verdicts.py)."""
+        return []
 
     def summary(self) -> dict | None:
-        if not self.skipped_total and self.first_nonfinite is None:
+        if not self.skipped_total and self.first_nonfinite is None and not self.inputs:
             return None
         return {"probe": self.cfg.name, "skipped_steps": self.skipped, "skipped_total": self.skipped_total,
-                "first_nonfinite": self.first_nonfinite}
+                "first_nonfinite": self.first_nonfinite, "inputs": self.inputs or []}
 
     def close(self) -> None:
         pass
@@ -183,7 +238,7 @@ class Ranges(Attribution):
         super().__init__(model, cfg)
         self.path = path
         self.file = open(path, "a")
-        self.pending: list[tuple[str, str, int, torch.Tensor, torch.Tensor]] = []   # kind, name, order, counts, absmax
+        self.pending: list[tuple] = []   # kind, name, order, dtype, counts, absmax: in time order
         self.updates: list[tuple[str, torch.Tensor]] = []
         self.trace: ForwardTrace | None = None
         self.order: dict[str, int] = {}
@@ -217,14 +272,15 @@ class Ranges(Attribution):
                 self.measure("act_grad_unscaled", label, order, grad.float() / self.scale)
         return hook
 
-    def measure(self, kind: str, name: str, order: int, t: torch.Tensor) -> None:
-        self.pending.append((kind, name, order, *ps.tensor_counts(t)))
+    def measure(self, kind: str, name: str, order: int, t: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """dtype: the tensor's own when not given (an update is measured in fp32 but lives in the stepped dtype)."""
+        self.pending.append((kind, name, order, str(dtype or t.dtype)[6:], *ps.tensor_counts(t)))
 
     def after_backward(self, step: int, loss: torch.Tensor, policy, replay) -> None:
         self.replay = replay
         if not bool(torch.isfinite(loss)) and self.first_nonfinite is None:   # before the update spreads it
             self.disarm()
-            self.first_nonfinite = {"step": step, **self.replay_attribution(replay)}
+            self.first_nonfinite = self.replay_attribution(step, replay)
             self.hooks_armed = True   # the step is recorded in full
         if not self.hooks_armed:
             return
@@ -243,7 +299,7 @@ class Ranges(Attribution):
             what_if = ps.MEASURED if stepped and stepped[0].dtype == torch.float32 else ()
             for i, (n, old, new) in enumerate(zip(self.names, self.before, stepped)):
                 dw = new.detach().float() - old.float()
-                self.measure("update", n, i, dw)
+                self.measure("update", n, i, dw, new.dtype)
                 self.updates.append((n, ps.stall_counts(old, new.detach(), dw, new.grad, what_if)))
             self.before = None
             self.write(step, event, what_if)
@@ -265,9 +321,11 @@ class Ranges(Attribution):
         stalls = torch.stack([s for _, s in self.updates]).cpu().tolist() if self.updates else []
         rows: dict[str, list] = {}
         base = {"step": step, "scale": self.scale, **({"skipped": True} if event else {})}
-        for (kind, name, order, *_), c, a in zip(self.pending, counts, absmax):
-            row = {**base, "kind": kind, "name": name, "order": order, **ps.describe(c, a)}
-            rows.setdefault(kind, []).append(row)
+        timed = [{**base, "kind": kind, "name": name, "order": order, "dtype": dtype, **ps.describe(c, a)}
+                 for (kind, name, order, dtype, *_), c, a in zip(self.pending, counts, absmax)]
+        origin = self.note_first(timed, skipped=event is not None)
+        for row in timed:
+            rows.setdefault(row["kind"], []).append(row)
         for (name, _), s in zip(self.updates, stalls):
             row = next(r for r in rows["update"] if r["name"] == name)
             row["stall"] = {f: v / max(s[0], 1) for f, v in zip(("stepped", *what_if), s[1:])}
@@ -276,23 +334,42 @@ class Ranges(Attribution):
         for kind, kind_rows in rows.items():
             for r in kind_rows:
                 self.file.write(json.dumps(r) + "\n")
-                self.track(r)
+                self.track(r, r is origin)
             pooled = {**base, "kind": kind, "name": MODEL, "order": -1, **ps.pool(kind_rows)}
             self.pooled.setdefault(kind, []).append(pooled)
             self.file.write(json.dumps(pooled) + "\n")
         self.file.flush()
         self.pending, self.updates, self.hooks_armed = [], [], False
 
-    def track(self, r: dict) -> None:
+    def note_first(self, timed: list[dict], skipped: bool) -> dict | None:
+        """The step's first non-finite row in time order while the weights entering the step were finite (None
+        else): it came from a finite computation. On a step that was not skipped it is the run's first event."""
+        f = self.first_nonfinite
+        if not timed or (f is not None and f["step"] < timed[0]["step"]):
+            return None   # the weights entering this step were already spoiled
+        found = ev.first_in_rows(timed)
+        if found is None:
+            return None
+        replayed = f is not None and f.get("row") is None   # this step's replay: its forward, before any backward
+        if not skipped and (f is None or replayed and (f["module"] is None or found[1]["pass"] == "forward")):
+            self.first_nonfinite = found[1]
+            found[1]["module_type"] = module_type(self.model, found[1]["module"])
+        return found[0]
+
+    def track(self, r: dict, origin: bool = False) -> None:
         """The worst fp16 overflow and loss (rounding to zero) seen per (kind, layer) over the run; the first
-        forward overflow (rows come in forward order)."""
-        if r["kind"] == "forward" and r["fp16"]["overflow"] and self.first_overflow is None:
-            self.first_overflow = {"layer": r["name"], "step": r["step"], "fp16_fraction": r["fp16"]["overflow"]}
+        forward overflow (rows come in forward order). `origin`: the step's first non-finite row, computed from
+        finite values: in an fp16/bf16 tensor its inf values are overflow too."""
+        over = r["fp16"]["overflow"]
+        if origin and r.get("dtype") in ev.LOW and r["hist"]["inf"]:
+            over = max(over, r["hist"]["inf"] / max(r["n"], 1))
+        if r["kind"] == "forward" and over and self.first_overflow is None:
+            self.first_overflow = {"layer": r["name"], "step": r["step"], "fp16_fraction": over}
         key = (r["kind"], r["name"])
         worst = self.layers.setdefault(key, {"overflow": (0.0, None), "lost": (0.0, None)})
-        for k in ("overflow", "lost"):
-            if r["fp16"][k] > worst[k][0]:
-                worst[k] = (r["fp16"][k], r["step"])
+        for k, v in (("overflow", over), ("lost", r["fp16"]["lost"])):
+            if v > worst[k][0]:
+                worst[k] = (v, r["step"])
 
     def worst(self, what: str, kinds: tuple, top: int = 5) -> list[dict]:
         ranked = sorted(((v[what][0], v[what][1], k) for k, v in self.layers.items() if k[0] in kinds and v[what][0]),
@@ -301,7 +378,7 @@ class Ranges(Attribution):
 
     def summary(self) -> dict | None:
         out = super().summary() or {"probe": "ranges", "skipped_steps": [], "skipped_total": 0,
-                                    "first_nonfinite": None}
+                                    "first_nonfinite": None, "inputs": []}
         forward_kinds = ("forward", "act_grad_unscaled", "act_grad", "grad", "grad_unscaled")
         out.update(every=self.cfg.every,
                    probed_steps=sorted({r["step"] for rows in self.pooled.values() for r in rows}),
@@ -318,6 +395,11 @@ class Ranges(Attribution):
             out["update_stall"] = {k: sum(s[1] for s in v) / max(sum(s[0] for s in v), 1)
                                    for k, v in self.stalls.items()}
         return out
+
+    def rows(self) -> list[dict]:
+        self.file.flush()
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
 
     def close(self) -> None:
         self.disarm()

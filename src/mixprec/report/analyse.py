@@ -12,6 +12,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from .. import records
 from ..versions import differences
@@ -172,6 +173,7 @@ def analyse(jobs: list[Job], sources: list[Source], problems: list[str], inputs:
             "groups": [_group_data(g) for g in groups],
             "comparisons": [dict(_published_data(v, s), rows=compare(v, groups)) for s in applicable for v in s.values],
             "not_completed": [_problem_data(j) for j in exp_jobs if j.status != "completed"],
+            "verdicts": [_verdict_data(j) for j in exp_jobs if j.summary.get("verdict")],
             "variants": {j.variant: j.variant_full for j in exp_jobs if j.variant != j.variant_full},
             "ladder": ladder_rows([j.summary for j in exp_jobs]),   # the sweep's console ladder table, the same rows
         }
@@ -212,6 +214,13 @@ def _problem_data(j: Job) -> dict:
     return {"dir": str(j.dir), "job": records.job_num(s), "model": j.model, "precision": j.precision,
             "variant": j.variant, "seed": j.seed, "status": j.status, "reason": str(why).splitlines()[0],
             "step": (s.get("nonfinite") or {}).get("step")}
+
+
+def _verdict_data(j: Job) -> dict:
+    v = j.summary["verdict"]
+    return {"job": records.job_num(j.summary) if records.job_num(j.summary) is not None else Path(j.dir).name,
+            "model": f"{j.model} {j.variant}".strip(), "precision": j.precision, "status": j.status,
+            "verdict": v["line"], "cites": v["cites"], "mechanism": v["mechanism"]}
 
 
 def _env_table(jobs: list[Job]) -> list[dict]:
@@ -285,7 +294,8 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
             "loss_gap": gap,
             "mfu": m.get("mfu"),
             "peak_mem_mb": m.get("peak_memory_mb"),
-            "note": column_note(s) + _case_note(s.get("case")) + records.reason(s),
+            "note": column_note(s) + _case_note(s.get("case"))
+            + "; ".join(filter(None, (records.verdict_short(s), records.reason(s)))),
         })
     return rows
 
@@ -351,7 +361,8 @@ def ladder_rows(summaries: list[dict]) -> list[dict]:
             "reached": (sum(t is not None for t in to_target), len(group)),
             "to_94_s": statistics.median([math.inf if t is None else t for t in to_target]),
             "page_s": page_s, "page_epochs": page_epochs,
-            "note": "; ".join(sorted({records.reason(s) for s in group} - {""})),
+            "note": "; ".join(sorted({records.verdict_short(s) for s in group} - {""})
+                              + sorted({records.reason(s) for s in group} - {""})),
         })
     return rows
 

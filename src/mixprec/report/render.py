@@ -212,6 +212,13 @@ def document(data: dict) -> Doc:
                     [[p["job"] if p["job"] is not None else Path(p["dir"]).name, f"{p['model']} {p['variant']}".strip(),
                       p["precision"], p["seed"], p["status"], p["reason"], p["step"] if p["step"] is not None else "-"]
                      for p in exp["not_completed"]])
+        if exp.get("verdicts"):
+            d.h(3, "Numerics verdicts")
+            d.p("What the numerics probe's rules read from each job's measurements (src/mixprec/numerics/verdicts.py), "
+                "and the rows each verdict came from.")
+            d.table(["job", "model", "precision", "status", "verdict", "from"],
+                    [[v["job"], v["model"], v["precision"], v["status"], v["verdict"], "; ".join(v["cites"])]
+                     for v in exp["verdicts"]])
         for fig in exp.get("plots", []):
             d.image(fig["path"], fig["caption"])
     if data["sources_without_runs"]:
@@ -332,6 +339,9 @@ def job_block(summary: dict) -> str:
         f"memory      peak {_fmt(m.get('peak_memory_mb'), '.0f')} MB ({m.get('peak_memory_kind')})",
         f"loss scale  {scale}; skipped steps {m.get('skipped_steps')}",
     ]
+    v = summary.get("verdict")
+    if v:
+        lines[1:1] = [f"verdict     {v['line']}"] + [f"            from {c}" for c in v["cites"]]
     if summary.get("resumed"):
         r = summary["resumed"]
         lines.append(f"resumed     at step {r['from_step']} (epoch {r['from_epoch']:.2f}), {len(r['history'])} time(s); "
