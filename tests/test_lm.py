@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+
+from mixprec.numerics import emulation
 from torch import nn
 
 from helpers import ROOT, compose_config, run_cli, run_tiny, load_script
@@ -170,8 +172,9 @@ def test_perplexity_is_exp_of_the_mean_loss_per_token():
 
 def test_what_cpu_autocast_does_with_the_recurrent_layers():
     """As the README says (torch 2.14): under CPU autocast the LSTM and GRU run in fp32 (oneDNN's fp16 LSTM, which
-    autocast would pick, is turned off), nn.RNN and the decoder in fp16, the embedding in fp32."""
-    policy = precision("amp")
+    autocast would pick, is turned off), nn.RNN and the decoder in fp16, the embedding in fp32. (precision.emulate
+    =false: the CPU's own autocast; emulated, CUDA's policy applies: the next test.)"""
+    policy = precision("amp precision.emulate=false")
     for kind, rnn_dtype in (("lstm", torch.float32), ("gru", torch.float32), ("rnn_tanh", torch.float16)):
         model = RNNModel(kind, 20, 8, 8, 2)
         seen = {}
@@ -183,6 +186,26 @@ def test_what_cpu_autocast_does_with_the_recurrent_layers():
         loss.backward()
         assert seen == {"encoder": torch.float32, "rnn": rnn_dtype, "decoder": torch.float16}, kind
         assert loss.dtype == torch.float32 and torch.backends.mkldnn.enabled   # oneDNN back on afterwards
+
+
+def test_emulated_cuda_autocast_with_the_recurrent_layers():
+    """Emulated (CUDA's policy): every RNN kind runs in fp16 under amp (cuDNN's autocast cast), in fp32 under
+    amp_bf16 (RNNModel takes it out of autocast, as on a GPU); the decoder in the autocast dtype."""
+    for name, rnn_dtype, dec in (("amp", torch.float16, torch.float16), ("amp_bf16", torch.float32, torch.bfloat16)):
+        policy = precision(name)
+        assert policy.emulated
+        for kind in ("lstm", "gru", "rnn_tanh"):
+            with emulation.numerics(True):
+                model = RNNModel(kind, 20, 8, 8, 2)
+                seen = {}
+                for part in ("encoder", "rnn", "decoder"):
+                    getattr(model, part).register_forward_hook(
+                        lambda m, args, out, part=part: seen.__setitem__(part, (out[0] if part == "rnn" else out).dtype))
+                x = torch.randint(20, (5, 3))
+                loss, _, _ = lm_engine.forward(model, x, x, model.init_hidden(3), policy)
+                loss.backward()
+            assert seen == {"encoder": torch.float32, "rnn": rnn_dtype, "decoder": dec}, (name, kind)
+            assert model.rnn_dtype == rnn_dtype
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
@@ -308,8 +331,11 @@ def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
     assert header[:7] == ["job", "model", "precision", "status", "epochs", "time", "s"]
     assert "tokens/s" in header and "valid" in header and "published" in header and "acc" not in header
     rows = {line.split()[2]: line.split() for line in out[3:6]}
-    assert sorted(rows) == ["amp", "apex_fp16(x128)", "fp32"]                  # the static loss scale is shown
-    rows["apex_fp16"] = rows.pop("apex_fp16(x128)")
+    # the static loss scale is shown, and the CPU's fp16 jobs are marked emulated (no speed-up shown for them)
+    assert sorted(rows) == ["amp(emulated)", "apex_fp16(x128)(emulated)", "fp32"]
+    rows["apex_fp16"] = rows.pop("apex_fp16(x128)(emulated)")
+    rows["amp"] = rows.pop("amp(emulated)")
+    assert rows["amp"][7] == "-" and rows["apex_fp16"][7] == "-"
     by_precision = {s["choices"]["precision"]: s for s in summaries}
     for name, cells in rows.items():
         m = by_precision[name]["metrics"]
@@ -317,6 +343,7 @@ def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
     assert rows["fp32"][7] == "1.00" and all(cells[12] == "-" for cells in rows.values())   # not apex's model
     assert rows["fp32"][11] == "+0" and all(cells[8] == "-" for cells in rows.values())   # loss gap; no MFU on a CPU
     assert out[6].startswith("published test ppl: NVIDIA apex's word_language_model README")
+    assert out[7].startswith("(emulated): fp16/bf16 rounding emulated on fp32 kernels")
 
 
 def test_generate_samples_words_from_a_trained_run(tmp_path, capsys):

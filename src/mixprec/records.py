@@ -183,6 +183,12 @@ def fp8_emulated(summary: dict) -> bool:
     return bool((summary.get("fp8") or {}).get("fp8_emulated"))
 
 
+def emulated(summary: dict) -> bool:
+    """Its low-precision arithmetic was emulated (fp16/bf16 rounding on fp32 kernels, or torchao's fp8
+    emulation): its losses and accuracies stand, its times are no fp16/bf16/FP8 times."""
+    return summary.get("arithmetic") == "emulated" or fp8_emulated(summary)
+
+
 def arch(summary: dict) -> str | None:
     return (config(summary).get("model") or {}).get("arch")
 

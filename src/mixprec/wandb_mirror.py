@@ -56,6 +56,8 @@ class WandbMirror:
 
     def summary(self, summary: dict) -> None:
         self._summary = {"status": records.status(summary)}
+        if summary.get("arithmetic"):   # emulated: fp16/bf16 rounding on fp32 kernels (its times are fp32 times)
+            self._summary["arithmetic"] = summary["arithmetic"]
         if records.verdict(summary):   # the numerics verdict (numerics/verdicts.py): mechanism, where, fix
             self._summary.update(verdict=records.verdict(summary), verdict_mechanism=summary["verdict"]["mechanism"])
         for k, v in records.metrics(summary).items():

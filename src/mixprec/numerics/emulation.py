@@ -139,7 +139,8 @@ _WRITES_STATS = {aten.native_batch_norm.default: (3, 4), aten._native_batch_norm
 
 
 def out_dtypes(func, flat: list, spec) -> list:
-    """The dtypes of func's tensor outputs for these argument dtypes: the real op run once on meta tensors."""
+    """The dtypes of func's tensor outputs for these argument dtypes: the real op run once on meta tensors.
+    Cached by the argument dtypes, not shapes: a list output's length may differ from the cached one's."""
     key = (func, tuple(_key(a) for a in flat))
     found = _OUT_DTYPES.get(key)
     if found is None:
@@ -216,6 +217,8 @@ def _wrap_outputs(func, flat_args, out, dtypes, originals, unwrapped, fallback):
     views = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
     flat, spec = tree_flatten(out)
     tensors = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+    if dtypes is not None and len(dtypes) != len(tensors):   # a list output (unbind, split): its length varies
+        dtypes = dtypes[:1] * len(tensors) if len(set(dtypes)) == 1 else None
     if dtypes is None:
         dtypes = [fallback if flat[i].dtype == FP32 else flat[i].dtype for i in tensors]
     for i, dt in zip(tensors, dtypes):
@@ -360,14 +363,15 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 @contextlib.contextmanager
 def numerics(emulate: bool):
     """The job's numerics: EmulationMode throughout when emulating, nothing otherwise. Module.half() and friends
-    then make new Parameters (an Emulated one cannot take over a plain Parameter's storage by `param.data = ...`)."""
+    then swap each parameter's contents in place (torch.utils.swap_tensors): an Emulated tensor cannot take over a
+    plain Parameter's storage by `param.data = ...`, and a new Parameter per module would untie tied weights."""
     if not emulate:
         yield
         return
-    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
-    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         with EmulationMode():
             yield
     finally:
-        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+        torch.__future__.set_swap_module_params_on_conversion(swap)

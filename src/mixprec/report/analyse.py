@@ -195,7 +195,7 @@ def _group_data(g: Group) -> dict:
             "metrics": {m: g.stats(m) for m in ("train_time_s", "speedup", "throughput", "final_test_acc",
                                                 "best_test_acc", "time_to_target_s", "peak_memory_mb", "mfu",
                                                 "loss_gap")},
-            "fp8_emulated": any(records.fp8_emulated(j.summary) for j in g.jobs),
+            "emulated": any(records.emulated(j.summary) for j in g.jobs),
             "peak_memory_kind": sorted({records.metrics(j.summary).get("peak_memory_kind") or "?"
                                         for j in g.jobs}),
             "devices": _devices(g.jobs), "software": _software(g.jobs)}
@@ -285,7 +285,7 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
             "epochs": m.get("epochs"),
             "train_time_s": t,
             "samples_per_s": m.get("throughput"),
-            "speedup": base / t if base and t and records.completed(s) else None,
+            "speedup": base / t if base and t and records.completed(s) and not records.emulated(s) else None,
             "test_acc": m.get("final_test_acc"),
             "lm": records.is_language_model(s),
             "valid_ppl": m.get("best_valid_ppl"),
@@ -301,13 +301,14 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
 
 
 def precision_label(summary: dict) -> str | None:
-    """The precision choice, with its static loss scale when it has one (apex's fp16: o2(x128)), or marked
-    `(emulated)` when it is fp8 without FP8 tensor cores (its time is then not an FP8 time)."""
+    """The precision choice, with its static loss scale when it has one (apex's fp16: o2(x128)), and marked
+    `(emulated)` when its arithmetic was emulated: fp16/bf16 rounding on fp32 kernels, or fp8 without FP8 tensor
+    cores (its time is then no fp16/bf16/FP8 time)."""
     choice = records.choices(summary).get("precision")
-    if records.fp8_emulated(summary):
-        return f"{choice}(emulated)"
     scale = records.lookup(summary, "precision.loss_scale")
-    return f"{choice}(x{scale:g})" if isinstance(scale, (int, float)) and not isinstance(scale, bool) else choice
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        choice = f"{choice}(x{scale:g})"
+    return f"{choice}(emulated)" if records.emulated(summary) else choice
 
 
 def _case_note(case: dict | None) -> str:

@@ -168,7 +168,7 @@ def document(data: dict) -> Doc:
                 runs += " (seeds " + ",".join(str(s) for s in g["seeds"]) + ")"
             m = g["metrics"]
             done = g["statuses"].get("completed", 0)
-            precision = g["precision"] + (" (emulated: not an FP8 time)" if g["fp8_emulated"] else "")
+            precision = g["precision"] + (" (emulated: not a low-precision time)" if g["emulated"] else "")
             rows.append([g["label"], precision, runs, mean_sd(m["train_time_s"], ".3f"), mean_sd(m["speedup"], ".2f"),
                          mean_sd(m["throughput"], ".1f"), mean_sd(m["final_test_acc"], ".2f", 100)]
                         + ([mean_sd(m["time_to_target_s"], ".3g", of=done)] if ttt else [])
@@ -269,14 +269,21 @@ def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
     return str(v)
 
 
+EMULATED_NOTE = ("(emulated): fp16/bf16 rounding emulated on fp32 kernels (precision.emulate, docs/numerics.md): its "
+                 "loss and accuracy are a GPU's numerics, its time and samples/s are fp32 timings on this device, and "
+                 "no speed-up is shown")
+
+
 def sweep_note(summaries: list[dict]) -> str | None:
     """What a sweep's table is to be read beside: the published numbers of a recurrent language-model sweep;
-    that an emulated fp8 job's time is no FP8 time."""
+    that an emulated job's time is no fp16/bf16/FP8 time."""
     notes = []
     if summaries and all(records.arch(s) in RNN_KINDS for s in summaries):
         notes.append(APEX_NOTE)
     if any(records.fp8_emulated(s) for s in summaries):
         notes.append(FP8_EMULATED_NOTE)
+    if any(s.get("arithmetic") == "emulated" for s in summaries):
+        notes.append(EMULATED_NOTE)
     return "\n".join(notes) or None
 
 
@@ -352,6 +359,9 @@ def job_block(summary: dict) -> str:
                      f"{len(fp8['bf16_layers'])} in bf16 ({', '.join(fp8['bf16_layers']) or 'none'}); fp8_emulated: "
                      + (f"true ({fp8['emulation_reason']}: the time above is not an FP8 time)" if fp8["fp8_emulated"]
                         else "false"))
+    if summary.get("arithmetic") == "emulated":
+        lines.append("numerics    emulated: fp16/bf16 rounding on fp32 kernels with CUDA's autocast policy; the "
+                     "losses are a GPU's, the time above is an fp32 time on this device, not a low-precision one")
     if m.get("mfu") is not None:
         lines.append(f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} peak")
     return "\n".join(lines)
