@@ -127,7 +127,7 @@ ELEMENTWISE = {
     "avg_pool2d": (lambda a: F.adaptive_avg_pool2d(a, 1), [X]),
     "softmax": (lambda a: a.softmax(-1), [rnd(8, 16)]),
     "cat_view": (lambda a, b: torch.cat([a.t(), b.t()]).reshape(-1)[3:40], [rnd(8, 4), rnd(8, 4)]),
-    "embedding": (lambda w: F.embedding(torch.tensor([[1, 3], [0, 3]]), w), [rnd(5, 4)]),
+    "embedding": (lambda w: F.embedding(torch.tensor([[1, 3], [0, 3]], device=w.device), w), [rnd(5, 4)]),
 }
 ACCUMULATING = {
     "linear": (F.linear, [rnd(8, 32), rnd(16, 32), rnd(16)]),
@@ -142,7 +142,7 @@ REDUCING = {
     "log_softmax": (lambda a: a.log_softmax(-1), [rnd(8, 16)]),
     "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
              [rnd(2, 2, 8, 16), rnd(2, 2, 8, 16), rnd(2, 2, 8, 16)]),
-    "cross_entropy": (lambda a: F.cross_entropy(a, torch.tensor([1, 0, 3, 2])), [rnd(4, 10)]),
+    "cross_entropy": (lambda a: F.cross_entropy(a, torch.tensor([1, 0, 3, 2], device=a.device)), [rnd(4, 10)]),
 }
 
 
@@ -210,7 +210,7 @@ AUTOCAST = {
     "linear": (F.linear, [rnd(8, 32), rnd(16, 32), rnd(16)]),
     "matmul_operator": (lambda a, b: a @ b, [rnd(8, 32), rnd(32, 8)]),
     "softmax": (lambda a: a.softmax(-1), [rnd(8, 16)]),
-    "cross_entropy": (lambda a, w: F.cross_entropy(F.linear(a, w), torch.tensor([1, 0, 3, 2])),
+    "cross_entropy": (lambda a, w: F.cross_entropy(F.linear(a, w), torch.tensor([1, 0, 3, 2], device=a.device)),
                       [rnd(4, 16), rnd(10, 16)]),
     "layer_norm_after_linear": (lambda a, w: F.layer_norm(F.linear(a, w), (16,)), [rnd(8, 32), rnd(16, 32)]),
     "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -375,9 +375,9 @@ MODELS = {
 }
 
 
-def train_losses(model_name: str, precision: str, emulate: bool, steps: int = 3) -> list[float]:
+def train_losses(model_name: str, precision: str, emulate: bool, steps: int = 3, device: str = "cpu") -> list[float]:
     """`steps` optimizer steps of a small model under precision's policy (CUDA autocast's policy either way),
-    on emulated or on real fp16/bf16 tensors; the losses."""
+    on emulated or on real fp16/bf16 tensors (on a CUDA device: the GPU's own kernels and autocast); the losses."""
     from helpers import compose_config
 
     from mixprec.config import validate
@@ -385,27 +385,29 @@ def train_losses(model_name: str, precision: str, emulate: bool, steps: int = 3)
     from mixprec.optim import build_optimizer
     from mixprec.precision import PrecisionPolicy
 
-    config = validate(compose_config(*MODELS[model_name], f"precision={precision}", "precision.emulate=true",
-                                     "optimizer=sgd", "optimizer.lr=0.01", "trainer.device=cpu"))
+    config = validate(compose_config(*MODELS[model_name], f"precision={precision}",
+                                     f"precision.emulate={'auto' if device == 'cuda' else 'true'}",
+                                     "optimizer=sgd", "optimizer.lr=0.01", f"trainer.device={device}"))
     torch.manual_seed(0)
     lm = config.model.is_language_model
     vocab = 50
     model = build_model(config.model, vocab if lm else 10)
     losses = []
     with emulation.numerics(emulate):
-        policy = PrecisionPolicy(config.precision, torch.device("cpu"))
+        policy = PrecisionPolicy(config.precision, torch.device(device))
         model = policy.prepare_model(model)
         opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
         gen = torch.Generator().manual_seed(1)
         for _ in range(steps):
             if lm:
-                x = torch.randint(0, vocab, (8, 4), generator=gen)
-                y = torch.randint(0, vocab, (8, 4), generator=gen)
+                x = torch.randint(0, vocab, (8, 4), generator=gen).to(device)
+                y = torch.randint(0, vocab, (8, 4), generator=gen).to(device)
                 with policy.autocast():
                     out = model(x, model.init_hidden(4) if model_name == "lstm" else None)[0]
                 loss = F.cross_entropy(out.float().reshape(-1, out.size(-1)), y.reshape(-1))
             else:
                 x, y = torch.randn(16, 3, 16, 16, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+                x, y = x.to(device), y.to(device)
                 with policy.autocast():
                     out = model(policy.cast_input(x))
                 loss = F.cross_entropy(out.float(), y)
@@ -425,3 +427,50 @@ def test_whole_models_train_as_with_the_real_dtypes(model_name, precision):
     assert all(math.isfinite(v) for v in native)
     for e, n in zip(emulated, native):
         assert abs(e - n) <= 0.01 * abs(n), (emulated, native)
+
+
+# -- against a GPU (pytest -m gpu): the emulation's reference is CUDA's kernels -------------------------------------
+def on_cuda(fn, inputs, dtype, autocast=None):
+    """fn's outputs and input gradients with real fp16/bf16 tensors on the GPU (torch.autocast("cuda") for an
+    autocast op), as CPU tensors."""
+    xs = [(x.cuda() if autocast else x.to("cuda", dtype)).requires_grad_(True) for x in inputs]
+    with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+        out = fn(*xs)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    w = [torch.linspace(-1, 1, o.numel(), device="cuda").reshape(o.shape) for o in outs]
+    sum((o.float() * wi).sum() for o, wi in zip(outs, w)).backward()
+    return [o.detach().cpu() for o in outs] + [x.grad.cpu() for x in xs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", sorted(ELEMENTWISE) + sorted(ACCUMULATING) + sorted(REDUCING))
+def test_emulated_cpu_ops_match_cuda(name, dtype):
+    """Elementwise ops within 1 ulp (CUDA's fp32 math library may differ from the CPU's by an fp32 ulp, which
+    rounding to fp16/bf16 can make one ulp); the rest within 2 ulps of the tensor's largest value."""
+    fn, inputs = {**ELEMENTWISE, **ACCUMULATING, **REDUCING}[name]
+    out, grads = run_op(fn, inputs, dtype, True)
+    for e, c in zip(out + grads, on_cuda(fn, inputs, dtype)):
+        assert e.dtype == c.dtype
+        assert (ulps(e, c) <= 1.0) if name in ELEMENTWISE else (scaled_ulps(e, c, dtype) <= 2.0), (name, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", sorted(AUTOCAST))
+def test_emulated_autocast_matches_cuda_autocast(name, dtype):
+    fn, inputs = AUTOCAST[name]
+    out, grads = run_op(fn, inputs, dtype, True, autocast=dtype)
+    for e, c in zip(out + grads, on_cuda(fn, inputs, dtype, autocast=dtype)):
+        assert e.dtype == c.dtype, (name, e.dtype, c.dtype)
+        assert scaled_ulps(e, c, dtype) <= 2.0, (name, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["amp", "amp_bf16", "half", "o2"])
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_whole_models_train_emulated_on_the_cpu_as_on_cuda(model_name, precision):
+    emulated, cuda = train_losses(model_name, precision, True), train_losses(model_name, precision, False,
+                                                                             device="cuda")
+    for e, c in zip(emulated, cuda):
+        assert abs(e - c) <= 0.01 * abs(c), (emulated, cuda)

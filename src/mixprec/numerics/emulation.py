@@ -33,7 +33,6 @@ import logging
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +82,8 @@ def round_(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round fp32 `x` to `dtype` in place (the same values as `rounded`): chunk by chunk through a small buffer
     where its elements are dense in memory, so that the data crosses main memory once each way (about 3x faster
     than x.to(dtype).to(float32) on large activations)."""
+    if x.numel() <= CHUNK:
+        return x.copy_(x.to(dtype))
     if x.is_contiguous():
         flat = x.view(-1)
     elif x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
@@ -117,6 +118,24 @@ def _fp32(a):
     return a
 
 
+def leaves(args, kwargs=None) -> list:
+    """The arguments of an op (or its outputs), lists and tuples opened one level: an aten op's nesting."""
+    flat = []
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, (list, tuple)):
+            flat.extend(a)
+        else:
+            flat.append(a)
+    return flat
+
+
+def mapped(fn, args, kwargs=None):
+    """args and kwargs with fn applied to each leaf (see leaves)."""
+    def one(a):
+        return type(a)(fn(x) for x in a) if isinstance(a, (list, tuple)) else fn(a)
+    return tuple(one(a) for a in args), {k: one(v) for k, v in (kwargs or {}).items()}
+
+
 def _key(a):
     if isinstance(a, torch.Tensor):
         return a.dtype, a.dim() == 0
@@ -138,16 +157,17 @@ _WRITES_STATS = {aten.native_batch_norm.default: (3, 4), aten._native_batch_norm
                  aten._native_batch_norm_legit_functional.default: ()}
 
 
-def out_dtypes(func, flat: list, spec) -> list:
+def out_dtypes(func, flat: list, args, kwargs) -> list:
     """The dtypes of func's tensor outputs for these argument dtypes: the real op run once on meta tensors.
     Cached by the argument dtypes, not shapes: a list output's length may differ from the cached one's."""
     key = (func, tuple(_key(a) for a in flat))
     found = _OUT_DTYPES.get(key)
     if found is None:
         try:
-            args, kwargs = tree_unflatten([_meta(a) for a in flat], spec)
-            out = func(*args, **kwargs)
-            found = [t.dtype for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            margs, mkwargs = mapped(_meta, args, kwargs)
+            out = func(*margs, **mkwargs)
+            found = [t.dtype for t in leaves(out if isinstance(out, (list, tuple)) else (out,))
+                     if isinstance(t, torch.Tensor)]
         except Exception:   # no meta kernel (data-dependent shapes): the low dtype of the inputs, if any
             if func not in _FALLBACKS:
                 _FALLBACKS.add(func)
@@ -158,8 +178,19 @@ def out_dtypes(func, flat: list, spec) -> list:
     return found
 
 
-def _written(func) -> list[str]:
-    return [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+_SCHEMA: dict = {}
+
+
+def schema_facts(func) -> tuple:
+    """(the arguments an op writes: (position, name), whether it returns views, whether it returns nothing), per op."""
+    facts = _SCHEMA.get(func)
+    if facts is None:
+        s = func._schema
+        written = tuple((i, a.name) for i, a in enumerate(s.arguments)
+                        if (a.alias_info is not None and a.alias_info.is_write) or i in _WRITES_STATS.get(func, ()))
+        views = any(r.alias_info is not None and not r.alias_info.is_write for r in s.returns)
+        facts = _SCHEMA[func] = (written, views, len(s.returns) == 0)
+    return facts
 
 
 # Ops whose outputs take their values from their inputs (or are 0 or 1): nothing to round when every floating
@@ -194,13 +225,9 @@ def _round_written(func, flat: list, originals: list, unwrapped: list) -> None:
 
 
 def _mutated_args(func, args, kwargs, fargs, fkwargs) -> tuple[list, list]:
-    names = _written(func)
     originals, unwrapped = [], []
-    schema_args = func._schema.arguments
-    for i, a in enumerate(schema_args):
-        if a.name not in names and i not in _WRITES_STATS.get(func, ()):
-            continue
-        orig, data = (args[i], fargs[i]) if i < len(args) else (kwargs.get(a.name), fkwargs.get(a.name))
+    for i, name in schema_facts(func)[0]:
+        orig, data = (args[i], fargs[i]) if i < len(args) else (kwargs.get(name), fkwargs.get(name))
         if isinstance(orig, (list, tuple)):
             originals += list(orig)
             unwrapped += list(data)
@@ -214,8 +241,9 @@ def _wrap_outputs(func, flat_args, out, dtypes, originals, unwrapped, fallback):
     """Real outputs -> what the op returns: in-place results are the original arguments, views of low data are
     wrapped unrounded, new low-precision outputs are rounded once."""
     back = {id(d): o for o, d in zip(originals, unwrapped)}
-    views = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
-    flat, spec = tree_flatten(out)
+    views = schema_facts(func)[1]
+    single = not isinstance(out, (list, tuple))
+    flat = [out] if single else list(out)
     tensors = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
     if dtypes is not None and len(dtypes) != len(tensors):   # a list output (unbind, split): its length varies
         dtypes = dtypes[:1] * len(tensors) if len(set(dtypes)) == 1 else None
@@ -227,7 +255,7 @@ def _wrap_outputs(func, flat_args, out, dtypes, originals, unwrapped, fallback):
             flat[i] = back[id(t)]
         elif dt in LOW:
             flat[i] = Emulated(t if views or _exact(func, flat_args, dt) else round_(t, dt), dt)
-    return tree_unflatten(flat, spec)
+    return flat[0] if single else type(out)(flat)
 
 
 class EmulationMode(TorchDispatchMode):
@@ -235,11 +263,11 @@ class EmulationMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, spec = tree_flatten((args, kwargs))
+        flat = leaves(args, kwargs)
         if not any(_low(a) for a in flat):
             return func(*args, **kwargs)
-        dtypes = None if func._schema.returns == [] else out_dtypes(func, flat, spec)
-        fargs, fkwargs = tree_unflatten([_fp32(a) for a in flat], spec)
+        dtypes = None if schema_facts(func)[2] else out_dtypes(func, flat, args, kwargs)
+        fargs, fkwargs = mapped(_fp32, args, kwargs)
         originals, unwrapped = _mutated_args(func, args, kwargs, fargs, fkwargs)
         out = func(*fargs, **fkwargs)
         _round_written(func, flat, originals, unwrapped)
@@ -287,9 +315,7 @@ def cast_rule(name: str) -> str | None:
 def _cast(args, kwargs, eligible, dtype, floats):
     """args and kwargs with each of `floats` (floating tensors, fp64 excepted) that is `eligible` cast to dtype."""
     ids = {id(a) for a in floats}
-    flat, spec = tree_flatten((args, kwargs))
-    flat = [a.to(dtype) if id(a) in ids and eligible(a) else a for a in flat]
-    return tree_unflatten(flat, spec)
+    return mapped(lambda a: a.to(dtype) if id(a) in ids and eligible(a) else a, args, kwargs)
 
 
 class AutocastMode(TorchFunctionMode):
@@ -304,7 +330,7 @@ class AutocastMode(TorchFunctionMode):
         rule = cast_rule(getattr(func, "__name__", ""))
         if rule is None or not _STATE["enabled"]:
             return func(*args, **kwargs)
-        floats = [a for a in tree_flatten((args, kwargs))[0]
+        floats = [a for a in leaves(args, kwargs)
                   if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64]
         if rule == "lower" or rule == "rnn":
             to = self.dtype if rule == "lower" else torch.float16
