@@ -25,7 +25,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from mixprec import cli  # noqa: E402
+from mixprec import cli, lm_engine  # noqa: E402
 from mixprec.config import validate  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
 from mixprec.numerics import emulation  # noqa: E402
@@ -67,10 +67,11 @@ class Job:
 
     def step(self) -> None:
         with emulation.numerics(self.emulated):
-            with self.policy.autocast():
-                if self.lm:
+            if self.lm:   # as a job runs it: oneDNN's LSTM off under a CPU's autocast (lm_engine.autocast)
+                with lm_engine.autocast(self.policy):
                     out = self.model(self.x, tuple(h.detach() for h in self.hidden))[0]
-                else:
+            else:
+                with self.policy.autocast():
                     out = self.model(self.policy.cast_input(self.x))
             loss = F.cross_entropy(out.float().reshape(-1, out.size(-1)), self.y.reshape(-1))
             self.policy.backward(loss)

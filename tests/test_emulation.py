@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 import io
+import json
 import re
 from pathlib import Path
 
@@ -474,3 +475,30 @@ def test_whole_models_train_emulated_on_the_cpu_as_on_cuda(model_name, precision
                                                                              device="cuda")
     for e, c in zip(emulated, cuda):
         assert abs(e - c) <= 0.01 * abs(c), (emulated, cuda)
+
+
+# -- a job ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("emulate", ["auto", "false"])
+def test_a_job_records_and_shows_its_arithmetic(tmp_path, emulate):
+    from helpers import run_tiny
+
+    from mixprec.report.analyse import precision_label, sweep_rows
+    from mixprec.report.render import job_block, sweep_note
+
+    s = run_tiny(tmp_path, "precision=amp", f"precision.emulate={emulate}", "dataset.image_size=8")
+    assert s["status"] == "completed"
+    emulated = emulate == "auto"   # on this CPU: auto emulates
+    assert s["arithmetic"] == ("emulated" if emulated else "native")
+    assert ("numerics    emulated" in job_block(s)) == emulated
+    assert precision_label(s) == ("amp(emulated)" if emulated else "amp")
+    assert sweep_rows([s])[0]["speedup"] is None
+    assert ("(emulated): fp16/bf16 rounding emulated" in (sweep_note([s]) or "")) == emulated
+
+
+def test_compile_is_refused_under_emulation(tmp_path):
+    from helpers import run_tiny
+
+    with pytest.raises(SystemExit):   # a single job that fails ends the process, its summary written
+        run_tiny(tmp_path, "precision=amp", "trainer.compile=default")
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "failed" and "runs eagerly; use trainer.compile=none" in s["error"]

@@ -177,15 +177,21 @@ def test_what_cpu_autocast_does_with_the_recurrent_layers():
     policy = precision("amp precision.emulate=false")
     for kind, rnn_dtype in (("lstm", torch.float32), ("gru", torch.float32), ("rnn_tanh", torch.float16)):
         model = RNNModel(kind, 20, 8, 8, 2)
-        seen = {}
-        for name in ("encoder", "rnn", "decoder"):
-            getattr(model, name).register_forward_hook(
-                lambda m, args, out, name=name: seen.__setitem__(name, (out[0] if name == "rnn" else out).dtype))
-        x = torch.randint(20, (5, 3))
-        loss, _, _ = lm_engine.forward(model, x, x, model.init_hidden(3), policy)
-        loss.backward()
+        seen, loss = dtypes_seen(model, policy)
         assert seen == {"encoder": torch.float32, "rnn": rnn_dtype, "decoder": torch.float16}, kind
         assert loss.dtype == torch.float32 and torch.backends.mkldnn.enabled   # oneDNN back on afterwards
+
+
+def dtypes_seen(model, policy) -> tuple[dict, torch.Tensor]:
+    """The output dtypes of the model's embedding, recurrent layers and decoder in one window and backward."""
+    seen = {}
+    for part in ("encoder", "rnn", "decoder"):
+        getattr(model, part).register_forward_hook(
+            lambda m, args, out, part=part: seen.__setitem__(part, (out[0] if part == "rnn" else out).dtype))
+    x = torch.randint(20, (5, 3))
+    loss, _, _ = lm_engine.forward(model, x, x, model.init_hidden(3), policy)
+    loss.backward()
+    return seen, loss
 
 
 def test_emulated_cuda_autocast_with_the_recurrent_layers():
@@ -197,13 +203,7 @@ def test_emulated_cuda_autocast_with_the_recurrent_layers():
         for kind in ("lstm", "gru", "rnn_tanh"):
             with emulation.numerics(True):
                 model = RNNModel(kind, 20, 8, 8, 2)
-                seen = {}
-                for part in ("encoder", "rnn", "decoder"):
-                    getattr(model, part).register_forward_hook(
-                        lambda m, args, out, part=part: seen.__setitem__(part, (out[0] if part == "rnn" else out).dtype))
-                x = torch.randint(20, (5, 3))
-                loss, _, _ = lm_engine.forward(model, x, x, model.init_hidden(3), policy)
-                loss.backward()
+                seen, _ = dtypes_seen(model, policy)
             assert seen == {"encoder": torch.float32, "rnn": rnn_dtype, "decoder": dec}, (name, kind)
             assert model.rnn_dtype == rnn_dtype
 
