@@ -232,9 +232,6 @@ class PrecisionConfig:
     emulate: Union[bool, Literal["auto"]] = "auto"
 
     def check(self) -> None:
-        if self.emulate is True and self.fp8_recipe is not None:
-            raise ConfigError("precision.emulate=true with precision=fp8: torchao emulates the float8 matmuls itself "
-                              "and its bf16 part runs on the device's own kernels; use precision.emulate=auto")
         if self.fp8_recipe is not None:
             if self.autocast_dtype != "bfloat16" or self.param_dtype != "float32":
                 raise ConfigError("precision.fp8_recipe: float8 Linear layers run beside bf16 autocast on fp32 "

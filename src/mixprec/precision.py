@@ -83,8 +83,9 @@ def low_dtype(cfg: PrecisionConfig) -> str | None:
 
 def emulates(cfg: PrecisionConfig, device: torch.device) -> bool:
     """Whether the job's fp16/bf16 arithmetic is emulated on fp32 kernels (precision.emulate; auto: wherever the
-    device is not CUDA, whose kernels the emulation reproduces). precision=fp8 never is: torchao emulates it."""
-    if low_dtype(cfg) is None or cfg.fp8_recipe is not None:
+    device is not CUDA, whose kernels the emulation reproduces). Under precision=fp8 it is the bf16 part that is
+    emulated; the float8 matmuls are torchao's (its own emulation without FP8 tensor cores)."""
+    if low_dtype(cfg) is None:
         return False
     return device.type != "cuda" if cfg.emulate == "auto" else bool(cfg.emulate)
 

@@ -70,6 +70,9 @@ class Emulated(torch.Tensor):
         return self.to_real().__reduce_ex__(proto)   # saved as a real tensor: checkpoints load anywhere
 
 
+PLAIN = (torch.Tensor, torch.nn.Parameter, Emulated)
+
+
 def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 `x` rounded to `dtype` (round to nearest even, as a kernel's store), kept in fp32."""
     return x.to(dtype).to(FP32)
@@ -266,6 +269,8 @@ class EmulationMode(TorchDispatchMode):
         flat = leaves(args, kwargs)
         if not any(_low(a) for a in flat):
             return func(*args, **kwargs)
+        if any(isinstance(a, torch.Tensor) and type(a) not in PLAIN for a in flat):
+            return NotImplemented   # another tensor subclass (torchao's float8): it runs its op on its own tensors
         dtypes = None if schema_facts(func)[2] else out_dtypes(func, flat, args, kwargs)
         fargs, fkwargs = mapped(_fp32, args, kwargs)
         originals, unwrapped = _mutated_args(func, args, kwargs, fargs, fkwargs)

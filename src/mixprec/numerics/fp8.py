@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from . import emulation
 from torch import nn
 
 from ..config import require_torchao
@@ -70,6 +72,7 @@ def _autocast_input(module: nn.Module, args: tuple):
     """Float8Linear casts its input to the autocast dtype only under CUDA autocast (torchao 0.18); this does the
     same under any device's autocast, so that the emulation quantises the bf16 activations a GPU would."""
     x, device = args[0], args[0].device.type
-    if torch.is_autocast_enabled(device) and x.is_floating_point():
-        return (x.to(torch.get_autocast_dtype(device)), *args[1:])
+    dtype = emulation.autocast_dtype(device)   # the real autocast's, or the emulated one's
+    if dtype is not None and x.is_floating_point():
+        return (x.to(dtype), *args[1:])
     return None
