@@ -11,9 +11,10 @@ SIZES = [o for o in TINY if not o.startswith(("model", "logger"))]
 @pytest.mark.slow   # a subprocess sweep
 def test_sweep_writes_one_summary_and_one_wandb_run_per_job_and_a_table(tmp_path):
     sweep = tmp_path / "sweep"
-    # 8 px images: fp16 convolutions run reference kernels on a CPU (ResNet-18 amp at 32 px takes minutes)
+    # the CPU's own fp16 kernels (precision.emulate=false), so that amp's time is a real time with a speed-up (an
+    # emulated job has none); 8 px images: they are reference kernels (ResNet-18 amp at 32 px takes minutes)
     r = run_cli("-m", "precision=fp32,amp", "model=small_cnn,resnet18", *SIZES, "dataset.image_size=8",
-                "logger=wandb", f"hydra.sweep.dir={sweep}")
+                "precision.emulate=false", "logger=wandb", f"hydra.sweep.dir={sweep}")
     assert r.returncode == 0, r.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
     assert len(summaries) == 4

@@ -14,9 +14,11 @@ from mixprec.report.make import make_report
 from mixprec.report.published import SourceError, load_source, load_sources
 
 # small enough for ResNet-18 on a CPU: 8x8 images, one step per epoch, two epochs; every step logged
+# precision.emulate=false: the CPU's own fp16 kernels, so that amp's times are real times and its speed-up is
+# computed (an emulated job's time is an fp32 time: no speed-up; tests/test_emulation.py checks that)
 SIZES = ["dataset.image_size=8", "dataset.train_size=8", "dataset.test_size=8", "trainer.batch_size=8",
          "trainer.eval_batch_size=8", "trainer.epochs=2", "trainer.log_every=1", "trainer.warmup_steps=1",
-         "trainer.target_acc=0.01", "logger=none"]
+         "trainer.target_acc=0.01", "logger=none", "precision.emulate=false"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 TINY_SOURCE = """

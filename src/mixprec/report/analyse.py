@@ -97,7 +97,7 @@ def _describe(summary: dict) -> dict:
     for o in records.overrides(summary):
         k, _, v = o.lstrip("+~").partition("=")
         if k not in choices and not k.startswith(_NOT_VARIANT):
-            d[k] = v
+            d[k] = v.lower() if v in ("True", "False") else v   # a sweep's override reads False, a job's false
     return d
 
 
