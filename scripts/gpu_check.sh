@@ -25,7 +25,7 @@ if not any(a.startswith("sm_") and int(a[3:]) <= 10 * major + minor for a in arc
 PY
 
 echo "== pytest -m gpu"
-python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
+python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_emulation.py
 tests=$?
 
 echo "== one short job per precision mode"
