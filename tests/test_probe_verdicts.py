@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from helpers import TINY, compose_config, run_tiny
+from test_probe import Scale
 from mixprec import engine
 from mixprec.config import ConfigError, PrecisionConfig, ProbeConfig, TrainerConfig, validate
 from mixprec.numerics import events as ev
@@ -115,15 +116,6 @@ def test_adam_in_pure_fp16_is_eps_at_zero_measured(tmp_path, probe):
     assert v["module"] == ("0" if probe == "none" else "0.weight")   # the replay names the module, the rows the weight
     assert "eps=1e-08 is 0 in float16" in v["line"]
     assert ("Adam state: v == 0 at 100%" in v["cites"][0]) if probe == "none" else "update 0.weight" in v["cites"][0]
-
-
-class Scale(nn.Module):
-    def __init__(self, factor: float):
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x):
-        return x * self.factor
 
 
 def test_a_layer_multiplying_by_1e6_in_fp16_is_a_forward_overflow(tmp_path):
