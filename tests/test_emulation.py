@@ -510,3 +510,12 @@ def test_fp8_bf16_part_emulated_as_with_the_real_dtype():
     emulated, native = train_losses("gpt", "fp8", True), train_losses("gpt", "fp8", False)
     for e, n in zip(emulated, native):
         assert abs(e - n) <= 0.01 * abs(n), (emulated, native)
+
+
+def test_a_bad_emulate_value_is_one_line():
+    from helpers import compose_config
+
+    from mixprec.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"^precision.emulate='maybe': allowed values are true, false, auto$"):
+        validate(compose_config("precision=amp", "precision.emulate=maybe"))

@@ -492,6 +492,11 @@ def _coerce(tp, value, key):
             if type(None) in args:
                 return None
             raise ConfigError(f"{key}: must be set (null is not allowed)")
+        choices = [a for a in args if a is not type(None)]
+        if all(a is bool or typing.get_origin(a) is Literal for a in choices) and not isinstance(value, bool) \
+                and not any(value in typing.get_args(a) for a in choices if a is not bool):
+            allowed = [v for a in choices for v in (("true", "false") if a is bool else typing.get_args(a))]
+            raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(str, allowed))}")
         errors = []
         for arg in args:
             if arg is type(None):
