@@ -73,16 +73,12 @@ class Emulated(torch.Tensor):
 PLAIN = (torch.Tensor, torch.nn.Parameter, Emulated)
 
 
-def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 `x` rounded to `dtype` (round to nearest even, as a kernel's store), kept in fp32."""
-    return x.to(dtype).to(FP32)
-
-
 CHUNK = 1 << 15   # elements rounded per pass: the fp32 chunk and its fp16 copy stay in the CPU's L2 cache
 
 
 def round_(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Round fp32 `x` to `dtype` in place (the same values as `rounded`): chunk by chunk through a small buffer
+    """Round fp32 `x` to `dtype` in place (round to nearest even, as a kernel's store; the values of
+    x.to(dtype).to(float32)): chunk by chunk through a small buffer
     where its elements are dense in memory, so that the data crosses main memory once each way (about 3x faster
     than x.to(dtype).to(float32) on large activations)."""
     if x.numel() <= CHUNK:
@@ -99,10 +95,6 @@ def round_(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b.copy_(chunk)
         chunk.copy_(b)
     return x
-
-
-def is_emulated(x) -> bool:
-    return isinstance(x, Emulated)
 
 
 def _low(a) -> bool:
@@ -156,8 +148,7 @@ def _meta(a):
 _OUT_DTYPES: dict = {}
 _FALLBACKS: set = set()
 # BatchNorm's running statistics are written in place without an alias annotation in the schema
-_WRITES_STATS = {aten.native_batch_norm.default: (3, 4), aten._native_batch_norm_legit.default: (3, 4),
-                 aten._native_batch_norm_legit_functional.default: ()}
+_WRITES_STATS = {aten.native_batch_norm.default: (3, 4), aten._native_batch_norm_legit.default: (3, 4)}
 
 
 def out_dtypes(func, flat: list, args, kwargs) -> list:
@@ -240,7 +231,7 @@ def _mutated_args(func, args, kwargs, fargs, fkwargs) -> tuple[list, list]:
     return originals, unwrapped
 
 
-def _wrap_outputs(func, flat_args, out, dtypes, originals, unwrapped, fallback):
+def _wrap_outputs(func, flat_args, out, dtypes, originals, unwrapped):
     """Real outputs -> what the op returns: in-place results are the original arguments, views of low data are
     wrapped unrounded, new low-precision outputs are rounded once."""
     back = {id(d): o for o, d in zip(originals, unwrapped)}
@@ -250,7 +241,9 @@ def _wrap_outputs(func, flat_args, out, dtypes, originals, unwrapped, fallback):
     tensors = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
     if dtypes is not None and len(dtypes) != len(tensors):   # a list output (unbind, split): its length varies
         dtypes = dtypes[:1] * len(tensors) if len(set(dtypes)) == 1 else None
-    if dtypes is None:
+    if dtypes is None:   # no meta kernel: an fp32 output takes the dtype asked for, else the inputs' low one
+        fallback = next((a for a in flat_args if isinstance(a, torch.dtype)), None) or next(
+            (a.dtype for a in flat_args if isinstance(a, torch.Tensor) and a.dtype in LOW), FP32)
         dtypes = [fallback if flat[i].dtype == FP32 else flat[i].dtype for i in tensors]
     for i, dt in zip(tensors, dtypes):
         t = flat[i]
@@ -276,9 +269,7 @@ class EmulationMode(TorchDispatchMode):
         originals, unwrapped = _mutated_args(func, args, kwargs, fargs, fkwargs)
         out = func(*fargs, **fkwargs)
         _round_written(func, flat, originals, unwrapped)
-        fallback = next((a for a in flat if isinstance(a, torch.dtype)), None) or next(
-            (a.dtype for a in flat if isinstance(a, torch.Tensor) and a.dtype in LOW), FP32)
-        return _wrap_outputs(func, flat, out, dtypes, originals, unwrapped, fallback)
+        return _wrap_outputs(func, flat, out, dtypes, originals, unwrapped)
 
 
 # -- CUDA autocast's policy ------------------------------------------------------------------------------------
@@ -377,11 +368,7 @@ def autocast_off(device_type: str):
 
 def cuda_autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype CUDA autocast runs in here: the emulated one, else the real one on a CUDA device, else None."""
-    if _STATE["dtype"] is not None:
-        return _STATE["dtype"] if _STATE["enabled"] else None
-    if device_type == "cuda" and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
+    return autocast_dtype(device_type) if _STATE["dtype"] is not None or device_type == "cuda" else None
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
