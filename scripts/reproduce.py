@@ -283,7 +283,8 @@ def calibrate(plan, args, out: Path) -> dict:
             continue
         grid = s.grid if args.calibrate == "all" else {k: v[:1] for k, v in s.grid.items()}
         data = (list(plan.smoke_common) + smoke_parts(s)[0]) if args.smoke else list(s.stand_in)
-        over = P.merge_overrides(s.overrides, args.overrides, data,
+        user = [o for o in args.overrides if P.override_keys([o])[0] != "dataset.data_dir"]   # synthetic: no files
+        over = P.merge_overrides(s.overrides, user, data,
                                  [f"trainer.max_steps={steps}", f"trainer.warmup_steps={cal['warmup_steps']}",
                                   "logger=none"])
         folder = out / "calibration" / s.name
@@ -443,7 +444,7 @@ def make_state(plan, args, calibration: dict, budget_s) -> dict:
             "dropped": s.dropped, "status": "dropped" if s.dropped else "planned", "actual_s": 0.0, "rc": None})
     return {"key": state_key(args), "created": time.strftime("%Y-%m-%d %H:%M:%S %z"), "budget_s": budget_s,
             "smoke": args.smoke, "calibration": calibration, "report_s": report_s, "sweeps": entries,
-            "articles": [{"id": a.id, "title": a.title, "not_reproduced": a.not_reproduced,
+            "articles": [{"id": a.id, "title": a.title, "not_reproduced": a.not_reproduced, "stand_ins": a.stand_ins,
                           "sweeps": [s.name for s in a.sweeps]} for a in plan.articles],
             "elapsed_s": calibration["seconds"]}
 
@@ -651,7 +652,8 @@ def reproduce(plan, args, argv: list[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_gitignore(args.out, finished=False)
     if not env["gpus"] and not args.smoke:
-        log("no GPU here: the plan is timed on the CPU (fp16/bf16 run slow reference kernels there)")
+        log("no GPU here: the plan runs on the CPU, fp16/bf16 emulated on fp32 kernels (precision.emulate=auto): "
+            "accuracy as on a GPU, times are CPU times")
     write_environment(args.out, env, args)
     state = load_or_plan(plan, args, env)
     write_plan_md(args.out, state)

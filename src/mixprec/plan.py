@@ -58,6 +58,7 @@ class Article:
     sweeps: tuple
     not_reproduced: dict = field(default_factory=dict)
     measured: str = ""
+    stand_ins: dict = field(default_factory=dict)   # published value id -> {match: {...}, why: str}
 
 
 @dataclass(frozen=True)
@@ -135,9 +136,19 @@ def load_plan(path: Path | None = None) -> Plan:
                 raise PlanError(f"{where}.sweeps[{j}].name: {sweeps[-1].name!r} used twice")
             names.add(sweeps[-1].name)
         articles.append(Article(str(a["id"]), str(a.get("title", a["id"])), tuple(sweeps),
-                                dict(a.get("not_reproduced") or {}), str(a.get("measured", ""))))
+                                dict(a.get("not_reproduced") or {}), str(a.get("measured", "")),
+                                _stand_ins(a.get("stand_ins"), f"{where}.stand_ins")))
     cal = {"warmup_steps": 2, "timed_steps": 3, **(data.get("calibration") or {})}
     return Plan(tuple(articles), dict(data.get("datasets") or {}), cal, _flat(data.get("smoke_common")), path)
+
+
+def _stand_ins(data, where: str) -> dict:
+    """A published value compared with other runs than its own `match` (a smaller model, other data), and why."""
+    data = data or {}
+    if not isinstance(data, dict) or not all(isinstance(v, dict) and isinstance(v.get("match"), dict) and v.get("why")
+                                             for v in data.values()):
+        raise PlanError(f"{where}: a mapping of published value id -> {{match: {{key: value}}, why: text}}")
+    return {str(k): {"match": dict(v["match"]), "why": str(v["why"])} for k, v in data.items()}
 
 
 def _sweep(article: str, s: dict, where: str) -> Sweep:

@@ -176,6 +176,7 @@ def analyse(jobs: list[Job], sources: list[Source], problems: list[str], inputs:
             "verdicts": [_verdict_data(j) for j in exp_jobs if j.summary.get("verdict")],
             "variants": {j.variant: j.variant_full for j in exp_jobs if j.variant != j.variant_full},
             "ladder": ladder_rows([j.summary for j in exp_jobs]),   # the sweep's console ladder table, the same rows
+            "parity": parity_rows(groups),
         }
         exp["_groups"] = groups  # for the plots; not serialised
         data["experiments"].append(exp)
@@ -185,6 +186,43 @@ def analyse(jobs: list[Job], sources: list[Source], problems: list[str], inputs:
                                                  "experiments": list(s.experiments),
                                                  "values": [_published_data(v, s) for v in s.values]})
     return data
+
+
+# two-sided 95% quantiles of Student's t by degrees of freedom (more than 30: the normal's 1.96, near enough)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t975(df: int) -> float:
+    return T975[min((k for k in T975 if k >= df), default=30)] if df <= 30 else 1.96
+
+
+def paired_difference(diffs: list) -> dict | None:
+    """Mean of per-seed differences against fp32 and its 95% confidence interval (t, n - 1 degrees of freedom);
+    the verdict says whether the interval excludes 0. None with fewer than 2 pairs."""
+    st = stats(diffs)
+    if st is None or st["n"] < 2:
+        return None
+    half = t975(st["n"] - 1) * st["std"] / math.sqrt(st["n"])
+    lo, hi = st["mean"] - half, st["mean"] + half
+    verdict = "worse than fp32" if hi < 0 else ("better than fp32" if lo > 0 else "no difference detected")
+    return {**st, "ci95": [lo, hi], "verdict": verdict}
+
+
+def parity_rows(groups: list[Group]) -> list[dict]:
+    """Accuracy against fp32, seed by seed: per group with 2+ seeds, the accuracy's mean and spread and the paired
+    difference from the fp32 job of the same seed and settings (points), with its 95% interval. Empty when no
+    group has two seeds."""
+    if not any(len({j.seed for j in g.jobs}) > 1 for g in groups):
+        return []
+    rows = []
+    for g in groups:
+        acc = stats([j.metric("test_acc_pct") for j in g.jobs])
+        diff = None if g.precision == "fp32" else paired_difference([j.metric("acc_change_vs_fp32") for j in g.jobs])
+        statuses = [j.status for j in g.jobs]
+        rows.append({"group": g.label, "precision": g.precision, "runs": len(g.jobs),
+                     "statuses": {s: statuses.count(s) for s in dict.fromkeys(statuses)}, "acc": acc, "diff": diff})
+    return rows
 
 
 def _group_data(g: Group) -> dict:

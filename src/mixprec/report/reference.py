@@ -8,6 +8,7 @@ and GPU beside the published figures.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from .analyse import by_experiment, compare, groups_of, stats
@@ -60,6 +61,10 @@ def _number(st: dict, unit: str) -> str:
 
 
 def _cell(col: dict, source, value) -> str:
+    art = next((a for a in col["state"].get("articles", []) if a["id"] == source.id), {})
+    stand_in = (art.get("stand_ins") or {}).get(value.id)
+    if stand_in:   # the plan compares this value with runs of another size (its `why` says how they differ)
+        value = replace(value, match=stand_in["match"])
     groups = [g for exp in source.experiments for g in col["groups"].get(exp, [])]
     rows = [r for r in compare(value, groups) if r["group"] is not None]
     if not rows:
@@ -84,10 +89,9 @@ def _cell(col: dict, source, value) -> str:
     hit = {(r["group"], r["precision"]) for r in rows}
     cuts = sorted({c for g in groups if (g.label, g.precision) in hit
                    for j in g.jobs for c in _sweep_of(j, col).get("cuts", [])})
-    art = next((a for a in col["state"].get("articles", []) if a["id"] == source.id), {})
     caveat = (art.get("not_reproduced") or {}).get(value.id)   # a run matches, but measures something else
     return "; ".join(parts) + (f" [cut: {'; '.join(cuts)}]" if cuts else "") + \
-        (f" [not comparable: {caveat}]" if caveat else "")
+        (f" [stand-in: {stand_in['why']}]" if stand_in else "") + (f" [not comparable: {caveat}]" if caveat else "")
 
 
 def _reason(col: dict, source, value) -> str:

@@ -183,6 +183,8 @@ def document(data: dict) -> Doc:
             d.p("Per ladder step, as the sweep's console table: statistics over all the step's runs (seeds); "
                 "Page s and Page ep: the article's V100 time and epochs for that step.")
             d.table([h for _, h, _ in LADDER_COLUMNS], [row_cells(ladder_cells(r), LADDER_COLUMNS) for r in exp["ladder"]])
+        if exp.get("parity"):
+            parity_section(d, exp["parity"])
         if exp["comparisons"]:
             d.h(3, "Reproduced against published")
             rows = []
@@ -230,6 +232,26 @@ def document(data: dict) -> Doc:
                     [[v["label"], v["published"], v["hardware"], ", ".join(f"{k}={v2}" for k, v2 in v["match"].items()),
                       v["quote"]] for v in s["values"]])
     return d
+
+
+def parity_section(d: Doc, rows: list[dict]) -> None:
+    """Accuracy against fp32 seed by seed (analyse.parity_rows)."""
+    d.h(3, "Accuracy against fp32, seed by seed")
+    d.p("Test accuracy: mean ± sample standard deviation [min, max] over the seeds that completed. Difference: each "
+        "seed's accuracy minus the fp32 job's with the same seed and settings, in points; its mean and 95% "
+        "confidence interval (Student's t, n - 1 degrees of freedom). An interval that excludes 0 is a real "
+        "difference at these sizes; one that includes 0 is not evidence of parity beyond its width.")
+    table = []
+    for r in rows:
+        a, x = r["acc"], r["diff"]
+        acc = "-" if a is None else (f"{a['mean']:.2f}" + (f" ± {a['std']:.2f} [{a['min']:.2f}, {a['max']:.2f}]"
+                                                          if a["n"] > 1 else ""))
+        diff = "-" if x is None else f"{x['mean']:+.2f} [{x['ci95'][0]:+.2f}, {x['ci95'][1]:+.2f}]"
+        runs = ", ".join(f"{n} {s}" for s, n in r["statuses"].items())
+        table.append([r["group"], r["precision"], runs, acc, diff,
+                      "(the baseline)" if r["precision"] == "fp32" else (x["verdict"] if x else (
+                          "no completed pair" if set(r["statuses"]) - {"completed"} else "-"))])
+    d.table(["model", "precision", "runs", "test acc (%)", "minus fp32 (points) [95% CI]", "verdict"], table)
 
 
 def reference_section(d: Doc, sec: dict) -> None:

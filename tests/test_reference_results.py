@@ -1,0 +1,66 @@
+"""The CPU-emulated reference plan (src/mixprec/plan_cpu.yaml) and the report's seed-by-seed comparison with fp32."""
+import sys
+
+import pytest
+
+from helpers import ROOT, load_script
+from mixprec import plan as P
+from mixprec.report.analyse import paired_difference, t975
+from mixprec.report.published import load_sources
+
+CPU_PLAN = ROOT / "src" / "mixprec" / "plan_cpu.yaml"
+
+
+def test_the_cpu_plan_composes_every_job_and_accounts_for_every_published_value():
+    reproduce = load_script("reproduce")
+    plan = P.load_plan(CPU_PLAN)
+    args = reproduce.parse(["--plan-file", str(CPU_PLAN), "dataset.data_dir=/nowhere"])
+    sources = {s.id: s for s in load_sources()}
+    assert {a.id for a in plan.articles} == set(sources)
+    for a in plan.articles:
+        for s in a.sweeps:
+            configs = reproduce.job_configs(plan, s, args)   # a bad override or value: ConfigError
+            assert len(configs) == len(s.jobs) and all(c["trainer"]["device"] == "auto" for c in configs)
+        ids = {v.id for v in sources[a.id].values}
+        assert set(a.not_reproduced) <= ids and set(a.stand_ins) <= ids, a.id
+    precisions = {c["precision"]["name"] for c in reproduce.job_configs(plan, plan.sweeps[0], args)}
+    assert precisions == {"fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3", "fastai_fp16",
+                          "apex_fp16"}
+
+
+def test_a_stand_in_needs_a_match_and_a_reason(tmp_path):
+    bad = tmp_path / "plan.yaml"
+    bad.write_text("articles: [{id: a, sweeps: [], stand_ins: {x: {match: {precision: amp}}}}]\n")
+    with pytest.raises(P.PlanError, match=r"stand_ins: a mapping of published value id -> \{match"):
+        P.load_plan(bad)
+
+
+def test_paired_difference_is_students_interval():
+    d = paired_difference([0.5, -0.1, 0.2])   # mean 0.2, sd 0.3, n 3: half-width 4.303 * 0.3 / sqrt(3)
+    assert d["mean"] == pytest.approx(0.2) and d["std"] == pytest.approx(0.3)
+    assert d["ci95"] == pytest.approx([0.2 - 0.74530, 0.2 + 0.74530], abs=1e-4)
+    assert d["verdict"] == "no difference detected"
+    assert paired_difference([-1.0, -1.2, -0.9])["verdict"] == "worse than fp32"
+    assert paired_difference([1.0, 1.2, 1.1])["verdict"] == "better than fp32"
+    assert paired_difference([1.0, 1.2])["verdict"] == "no difference detected"   # n=2: t = 12.7
+    assert paired_difference([1.0]) is None and paired_difference([None, 1.0]) is None
+    assert t975(1) == 12.706 and t975(11) == 2.179 and t975(100) == 1.96
+
+
+
+def test_calibration_on_stand_in_data_leaves_out_the_users_data_dir(tmp_path):
+    """The stand-in is synthetic data, which has no data_dir: `reproduce.py dataset.data_dir=/data` must not fail
+    its calibration (it did: "Key 'data_dir' is not in struct")."""
+    reproduce = load_script("reproduce")
+    plan = P.load_plan(CPU_PLAN).only(["half_pitfalls"])
+    args = reproduce.parse(["--plan-file", str(CPU_PLAN), "dataset.data_dir=/nowhere", "seed=3"])
+    args.calibrate, commands = "first", []
+    reproduce.spawn = lambda cmd, *a, **k: (commands.append(cmd), (0, 1.0))[1]
+    reproduce.calibrate(plan, args, tmp_path)
+    (cmd,) = commands
+    assert "seed=3" in cmd and "dataset=synthetic" in cmd and not any(c.startswith("dataset.data_dir") for c in cmd)
+    reproduce.compose(tuple(c for c in cmd[3:] if "=" in c and not c.startswith("hydra")))   # composes
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
