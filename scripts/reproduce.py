@@ -4,6 +4,8 @@
     python scripts/reproduce.py --plan --budget 30m          # calibrate, print the plan, run nothing
     python scripts/reproduce.py --only page_ladder,torch_amp  # some articles (or sweeps) only
     python scripts/reproduce.py --smoke                       # the whole plan at tiny sizes: a CPU proof
+    python scripts/reproduce.py --plan-file src/mixprec/plan_cpu.yaml --only torch_amp dataset.data_dir=/data
+                                                              # accuracy at CPU sizes, fp16/bf16 emulated
 
 The plan is src/mixprec/plan.yaml. First a calibration times a few steps of each sweep's jobs on this device
 (warm-up excluded, synthetic stand-in data of the real shapes) and predicts each sweep's minutes; with --budget
@@ -506,6 +508,7 @@ def load_or_plan(plan, args, env) -> dict:
     state = make_state(plan, args, calibration, budget_s)
     if old is not None:
         keep_or_set_aside(args.out, old, state)
+        state["elapsed_s"] += sum(e["actual_s"] for e in state["sweeps"])   # the kept sweeps' time still counts
     return state
 
 
@@ -619,7 +622,8 @@ def parse(argv):
                     help="seconds per calibration job before a sweep's calibration is stopped as too slow")
     ap.add_argument("--estimate", metavar="PROFILES",
                     help="print the full plan's minutes on these GPU profiles (e.g. h100,v100) from FLOPs, and exit")
-    ap.add_argument("--plan-file", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--plan-file", type=Path, help="another plan (default src/mixprec/plan.yaml); "
+                    "src/mixprec/plan_cpu.yaml: the accuracy half of every article at CPU sizes, fp16/bf16 emulated")
     return ap.parse_args(argv)
 
 

@@ -1,10 +1,12 @@
 """The CPU-emulated reference plan (src/mixprec/plan_cpu.yaml) and the report's seed-by-seed comparison with fp32."""
+import json
 import sys
 
 import pytest
 
 from helpers import ROOT, load_script
 from mixprec import plan as P
+from mixprec.config import validate_job
 from mixprec.report.analyse import paired_difference, t975
 from mixprec.report.published import load_sources
 
@@ -19,8 +21,10 @@ def test_the_cpu_plan_composes_every_job_and_accounts_for_every_published_value(
     assert {a.id for a in plan.articles} == set(sources)
     for a in plan.articles:
         for s in a.sweeps:
-            configs = reproduce.job_configs(plan, s, args)   # a bad override or value: ConfigError
+            configs = reproduce.job_configs(plan, s, args)   # a bad override: ConfigError
             assert len(configs) == len(s.jobs) and all(c["trainer"]["device"] == "auto" for c in configs)
+            for c in configs:   # a bad value, as the job would find it (a synthetic-only size on real data)
+                validate_job(c)
         ids = {v.id for v in sources[a.id].values}
         assert set(a.not_reproduced) <= ids and set(a.stand_ins) <= ids, a.id
     precisions = {c["precision"]["name"] for c in reproduce.job_configs(plan, plan.sweeps[0], args)}
@@ -60,6 +64,40 @@ def test_calibration_on_stand_in_data_leaves_out_the_users_data_dir(tmp_path):
     (cmd,) = commands
     assert "seed=3" in cmd and "dataset=synthetic" in cmd and not any(c.startswith("dataset.data_dir") for c in cmd)
     reproduce.compose(tuple(c for c in cmd[3:] if "=" in c and not c.startswith("hydra")))   # composes
+
+
+# ---------------------------------------------------------------------------------------------------- committed results
+
+RESULTS = ROOT / "outputs" / "reference" / "cpu-emulated-2026-11-25"
+COMMITTED = ["torch_amp", "half_pitfalls", "fastai_2080ti", "page_ladder"]
+ACCURACY = ("test_acc_pct", "acc_change_vs_fp32", "test_ppl", "status")   # what a CPU run can stand beside
+
+
+def test_committed_cpu_results_have_a_row_for_every_published_accuracy_and_the_readme_shows_them():
+    from mixprec.report import readme
+
+    found = readme.folders(RESULTS)
+    assert [f.name for f in found] == COMMITTED
+    sources = {s.id: s for s in load_sources()}
+    for f in found:
+        state = json.loads((f / "plan.json").read_text())
+        assert all(e["status"] == "done" for e in state["sweeps"]), f.name
+        summaries = [json.loads(p.read_text()) for p in f.glob("runs/*/*/summary.json")]
+        assert len(summaries) == sum(e["jobs"] for e in state["sweeps"]), f.name
+        for s in summaries:   # every job ran to its end on the CPU, fp16/bf16 emulated where it had any
+            assert s["status"] in ("completed", "diverged"), (f.name, s["status"])
+            assert s["env"]["device"] == "cpu" and s["arithmetic"] in ("emulated", "native"), f.name
+        report = json.loads((f / "report" / "report.json").read_text())
+        (article,) = [a for a in report["reference"]["articles"] if a["id"] == state["articles"][0]["id"]]
+        rows = {r["id"]: r["cells"][0] for r in article["rows"]}
+        source = sources[article["id"]]
+        assert set(rows) == {v.id for v in source.values}, f.name
+        for v in source.values:   # an accuracy-like value has our number, or the plan's stated reason
+            if v.metric in ACCURACY:
+                assert not rows[v.id].startswith("missing: no run matches"), (f.name, v.id, rows[v.id])
+    readme_text = (ROOT / "README.md").read_text()
+    assert readme.section(RESULTS) in readme_text, (
+        "README's CPU results differ from the folders; regenerate: python -m mixprec.report.readme " + str(RESULTS))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,24 @@ def test_a_killed_calibration_continues_where_it_stopped(tmp_path):
     assert len(list((out / "replaced").glob("calibration-*/seeds/*/summary.json"))) == 6
 
 
+def test_replan_keeps_the_minutes_of_the_sweeps_it_keeps(tmp_path):
+    """A --replan whose sweep command is unchanged keeps that sweep's progress, and its time in the folder's total
+    (it was reset to the calibration's seconds: a 47-minute folder then said 0.1 min in all)."""
+    mod = load_script("reproduce")
+    plan_file, out = _tiny_plan(tmp_path), tmp_path / "ref"
+    out.mkdir()
+    args = mod.parse(["--smoke", "--plan-file", str(plan_file), "--out", str(out), "--only", "seeds"])
+    args.calibrate = "first"
+    plan = mod.P.load_plan(plan_file).only(["seeds"]).smoked()
+    old = mod.make_state(plan, args, {"sweeps": {}, "seconds": 5.0, "mode": "first"}, None)
+    old["sweeps"][0].update(status="done", actual_s=600.0)
+    old["elapsed_s"] = 605.0
+    (out / "plan.json").write_text(json.dumps(old))
+    args.replan = True
+    state = mod.load_or_plan(plan, args, {})
+    assert state["sweeps"][0]["status"] == "done" and state["elapsed_s"] == 605.0
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_git_ignores_what_the_tools_write_but_a_completed_reference_folder(tmp_path, monkeypatch):
     repo = tmp_path / "repo"

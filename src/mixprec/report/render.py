@@ -241,17 +241,22 @@ def parity_section(d: Doc, rows: list[dict]) -> None:
         "seed's accuracy minus the fp32 job's with the same seed and settings, in points; its mean and 95% "
         "confidence interval (Student's t, n - 1 degrees of freedom). An interval that excludes 0 is a real "
         "difference at these sizes; one that includes 0 is not evidence of parity beyond its width.")
-    table = []
-    for r in rows:
-        a, x = r["acc"], r["diff"]
-        acc = "-" if a is None else (f"{a['mean']:.2f}" + (f" ± {a['std']:.2f} [{a['min']:.2f}, {a['max']:.2f}]"
-                                                          if a["n"] > 1 else ""))
-        diff = "-" if x is None else f"{x['mean']:+.2f} [{x['ci95'][0]:+.2f}, {x['ci95'][1]:+.2f}]"
-        runs = ", ".join(f"{n} {s}" for s, n in r["statuses"].items())
-        table.append([r["group"], r["precision"], runs, acc, diff,
-                      "(the baseline)" if r["precision"] == "fp32" else (x["verdict"] if x else (
-                          "no completed pair" if set(r["statuses"]) - {"completed"} else "-"))])
-    d.table(["model", "precision", "runs", "test acc (%)", "minus fp32 (points) [95% CI]", "verdict"], table)
+    d.table(PARITY_HEADS, [parity_cells(r) for r in rows])
+
+
+def parity_cells(r: dict) -> list[str]:
+    """A row of the seed-by-seed table: model, precision, runs, accuracy, difference [95% CI], verdict."""
+    a, x = r["acc"], r["diff"]
+    acc = "-" if a is None else f"{a['mean']:.2f}" + (f" ± {a['std']:.2f} [{a['min']:.2f}, {a['max']:.2f}]"
+                                                      if a["n"] > 1 else "")
+    diff = "-" if x is None else f"{x['mean']:+.2f} [{x['ci95'][0]:+.2f}, {x['ci95'][1]:+.2f}]"
+    runs = ", ".join(f"{n} {s}" for s, n in r["statuses"].items())
+    verdict = "(the baseline)" if r["precision"] == "fp32" else (
+        x["verdict"] if x else ("no completed pair" if set(r["statuses"]) - {"completed"} else "-"))
+    return [r["group"], r["precision"], runs, acc, diff, verdict]
+
+
+PARITY_HEADS = ["model", "precision", "runs", "test acc (%)", "minus fp32 (points) [95% CI]", "verdict"]
 
 
 def reference_section(d: Doc, sec: dict) -> None:
