@@ -18,7 +18,6 @@ report/, ENVIRONMENT.md, COMMANDS.md and plan.md (predicted against actual minut
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
