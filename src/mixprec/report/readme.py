@@ -71,7 +71,7 @@ def _article(d: Doc, folder: Path) -> None:
     rows, skipped = [], 0
     for a in report["reference"]["articles"]:
         for r in a["rows"] if a["id"] == art["id"] else []:
-            if r["cells"][0].startswith("missing:"):
+            if r["cells"][0].startswith("missing:") or "[not comparable:" in r["cells"][0]:
                 skipped += 1
             else:
                 rows.append([r["label"], r["published"], r["cells"][0]])
