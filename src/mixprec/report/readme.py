@@ -83,6 +83,19 @@ def _article(d: Doc, folder: Path) -> None:
     for exp in report["experiments"]:
         if exp.get("parity"):
             d.table(PARITY_HEADS, [parity_cells(r) for r in exp["parity"]])
+        elif exp.get("verdicts"):   # cases run once each, some meant to fail: each run with the probe's verdict
+            _cases(d, exp)
+
+
+def _cases(d: Doc, exp: dict) -> None:
+    verdicts = {(v["model"], v["precision"]): v["verdict"] for v in exp["verdicts"]}
+    rows = []
+    for g in exp["groups"]:
+        acc = g["metrics"]["final_test_acc"]
+        verdict = verdicts.get((g["label"], g["precision"]), "none: nothing to explain")
+        rows.append([g["label"], g["precision"], ", ".join(f"{n} {s}" for s, n in g["statuses"].items()),
+                     "-" if acc is None else f"{100 * acc['mean']:.2f}", verdict])
+    d.table(["case", "precision", "runs", "test acc (%)", "the probe's verdict"], rows)
 
 
 if __name__ == "__main__":
