@@ -68,6 +68,37 @@ def test_calibration_on_stand_in_data_leaves_out_the_users_data_dir(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- committed results
 
+def test_a_language_models_perplexity_is_reported_per_epoch(tmp_path):
+    """Two seeds of an LSTM, fp32 and apex_fp16, two epochs each, with known perplexities: report.json and
+    report.md hold each epoch's mean over the seeds, and the runs table shows the best-validation test perplexity."""
+    from mixprec.report.make import make_report
+
+    ppl = {("fp32", 0): [(200.0, 190.0), (150.0, 140.0)], ("fp32", 1): [(210.0, 200.0), (160.0, 150.0)],
+           ("apex_fp16", 0): [(202.0, 192.0), (152.0, 142.0)], ("apex_fp16", 1): [(206.0, 196.0), (156.0, 146.0)]}
+    for (precision, seed), epochs in ppl.items():
+        d = tmp_path / "runs" / f"{precision}_{seed}"
+        d.mkdir(parents=True)
+        metrics = {"train_time_s": 1.0, "final_valid_ppl": epochs[-1][0], "test_ppl_at_best_valid": epochs[-1][1]}
+        (d / "summary.json").write_text(json.dumps({
+            "status": "completed", "name": "lm", "seed": seed, "overrides": [f"seed={seed}"],
+            "choices": {"model": "lstm", "precision": precision}, "config": {"seed": seed, "name": "lm"},
+            "job": {"name": "train", "num": None, "output_dir": str(d)}, "metrics": metrics,
+            "env": {"device": "cpu", "device_name": "x86_64", "torch": "2.x"}}))
+        (d / "metrics.jsonl").write_text("".join(
+            json.dumps({"kind": "epoch", "epoch": e + 1, "valid_ppl": v, "test_ppl": t}) + "\n"
+            for e, (v, t) in enumerate(epochs)))
+    data = make_report([str(tmp_path / "runs")], tmp_path / "report")
+    (exp,) = data["experiments"]
+    rows = {(r["precision"], r["epoch"]): r for r in exp["perplexity"]}
+    assert sorted(rows) == [("apex_fp16", 1), ("apex_fp16", 2), ("fp32", 1), ("fp32", 2)]
+    assert rows["fp32", 1]["valid_ppl"]["mean"] == pytest.approx(205.0)
+    assert rows["apex_fp16", 2]["test_ppl"]["mean"] == pytest.approx(144.0)
+    assert rows["apex_fp16", 2]["runs"] == 2
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| lstm | apex_fp16 | 2 | 2 | 154.00 ± 2.83 (n=2) | 144.00 ± 2.83 (n=2) |" in md
+    assert "| test ppl (best valid epoch) |" in md and "| 145.00 ± 7.07 (n=2) |" in md   # fp32: 140 and 150
+
+
 RESULTS = ROOT / "outputs" / "reference" / "cpu-emulated-2026-11-25"
 COMMITTED = ["torch_amp", "half_pitfalls", "fastai_2080ti", "page_ladder"]
 ACCURACY = ("test_acc_pct", "acc_change_vs_fp32", "test_ppl", "status")   # what a CPU run can stand beside

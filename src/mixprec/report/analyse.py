@@ -177,6 +177,7 @@ def analyse(jobs: list[Job], sources: list[Source], problems: list[str], inputs:
             "variants": {j.variant: j.variant_full for j in exp_jobs if j.variant != j.variant_full},
             "ladder": ladder_rows([j.summary for j in exp_jobs]),   # the sweep's console ladder table, the same rows
             "parity": parity_rows(groups),
+            "perplexity": perplexity_rows(groups),
         }
         exp["_groups"] = groups  # for the plots; not serialised
         data["experiments"].append(exp)
@@ -225,6 +226,24 @@ def parity_rows(groups: list[Group]) -> list[dict]:
     return rows
 
 
+def perplexity_rows(groups: list[Group]) -> list[dict]:
+    """A language model's perplexity after each epoch (metrics.jsonl epoch rows): per group and epoch, the mean
+    over the group's completed runs of the validation and test perplexity. Empty for models without them."""
+    rows = []
+    for g in groups:
+        per_epoch: dict[int, list[dict]] = {}
+        for j in g.jobs:
+            if j.status == "completed":
+                for r in j.rows():
+                    if r.get("kind") == "epoch" and number(r.get("valid_ppl")) is not None:
+                        per_epoch.setdefault(r["epoch"], []).append(r)
+        for epoch, rs in sorted(per_epoch.items()):
+            rows.append({"group": g.label, "precision": g.precision, "epoch": epoch, "runs": len(rs),
+                         "valid_ppl": stats([r["valid_ppl"] for r in rs]),
+                         "test_ppl": stats([r.get("test_ppl") for r in rs])})
+    return rows
+
+
 def _group_data(g: Group) -> dict:
     statuses = [j.status for j in g.jobs]
     return {"model": g.model, "variant": g.variant, "precision": g.precision, "label": g.label,
@@ -232,7 +251,7 @@ def _group_data(g: Group) -> dict:
             "seeds": [j.seed for j in g.jobs], "dirs": [str(j.dir) for j in g.jobs],
             "metrics": {m: g.stats(m) for m in ("train_time_s", "speedup", "throughput", "final_test_acc",
                                                 "best_test_acc", "time_to_target_s", "peak_memory_mb", "mfu",
-                                                "loss_gap")},
+                                                "loss_gap", "test_ppl")},
             "emulated": any(records.emulated(j.summary) for j in g.jobs),
             "peak_memory_kind": sorted({records.metrics(j.summary).get("peak_memory_kind") or "?"
                                         for j in g.jobs}),

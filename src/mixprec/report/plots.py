@@ -93,7 +93,8 @@ def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict
     _grouped_bars(a2, labels, mem_series, "peak memory (MB)", "{:.0f}")
     a2.set_title(f"peak memory ({mem_kind})" if mem_kind else "peak memory")
     for ax in (a1, a2):
-        ax.legend(title="precision", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:   # a panel with no numbers (e.g. no memory recorded) has no legend
+            ax.legend(title="precision", fontsize=8)
     fig.suptitle(title)
     return save(fig, path)
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .render import PARITY_HEADS, Doc, parity_cells
+from .render import PARITY_HEADS, PPL_HEADS, Doc, parity_cells, ppl_cells
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -38,12 +38,13 @@ def _link(folder: Path) -> str:
 
 def section(root: Path) -> str:
     """The markdown: an overview of the folders (jobs, epochs, CPU minutes), then per folder the published values
-    beside ours and the accuracy against fp32 seed by seed."""
+    beside ours, the accuracy against fp32 seed by seed, or a language model's perplexity per epoch."""
+    loaded = [(f, *_load(f)) for f in folders(root)]
+    if not loaded:
+        return ""
     d = Doc()
-    rows, total, envs = [], 0.0, []
-    for f in folders(root):
-        state, env, _ = _load(f)
-        envs.append(env)
+    rows, total = [], 0.0
+    for f, state, _, _ in loaded:
         minutes = state["elapsed_s"] / 60
         total += minutes
         art = state["articles"][0]
@@ -51,21 +52,18 @@ def section(root: Path) -> str:
         rows.append([_link(f), art["title"], sum(e["jobs"] for e in runs),
                      ", ".join(sorted({str(e["epochs"]) for e in runs})),
                      "; ".join(sorted({e["status"] for e in runs})), f"{minutes:.1f}"])
-    if not rows:
-        return ""
-    env = envs[0]
+    env = loaded[0][2]
     d.p(f"Measured on a {env['cpu_count']}-core CPU ({env['device_name']}, no GPU), torch {env['torch']}, with "
         "the GPU's fp16/bf16 rounding emulated on fp32 kernels (`precision.emulate=auto`, docs/numerics.md): "
         "accuracy, perplexity and divergence are as on a GPU; no time here is a GPU's, so no speed-up is reported. "
         f"Sizes are cut to fit a CPU (src/mixprec/plan_cpu.yaml says each and why). Total CPU time {total:.0f} min.")
     d.table(["folder (report)", "what ran", "jobs", "epochs", "status", "CPU min"], rows)
-    for f in folders(root):
-        _article(d, f)
+    for f, state, _, report in loaded:
+        _article(d, f, state, report)
     return d.markdown().strip() + "\n"
 
 
-def _article(d: Doc, folder: Path) -> None:
-    state, _, report = _load(folder)
+def _article(d: Doc, folder: Path, state: dict, report: dict) -> None:
     art = state["articles"][0]
     d.p(f"**{art['title']}** ({_link(folder)})")
     rows, skipped = [], 0
@@ -85,6 +83,12 @@ def _article(d: Doc, folder: Path) -> None:
             d.table(PARITY_HEADS, [parity_cells(r) for r in exp["parity"]])
         elif exp.get("verdicts"):   # cases run once each, some meant to fail: each run with the probe's verdict
             _cases(d, exp)
+        if exp.get("perplexity"):
+            d.table(PPL_HEADS, [ppl_cells(r) for r in exp["perplexity"]])
+        shown = {r["group"] for r in exp.get("parity") or exp.get("perplexity") or []}
+        legend = {k: v for k, v in exp["variants"].items() if any(k in g for g in shown)}
+        if legend:
+            d.p("Variants: " + "; ".join(f"{k} = `{v}`" for k, v in legend.items()) + ".")
 
 
 def _cases(d: Doc, exp: dict) -> None:

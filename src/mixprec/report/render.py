@@ -136,6 +136,8 @@ def document(data: dict) -> Doc:
           "`a ± b (n=k)` is the mean and sample standard deviation over k seeds. Ratio = reproduced / published.")
     if data.get("reference"):
         reference_section(d, data["reference"])
+    stand_ins = any("[stand-in:" in c for a in (data.get("reference") or {}).get("articles", []) for r in a["rows"]
+                    for c in r["cells"])
     if data["problems"]:
         d.p("Unreadable records (left out):")
         d.bullets(data["problems"])
@@ -157,9 +159,11 @@ def document(data: dict) -> Doc:
         d.h(3, "Runs")
         gs = exp["groups"]
         ttt = any(g["metrics"]["time_to_target_s"] for g in gs)
-        lm = any(g["metrics"]["loss_gap"] or g["metrics"]["mfu"] for g in gs)   # language models: MFU, loss gap
+        lm = any(g["metrics"]["loss_gap"] or g["metrics"]["mfu"] or g["metrics"].get("test_ppl")
+                 for g in gs)   # language models: perplexity, MFU, loss gap
         heads = ["model", "precision", "runs", "train time (s)", "speed-up vs fp32 (x)", "tokens/s" if lm else "samples/s",
-                 "test acc (%)"] + (["time to target (s)"] if ttt else []) + ["peak memory (MB)"] + (
+                 "test ppl (best valid epoch)" if lm else "test acc (%)"] + (
+                ["time to target (s)"] if ttt else []) + ["peak memory (MB)"] + (
                 ["MFU (%)", "valid loss - fp32's, same steps"] if lm else [])
         rows = []
         for g in gs:
@@ -170,7 +174,8 @@ def document(data: dict) -> Doc:
             done = g["statuses"].get("completed", 0)
             precision = g["precision"] + (" (emulated: not a low-precision time)" if g["emulated"] else "")
             rows.append([g["label"], precision, runs, mean_sd(m["train_time_s"], ".3f"), mean_sd(m["speedup"], ".2f"),
-                         mean_sd(m["throughput"], ".1f"), mean_sd(m["final_test_acc"], ".2f", 100)]
+                         mean_sd(m["throughput"], ".1f"),
+                         mean_sd(m.get("test_ppl"), ".2f") if lm else mean_sd(m["final_test_acc"], ".2f", 100)]
                         + ([mean_sd(m["time_to_target_s"], ".3g", of=done)] if ttt else [])
                         + [mean_sd(m["peak_memory_mb"], ".0f")]
                         + ([mean_sd(m["mfu"], ".3g", 100), mean_sd(m["loss_gap"], "+.3g")] if lm else []))
@@ -185,6 +190,11 @@ def document(data: dict) -> Doc:
             d.table([h for _, h, _ in LADDER_COLUMNS], [row_cells(ladder_cells(r), LADDER_COLUMNS) for r in exp["ladder"]])
         if exp.get("parity"):
             parity_section(d, exp["parity"])
+        if exp.get("perplexity"):
+            d.h(3, "Perplexity per epoch")
+            d.p("Validation and test perplexity after each epoch (metrics.jsonl epoch rows), mean over the completed "
+                "runs of each model and precision.")
+            d.table(PPL_HEADS, [ppl_cells(r) for r in exp["perplexity"]])
         if exp["comparisons"]:
             d.h(3, "Reproduced against published")
             rows = []
@@ -201,7 +211,9 @@ def document(data: dict) -> Doc:
             missing = sum(1 for c in exp["comparisons"] for r in c["rows"] if r["group"] is None)
             if missing:
                 d.p(f"{missing} published value(s) have no matching run yet (\"missing\" above): the runs they "
-                    "need are named by each value's `match` in src/mixprec/published/<source>.yaml.")
+                    "need are named by each value's `match` in src/mixprec/published/<source>.yaml."
+                    + (" Where a results folder's plan runs a smaller stand-in instead, the side-by-side section "
+                       "above shows it with its reason ([stand-in: ...])." if stand_ins else ""))
             d.p("Where each published value comes from:")
             d.bullets([f"{c['source']} / {c['label']}: \"{c['quote']}\" ({c['source_title']}"
                        + (f", {c['url']}" if c["url"] else "") + ")" for c in exp["comparisons"]])
@@ -254,6 +266,15 @@ def parity_cells(r: dict) -> list[str]:
     verdict = "(the baseline)" if r["precision"] == "fp32" else (
         x["verdict"] if x else ("no completed pair" if set(r["statuses"]) - {"completed"} else "-"))
     return [r["group"], r["precision"], runs, acc, diff, verdict]
+
+
+PPL_HEADS = ["model", "precision", "epoch", "runs", "valid ppl", "test ppl"]
+
+
+def ppl_cells(r: dict) -> list[str]:
+    """A row of the perplexity-per-epoch table (analyse.perplexity_rows)."""
+    return [r["group"], r["precision"], str(r["epoch"]), str(r["runs"]), mean_sd(r["valid_ppl"], ".2f"),
+            mean_sd(r["test_ppl"], ".2f")]
 
 
 PARITY_HEADS = ["model", "precision", "runs", "test acc (%)", "minus fp32 (points) [95% CI]", "verdict"]
