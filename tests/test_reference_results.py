@@ -81,7 +81,8 @@ def test_a_language_models_perplexity_is_reported_per_epoch(tmp_path):
         metrics = {"train_time_s": 1.0, "final_valid_ppl": epochs[-1][0], "test_ppl_at_best_valid": epochs[-1][1]}
         (d / "summary.json").write_text(json.dumps({
             "status": "completed", "name": "lm", "seed": seed, "overrides": [f"seed={seed}"],
-            "choices": {"model": "lstm", "precision": precision}, "config": {"seed": seed, "name": "lm"},
+            "choices": {"model": "lstm", "precision": precision},
+            "config": {"seed": seed, "name": "lm", "model": {"arch": "lstm"}},
             "job": {"name": "train", "num": None, "output_dir": str(d)}, "metrics": metrics,
             "env": {"device": "cpu", "device_name": "x86_64", "torch": "2.x"}}))
         (d / "metrics.jsonl").write_text("".join(
@@ -97,6 +98,14 @@ def test_a_language_models_perplexity_is_reported_per_epoch(tmp_path):
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| lstm | apex_fp16 | 2 | 2 | 154.00 ± 2.83 (n=2) | 144.00 ± 2.83 (n=2) |" in md
     assert "| test ppl (best valid epoch) |" in md and "| 145.00 ± 7.07 (n=2) |" in md   # fp32: 140 and 150
+
+
+def test_an_image_models_test_loss_is_no_perplexity(tmp_path):
+    """A huge test loss of an image model (a run that blew up but completed) is not exp()-ed into a perplexity."""
+    from mixprec.report.load import Job
+
+    summary = {"status": "completed", "config": {"model": {"arch": "resnet"}}, "metrics": {"final_test_loss": 1e4}}
+    assert Job(tmp_path, summary).metric("test_ppl") is None
 
 
 RESULTS = ROOT / "outputs" / "reference" / "cpu-emulated-2026-11-25"

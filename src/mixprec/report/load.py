@@ -71,6 +71,8 @@ class Job:
         if name in ("speedup", "loss_gap"):
             return self.row.get(name)
         if name == "test_ppl":   # apex's main.py reports the test perplexity of its best-validation model
+            if not records.is_language_model(self.summary):
+                return None   # an image model's test loss is no perplexity
             for key in ("test_ppl_at_best_valid", "final_test_ppl"):
                 if number(m.get(key)) is not None:
                     return m[key]
