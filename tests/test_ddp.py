@@ -185,6 +185,15 @@ def test_bad_override_under_torchrun_is_one_line(tmp_path):
     assert json.loads((tmp_path / "job" / "summary.json").read_text())["status"] == "failed"
 
 
+def test_a_failed_ranks_error_is_said_by_rank_0_or_by_itself():
+    store = torch.distributed.HashStore()
+    other = dist.Ranks(rank=1, world=2)
+    assert dist.error_said(other, store, wait_s=0.2) is False       # rank 0 did not fail: rank 1 says its own error
+    assert dist.error_said(dist.Ranks(rank=0, world=2), store) is True
+    assert dist.error_said(other, store, wait_s=0.2) is True         # rank 0 said it: rank 1 exits quietly
+    assert dist.error_said(dist.SINGLE) is True and dist.error_said(other) is False   # no process group
+
+
 def test_ranks_checks():
     ranks = dist.Ranks(rank=1, world=2)
     assert dist.check(16, False, torch.device("cpu"), ranks) == 8

@@ -210,6 +210,33 @@ def mute_other_ranks() -> None:
         sys.stdout = sys.stderr = open(os.devnull, "w")
 
 
+SAID = "mixprec_error_said"
+
+
+def error_said(ranks: Ranks, store=None, wait_s: float = 30.0) -> bool:
+    """The error that ends a job is said once, by rank 0, but torchrun stops every rank as soon as one exits with
+    an error: a rank other than 0 that failed first could have rank 0 stopped before it says its line. So rank 0
+    marks in the process group's store that it said it (True), and the other ranks wait for that mark, up to
+    `wait_s` (True: rank 0 said it, or is gone; False: rank 0 did not fail alike, and this rank's error is its own
+    to say). Without a process group: True on rank 0, False elsewhere."""
+    if store is None:
+        if not (ranks.active and tdist.is_initialized()):
+            return ranks.main
+        store = tdist.distributed_c10d._get_default_store()
+    try:
+        if ranks.main:
+            store.set(SAID, "1")
+            return True
+        end = time.monotonic() + wait_s
+        while not store.check([SAID]):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.05)
+        return True
+    except Exception:   # the store is gone with rank 0, which has ended the job   # noqa: BLE001
+        return True
+
+
 def quiet_unless_main(ranks: Ranks) -> None:
     """Ranks other than 0 print nothing to stdout (rank 0 speaks for the job); their stderr stays for real crashes."""
     if not ranks.main:

@@ -120,8 +120,12 @@ def end_job(summary: dict, job: JobDir, error: JobError | None = None) -> dict:
     completed job; any job of a sweep) or the process ended with the failure's exit status."""
     if error is None and summary["status"] not in checkpoint.FINAL:
         error = outcome(summary, job)
-    if error is not None and job.ranks.main and not (job.sweep and error.code == 1):
-        log.error(str(error))
+    if error is not None and not (job.sweep and error.code == 1):
+        if job.ranks.main:
+            log.error(str(error))
+            dist.error_said(job.ranks)
+        elif not dist.error_said(job.ranks):   # rank 0 did not fail alike: this rank's own error
+            print(f"[rank {job.ranks.rank}] {error}", file=sys.__stderr__, flush=True)
     if error is None or (job.sweep and not error.stops_sweep):
         return summary
     sys.exit(error.code)
