@@ -166,15 +166,18 @@ def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues
     assert s["resumed"]["previous_status"] == "interrupted"
 
 
+@pytest.mark.parametrize("precision", [[], ["precision=apex_fp16", "precision.emulate=true"]], ids=["fp32", "emulated_fp16"])
 @pytest.mark.slow
-def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(tmp_path):
+def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(tmp_path, precision):
     """The LM steps run in the shared loop: a checkpoint on SIGTERM (the hidden state and the window position with
     it), status interrupted, and trainer.resume=auto ends with the perplexities and weights of one run through;
-    the job's notes are in <job dir>/train.log."""
+    the job's notes are in <job dir>/train.log. Emulated fp16 weights load too (an LSTM's weak references to its
+    weights once stopped the load that swaps parameters' contents)."""
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
-    r = train(*LM_KILLABLE, f"hydra.run.dir={reference}")
+    base = [*LM_KILLABLE, *precision]
+    r = train(*base, f"hydra.run.dir={reference}")
     assert r.returncode == 0, r.stderr[-3000:]
-    code, _, err = signal_in_epoch_2(run_dir, signal.SIGTERM, base=LM_KILLABLE)
+    code, _, err = signal_in_epoch_2(run_dir, signal.SIGTERM, base=base)
     assert code == 128 + signal.SIGTERM, err[-3000:]
     s = json.loads((run_dir / SUMMARY).read_text())
     assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM" and "SIGTERM after step" in s["reason"]
@@ -184,7 +187,7 @@ def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(
     assert "SIGTERM: stopping after this step and writing a checkpoint" in log
     assert "checkpoint saved. To continue: python train.py" in log and "trainer.resume=auto" in log
 
-    r = train(*LM_KILLABLE, f"hydra.run.dir={run_dir}", "trainer.resume=auto")
+    r = train(*base, f"hydra.run.dir={run_dir}", "trainer.resume=auto")
     assert r.returncode == 0, r.stderr[-3000:]
     a = assert_same_run(run_dir, reference)
     b = json.loads((reference / SUMMARY).read_text())

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .dist import SINGLE, Ranks
+from .numerics import emulation
 from .records import METRICS, SUMMARY, atomic_file
 
 CHECKPOINT = "checkpoint.pt"
@@ -221,7 +222,10 @@ class Checkpointer:
             raise CheckpointError(f"{self.path}: written by {len(ckpt['rng'])} rank(s), this job has {self.ranks.world}; "
                                   "resume with as many ranks, or delete it to start over")
         for name, part in self.parts.items():
-            part.load_state_dict(ckpt["parts"][name])
+            if isinstance(part, torch.nn.Module):   # the model: emulation swaps its parameters' contents on load
+                emulation.load_module_state(part, ckpt["parts"][name])
+            else:
+                part.load_state_dict(ckpt["parts"][name])
         loop.load_state_dict(ckpt["loop"])
         set_rng_state(ckpt["rng"][self.ranks.rank])
 
