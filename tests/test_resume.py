@@ -135,7 +135,7 @@ def test_sigkill_in_epoch_2_then_resume_gives_the_uninterrupted_run(tmp_path, un
 
     r = train(*KILLABLE, "logger=wandb", f"hydra.run.dir={run_dir}", "trainer.resume=auto")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming" in r.stderr and "it was running" in r.stderr
+    assert "resuming" in r.stderr and "its last status: running" in r.stderr
     s = assert_same_run(run_dir, uninterrupted)
     assert s["resumed"]["from_step"] == 64 and s["resumed"]["from_epoch"] == 1.0 and not s["resumed"]["mid_epoch"]
     # W&B: the same run continues; each process left an offline folder with that id, for `wandb sync` in order

@@ -222,7 +222,7 @@ def open_job_dir(config: Config, summary: dict, out_dir: Path, device_type: str,
     if resume is not None:
         summary["resumed"] = r = checkpoint.resumed_info(resume, prior)
         log.info(f"mixprec: resuming {out_dir} at step {r['from_step']} (epoch {r['from_epoch']:.2f}; "
-                 f"it was {r['previous_status']})")
+                 f"its last status: {r['previous_status']})")
     return resume
 
 
