@@ -505,28 +505,31 @@ def load_or_plan(plan, args, env) -> dict:
     calibration = old["calibration"] if same_cal else calibrate(plan, args, args.out)
     budget_s = P.parse_duration(args.budget) if args.budget else None
     state = make_state(plan, args, calibration, budget_s)
-    if old is not None:
-        keep_or_set_aside(args.out, old, state)
-        state["elapsed_s"] += sum(e["actual_s"] for e in state["sweeps"])   # the kept sweeps' time still counts
+    if old is not None:   # the time spent there still counts, less the runs (and calibration) set aside
+        kept = old["elapsed_s"] - keep_or_set_aside(args.out, old, state)
+        state["elapsed_s"] = kept if same_cal else kept - old["calibration"]["seconds"] + calibration["seconds"]
     return state
 
 
-def keep_or_set_aside(out: Path, old: dict, state: dict) -> None:
+def keep_or_set_aside(out: Path, old: dict, state: dict) -> float:
     """After --replan: a sweep whose command is unchanged keeps its progress; one whose command changed has its
     earlier runs moved to <out>/replaced/ (a job dir is named by its grid values only, so they would be taken
-    for finished jobs of the new command)."""
-    before = {e["name"]: e for e in old["sweeps"]}
+    for finished jobs of the new command). Returns the seconds the sweeps set aside had run."""
+    before, aside = {e["name"]: e for e in old["sweeps"]}, 0.0
     for e in state["sweeps"]:
         prev = before.get(e["name"])
         if prev is None:
             continue
         if prev["command"] == e["command"]:
             e.update(status=prev["status"], actual_s=prev["actual_s"], rc=prev["rc"])
-        elif (out / "runs" / e["name"]).exists():
+            continue
+        aside += prev["actual_s"]   # the sweep starts over: its earlier time is not this folder's any more
+        if (out / "runs" / e["name"]).exists():
             dest = out / "replaced" / f"{e['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
             dest.parent.mkdir(exist_ok=True)
             (out / "runs" / e["name"]).rename(dest)
             log(f"{e['name']}: its command changed; its earlier runs moved to {dest}")
+    return aside
 
 
 # ---------------------------------------------------------------------------------------------------- running
@@ -572,7 +575,12 @@ def run_sweeps(out: Path, state: dict, progress: Progress) -> list[str]:
         e["status"] = "running"
         write_plan_md(out, state)
         record_command(out, f"sweep {e['name']} ({e['article']})", e["command"])
-        rc, wall = spawn(e["command"], out, e["name"], tick=lambda: progress(e["name"]))
+        started = time.monotonic()
+        try:
+            rc, wall = spawn(e["command"], out, e["name"], tick=lambda: progress(e["name"]))
+        except KeyboardInterrupt:   # the sweep's time so far counts (a replan keeps it)
+            e["actual_s"] += time.monotonic() - started
+            raise
         record_exit(out, rc, wall)
         e["actual_s"] += wall
         e["rc"] = rc

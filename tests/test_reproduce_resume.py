@@ -55,8 +55,10 @@ def test_a_killed_calibration_continues_where_it_stopped(tmp_path):
 
 
 def test_replan_keeps_the_minutes_of_the_sweeps_it_keeps(tmp_path):
-    """A --replan whose sweep command is unchanged keeps that sweep's progress, and its time in the folder's total
-    (it was reset to the calibration's seconds: a 47-minute folder then said 0.1 min in all)."""
+    """A --replan whose sweep command is unchanged keeps that sweep's progress, and the folder's time in its total
+    (it was reset to the calibration's seconds: a 47-minute folder then said 0.1 min in all), also the time no
+    sweep holds (an attempt stopped before, the reports: 157 minutes once became 136); a sweep whose command
+    changed starts over, and its time leaves the total."""
     mod = load_script("reproduce")
     plan_file, out = _tiny_plan(tmp_path), tmp_path / "ref"
     out.mkdir()
@@ -65,11 +67,35 @@ def test_replan_keeps_the_minutes_of_the_sweeps_it_keeps(tmp_path):
     plan = mod.P.load_plan(plan_file).only(["seeds"]).smoked()
     old = mod.make_state(plan, args, {"sweeps": {}, "seconds": 5.0, "mode": "first"}, None)
     old["sweeps"][0].update(status="done", actual_s=600.0)
-    old["elapsed_s"] = 605.0
+    old["elapsed_s"] = 905.0   # 5 calibration + 600 in the sweep + 300 in no sweep
     (out / "plan.json").write_text(json.dumps(old))
     args.replan = True
     state = mod.load_or_plan(plan, args, {})
-    assert state["sweeps"][0]["status"] == "done" and state["elapsed_s"] == 605.0
+    assert state["sweeps"][0]["status"] == "done" and state["elapsed_s"] == 905.0
+    (out / "runs" / "seeds").mkdir(parents=True)
+    old["sweeps"][0]["command"] = ["python", "train.py", "another=command"]
+    (out / "plan.json").write_text(json.dumps(old))
+    state = mod.load_or_plan(plan, args, {})
+    assert state["sweeps"][0]["status"] == "planned" and state["elapsed_s"] == 305.0
+    assert list((out / "replaced").glob("seeds-*"))
+
+
+def test_a_sweep_stopped_by_ctrl_c_keeps_its_minutes(tmp_path, monkeypatch):
+    mod = load_script("reproduce")
+    plan_file, out = _tiny_plan(tmp_path), tmp_path / "ref"
+    out.mkdir()
+    args = mod.parse(["--smoke", "--plan-file", str(plan_file), "--out", str(out), "--only", "seeds"])
+    plan = mod.P.load_plan(plan_file).only(["seeds"]).smoked()
+    state = mod.make_state(plan, args, {"sweeps": {}, "seconds": 5.0, "mode": "first"}, None)
+
+    def stopped(*a, **k):
+        time.sleep(0.2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mod, "spawn", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        mod.run_sweeps(out, state, mod.Progress(out, state))
+    assert state["sweeps"][0]["actual_s"] >= 0.2   # a replan keeps it in the folder's total
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
