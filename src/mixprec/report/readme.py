@@ -79,7 +79,7 @@ def _article(d: Doc, folder: Path, state: dict, report: dict) -> None:
         d.p(f"{skipped} more published value(s) (times, speed-ups, other datasets) are not measured here; the "
             "report says why for each.")
     for exp in report["experiments"]:
-        if exp.get("parity"):
+        if exp.get("parity") and (any(r["acc"] for r in exp["parity"]) or not exp.get("perplexity")):
             d.table(PARITY_HEADS, [parity_cells(r) for r in exp["parity"]])
         elif exp.get("verdicts"):   # cases run once each, some meant to fail: each run with the probe's verdict
             _cases(d, exp)
