@@ -98,15 +98,25 @@ def scaled_ulps(a: torch.Tensor, b: torch.Tensor, dtype=None) -> float:
 
 def compare(fn, inputs, dtype, bound: float = 0.0, grad: bool = True, autocast=None, metric=ulps,
             native_grads: bool = True):
-    """Emulated against the CPU's real-dtype kernels: outputs, and input gradients unless native_grads=False."""
+    """Emulated against the CPU's real-dtype kernels: outputs, and input gradients unless native_grads=False.
+    Returns the emulated outputs and gradients, in one list."""
     native = run_op(fn, inputs, dtype, False, grad, autocast)
     emulated = run_op(fn, inputs, dtype, True, grad, autocast)
     assert len(native[0] + native[1]) == len(emulated[0] + emulated[1])
-    pairs = zip(native[0] + native[1], emulated[0] + emulated[1]) if native_grads else zip(native[0], emulated[0])
-    for n, e in pairs:
+    if native_grads:
+        assert_within(emulated[0] + emulated[1], native[0] + native[1], dtype, bound, metric, fn)
+    else:
+        assert_within(emulated[0], native[0], dtype, bound, metric, fn)
+    return emulated[0] + emulated[1]
+
+
+def assert_within(got: list, want: list, dtype, bound: float, metric=ulps, what=None) -> None:
+    """Each tensor of `got` has the dtype and shape of its twin in `want`, and is within `bound` of it."""
+    assert len(got) == len(want)
+    for e, n in zip(got, want):
         assert e.dtype == n.dtype and e.shape == n.shape
         err = metric(e, n, dtype) if metric is scaled_ulps else metric(e, n)
-        assert err <= bound, (fn, dtype, err)
+        assert err <= bound, (what, dtype, err)
 
 
 def rounded_once(fn, inputs: list[torch.Tensor], dtype) -> list[torch.Tensor]:
@@ -184,13 +194,9 @@ def test_accumulating_ops_within_one_ulp(name, dtype):
     fn, inputs = ACCUMULATING[name]
     # Against the CPU's real-dtype kernels; a convolution's gradients only where oneDNN runs it (a CPU without
     # AVX512/AVX2-VNNI-2 support for the dtype runs slow_conv2d, which rounds its weight gradient per sample).
-    compare(fn, inputs, dtype, bound=1.0, native_grads=name != "conv2d" or onednn_has(dtype))
+    emulated = compare(fn, inputs, dtype, bound=1.0, native_grads=name != "conv2d" or onednn_has(dtype))
     # Against the GPU's arithmetic, outputs and gradients, on every CPU.
-    emulated = run_op(fn, inputs, dtype, True)
-    reference = rounded_once(fn, inputs, dtype)
-    assert len(emulated[0] + emulated[1]) == len(reference)
-    for e, r in zip(emulated[0] + emulated[1], reference):
-        assert ulps(e, r) <= 1.0, (name, dtype, ulps(e, r))
+    assert_within(emulated, rounded_once(fn, inputs, dtype), dtype, bound=1.0, what=name)
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
