@@ -12,13 +12,15 @@ its output, as CUDA's do), under the same CUDA autocast policy (emulation.Autoca
 - ops that reduce (BatchNorm, LayerNorm, attention, log_softmax's backward, cross-entropy): every element within
   2 units in the last place of the tensor's largest magnitude (REDUCING): the kernels sum in fp32 in a
   different order, and a difference after cancellation is small against the tensor, large against the element;
-- sigmoid's backward within 1 ulp: the CPU's Half/BFloat16 kernel rounds an intermediate that CUDA's (and the
-  emulation) keep in fp32;
+- tanh's and sigmoid's backward: CUDA's kernels compute them in the storage type, rounding after every operator
+  (`a * (scalar_t{1.} - b * b)` with c10::Half arithmetic); the CPU's own kernels round tanh's once (and bf16
+  sigmoid's once), so the CPU reference runs CUDA's formula in real-dtype ops (CudaFormulas): bit-identical;
 - whole models: the training losses of a few steps within a stated relative bound (rounding differences of 1 ulp
   grow through the steps).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import io
@@ -30,11 +32,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.numerics import emulation
 from mixprec.numerics.emulation import Emulated
 
 LOW = [torch.float16, torch.bfloat16]
+aten = torch.ops.aten
 
 
 def real(t):
@@ -59,10 +63,23 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a[fin] - b[fin]).abs() / ulp).max())
 
 
+class CudaFormulas(TorchDispatchMode):
+    """On real float16/bfloat16 tensors, tanh's and sigmoid's backward as CUDA computes them
+    (BinaryMiscBackwardOpsKernels.cu: c10::Half/BFloat16 arithmetic, one rounding per operator), where the CPU's
+    kernels round tanh_backward once (and bf16 sigmoid_backward once); every other op runs the CPU's kernel."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (aten.tanh_backward.default, aten.sigmoid_backward.default) and args[0].dtype in LOW:
+            g, y = args
+            return g * (1 - y * y) if func is aten.tanh_backward.default else (g * (1 - y)) * y
+        return func(*args, **(kwargs or {}))
+
+
 def run_op(fn, inputs: list[torch.Tensor], dtype, emulate: bool, grad: bool = True, autocast=None):
     """fn on `inputs` (fp32, cast to dtype unless autocast is given), forward and backward of a fixed-weight
-    sum; returns the outputs and the input gradients as real tensors."""
-    with emulation.numerics(emulate):
+    sum; returns the outputs and the input gradients as real tensors. The real-dtype run (emulate=False) takes
+    tanh's and sigmoid's backward as CUDA computes them (CudaFormulas)."""
+    with emulation.numerics(emulate), (contextlib.nullcontext() if emulate else CudaFormulas()):
         xs = [x.to(dtype) if autocast is None and x.is_floating_point() else x.clone() for x in inputs]
         for x in xs:
             if grad and x.is_floating_point():
@@ -208,7 +225,24 @@ def test_reducing_ops_within_two_ulps_of_their_largest_value(name, dtype):
 
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
 def test_sigmoid(dtype):
-    compare(torch.sigmoid, [rnd(64)], dtype, bound=1.0)
+    compare(torch.sigmoid, [rnd(64)], dtype, bound=0.0)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["tanh", "sigmoid"])
+def test_backward_from_the_output_rounds_each_step_as_cuda(name, dtype):
+    """CUDA's tanh_backward and sigmoid_backward round after every operator; rounding once instead (the CPU's
+    tanh kernel, the emulation before it followed CUDA) differs in about half the elements of this sample."""
+    g = torch.linspace(-1, 1, 4096).to(dtype)
+    y = (torch.tanh if name == "tanh" else torch.sigmoid)(torch.randn(4096, generator=torch.Generator().manual_seed(1)) * 2)
+    y = y.to(dtype)
+    op = aten.tanh_backward.default if name == "tanh" else aten.sigmoid_backward.default
+    with emulation.numerics(True):
+        got = real(op(Emulated(g.float(), dtype), Emulated(y.float(), dtype)))
+    cuda = g * (1 - y * y) if name == "tanh" else (g * (1 - y)) * y
+    once = (g.float() * (1 - y.float() * y.float()) if name == "tanh" else g.float() * (1 - y.float()) * y.float())
+    assert torch.equal(got, cuda)
+    assert (once.to(dtype) != cuda).sum() > 100   # the sample tells the two apart
 
 
 def test_numbers_in_an_op_stay_unrounded_as_in_cuda_kernels():
@@ -486,12 +520,42 @@ def on_cuda(fn, inputs, dtype, autocast=None):
 @pytest.mark.parametrize("name", sorted(ELEMENTWISE) + sorted(ACCUMULATING) + sorted(REDUCING))
 def test_emulated_cpu_ops_match_cuda(name, dtype):
     """Elementwise ops within 1 ulp (CUDA's fp32 math library may differ from the CPU's by an fp32 ulp, which
-    rounding to fp16/bf16 can make one ulp); the rest within 2 ulps of the tensor's largest value."""
+    rounding to fp16/bf16 can make one ulp); the rest within 2 ulps of the tensor's largest value. The gradient of
+    an op whose backward reads its output (tanh, softmax) is checked from the same output (below): a 1-ulp
+    difference of tanh(x) near +-1 is many ulps of 1 - tanh(x)**2."""
     fn, inputs = {**ELEMENTWISE, **ACCUMULATING, **REDUCING}[name]
     out, grads = run_op(fn, inputs, dtype, True)
-    for e, c in zip(out + grads, on_cuda(fn, inputs, dtype)):
-        assert e.dtype == c.dtype
-        assert (ulps(e, c) <= 1.0) if name in ELEMENTWISE else (scaled_ulps(e, c, dtype) <= 2.0), (name, dtype)
+    for i, (e, c) in enumerate(zip(out + grads, on_cuda(fn, inputs, dtype))):
+        what = (name, dtype, "output" if i < len(out) else f"gradient {i - len(out)}")
+        assert e.dtype == c.dtype, what
+        if name in BACKWARD_OF_OUTPUT and i >= len(out):
+            check_backward_on_cuda(name, out[0], grads[0], dtype)
+        elif name in ELEMENTWISE:
+            assert ulps(e, c) <= 1.0, what + (ulps(e, c),)
+        else:
+            assert scaled_ulps(e, c, dtype) <= 2.0, what + (scaled_ulps(e, c, dtype),)
+
+
+BACKWARD_OF_OUTPUT = {"tanh", "softmax"}
+
+
+def check_backward_on_cuda(name, y, grad, dtype):
+    """The emulated gradient against CUDA's backward kernel run on the same output y and upstream gradient g
+    (run_op's fixed weights). tanh: bit-identical (both round after each operator). softmax: CUDA sums g*y over
+    the row in fp32 in a warp's order (PersistentSoftmax.cuh), the emulation in the CPU's; the sums differ by at
+    most (n-1) * 2**-24 * sum|g*y|, which y * (g - sum) carries to an element as y_j times that, before both
+    round: |e - c| <= ulp(c) + y_j * ((n+1) * 2**-24 * (sum|g*y| + |g_j|)) (docs/numerics.md)."""
+    g = torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(dtype)
+    if name == "tanh":
+        cuda = aten.tanh_backward(g.cuda(), y.cuda()).cpu()
+        assert torch.equal(grad, cuda), (name, dtype, ulps(grad, cuda))
+        return
+    cuda = aten._softmax_backward_data(g.cuda(), y.cuda(), -1, dtype).cpu()
+    yf, gf, e, c = y.float(), g.float(), grad.float(), cuda.float()
+    n = y.shape[-1]
+    slack = yf * (n + 1) * 2.0 ** -24 * ((gf * yf).abs().sum(-1, keepdim=True) + gf.abs())
+    ulp = torch.clamp(c.abs(), min=torch.finfo(dtype).tiny) * torch.finfo(dtype).eps
+    assert ((e - c).abs() <= ulp + slack).all(), (name, dtype, float(((e - c).abs() / ulp).max()))
 
 
 @pytest.mark.gpu
