@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from . import checkpoint, dist, engine, hardware, logs, tricks
 from .compiled import compile_model, warm_compile
 from .config import Config, ConfigError, plain_config, validate_job
-from .data import build_image_data, image_loaders
+from .data import Resumable, build_image_data, image_loaders
 from .data.files import DataError
 from .lm_engine import LMSteps
 from .models import build_model, forward_flops
@@ -263,6 +263,17 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
                           "torchrun/DDP covers the image models")
     build = language_model_parts if config.model.is_language_model else image_parts
     steps, batches, policy, optimizer, info = build(config, device, ranks)
+    try:
+        return run_parts(config, steps, batches, policy, optimizer, info, saver, resume, stop, ranks, recorder)
+    finally:   # a DataLoader's workers end with the job, whatever ended it
+        for loader in (batches, getattr(steps, "test_batches", None)):
+            if isinstance(loader, Resumable):
+                loader.close()
+
+
+def run_parts(config: Config, steps, batches, policy, optimizer, info: dict, saver: checkpoint.Checkpointer,
+              resume: dict | None, stop, ranks: dist.Ranks, recorder: Recorder) -> dict:
+    """Restore a checkpoint into the built parts and run the shared loop."""
     tr = config.trainer
     model = info.pop("model")
     saver.parts.update(model=model, optimizer=optimizer, schedule=steps.schedule,
