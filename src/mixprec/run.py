@@ -264,14 +264,14 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
     build = language_model_parts if config.model.is_language_model else image_parts
     steps, batches, policy, optimizer, info = build(config, device, ranks)
     try:
-        return run_parts(config, steps, batches, policy, optimizer, info, saver, resume, stop, ranks, recorder)
+        return run_parts(config, device, steps, batches, policy, optimizer, info, saver, resume, stop, ranks, recorder)
     finally:   # a DataLoader's workers end with the job, whatever ended it
         for loader in (batches, getattr(steps, "test_batches", None)):
             if isinstance(loader, Resumable):
                 loader.close()
 
 
-def run_parts(config: Config, steps, batches, policy, optimizer, info: dict, saver: checkpoint.Checkpointer,
+def run_parts(config: Config, device: torch.device, steps, batches, policy, optimizer, info: dict, saver: checkpoint.Checkpointer,
               resume: dict | None, stop, ranks: dist.Ranks, recorder: Recorder) -> dict:
     """Restore a checkpoint into the built parts and run the shared loop."""
     tr = config.trainer
