@@ -367,6 +367,22 @@ def optimizer_steps(name: str, dtype, emulate: bool, eps: float = 1e-8, steps: i
         return real(p.detach()), [real(v) for v in opt.state[p].values() if torch.is_tensor(v) and v.dim()]
 
 
+def fused_sgd_arithmetic(dtype, steps: int = 3):
+    """optimizer_steps' SGD as CUDA's fused kernel computes it (FusedSgdKernel.cu, sgd_math): buf = momentum *
+    buf + g in fp32 (the first step: g), stored rounded; p -= lr * buf with the fp32 buf before its rounding, lr a
+    double; each stored tensor rounded once (lr and momentum are 1/8 and 7/8: the products are exact)."""
+    torch.manual_seed(0)
+    w0, grads = rnd(64, scale=0.1), [rnd(64, scale=s) for s in (1e-3, 1e-5, 1e-6)][:steps]
+    grads[0][::4] = 0.0
+    p, stored = w0.to(dtype).float(), None
+    for g in grads:
+        g = g.to(dtype).float()
+        buf = g if stored is None else 0.875 * stored + g
+        stored = buf.to(dtype).float()
+        p = (p.double() - 0.125 * buf.double()).float().to(dtype).float()
+    return p.to(dtype), [stored.to(dtype)]
+
+
 @pytest.mark.parametrize("impl", [{"foreach": True}, {"foreach": False}, {"fused": True}],
                          ids=["foreach", "loop", "fused"])
 @pytest.mark.parametrize("name", ["sgd", "adam"])
@@ -376,8 +392,14 @@ def test_optimizer_steps_on_low_precision_weights(name, dtype, impl):
     1 ulp: the fp32 kernel (as CUDA's) fuses it into one fma, the CPU's Half kernel rounds the product first.
     SGD's lr and momentum are representable here: the CPU's foreach Half kernels round a scalar to fp16/bf16
     before using it, CUDA's (ATen/native/cuda/ForeachBinaryOpScalar.cu: opmath_t) and the emulation do not."""
-    (pe, se), (pn, sn) = optimizer_steps(name, dtype, True, **impl), optimizer_steps(name, dtype, False, **impl)
-    assert ulps(pe, pn) <= (1.0 if name == "sgd" else 0.0)
+    if name == "sgd" and impl.get("fused"):
+        # The reference for fused SGD is its arithmetic, not the CPU's kernel: torch 2.11's fused Half/BFloat16 SGD
+        # on the CPU (its vectorized path) loses the momentum, its buffer comes out as the last gradient (146 ulps
+        # off the weights; torch 2.14.1's is right). CUDA's fused kernel computes in fp32 and rounds each store.
+        (pe, se), (pn, sn) = optimizer_steps(name, dtype, True, **impl), fused_sgd_arithmetic(dtype)
+    else:
+        (pe, se), (pn, sn) = optimizer_steps(name, dtype, True, **impl), optimizer_steps(name, dtype, False, **impl)
+    assert ulps(pe, pn) <= (1.0 if name == "sgd" and not impl.get("fused") else 0.0)
     for e, n in zip(se, sn):
         assert ulps(e, n) == 0.0
 
