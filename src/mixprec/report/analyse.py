@@ -24,7 +24,7 @@ _AXES = ("model", "precision", "experiment", "logger", "hydra")
 _NOT_VARIANT = ("seed", "logger", "hydra", "trainer.device", "name", "experiment")
 MAX_VARIANT = 28
 PRECISION_ORDER = ["fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3", "fp8", "fastai_fp16",
-                   "apex_fp16"]
+                   "apex_fp16", "apex_fp16_2018"]
 
 
 def precision_key(p: str) -> tuple:
