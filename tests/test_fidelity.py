@@ -463,3 +463,62 @@ def test_every_fastai_published_value_matches_a_fastai_fp16_job_of_the_recipe():
         check_table(c, [row for row in FASTAI_TABLE])
         amp = composed("experiment=fastai_cifar100", f"model={model}", "precision=amp")[1]
         assert not matches(v.match, amp), v.id   # torch.amp is a modern column, not the article's
+
+
+# ------------------------------------------------------------------------------------------------ what the seeds say
+def _values(source: str) -> dict:
+    return {v.id: v for v in load_source(PUBLISHED_DIR / f"{source}.yaml").values}
+
+
+def test_fastai_values_name_a_card_only_where_the_article_does():
+    v = _values("fastai_2080ti")
+    assert v["resnet101_speedup_2080ti"].hardware == "NVIDIA RTX 2080 Ti"
+    assert v["resnet101_speedup_1080ti"].hardware == "NVIDIA GTX 1080 Ti"
+    quote = v["resnet101_speedup_1080ti"].quote   # the original's pairing, quoted; the translation's wording noted
+    assert "2 builds based on 2080Ti and 1080Ti respectively" in quote and "translated seed says '2080Ti'" in quote
+    for vid in ("batch_gain", "accuracy_parity"):   # the seed names no card beside them
+        assert v[vid].hardware.startswith("not named"), vid
+
+
+def test_half_pitfalls_quotes_the_post_and_names_its_card():
+    v = _values("half_pitfalls")
+    assert all("1080 Ti" in x.hardware for x in v.values())   # "在1080Ti上"
+    adam = v["adam_fp16_nan"].quote   # the post's observation; the eps mechanism is mixprec's, not quoted as its
+    assert "梯度为零的权重变成了NAN" in adam and "eps" not in adam and "rounds to 0" not in adam
+    bn = v["bn_eval_fp32bn_fails"]
+    assert "O2" not in bn.label and "O2" not in bn.quote   # the post names no opt level
+    small, large = v["small_net_no_gain"], v["larger_net_gain"]
+    assert small.value == 1.0 and "还没有全精度快" in small.quote and "没有很明显的优势" in small.quote
+    assert large.value == pytest.approx(1 / (1 - 1 / 6)) and "快1/6" in large.quote and "1.17x" in large.quote
+
+
+def test_torch_amp_values_are_eight_gpus_with_their_epochs_and_the_blogs_noise():
+    v = _values("torch_amp")
+    assert all(x.hardware.startswith("8x NVIDIA") for x in v.values())
+    assert "8xV100" in v["amp_speedup_range"].quote and v["amp_speedup_range"].noise is None
+    accuracy = [x for x in v.values() if x.metric in ("test_acc_pct", "acc_change_vs_fp32")]
+    assert len(accuracy) == 11 and all(x.noise == 0.4 and "trainer.epochs" in x.match for x in accuracy)
+    assert v["a100_amp_acc"].match["trainer.epochs"] == v["a100_tf32_acc"].match["trainer.epochs"] == 90
+    for gap in ("v100_gap_50", "v100_gap_90", "v100_gap_250"):   # the blog's parity lies within its own noise
+        assert abs(v[gap].value) <= v[gap].noise
+
+
+def test_the_report_says_when_a_number_is_within_the_sources_own_noise(tmp_path):
+    import json
+
+    from mixprec.report.make import make_report
+
+    for name, precision, acc in (("amp", "amp", 0.77), ("tf32", "tf32", 0.75)):
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        d.joinpath("summary.json").write_text(json.dumps({
+            "status": "completed", "name": "torch_amp", "seed": 0, "overrides": ["seed=0"],
+            "choices": {"model": "resnet50", "precision": precision}, "job": {"name": "train", "num": None},
+            "config": {"seed": 0, "name": "torch_amp", "trainer": {"epochs": 90}},
+            "metrics": {"train_time_s": 1.0, "final_test_acc": acc}}))
+    data = make_report([str(tmp_path / "runs")], tmp_path / "report")
+    rows = {c["id"]: c["rows"] for c in data["experiments"][0]["comparisons"]}
+    assert rows["a100_amp_acc"][0]["noise"].startswith("within the source's own noise (±0.4")   # 77.0 vs 76.93
+    assert rows["a100_tf32_acc"][0]["noise"].startswith("outside the source's own noise")       # 75.0 vs 76.85
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "within the source's own noise (±0.4 % top-1 (ImageNet))" in md
