@@ -475,8 +475,8 @@ def test_fastai_values_name_a_card_only_where_the_article_does():
     assert v["resnet101_speedup_2080ti"].hardware == "NVIDIA RTX 2080 Ti"
     assert v["resnet101_speedup_1080ti"].hardware == "NVIDIA GTX 1080 Ti"
     quote = v["resnet101_speedup_1080ti"].quote   # the original's pairing, quoted; the translation's wording noted
-    assert "2 builds based on 2080Ti and 1080Ti respectively" in quote and "translated seed says '2080Ti'" in quote
-    for vid in ("batch_gain", "accuracy_parity"):   # the seed names no card beside them
+    assert "2 builds based on 2080Ti and 1080Ti respectively" in quote and "translation says '2080Ti'" in quote
+    for vid in ("batch_gain", "accuracy_parity"):   # the article names no card beside them
         assert v[vid].hardware.startswith("not named"), vid
 
 
