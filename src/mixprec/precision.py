@@ -64,6 +64,23 @@ class StaticScaler:
         self.value = float(state["scale"])
 
 
+def clip_scaled_model_grads_(params: list[torch.Tensor], max_norm: float) -> None:
+    """apex word_language_model main.py@28bdc04e:173-185 (--fp16): backward of the loss times the static scale, then
+    clip_grad_norm(model.parameters(), args.clip) on the fp16 model's gradients, still scaled, so the threshold
+    applies to the scaled norm (0.25 at scale S clips the true gradients at 0.25 / S); only then are they copied
+    to the fp32 masters and divided by S. PyTorch 1.0's clip_grad_norm_: each gradient's 2-norm in its own dtype
+    (p.grad.data.norm(2), fp16 for an fp16 model), their squares summed in higher precision (Python floats
+    there, fp32 here: no host sync, no float64 on devices without it), coefficient max_norm / (total + 1e-6)
+    applied in place where below 1, in the gradient's dtype."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    norms = torch._foreach_norm(grads)   # one per gradient, in its dtype (fp16 norms of fp16 gradients)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, coef)
+
+
 def by_dtype(*lists: list[torch.Tensor]) -> list[list[list[torch.Tensor]]]:
     """Parallel tensor lists cut into groups whose first-list tensors share one device and dtype, so that each
     foreach call sees one dtype per list, as GradScaler groups its gradients (torch/amp/grad_scaler.py:262). A
@@ -170,12 +187,15 @@ class PrecisionPolicy:
     def step(self, optimizer: torch.optim.Optimizer, grad_clip: float | None = None) -> bool:
         """Unscale, clip, step, update the scale; returns True when the step was skipped (an overflow under a
         dynamic loss scale: GradScaler skips the step and halves the scale)."""
+        scaled_clip = grad_clip is not None and self.cfg.clip_scaled_model_grads
+        if scaled_clip:
+            clip_scaled_model_grads_(self.model_params, grad_clip)
         if self.master_params is not None:
             for master, p in zip(self.master_params, self.model_params):
                 master.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         self.scaler.unscale_(optimizer)
-        if grad_clip is not None:
+        if grad_clip is not None and not scaled_clip:
             torch.nn.utils.clip_grad_norm_(self.stepped_params(), grad_clip)
         if id(optimizer) not in self._hooked:
             optimizer.register_step_post_hook(self._saw_step)
