@@ -65,9 +65,27 @@ def param_groups(model: torch.nn.Module, model_params: list, stepped: list, cfg:
 def build_optimizer(cfg: OptimizerConfig, params: list) -> torch.optim.Optimizer:
     """The optimizer of `cfg` over `params` (tensors or param groups), in the implementation optimizer.impl picks."""
     try:
-        return _build(cfg, params, impl_kwargs(cfg.impl, params))
+        optimizer = _build(cfg, params, impl_kwargs(cfg.impl, params))
     except RuntimeError as e:   # fused=True on parameters its kernels do not take
         raise ConfigError(f"optimizer.impl={cfg.impl}: {str(e).splitlines()[0]}; use optimizer.impl=auto or foreach") from None
+    if isinstance(optimizer, torch.optim.SGD):
+        zero_fused_momentum_buffers(optimizer)
+    return optimizer
+
+
+def zero_fused_momentum_buffers(optimizer: torch.optim.SGD) -> None:
+    """Give fused SGD's momentum buffers zeros before its first step. Without them torch's _fused_sgd makes them
+    with torch.empty_like and sets them on its first step only; a step GradScaler skips (found_inf: the kernel
+    returns early) leaves them as allocated, and every later step treats that garbage as momentum. From zeros, the
+    first step's buffer is momentum * 0 + grad = grad, bit for bit what the first-step kernel stores (dampening is 0:
+    not an option here), so fused keeps its speed and a skipped first step changes nothing."""
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group["momentum"] == 0:
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _build(cfg: OptimizerConfig, params: list, impl: dict) -> torch.optim.Optimizer:
