@@ -359,3 +359,36 @@ def test_make_report_draws_the_probed_jobs(tmp_path):
     assert [f.split("_")[:3] for f in figs] == [["numerics", "heatmap", "job"], ["numerics", "hist", "job"]]
     md = (tmp_path / "report" / "report.md").read_text()
     assert figs[1] in md and "unscaled and scaled" in md
+
+
+# -- a finished job leaves nothing behind -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [TINY8, [*TINY8, "probe=ranges"], LM,
+                                       [*TINY8, "precision=half", "optimizer=adam"]],   # diverges, then replays
+                         ids=["image", "image-ranges", "lstm", "half-adam-replay"])
+def test_a_finished_job_frees_its_model_without_the_cycle_collector(tmp_path, monkeypatch, overrides):
+    # The probe kept the last step's replay, a closure over the loop (whose probe kept it: a reference cycle),
+    # holding the model, its batch and the optimizer until Python's cycle collector ran: in a sweep's process the
+    # next job's peak memory counted them. With the collector off, reference counting alone must free the model.
+    import gc
+    import weakref
+
+    import mixprec.run as run_module
+
+    models = []
+
+    def build_model(*args, **kwargs):
+        model = build(*args, **kwargs)
+        models.append(weakref.ref(model))
+        return model
+
+    build = run_module.build_model
+    monkeypatch.setattr(run_module, "build_model", build_model)
+    gc.collect()
+    gc.disable()
+    try:
+        s = run_tiny(tmp_path, *overrides)
+        assert s["status"] in ("completed", "diverged"), s.get("error")
+        assert models and [m() for m in models] == [None] * len(models)
+    finally:
+        gc.enable()
