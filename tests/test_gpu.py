@@ -10,9 +10,9 @@ from hydra.core.global_hydra import GlobalHydra
 from torch import nn
 
 from helpers import TINY, compose_config, run_tiny, load_script
-from mixprec import checkpoint, data, hardware, precision
+from mixprec import checkpoint, data, hardware, precision, prewarm
 from mixprec.config import validate
-from mixprec.engine import TrainClock
+from mixprec.engine import LoopState, TrainClock
 from mixprec.models import small_cnn
 from mixprec.optim import build_optimizer
 from mixprec.models.resnet9 import GhostBatchNorm
@@ -180,3 +180,25 @@ def test_an_lstm_checkpoint_loads_on_the_gpu_into_flat_cudnn_weights(emulate):
         warnings.simplefilter("error")
         out = loaded(x)[0]
     torch.testing.assert_close(out, saved(x)[0])
+
+
+@pytest.mark.parametrize("mode", ["fp32", "amp", "half", "bf16", "amp_bf16"])
+def test_an_rnn_job_never_runs_uncompacted_weights(mode):
+    """After the dtype change (prepare_model), prewarm's deepcopy and a checkpoint load, every RNN's weights are
+    cuDNN's one chunk (models.flatten_rnns): no step warns that cuDNN compacts them at every call. bf16 weights too:
+    flatten_parameters refuses bf16 (CUDNN_TENSOR_DTYPES) where ATen's RNN runs it on cuDNN (the H200 warning)."""
+    config = validate(compose_config(f"precision={mode}", "model=lstm", "optimizer.momentum=0"))
+    policy = precision.PrecisionPolicy(config.precision, CUDA0)
+    tokens = torch.randint(0, 50, (7, 4), device=CUDA0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not part of single contiguous chunk of memory.*")
+        model = policy.prepare_model(RNNModel("lstm", 50, 16, 16, 2))
+        opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
+        prewarm.prewarm_lm(model, policy, opt, 1, bptt=6, columns=4, vocab_size=50)
+        saver, state = checkpoint.Checkpointer(".", meta={}), LoopState()
+        saver.parts["model"] = model
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        saver.restore({"parts": {"model": saved}, "rng": [checkpoint.rng_state()], "loop": state.state_dict()}, state)
+        with policy.autocast():
+            out, _ = model(tokens, model.init_hidden(4))
+    assert torch.isfinite(out.float()).all()

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .dist import SINGLE, Ranks
+from .models import flatten_rnns
 from .numerics import emulation
 from .records import METRICS, SUMMARY, atomic_file
 
@@ -224,6 +225,7 @@ class Checkpointer:
         for name, part in self.parts.items():
             if isinstance(part, torch.nn.Module):   # the model: emulation swaps its parameters' contents on load
                 emulation.load_module_state(part, ckpt["parts"][name])
+                flatten_rnns(part)
             else:
                 part.load_state_dict(ckpt["parts"][name])
         loop.load_state_dict(ckpt["loop"])

@@ -29,6 +29,7 @@ from torch import nn
 
 from .numerics import emulation, fp8
 from .config import OptimizerConfig, PrecisionConfig
+from .models import flatten_rnns
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -142,6 +143,7 @@ class PrecisionPolicy:
                         m.float()
         if self.cfg.fp8_recipe is not None:
             self.fp8 = fp8.convert(model, self.cfg.fp8_recipe, self.device)
+        flatten_rnns(model)   # cuDNN's one chunk, whatever the dtype change left (models/rnnlm.py)
         return model
 
     # -- 3. what the optimizer steps ----------------------------------------------------------------------
