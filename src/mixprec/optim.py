@@ -14,9 +14,13 @@ def impl_kwargs(impl: str, params: list) -> dict:
     loop (a Python loop over the parameters: foreach=False) as asked. A fused step under GradScaler takes the scale
     and the found-inf flag on the device (torch/amp/grad_scaler.py: `_step_supports_amp_scaling`)."""
     tensors = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else list(params)
-    if impl == "auto":
-        impl = "fused" if tensors and all(p.is_cuda and p.is_floating_point() for p in tensors) else "foreach"
+    impl = resolve_impl(impl, bool(tensors) and all(p.is_cuda and p.is_floating_point() for p in tensors))
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+
+
+def resolve_impl(impl: str, on_cuda: bool) -> str:
+    """optimizer.impl with auto resolved: fused when the stepped tensors are floating-point CUDA tensors."""
+    return ("fused" if on_cuda else "foreach") if impl == "auto" else impl
 
 
 # optimizer.decay=auto: what each model family's own recipe decays. The GPT decays its matmul and embedding weights
