@@ -202,3 +202,21 @@ def test_an_rnn_job_never_runs_uncompacted_weights(mode):
         with policy.autocast():
             out, _ = model(tokens, model.init_hidden(4))
     assert torch.isfinite(out.float()).all()
+
+
+def test_the_probes_counts_make_no_host_sync():
+    """probe=ranges measures every tensor of a probed step on the GPU: its counts (histogram included) queue
+    kernels only; the probe copies them to the host once per step."""
+    from mixprec.numerics import probe_stats
+
+    x = torch.randn(4096, device=CUDA0)
+    x[::7], x[1::11], x[2::13] = 0.0, float("inf"), float("nan")
+    expected = probe_stats.tensor_counts(x.cpu())
+    probe_stats.tensor_counts(x)   # CUDA's lazy initialisation out of the way
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        counts, absmax = probe_stats.tensor_counts(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(counts.cpu(), expected[0]) and absmax.item() == expected[1].item()
