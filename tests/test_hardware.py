@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import compose_config, load_script
+from helpers import compose_config, load_script, run_tiny
 from mixprec import checkpoint, data, dist, hardware, precision
 from mixprec.config import ConfigError, PrecisionConfig, validate
+from mixprec.engine import LoopState
 from mixprec.models import small_cnn
 from mixprec.optim import build_optimizer
 from mixprec.models.resnet9 import GhostBatchNorm, ResNet9
@@ -172,6 +173,23 @@ def test_the_accelerator_rng_is_saved_and_restored_on_the_jobs_own_device(two_gp
     state = checkpoint.rng_state()
     checkpoint.set_rng_state(state)
     assert saved == [torch.device("cuda", 1)] and restored == [(7, torch.device("cuda", 1))]
+
+
+def test_a_cpu_job_on_a_gpu_machine_leaves_cudas_rng_alone(two_gpus, monkeypatch, tmp_path):
+    # Saving or restoring CUDA's RNG state initialises CUDA: a job that runs on the CPU has none to keep.
+    calls = []
+    for name in ("get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name, **k: calls.append(name) or torch.zeros(8))
+    s = run_tiny(tmp_path / "job", "trainer.epochs=2", "trainer.max_steps=null")   # a checkpoint after epoch 1
+    assert s["status"] == "completed" and s["env"]["device"] == "cpu", s.get("error")
+    saver = checkpoint.Checkpointer(tmp_path, meta={"device_type": "cpu"})
+    state = LoopState()
+    saver.save(state)
+    saver.restore(torch.load(tmp_path / checkpoint.CHECKPOINT, weights_only=False), state)
+    assert calls == []
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    checkpoint.set_rng_state(checkpoint.rng_state("cuda"), "cuda")   # a CUDA job's are kept
+    assert calls == ["get_rng_state", "set_rng_state"]
 
 
 def test_fp32_weights_are_cpu_copies():
