@@ -192,6 +192,17 @@ def test_a_cpu_job_on_a_gpu_machine_leaves_cudas_rng_alone(two_gpus, monkeypatch
     assert calls == ["get_rng_state", "set_rng_state"]
 
 
+@pytest.mark.parametrize("module, name", [("test_gpt", "GPT_JOB"), ("test_pitfalls", "SMALL"), ("test_report", "SIZES"),
+                                          ("helpers", "TINY"), ("test_lm", "LM"), ("test_probe", "LM")])
+def test_the_tests_cpu_jobs_stay_on_the_cpu_of_a_gpu_machine(two_gpus, module, name):
+    # what they assert is CPU behaviour (FP8 and fp16 emulated, fused kernels off): trainer.device=auto would
+    # run them on the GPU there
+    import importlib
+
+    overrides = getattr(importlib.import_module(module), name)
+    assert hardware.select_device(validate(compose_config(*overrides)).trainer.device) == torch.device("cpu")
+
+
 def test_fp32_weights_are_cpu_copies():
     config = validate(compose_config("precision=o2"))
     policy = precision.PrecisionPolicy(config.precision, torch.device("cpu"))

@@ -312,7 +312,8 @@ def test_plateau_divides_the_lr_after_each_epoch_without_a_better_validation_los
 def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
     sweep = tmp_path / "sweep"
     small = ["dataset=synthetic_text", "dataset.vocab_size=40", "dataset.train_size=1200", "dataset.test_size=200",
-             "dataset.bptt=6", "model.emsize=16", "model.nhid=16", "trainer.batch_size=4", "trainer.max_steps=2"]
+             "dataset.bptt=6", "model.emsize=16", "model.nhid=16", "trainer.batch_size=4", "trainer.max_steps=2",
+             "trainer.device=cpu"]   # the table marks the CPU's fp16 jobs emulated
     r = run_cli("-m", "experiment=apex_word_lm", *small, "logger=none", f"hydra.sweep.dir={sweep}")
     assert r.returncode == 0, r.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]

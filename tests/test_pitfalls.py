@@ -15,7 +15,7 @@ from mixprec.precision import PrecisionPolicy, hazards
 from mixprec.search import largest_fitting
 
 SMALL = ["dataset.train_size=64", "dataset.test_size=16", "trainer.batch_size=8", "trainer.eval_batch_size=16",
-         "dataset.image_size=8", "logger=none"]
+         "dataset.image_size=8", "logger=none", "trainer.device=cpu"]
 
 
 @pytest.mark.slow
