@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import compose_config, load_script, run_tiny
+from helpers import ROOT, compose_config, load_script, run_tiny
 from mixprec import checkpoint, data, dist, hardware, precision
 from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.engine import LoopState
@@ -201,6 +201,20 @@ def test_the_tests_cpu_jobs_stay_on_the_cpu_of_a_gpu_machine(two_gpus, module, n
 
     overrides = getattr(importlib.import_module(module), name)
     assert hardware.select_device(validate(compose_config(*overrides)).trainer.device) == torch.device("cpu")
+
+
+def test_arch_names_are_parsed_with_their_suffixes():
+    names = ["sm_75", "sm_90a", "sm_100a", "sm_120", "compute_90"]
+    assert [hardware.parse_arch(a) for a in names] == \
+        [("sm", 75, ""), ("sm", 90, "a"), ("sm", 100, "a"), ("sm", 120, ""), ("compute", 90, "")]
+    assert hardware.parse_arch("gfx90a") is None   # a ROCm name: not a CUDA arch
+    assert hardware.has_kernels_for(names, (9, 0)) and hardware.has_kernels_for(names, (7, 5))
+    assert not hardware.has_kernels_for(["sm_90a", "compute_90"], (8, 9))   # arch-specific: that GPU only
+    assert not hardware.has_kernels_for(["sm_90a"], (10, 0)) and hardware.has_kernels_for(["sm_100a"], (10, 0))
+    assert hardware.has_kernels_for(["sm_100f"], (10, 3)) and not hardware.has_kernels_for(["sm_100f"], (12, 0))
+    assert not hardware.has_kernels_for(["sm_120", "compute_120"], (9, 0))
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert "hardware.has_kernels_for(arch, (major, minor))" in script and "int(a[3:])" not in script
 
 
 def test_fp32_weights_are_cpu_copies():
