@@ -29,6 +29,8 @@ from torch import nn
 
 from .numerics import emulation, fp8
 from .config import OptimizerConfig, PrecisionConfig
+from .models import flatten_rnns
+from .optim import resolve_impl
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -159,6 +161,7 @@ class PrecisionPolicy:
                         m.float()
         if self.cfg.fp8_recipe is not None:
             self.fp8 = fp8.convert(model, self.cfg.fp8_recipe, self.device)
+        flatten_rnns(model)   # cuDNN's one chunk, whatever the dtype change left (models/rnnlm.py)
         return model
 
     # -- 3. what the optimizer steps ----------------------------------------------------------------------
@@ -242,15 +245,19 @@ class PrecisionPolicy:
                     state[n] = master.detach().to(cpu, copy=True)
         return state
 
-def hazards(precision: PrecisionConfig, optimizer: OptimizerConfig) -> list[str]:
-    """Known ways a precision + optimizer combination breaks, found from the config before training."""
+def hazards(precision: PrecisionConfig, optimizer: OptimizerConfig, device_type: str = "cpu") -> list[str]:
+    """Known ways a precision + optimizer combination breaks, found from the config before training. Adam's eps:
+    foreach and for-loop Adam add it in the stepped dtype; fused Adam (optimizer.impl=fused, auto on CUDA) computes
+    in fp32 and rounds once, so the hazard is not one there."""
     found = []
     stepped = "float32" if precision.master_weights else precision.param_dtype
-    if optimizer.name in ("adam", "adamw") and stepped != "float32":
+    fused = resolve_impl(optimizer.impl, device_type == "cuda") == "fused"
+    if optimizer.name in ("adam", "adamw") and stepped != "float32" and not fused:
         dt = DTYPES[stepped]
         if torch.tensor(optimizer.eps, dtype=dt).item() == 0.0:
             tiniest = torch.finfo(dt).tiny * torch.finfo(dt).eps   # the smallest subnormal: 2^-24 for fp16
             found.append(f"optimizer.eps={optimizer.eps:g} rounds to 0 in {stepped} (smallest subnormal "
-                         f"{tiniest:.3g}): where Adam's second moment underflows to 0 its update is 0/0 = NaN; "
+                         f"{tiniest:.3g}): where Adam's second moment underflows to 0 its update is 0/0 = NaN "
+                         f"(foreach and for-loop Adam add eps in {stepped}; fused Adam computes in fp32); "
                          "keep the optimizer state in fp32 (amp, o2) or raise eps (1e-4 works in fp16)")
     return found

@@ -164,7 +164,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type != "cpu" else "cpu")
     emulated = emulates(config.precision, device)
     summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
-                   hazards=hazards(config.precision, config.optimizer),
+                   hazards=hazards(config.precision, config.optimizer, device.type),
                    arithmetic="emulated" if emulated else "native")
     warn_if_slow(config, device, profile, emulated)
     try:
