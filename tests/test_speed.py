@@ -160,11 +160,12 @@ def test_optimizer_impl_and_prewarm_auto():
         validate(compose_config("trainer.compile=fast"))
 
 
-def test_a_compiled_language_model_is_refused_in_one_line(tmp_path):
+def test_a_compiled_rnn_is_refused_in_one_line(tmp_path):
     with pytest.raises(SystemExit):
         run_tiny(tmp_path, "trainer.compile=default", base=LM)
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert "trainer.compile=default: only the image models are compiled" in s["error"]
+    assert "trainer.compile=default with model=lstm: the RNN language models run eagerly" in s["error"]
+    assert "\n" not in s["error"]
 
 
 @pytest.mark.gpu

@@ -1,57 +1,118 @@
-"""trainer.compile: the training model through torch.compile, compiled before the clock starts.
+"""trainer.compile: the training model through torch.compile, compiled and warmed up before the clock starts.
 
 `compile_model(net, mode)` wraps the module the loop trains (the DDP wrapper under several ranks) in
 torch.compile with the chosen mode: `default` (inductor), `max-autotune` (inductor, Triton kernels autotuned,
 CUDA graphs), `reduce-overhead` (inductor with CUDA graphs). The engine calls it inside the precision policy's
 autocast, so autocast is part of the compiled graph: dynamo traces the forward under the ambient autocast state
 and guards on it (a change of state recompiles). The compiled module shares its parameters and buffers with the
-model: optimizer, EMA, checkpoints and the saved weights use the plain model and see the same tensors.
+model: optimizer, EMA, checkpoints and the saved weights use the plain model and see the same tensors. Image
+models and the GPT are compiled; precision=fp8 compiles the float8-converted model, as torchao intends (its
+Float8Linear casts fuse into the matmuls' neighbours under inductor). The RNN language models stay eager
+(RNN_EAGER says why).
 
-`warm_compile(...)` compiles now, outside the training clock, and returns the seconds it took (recorded as
-`compile_time_s`, apart from `train_time_s`): forward and backward passes of the compiled module on a random
-batch of the training shape, in training mode, after which every parameter, buffer (BatchNorm statistics) and
-gradient is put back as it was and the torch RNGs are restored, so the run trains exactly as an uncompiled one
-would (within inductor's rounding). Evaluation (eval mode, another graph) compiles at the first evaluation,
-which is timed apart from training anyway.
+CUDA graphs (`reduce-overhead`, `max-autotune`): a graph's outputs live in a memory pool that its next replay
+overwrites. The loop therefore calls `mark_step(mode)` (torch.compiler.cudagraph_mark_step_begin) at the start
+of every training step and before every evaluation call, and keeps no compiled output past it: the losses and
+counts it keeps for the log flush are computed from the outputs by eager ops, and an evaluation call whose output
+outlives the next call (flip TTA) goes through `GraphCalls`, which clones it.
+
+`warm_compile(net, policy, mode, warmup)` compiles now, outside the training clock, and returns the seconds it
+took (recorded as `compile_time_s`, apart from `train_time_s`): for each shape the loop will see (`Warmup`: the
+training batch; the evaluation batch and the last, partial, evaluation batch; a language model's full and last
+window), forward and backward in training mode, and the no-grad forward in eval mode, each called
+`calls_per_shape(mode)` times: once for inductor, three times under CUDA graphs (cudagraph trees run a shape
+eagerly on its first call, record it on the second and replay from the third), so neither a compilation, an
+autotuning nor a graph recording falls in the timed steps. Afterwards every parameter, buffer (BatchNorm
+statistics) and gradient is put back as it was and the torch RNGs are restored, so the run trains exactly as an
+uncompiled one would (within inductor's rounding).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
 from .hardware import synchronize
-from .tricks import cross_entropy
+
+GRAPH_MODES = ("reduce-overhead", "max-autotune")   # the modes that run CUDA graphs
+RNN_EAGER = ("the RNN language models run eagerly: torch.compile does not trace nn.LSTM/GRU/RNN (dynamo graph-breaks "
+             "around them, torch._dynamo.config.allow_rnn), cuDNN already runs each layer as one fused kernel, and "
+             "their hidden state carried from window to window would be a CUDA graph's output kept across steps")
 
 
 def compile_model(net: nn.Module, mode: str) -> nn.Module:
     return net if mode == "none" else torch.compile(net, mode=mode)
 
 
-def warm_compile(net: nn.Module, policy, batch_size: int, image_shape: tuple, num_classes: int, mode: str,
-                 channels_last: bool = False, bn_eval: bool = False) -> float:
-    """Compile `net`'s training forward and backward on a random batch; leave its state as it was."""
+def mark_step(mode: str) -> None:
+    """A new CUDA-graph step begins (the previous step's graph outputs may be overwritten from here on)."""
+    if mode in GRAPH_MODES:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def calls_per_shape(mode: str) -> int:
+    """Calls that leave nothing for the clock: 1 compiles; CUDA graphs record on the 2nd call and replay from the 3rd."""
+    return 3 if mode in GRAPH_MODES else 1 if mode != "none" else 0
+
+
+class GraphCalls:
+    """An evaluation model whose every call starts a CUDA-graph step and returns a clone, so that an output kept
+    past the next call (flip TTA's first logits) is not overwritten by it. train()/eval() reach the model."""
+
+    def __init__(self, model: nn.Module, mode: str):
+        self.model, self.mode = model, mode
+
+    def __call__(self, *args):
+        mark_step(self.mode)
+        return self.model(*args).clone()
+
+    def train(self, mode: bool = True):
+        return self.model.train(mode)
+
+    def eval(self):
+        return self.model.eval()
+
+
+@dataclass
+class Warmup:
+    """The shapes a run's compiled model will see and how to make a batch of each. `batch(shape, generator,
+    device)` -> (x, y); `loss(net, policy, x, y)` -> the training loss; `infer(net, policy, x, y)` the evaluation
+    forward (run under no_grad in eval mode). bn_eval: BatchNorm stays in eval mode while training."""
+    train_shapes: list
+    eval_shapes: list
+    batch: Callable
+    loss: Callable
+    infer: Callable
+    bn_eval: bool = False
+    shapes: list = field(default_factory=list)   # filled by warm_compile: (training?, shape) in the order warmed
+
+
+def warm_compile(net: nn.Module, policy, mode: str, warmup: Warmup) -> float:
+    """Compile and warm `net` for every shape of `warmup`, training and evaluation; leave its state as it was."""
     if mode == "none":
         return 0.0
-    from .models import set_bn_eval
-
     device = policy.device
     synchronize(device)
     start = time.perf_counter()
     saved = {k: v.detach().clone() for k, v in net.state_dict().items()}
     accelerator = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=accelerator):
-        x = torch.rand(batch_size, *image_shape, device=device)
-        x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
-        y = torch.randint(0, num_classes, (batch_size,), device=device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        for shape in warmup.train_shapes:
+            warm_training(net, policy, mode, warmup, warmup.batch(shape, gen, device))
+            warmup.shapes.append((True, shape))
+        net.eval()
+        with torch.no_grad():
+            for shape in warmup.eval_shapes:
+                x, y = warmup.batch(shape, gen, device)
+                for _ in range(calls_per_shape(mode)):
+                    mark_step(mode)
+                    warmup.infer(net, policy, x, y)
+                warmup.shapes.append((False, shape))
         net.train()
-        if bn_eval:
-            set_bn_eval(net)
-        for _ in range(3 if mode == "reduce-overhead" else 1):   # CUDA graphs are recorded on a later call
-            with policy.autocast():
-                out = net(policy.cast_input(x))
-            cross_entropy(out, y).float().backward()
         with torch.no_grad():
             for k, v in net.state_dict().items():
                 v.copy_(saved[k])
@@ -59,3 +120,80 @@ def warm_compile(net: nn.Module, policy, batch_size: int, image_shape: tuple, nu
             p.grad = None
     synchronize(device)
     return time.perf_counter() - start
+
+
+def warm_training(net: nn.Module, policy, mode: str, warmup: Warmup, batch: tuple) -> None:
+    """The training forward and backward of one batch shape, as many times as `mode` needs."""
+    from .models import set_bn_eval
+
+    net.train()
+    if warmup.bn_eval:
+        set_bn_eval(net)
+    for _ in range(calls_per_shape(mode)):
+        mark_step(mode)
+        warmup.loss(net, policy, *batch).float().backward()
+        for p in net.parameters():
+            p.grad = None
+
+
+@dataclass
+class ImageBatch:
+    """Random images of the training layout and labels, `size` of them."""
+    image_shape: tuple
+    num_classes: int
+    channels_last: bool = False
+
+    def __call__(self, size: int, gen: torch.Generator, device: torch.device) -> tuple:
+        x = torch.rand(size, *self.image_shape, device=device, generator=gen)
+        x = x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+        return x, torch.randint(0, self.num_classes, (size,), device=device, generator=gen)
+
+
+@dataclass
+class TokenBatch:
+    """A window of random tokens, shape (rows, columns), and its targets."""
+    vocab_size: int
+
+    def __call__(self, shape: tuple, gen: torch.Generator, device: torch.device) -> tuple:
+        rows, columns = shape
+        x = torch.randint(0, self.vocab_size, (rows + 1, columns), device=device, generator=gen)
+        return x[:-1], x[1:]
+
+
+def image_loss(net, policy, x, y):
+    from .tricks import cross_entropy
+    with policy.autocast():
+        out = net(policy.cast_input(x))
+    return cross_entropy(out, y)
+
+
+def image_infer(net, policy, x, y):
+    with policy.autocast():
+        return net(policy.cast_input(x))
+
+
+def lm_loss(net, policy, x, y):
+    from .lm_engine import forward
+    return forward(net, x, y, net.init_hidden(x.size(1)), policy)[0]
+
+
+def image_warmup(batch: int, eval_batch: int, test_size: int, image_shape: tuple, num_classes: int,
+                 channels_last: bool = False, bn_eval: bool = False) -> Warmup:
+    """An image job's shapes: the training batch (the training loaders drop a last partial batch), the evaluation
+    batch and the test set's last, partial, one."""
+    return Warmup([batch], split_shapes(test_size, eval_batch), ImageBatch(image_shape, num_classes, channels_last),
+                  image_loss, image_infer, bn_eval)
+
+
+def lm_warmup(train_rows: int, columns: int, eval_rows: list[int], eval_columns: int, bptt: int,
+              vocab_size: int) -> Warmup:
+    """A language model's windows: bptt rows and the last window's (a batchified stream of `rows` rows has
+    rows - 1 targets per column), in training (train_rows x columns) and in evaluation (each split's rows)."""
+    train = [(r, columns) for r in split_shapes(train_rows - 1, bptt)]
+    evals = sorted({(r, eval_columns) for rows in eval_rows for r in split_shapes(rows - 1, bptt)}, reverse=True)
+    return Warmup(train, evals, TokenBatch(vocab_size), lm_loss, lm_loss)
+
+
+def split_shapes(n: int, size: int) -> list[int]:
+    """The lengths of the slices of n things cut into `size`s: `size` (or n if fewer), then any remainder."""
+    return [min(n, size)] + ([n % size] if n > size and n % size else [])

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from .compiled import GRAPH_MODES, GraphCalls, mark_step
 from .config import TrainerConfig
 from .dist import SINGLE, Ranks
 from .hardware import mark_steady, synchronize
@@ -190,9 +191,12 @@ def total_steps(trainer: TrainerConfig, steps_per_epoch: int) -> int:
     return min(trainer.epochs * steps_per_epoch, trainer.max_steps or trainer.epochs * steps_per_epoch)
 
 
-def evaluate(model, batches, policy: PrecisionPolicy, tta: bool = False) -> tuple[float, float, float | None]:
+def evaluate(model, batches, policy: PrecisionPolicy, tta: bool = False,
+             compile_mode: str = "none") -> tuple[float, float, float | None]:
     """Mean cross-entropy and accuracy over every sample of `batches` (no label smoothing), and with tta the
-    accuracy of the mean logits of each image and its mirror (None without)."""
+    accuracy of the mean logits of each image and its mirror (None without). Under CUDA graphs (compile_mode)
+    each call of the model is a graph step of its own, its output cloned out of the graph's pool (GraphCalls)."""
+    model = GraphCalls(model, compile_mode) if compile_mode in GRAPH_MODES else model
     model.eval()
     loss_sum = torch.zeros((), device=policy.device, dtype=torch.float64)
     correct = torch.zeros((), device=policy.device, dtype=torch.int64)
@@ -397,16 +401,18 @@ class ImageSteps:
 
     def step(self, x, y, loop: Loop, state: LoopState):
         """One batch trained; returns (its mean loss, its correct count, its size) on the device."""
+        mark_step(loop.trainer.compile)   # CUDA graphs: a new step (nothing compiled is kept past it)
         loop.probe.before_step(state.step + 1, loop.policy)
         loop.probe.see_batch(state.step + 1, x, y, loop.policy)   # step 1 only: a blank batch, one label
         out = forward(self.model, x, loop.policy)
         loss = cross_entropy(out, y, self.label_smoothing, summed=self.loss_sum)
+        correct = (out.detach().argmax(1) == y).sum()   # eager ops on the step's output, before the next step
         inner = getattr(self.model, "module", self.model)   # the probe replays a batch on one rank: not through DDP
         train_step(loss, loop, state, replay=functools.partial(forward, inner, x, loop.policy))   # no closure
         if self.ema is not None:
             self.ema.update(self.model)
         self.schedule.step()
-        return loss.detach() / len(y) if self.loss_sum else loss.detach(), (out.detach().argmax(1) == y).sum(), len(y)
+        return loss.detach() / len(y) if self.loss_sum else loss.detach(), correct, len(y)
 
     def row(self, loss: float, window: Window, loop: Loop) -> dict:
         return {"acc": loop.ranks.sum_(torch.stack(window.correct).sum()).item() / max(window.samples, 1)}
@@ -414,7 +420,7 @@ class ImageSteps:
     def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
         b = state.best
         loss, plain, tta = evaluate(self.model if self.ema is None else self.ema.model, self.test_batches,
-                                    loop.policy, tta=self.tta or final)
+                                    loop.policy, tta=self.tta or final, compile_mode=loop.trainer.compile)
         acc = tta if self.tta else plain
         b.update(test_loss=loss, test_acc=acc, acc_plain=plain, acc_tta=tta,
                  best_acc=acc if b.get("best_acc") is None else max(b["best_acc"], acc))

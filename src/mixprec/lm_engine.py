@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compiled import mark_step
 from .engine import Loop, LoopState, Window, train_step
 from .precision import PrecisionPolicy
 from .models.rnnlm import repackage_hidden
@@ -73,13 +74,15 @@ def forward(model, x: torch.Tensor, y: torch.Tensor, hidden, policy: PrecisionPo
     return loss, out, hidden
 
 
-def evaluate(model, source: torch.Tensor, bptt: int, policy: PrecisionPolicy) -> float:
-    """Mean cross-entropy per token over every target of a batchified split: ((rows - 1) x columns) tokens."""
+def evaluate(model, source: torch.Tensor, bptt: int, policy: PrecisionPolicy, compile_mode: str = "none") -> float:
+    """Mean cross-entropy per token over every target of a batchified split: ((rows - 1) x columns) tokens. Each
+    window is a CUDA-graph step of its own under a graph mode (only its loss, an eager op's output, is kept)."""
     model.eval()
     hidden = model.init_hidden(source.size(1))
     total = torch.zeros((), device=source.device, dtype=torch.float64)
     with torch.no_grad():
         for x, y in TokenWindows(source, bptt):
+            mark_step(compile_mode)
             loss, _, hidden = forward(model, x, y, hidden, policy)
             total += loss.double() * y.numel()
     model.train()
@@ -117,6 +120,7 @@ class LMSteps:
             self.hidden = self.model.init_hidden(self.columns)
 
     def step(self, x, y, loop: Loop, state: LoopState):
+        mark_step(loop.trainer.compile)   # CUDA graphs: a new step (the GPT, compiled, carries no hidden state)
         loop.probe.before_step(state.step + 1, loop.policy)
         start, (loss, _, self.hidden) = self.hidden, forward(self.model, x, y, self.hidden, loop.policy)
         train_step(loss, loop, state, replay=functools.partial(forward, self.model, x, y, start, loop.policy))
@@ -128,8 +132,9 @@ class LMSteps:
         return {"ppl": perplexity(loss)}
 
     def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
-        valid_loss = evaluate(self.model, self.valid_source, self.bptt, loop.policy)
-        test_loss = evaluate(self.model, self.test_source, self.bptt, loop.policy)
+        mode = loop.trainer.compile
+        valid_loss = evaluate(self.model, self.valid_source, self.bptt, loop.policy, mode)
+        test_loss = evaluate(self.model, self.test_source, self.bptt, loop.policy, mode)
         record = {"valid_loss": valid_loss, "valid_ppl": perplexity(valid_loss), "test_loss": test_loss,
                   "test_ppl": perplexity(test_loss)}
         best = state.best.get("record")

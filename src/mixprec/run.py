@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import checkpoint, dist, engine, hardware, logs, tricks
-from .compiled import compile_model, warm_compile
+from .compiled import RNN_EAGER, compile_model, image_warmup, lm_warmup, warm_compile
 from .config import Config, ConfigError, plain_config, validate_job
 from .data import Resumable, build_image_data, image_loaders
 from .data.files import DataError
@@ -338,12 +338,11 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     # compilation of the model the loop trains, also before the clock (compiled.py)
     prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_for(device.type), tr.batch_size // ranks.world,
                         train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
-    if policy.emulated and tr.compile != "none":
-        raise ConfigError(f"trainer.compile={tr.compile}: emulated {low_dtype(config.precision)} (precision.emulate) "
-                          "runs eagerly; use trainer.compile=none, or precision.emulate=false for the native kernels")
+    refuse_emulated_compile(config, policy)
     steps.model = compile_model(net, tr.compile)
-    compile_s = warm_compile(steps.model, policy, tr.batch_size // ranks.world, train_batches.image_shape,
-                             data.num_classes, tr.compile, tr.channels_last, config.model.bn_eval)
+    compile_s = warm_compile(steps.model, policy, tr.compile, image_warmup(
+        min(tr.batch_size // ranks.world, len(data.train_y) // ranks.world), tr.eval_batch_size, len(data.test_y),
+        train_batches.image_shape, data.num_classes, tr.channels_last, config.model.bn_eval))
     info = {"model": model, "parts": {} if ema is None else {"ema": ema}, "final": model if ema is None else ema.model,
             "num_classes": data.num_classes, "optimizer": groups,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "prewarm_time_s": prewarm_s,
@@ -354,12 +353,19 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     return steps, train_batches, policy, optimizer, info
 
 
+def refuse_emulated_compile(config: Config, policy: PrecisionPolicy) -> None:
+    if policy.emulated and config.trainer.compile != "none":
+        raise ConfigError(f"trainer.compile={config.trainer.compile}: emulated {low_dtype(config.precision)} "
+                          "(precision.emulate) runs eagerly; use trainer.compile=none, or precision.emulate=false "
+                          "for the native kernels")
+
+
 def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     """A word-level language model on a text corpus (see lm_engine.py); throughput and FLOPs are per token."""
     tr, bptt = config.trainer, config.dataset.bptt
-    if tr.compile != "none":
-        raise ConfigError(f"trainer.compile={tr.compile}: only the image models are compiled here (the language "
-                          "models' hidden state crosses windows outside the graph); use trainer.compile=none")
+    if tr.compile != "none" and config.model.arch != "gpt":
+        raise ConfigError(f"trainer.compile={tr.compile} with model={config.model.arch}: {RNN_EAGER}; use "
+                          "trainer.compile=none (the GPT and the image models compile)")
     corpus = load_text_corpus(config.dataset)
     train_source = batchify(corpus.train, tr.batch_size, device)
     valid_source, test_source = (batchify(ids, tr.eval_batch_size, device) for ids in (corpus.valid, corpus.test))
@@ -376,10 +382,15 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=tr.batch_size)
     prewarm_s = prewarm_lm(model, policy, optimizer, tr.prewarm_for(device.type), bptt, tr.batch_size,
                            corpus.vocab_size, tr.grad_clip)
+    refuse_emulated_compile(config, policy)
+    steps.model = compile_model(model, tr.compile)
+    compile_s = warm_compile(steps.model, policy, tr.compile, lm_warmup(
+        len(train_source), tr.batch_size, [len(valid_source), len(test_source)], tr.eval_batch_size, bptt,
+        corpus.vocab_size))
     info = {"model": model, "parts": {"hidden": steps}, "final": model, "num_classes": corpus.vocab_size,
             "optimizer": groups,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "train_flops_per_sample": 3 * flops,
-                        "flops_per": "token", "prewarm_time_s": prewarm_s},
+                        "flops_per": "token", "prewarm_time_s": prewarm_s, "compile_time_s": compile_s},
             "data": {**corpus.info, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
                      "valid_tokens": len(corpus.valid), "test_tokens": len(corpus.test), "bptt": bptt}}
     return steps, windows, policy, optimizer, info
