@@ -98,7 +98,7 @@ class SyncCounter:
     (["precision=fp32"], 0),                                   # none between log steps
     (["precision=amp_bf16"], 0),
     (["precision=amp"], 1),                                    # GradScaler's found-inf check
-    (["precision=amp", "optimizer.impl=fused"], 1),            # the fused step's found-inf flag, read once
+    (["precision=amp", "optimizer.impl=fused"], 0),            # the fused step's flag: read at the flush
     (["precision=fp32", "trainer.on_nonfinite=skip"], 1),      # the loss check before backward
     (["precision=amp", "trainer.on_nonfinite=skip"], 1),       # GradScaler's check serves the skip policy too
 ])
@@ -118,6 +118,34 @@ def test_host_syncs_per_step(tmp_path, monkeypatch, overrides, per_step):
     s = run_tiny(tmp_path, "trainer.max_steps=6", "trainer.log_every=6", *overrides, base=SMALL)
     assert s["status"] == "completed" and s["metrics"]["steps"] == 6
     assert counter.count == 6 * per_step
+
+
+def test_one_sync_per_flush_and_fused_skips_read_there(tmp_path, monkeypatch):
+    """amp with a fused optimizer and an overflowing first scale (steps skipped): over 8 steps and 2 log flushes,
+    exactly 2 syncs (one transfer a flush: engine.to_host), none in any step; and the skip count, the skipped
+    steps' scales and the scale range come out as GradScaler's own per-step check (foreach) gives them."""
+    counter = SyncCounter(monkeypatch)
+    counter.off_during(monkeypatch, Attribution, "see_batch")  # step 1's input check, once a run
+
+    def counted_epoch(*args, **kwargs):
+        counter.on = True
+        try:
+            return run_epoch(*args, **kwargs)
+        finally:
+            counter.on = False
+    run_epoch = engine.run_epoch
+    monkeypatch.setattr(engine, "run_epoch", counted_epoch)
+    common = ["trainer.max_steps=8", "trainer.log_every=4", "precision=amp", "precision.init_scale=1e6",
+              "optimizer.momentum=0"]   # fused SGD momentum after a skipped first step: issue 36 item 1 (h36)
+    fused = run_tiny(tmp_path / "fused", *common, "optimizer.impl=fused", base=SMALL)
+    assert fused["status"] == "completed" and counter.count == 2
+    counter.on = False
+    plain = run_tiny(tmp_path / "foreach", *common, "optimizer.impl=foreach", base=SMALL)
+    assert fused["metrics"]["skipped_steps"] == plain["metrics"]["skipped_steps"] > 0
+    assert fused["metrics"]["loss_scale"] == plain["metrics"]["loss_scale"]
+    skips = [(e["step"], e["scale"]) for e in fused["numerics"]["skipped_steps"]]
+    assert skips == [(e["step"], e["scale"]) for e in plain["numerics"]["skipped_steps"]]
+    assert all(e["nonfinite_grads"] is None for e in fused["numerics"]["skipped_steps"])
 
 
 def test_a_fused_step_under_gradscaler_still_reports_its_skip():

@@ -13,16 +13,19 @@ preparation, as DAWNBench counts it); evaluation is timed separately and never i
 synchronizes the device first, so queued GPU work is always counted. Steady-state throughput leaves out the
 first `trainer.warmup_steps` steps (cuDNN autotuning, allocator growth, lazy init); the summary says so.
 Host syncs in the loop (tests/test_speed.py counts them), exactly these:
-  - every `trainer.log_every` steps and at an epoch's end: the window flush (losses, accuracy, the weights'
-    finiteness; the progress bar shows the mean loss it read);
-  - per step, only under a dynamic loss scale (amp, o1, o2 dynamic, fastai_fp16): one, GradScaler's found-inf
-    check before the optimizer step (or, with a fused optimizer, PrecisionPolicy.step's read of the found-inf
-    flag the fused step used on the device); the skip count and the host copy of the scale follow from it;
+  - every `trainer.log_every` steps and at an epoch's end: the window flush, one transfer (`to_host`) of one
+    vector: the window's losses, its correct count, the weights' finiteness (one inf-norm per tensor, in one
+    foreach call) and, for fused steps, their found-inf flags and scales (the skip count and the scale follow);
+    the progress bar shows the mean loss it read. A non-finite event adds the probe's attribution (a replay);
+  - per step, only under a dynamic loss scale (amp, o1, o2 dynamic, fastai_fp16) with a non-fused optimizer:
+    one, GradScaler's found-inf check before the optimizer step; a fused optimizer (CUDA's `auto`) skips itself
+    on the device and its flag is read at the flush (PrecisionPolicy.step(defer=True)), none per step, except
+    under probe=ranges, which reads it at once to attribute the skip;
   - per step, only under on_nonfinite=skip without a dynamic loss scale: one, the loss check before backward;
   - once, at step 1: the input check (probe.see_batch: a blank or constant batch, one label, a first layer that
     outputs zeros; numerics/probe.py);
 so at most one per step in every mode (two at step 1), and none between log steps after step 1 in fp32, tf32,
-bf16 and static-scale modes.
+bf16, static-scale modes and amp with a fused optimizer.
 Under DDP the stop flag (a small CPU all-reduce, dist.agreed_stop) is agreed every `trainer.log_every` steps, so a
 signal stops the run at the next log step; the clock's barriers come at epoch ends only.
 
@@ -59,7 +62,7 @@ from .config import TrainerConfig
 from .dist import SINGLE, Ranks
 from .hardware import mark_steady, synchronize
 from .models import set_bn_eval
-from .precision import PrecisionPolicy
+from .precision import Deferred, PrecisionPolicy
 from .numerics.probe import Attribution
 from .tricks import cross_entropy, tta_logits
 
@@ -109,6 +112,8 @@ class Window:
     correct: list = field(default_factory=list)
     samples: int = 0
     t0: float = field(default_factory=time.perf_counter)
+    deferred: list = field(default_factory=list)   # (step, precision.Deferred) of fused steps, read at the flush
+    correct_total: int | None = None               # the window's correct count, as the flush read it
 
     def add(self, loss: torch.Tensor, correct: torch.Tensor | None, n: int) -> None:
         self.losses.append(loss)
@@ -118,12 +123,14 @@ class Window:
 
     def state_dict(self) -> dict:
         return {"first_step": self.first_step, "losses": self.losses, "correct": self.correct,
-                "samples": self.samples, "elapsed": time.perf_counter() - self.t0}
+                "samples": self.samples, "elapsed": time.perf_counter() - self.t0,
+                "deferred": [(step, *d) for step, d in self.deferred]}
 
     @classmethod
     def restore(cls, state: dict, device: torch.device) -> "Window":
         return cls(state["first_step"], [t.to(device) for t in state["losses"]], [t.to(device) for t in state["correct"]],
-                   state["samples"], time.perf_counter() - state["elapsed"])
+                   state["samples"], time.perf_counter() - state["elapsed"],
+                   [(step, Deferred(f.to(device), s.to(device))) for step, f, s in state.get("deferred", [])])
 
 
 @dataclass
@@ -171,6 +178,7 @@ class Loop:
     status: str = "completed"
     reason: str | None = None
     warm_at: int = 0
+    window: Window | None = None   # the open log window (train_step adds a fused step's deferred outcome to it)
 
     def __post_init__(self):
         self.clock = TrainClock(self.policy.device, self.ranks.barrier)
@@ -215,10 +223,6 @@ def evaluate(model, batches, policy: PrecisionPolicy, tta: bool = False,
     return loss_sum.item() / n, correct.item() / n, correct_tta.item() / n if tta else None
 
 
-def all_finite(tensors) -> bool:
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
-
-
 def forward(model: nn.Module, x: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     with policy.autocast():
         return model(policy.cast_input(x))
@@ -238,39 +242,97 @@ def train_step(loss: torch.Tensor, loop: Loop, state: LoopState, replay=None) ->
     else:
         policy.backward(loss)
         probe.after_backward(step, loss, policy, replay)
-        skipped = policy.step(loop.optimizer, tr.grad_clip)
-        probe.after_step(step, policy, skipped)
-        state.skipped += skipped
-        if policy.scale_value is not None:
+        skipped = policy.step(loop.optimizer, tr.grad_clip, defer=probe.defers_skips and loop.window is not None)
+        if isinstance(skipped, Deferred):   # a fused step: its flag and scale stay on the device until the flush
+            loop.window.deferred.append((step, skipped))
+        else:
+            probe.after_step(step, policy, skipped)
+            state.skipped += skipped
+        if policy.scale_value is not None and not isinstance(skipped, Deferred):
             state.scale_min = min(state.scale_min, policy.scale_value)
             state.scale_max = max(state.scale_max, policy.scale_value)
     loop.optimizer.zero_grad(set_to_none=True)
 
 
+def to_host(vector: torch.Tensor) -> list:
+    """The log flush's one host sync: a device vector as a Python list."""
+    return vector.tolist()
+
+
+def finite_flag(tensors: list) -> torch.Tensor:
+    """1.0 when every element of every tensor is finite, else 0.0, on the device, in a few ops: the inf-norm
+    (max |x|) of each tensor in one foreach call (inf or NaN when any element is; never an overflow of finite
+    values, as a 2-norm or a sum in fp16 could), then one isfinite over their stack."""
+    if not tensors:
+        return torch.ones(1)
+    return torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all().float().reshape(1)
+
+
+def read_window(window: Window, loop: Loop) -> tuple[list, bool, list]:
+    """One transfer of everything the flush reads: the window's losses (averaged over ranks: the global batches'),
+    its correct count (summed over ranks; into window.correct_total), whether the stepped weights are finite, and
+    the fused steps' deferred (found-inf flag, scale) pairs. Returns (losses, weights finite, [(step, skipped,
+    scale)])."""
+    n, world = len(window.losses), loop.ranks.world
+    summed = [torch.stack(window.losses).float() / world]
+    if window.correct:
+        summed.append(torch.stack(window.correct).sum().float().reshape(1))   # summed over ranks, not averaged
+    params = loop.policy.stepped_params()
+    device = params[0].device if params else window.losses[0].device
+    parts = [loop.ranks.sum_(torch.cat(summed)), finite_flag(params).to(device)]
+    parts += [t.to(device) for _, d in window.deferred for t in d]
+    host = to_host(torch.cat(parts))
+    if window.correct:
+        window.correct_total = round(host[n])
+    rest = host[n + bool(window.correct):]
+    pairs = rest[1:]
+    return host[:n], rest[0] == 1.0, [(step, pairs[2 * i] > 0, pairs[2 * i + 1])
+                                      for i, (step, _) in enumerate(window.deferred)]
+
+
+def settle_deferred(deferred: list, state: LoopState, loop: Loop) -> None:
+    """The fused steps' skips and scales, as read at the flush: counted, attributed, the host's scale set."""
+    for step, skipped, scale in deferred:
+        if skipped:
+            state.skipped += 1
+            loop.probe.record_deferred_skip(step, scale_before(deferred, step, loop))
+        state.scale_min, state.scale_max = min(state.scale_min, scale), max(state.scale_max, scale)
+    if deferred:
+        loop.policy.settle_scale(deferred[-1][2])
+
+
+def scale_before(deferred: list, step: int, loop: Loop) -> float:
+    """The scale a deferred step used: the one after the step before it (the host's copy before the window)."""
+    earlier = [scale for s, _, scale in deferred if s < step]
+    return earlier[-1] if earlier else loop.policy.scale_value
+
+
 def check_window(window: Window, state: LoopState, loop: Loop) -> tuple[float, str | None]:
-    """The non-finite check, one host sync: the window's losses (averaged over ranks: the global batches'), then
-    the stepped weights. Returns the mean of the finite losses and what went non-finite (None when all is
-    finite); counts it and records the first, with the probe's first non-finite module."""
-    losses = (loop.ranks.sum_(torch.stack(window.losses).float()) / loop.ranks.world).cpu()
-    finite = torch.isfinite(losses)
+    """The non-finite check on the window's one transfer (read_window): the losses, then the stepped weights.
+    Returns the mean of the finite losses and what went non-finite (None when all is finite); counts it and
+    records the first, with the probe's first non-finite module."""
+    losses, weights_finite, deferred = read_window(window, loop)
+    settle_deferred(deferred, state, loop)
+    bad = [i for i, v in enumerate(losses) if not math.isfinite(v)]
     bad_step = what = None
-    if not finite.all():
-        bad_step = window.first_step + int((~finite).nonzero()[0])
-        what = f"loss became {losses[~finite][0].item()} at step {bad_step}"
-        state.nonfinite_steps += int((~finite).sum())
-    elif not all_finite(loop.policy.stepped_params()):
+    if bad:
+        bad_step = window.first_step + bad[0]
+        what = f"loss became {losses[bad[0]]} at step {bad_step}"
+        state.nonfinite_steps += len(bad)
+    elif not weights_finite:
         bad_step = state.step
         what = f"weights became non-finite by step {bad_step} (checked every {loop.trainer.log_every} steps)"
         state.nonfinite_steps += 1
     if bad_step is not None and state.nonfinite is None:
         what = "; ".join(filter(None, (what, loop.probe.on_nonfinite(bad_step))))
         state.nonfinite = {"step": bad_step, "what": what, "policy": loop.trainer.on_nonfinite}
-    return (losses[finite].mean().item() if finite.any() else math.nan), what
+    finite = [v for v in losses if math.isfinite(v)]
+    return (sum(finite) / len(finite) if finite else math.nan), what
 
 
 def flush(steps, window: Window, loop: Loop, state: LoopState) -> float:
-    """Sync once: check the window's losses and the weights; log a row; on_nonfinite=stop ends the run. Returns
-    the window's mean loss (for the progress bar)."""
+    """Sync once (read_window's one transfer): check the window's losses and the weights, count the fused steps'
+    skips; log a row; on_nonfinite=stop ends the run. Returns the window's mean loss (for the progress bar)."""
     loss, what = check_window(window, state, loop)
     elapsed = time.perf_counter() - window.t0
     loop.log({"kind": "train", "step": state.step, "epoch": state.epoch + 1, "loss": loss,
@@ -309,6 +371,7 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
     bar = tqdm(total=min(state.steps_per_epoch, state.batch + loop.total_steps - state.step), initial=state.batch,
                desc=f"epoch {state.epoch + 1}/{tr.epochs}", disable=not loop.progress, leave=False, dynamic_ncols=True)
     window = Window.restore(state.window, loop.policy.device) if state.window else Window(first_step=state.step + 1)
+    loop.window = window
     loop.clock.start()
     for x, y in batches:
         loss, correct, n = steps.step(x, y, loop, state)
@@ -322,7 +385,7 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
         if state.step % tr.log_every == 0 or state.batch == state.steps_per_epoch or state.step >= loop.total_steps:
             bar.set_postfix(loss=f"{flush(steps, window, loop, state):.3f}",
                             rate=f"{window.samples / max(time.perf_counter() - window.t0, 1e-9):.0f}")
-            window = Window(first_step=state.step + 1)
+            window = loop.window = Window(first_step=state.step + 1)
         if loop.status != "completed" or state.step >= loop.total_steps:
             break
         if loop.ranks.active and state.step % tr.log_every:   # DDP: the stop flag's all-reduce every log_every steps
@@ -333,6 +396,7 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
             break
     state.epoch_time += loop.clock.stop()
     state.window = window.state_dict() if loop.status == "interrupted" else None
+    loop.window = None
     bar.close()
 
 
@@ -415,7 +479,7 @@ class ImageSteps:
         return loss.detach() / len(y) if self.loss_sum else loss.detach(), correct, len(y)
 
     def row(self, loss: float, window: Window, loop: Loop) -> dict:
-        return {"acc": loop.ranks.sum_(torch.stack(window.correct).sum()).item() / max(window.samples, 1)}
+        return {"acc": window.correct_total / max(window.samples, 1)}
 
     def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
         b = state.best

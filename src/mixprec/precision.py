@@ -14,15 +14,19 @@ kernels store, and autocast() applies CUDA autocast's policy instead of the devi
 
 Host syncs: `step` adds none to GradScaler's own (the found-inf check before the optimizer step,
 torch/amp/grad_scaler.py:371). A fused optimizer (optimizer.impl=fused; auto on CUDA) takes the scale and the
-found-inf flag on the device and skips itself there, so GradScaler makes no sync; `step` reads the flag instead:
-one sync per step either way under a dynamic loss scale, none without one. Whether that check skipped the step is
-seen by an optimizer step hook, and the scale after update() is followed on the host by the same
-`torch._amp_update_scale_` GradScaler runs on the
-device (grad_scaler.py:549), so `scale_value` never reads the device's scale (GradScaler.get_scale() syncs).
+found-inf flag on the device and skips itself there, so GradScaler makes no sync; `step(defer=True)` then leaves
+the flag on the device too: it returns it, with a copy of the scale after the update, as `Deferred`, and the loop
+reads both at its log flush with the losses (engine.flush: one sync), where `settle_scale` gives the host its copy.
+So a steady fused amp step makes no sync; a non-fused one makes GradScaler's. With defer=False (the probe's ranges
+mode, which attributes each skipped step as it happens) the flag is read at once. Whether a non-fused check
+skipped the step is seen by an optimizer step hook, and the scale after update() is followed on the host by the
+same `torch._amp_update_scale_` GradScaler runs on the device (grad_scaler.py:549), so `scale_value` never reads
+the device's scale (GradScaler.get_scale() syncs).
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -33,6 +37,12 @@ from .models import flatten_rnns
 from .optim import resolve_impl
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Deferred(NamedTuple):
+    """A fused step's outcome left on the device: its found-inf flag (1.0: skipped) and the scale after update()."""
+    skipped: torch.Tensor
+    scale: torch.Tensor
 
 
 class StaticScaler:
@@ -187,9 +197,11 @@ class PrecisionPolicy:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_clip: float | None = None) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, grad_clip: float | None = None,
+             defer: bool = False) -> bool | Deferred:
         """Unscale, clip, step, update the scale; returns True when the step was skipped (an overflow under a
-        dynamic loss scale: GradScaler skips the step and halves the scale)."""
+        dynamic loss scale: GradScaler skips the step and halves the scale). defer: a fused step's outcome is
+        returned on the device (Deferred), unread, instead of a bool."""
         scaled_clip = grad_clip is not None and self.cfg.clip_scaled_model_grads
         if scaled_clip:
             clip_scaled_model_grads_(self.model_params, grad_clip)
@@ -210,16 +222,22 @@ class PrecisionPolicy:
             with torch.no_grad():
                 for model_group, master_group in by_dtype(self.model_params, self.master_params):
                     torch._foreach_copy_(model_group, master_group)
-        skipped = not self._stepped
-        if self._found_inf is not None:
+        skipped, found_inf, self._found_inf = not self._stepped, self._found_inf, None
+        if found_inf is not None:
             # a fused step is always called: it took GradScaler's found-inf flag on the device and skipped itself
-            # there (GradScaler then makes no sync of its own); reading the flag is this step's one host sync
-            skipped, self._found_inf = bool(self._found_inf), None
+            # there (GradScaler then makes no sync of its own); read at once, it is this step's one host sync
+            if defer:
+                return Deferred(found_inf.detach().reshape(1).float(), self.scaler._scale.detach().reshape(1).clone())
+            skipped = bool(found_inf)
         if self._host is not None and self.cfg.loss_scale == "dynamic":
             s = self.scaler
             torch._amp_update_scale_(*self._host, torch.tensor([float(skipped)]), s.get_growth_factor(),
                                      s.get_backoff_factor(), s.get_growth_interval())
         return skipped
+
+    def settle_scale(self, scale: float) -> None:
+        """The host copy of the scale, from the device's as read at a flush (deferred fused steps)."""
+        self._host[0].fill_(scale)
 
     def _saw_step(self, optimizer, args, kwargs) -> None:
         self._stepped = True

@@ -117,6 +117,7 @@ class Attribution:
     """probe=none: no hooks; attribution of skipped steps and non-finite values, at the event only."""
 
     hooks_armed = False
+    defers_skips = True   # a fused step's skip may be read at the log flush (record_deferred_skip); Ranges: at once
 
     def __init__(self, model: nn.Module | None = None, cfg: ProbeConfig = ProbeConfig()):
         self.model, self.cfg = model, cfg
@@ -160,6 +161,14 @@ class Attribution:
         grads = [p.grad for p in policy.stepped_params()]
         bad = [n for n, g in zip(self.names, grads) if g is not None and nonfinite(g)]
         event = {"step": step, "scale": self.scale, "nonfinite_grads": bad}
+        if len(self.skipped) < self.cfg.max_skips:
+            self.skipped.append(event)
+        return event
+
+    def record_deferred_skip(self, step: int, scale: float) -> dict:
+        """A fused step's skip, read at the log flush: its gradients are gone, so no parameter is named."""
+        self.skipped_total += 1
+        event = {"step": step, "scale": scale, "nonfinite_grads": None}
         if len(self.skipped) < self.cfg.max_skips:
             self.skipped.append(event)
         return event
@@ -238,6 +247,7 @@ class Attribution:
 
 class Ranges(Attribution):
     """probe=ranges: the full measurement on probed steps (see the module docstring)."""
+    defers_skips = False
 
     def __init__(self, model: nn.Module, cfg: ProbeConfig, path: Path):
         super().__init__(model, cfg)

@@ -174,7 +174,8 @@ def scale_backoff(e, n, rows, ctx):
     module = first["name"] if first else (a["nonfinite_grads"] or [None])[0]
     e = {"step": a["step"], "pass": "backward", "module": module}
     cites = [f"summary numerics.skipped_steps: steps {a['step']}-{b['step']} skipped at scales {a['scale']:g} .. "
-             f"{b['scale']:g}, non-finite gradients in {len(b['nonfinite_grads'])} parameters"]
+             f"{b['scale']:g}, " + (f"non-finite gradients in {len(b['nonfinite_grads'])} parameters"
+                                     if b["nonfinite_grads"] is not None else "gradients not attributed (fused steps)")]
     if first:
         cites.append(f"numerics.jsonl step {first['step']} {first['kind']} {first['name']} (the step's first non-finite)")
     named = f"first non-finite in the backward: {module}" if first else f"non-finite gradient first listed: {module}"
