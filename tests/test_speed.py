@@ -82,11 +82,14 @@ class SyncCounter:
             return original(tensor, *args, **kwargs)
         return method
 
-    def off_during(self, monkeypatch, module, name):
+    def on_during(self, monkeypatch, module, name):
+        self.off_during(monkeypatch, module, name, on=True)
+
+    def off_during(self, monkeypatch, module, name, on=False):
         original = getattr(module, name)
 
         def wrapped(*args, **kwargs):
-            was, self.on = self.on, False
+            was, self.on = self.on, on
             try:
                 return original(*args, **kwargs)
             finally:
@@ -106,15 +109,7 @@ def test_host_syncs_per_step(tmp_path, monkeypatch, overrides, per_step):
     counter = SyncCounter(monkeypatch)
     counter.off_during(monkeypatch, engine, "flush")           # the log step's sync, counted apart
     counter.off_during(monkeypatch, Attribution, "see_batch")  # step 1's input check, once a run, counted apart
-
-    def counted_epoch(*args, **kwargs):
-        counter.on = True
-        try:
-            return run_epoch(*args, **kwargs)
-        finally:
-            counter.on = False
-    run_epoch = engine.run_epoch
-    monkeypatch.setattr(engine, "run_epoch", counted_epoch)
+    counter.on_during(monkeypatch, engine, "run_epoch")
     s = run_tiny(tmp_path, "trainer.max_steps=6", "trainer.log_every=6", *overrides, base=SMALL)
     assert s["status"] == "completed" and s["metrics"]["steps"] == 6
     assert counter.count == 6 * per_step
@@ -126,15 +121,7 @@ def test_one_sync_per_flush_and_fused_skips_read_there(tmp_path, monkeypatch):
     steps' scales and the scale range come out as GradScaler's own per-step check (foreach) gives them."""
     counter = SyncCounter(monkeypatch)
     counter.off_during(monkeypatch, Attribution, "see_batch")  # step 1's input check, once a run
-
-    def counted_epoch(*args, **kwargs):
-        counter.on = True
-        try:
-            return run_epoch(*args, **kwargs)
-        finally:
-            counter.on = False
-    run_epoch = engine.run_epoch
-    monkeypatch.setattr(engine, "run_epoch", counted_epoch)
+    counter.on_during(monkeypatch, engine, "run_epoch")
     common = ["trainer.max_steps=8", "trainer.log_every=4", "precision=amp", "precision.init_scale=1e6",
               "optimizer.momentum=0"]   # fused SGD momentum after a skipped first step: issue 36 item 1 (h36)
     fused = run_tiny(tmp_path / "fused", *common, "optimizer.impl=fused", base=SMALL)
