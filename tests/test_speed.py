@@ -57,6 +57,39 @@ def test_prewarm_leaves_a_language_model_identical(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_path, monkeypatch):
+    """prewarm's throwaway copies must not count in peak_memory_mb: once prewarm and the compile warm-up are done,
+    the copies are freed and the device's peak is reset (a counter in place of torch.accelerator's reset)."""
+    import copy
+    import gc
+    import weakref
+
+    import mixprec.prewarm as prewarm
+    import mixprec.run as run
+    copies, events = [], []
+    deepcopy = copy.deepcopy
+
+    def watched_copy(obj, memo=None):
+        made = deepcopy(obj, memo)
+        if isinstance(made, tuple) and isinstance(made[0], torch.nn.Module):   # run_prewarm's (model, policy)
+            copies.extend(weakref.ref(o) for o in made)
+        return made
+    monkeypatch.setattr(copy, "deepcopy", watched_copy)
+    warm_compile = run.warm_compile
+    monkeypatch.setattr(run, "warm_compile", lambda *a, **k: events.append("compiled") or warm_compile(*a, **k))
+
+    def reset(device):
+        gc.collect()
+        events.append(("reset", str(device), sum(c() is not None for c in copies)))
+    monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(run, "reset_peak", lambda device: prewarm.reset_peak(torch.device("cuda")))   # as on a GPU
+    s = run_tiny(tmp_path, "trainer.max_steps=2", "trainer.prewarm_steps=2", base=SMALL)
+    assert s["status"] == "completed" and len(copies) == 2
+    assert events == ["compiled", ("reset", "cuda", 0)]   # after compile, no copy alive
+    prewarm.reset_peak(torch.device("cpu"))   # a CPU's peak is its RSS: nothing to reset
+    assert len(events) == 2
+
+
 class SyncCounter:
     """Counts the Tensor methods that make the host wait for the device, while `on`. On a CPU every tensor is a
     host tensor, so the policy's host-side copies of the loss scale (PrecisionPolicy._shadow: CPU tensors on

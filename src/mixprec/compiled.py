@@ -22,7 +22,9 @@ training batch; the evaluation batch and the last, partial, evaluation batch; a 
 window), forward and backward in training mode, and the no-grad forward in eval mode, each called
 `calls_per_shape(mode)` times: once for inductor, three times under CUDA graphs (cudagraph trees run a shape
 eagerly on its first call, record it on the second and replay from the third), so neither a compilation, an
-autotuning nor a graph recording falls in the timed steps. Afterwards every parameter, buffer (BatchNorm
+autotuning nor a graph recording falls in the timed steps. Under CUDA graphs every shape is warmed a second time
+after all: a second shape makes dynamo recompile the graph with that dimension dynamic (automatic dynamic shapes),
+and cudagraph trees record the new graph anew for each size, the first one included. Afterwards every parameter, buffer (BatchNorm
 statistics) and gradient is put back as it was and the torch RNGs are restored, so the run trains exactly as an
 uncompiled one would (within inductor's rounding).
 """
@@ -101,18 +103,11 @@ def warm_compile(net: nn.Module, policy, mode: str, warmup: Warmup) -> float:
     accelerator = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=accelerator):
         gen = torch.Generator(device=device).manual_seed(0)
-        for shape in warmup.train_shapes:
-            warm_training(net, policy, mode, warmup, warmup.batch(shape, gen, device))
-            warmup.shapes.append((True, shape))
-        net.eval()
-        with torch.no_grad():
-            for shape in warmup.eval_shapes:
-                x, y = warmup.batch(shape, gen, device)
-                for _ in range(calls_per_shape(mode)):
-                    mark_step(mode)
-                    warmup.infer(net, policy, x, y)
-                warmup.shapes.append((False, shape))
-        net.train()
+        for _ in range(2 if mode in GRAPH_MODES else 1):   # see warm_compile's note on a second pass
+            for shape in warmup.train_shapes:
+                warm_training(net, policy, mode, warmup, warmup.batch(shape, gen, device))
+                warmup.shapes.append((True, shape))
+            warm_evaluation(net, policy, mode, warmup, gen)
         with torch.no_grad():
             for k, v in net.state_dict().items():
                 v.copy_(saved[k])
@@ -120,6 +115,19 @@ def warm_compile(net: nn.Module, policy, mode: str, warmup: Warmup) -> float:
             p.grad = None
     synchronize(device)
     return time.perf_counter() - start
+
+
+def warm_evaluation(net: nn.Module, policy, mode: str, warmup: Warmup, gen: torch.Generator) -> None:
+    """The no-grad eval-mode forward of each evaluation shape, as many times as `mode` needs; back in training mode."""
+    net.eval()
+    with torch.no_grad():
+        for shape in warmup.eval_shapes:
+            x, y = warmup.batch(shape, gen, policy.device)
+            for _ in range(calls_per_shape(mode)):
+                mark_step(mode)
+                warmup.infer(net, policy, x, y)
+            warmup.shapes.append((False, shape))
+    net.train()
 
 
 def warm_training(net: nn.Module, policy, mode: str, warmup: Warmup, batch: tuple) -> None:

@@ -12,6 +12,11 @@ warms the optimizer step and leaves the real model untouched. `prewarm_lm` does 
 window of random tokens, the hidden state from zeros). `trainer.prewarm_steps: auto` is 3 on an accelerator and 0 on
 a CPU (TrainerConfig.prewarm_for). Compilation (trainer.compile) is warmed separately, on the real compiled module
 (compiled.py), and timed as compile_time_s.
+
+Memory: the copies are freed when `run_prewarm` returns, and the job then calls `reset_peak` once prewarm and the
+compile warm-up are done (run.py), so that the device's peak (peak_memory_mb, hardware.memory_metrics) counts the
+run's own tensors, not the throwaway copy of model, optimizer and master weights (nor the warm-up's batches).
+On a CPU the peak is the process's maximum RSS, which cannot be reset: a CPU job's peak includes them.
 """
 from __future__ import annotations
 
@@ -80,7 +85,14 @@ def run_prewarm(model, policy, optimizer, steps: int, batch, loss, grad_clip: fl
             pol.step(opt, grad_clip)
             opt.zero_grad(set_to_none=True)
         synchronize(device)
-        del net, pol, opt
+        del net, pol, opt, groups, memo, x, y   # the copies go now (reset_peak then forgets their memory)
     random.setstate(py_state)
     np.random.set_state(np_state)
     return time.perf_counter() - start
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start the device's memory peak afresh (after prewarm's copies are freed and compilation is done): the peak
+    from here is that of what is allocated now and of the run. Nothing to reset on a CPU (its peak is the RSS)."""
+    if device.type != "cpu":
+        torch.accelerator.reset_peak_memory_stats(device)

@@ -31,7 +31,7 @@ from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule, param_groups
 from .numerics import emulation
 from .precision import PrecisionPolicy, emulates, hazards, low_dtype
-from .prewarm import prewarm, prewarm_lm
+from .prewarm import prewarm, prewarm_lm, reset_peak
 from .numerics import replay, verdicts
 from .numerics.probe import build_probe
 from .records import SUMMARY, Recorder, write_json_atomic
@@ -343,6 +343,7 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     compile_s = warm_compile(steps.model, policy, tr.compile, image_warmup(
         min(tr.batch_size // ranks.world, len(data.train_y) // ranks.world), tr.eval_batch_size, len(data.test_y),
         train_batches.image_shape, data.num_classes, tr.channels_last, config.model.bn_eval))
+    reset_peak(device)   # prewarm's copies are gone: the peak is the run's own (prewarm.py)
     info = {"model": model, "parts": {} if ema is None else {"ema": ema}, "final": model if ema is None else ema.model,
             "num_classes": data.num_classes, "optimizer": groups,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "prewarm_time_s": prewarm_s,
@@ -387,6 +388,7 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     compile_s = warm_compile(steps.model, policy, tr.compile, lm_warmup(
         len(train_source), tr.batch_size, [len(valid_source), len(test_source)], tr.eval_batch_size, bptt,
         corpus.vocab_size))
+    reset_peak(device)
     info = {"model": model, "parts": {"hidden": steps}, "final": model, "num_classes": corpus.vocab_size,
             "optimizer": groups,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "train_flops_per_sample": 3 * flops,
