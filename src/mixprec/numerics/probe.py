@@ -10,14 +10,17 @@ The training loop makes these calls per step; `build_probe` gives it one of two 
 
 `Attribution` (probe=none) registers no hooks and does nothing on a normal step: its only work is at an event. A
 step the dynamic loss scale skipped: which parameters had non-finite gradients, and the scale (the flag is the one
-PrecisionPolicy.step returns, the gradients are still there). A non-finite loss or weight found by the loop's
-check: `replay()` runs the forward of the loop's current batch again under forward hooks, with no gradient and
-the BatchNorm statistics restored afterwards, and the first module in forward order whose weights or output are
-non-finite is named ("first non-finite: step 3 forward, layer3.1.bn2 output: NaN"). The name is exact when the
-weights the bad forward used are still there (a skipped step under a dynamic scale; trainer.on_nonfinite=skip);
-otherwise the update of the bad step has already spread NaN: the event is "optimizer update by step N, <module>
-weights" (for Adam, its state says whether that update was 0/0), and run.py replays the run under probe=ranges
-(replay.py). `Ranges` (probe=ranges) checks the loss of every step before the update (one host sync per step: a
+PrecisionPolicy.step returns, the gradients are still there); a fused step's flag stays on the device until the
+loop's log flush (PrecisionPolicy.step(defer=True): no sync per step), which records its skip with the scale it used
+and `nonfinite_grads` None, the gradients being gone by then (record_deferred_skip; Ranges reads the flag at once).
+A non-finite loss or weight found by the loop's check: `replay()` runs the forward of the loop's current batch again
+under forward hooks, with no gradient and the BatchNorm statistics restored afterwards, and the first module in
+forward order whose weights or output are non-finite is named ("first non-finite: step 3 forward, layer3.1.bn2
+output: NaN"). The name is exact when the weights the bad forward used are still there (a skipped step under a
+dynamic scale; trainer.on_nonfinite=skip); otherwise the update of the bad step has already spread NaN: the event is
+"optimizer update by step N, <module> weights" (for Adam, its state says whether that update was 0/0), and run.py
+replays the run under probe=ranges (replay.py).
+`Ranges` (probe=ranges) checks the loss of every step before the update (one host sync per step: a
 diagnostic mode), and its first event is read from the rows in time order (events.first_in_rows): a step's forward
 outputs, then its backward's tensors as produced, then its updates. An fp16/bf16 row that is the step's first
 non-finite one, with finite weights entering the step, came from a finite computation: its infs count as overflow.
