@@ -155,8 +155,7 @@ def test_one_sync_per_flush_and_fused_skips_read_there(tmp_path, monkeypatch):
     counter = SyncCounter(monkeypatch)
     counter.off_during(monkeypatch, Attribution, "see_batch")  # step 1's input check, once a run
     counter.on_during(monkeypatch, engine, "run_epoch")
-    common = ["trainer.max_steps=8", "trainer.log_every=4", "precision=amp", "precision.init_scale=1e6",
-              "optimizer.momentum=0"]   # fused SGD momentum after a skipped first step: issue 36 item 1 (h36)
+    common = ["trainer.max_steps=8", "trainer.log_every=4", "precision=amp", "precision.init_scale=1e6"]
     fused = run_tiny(tmp_path / "fused", *common, "optimizer.impl=fused", base=SMALL)
     assert fused["status"] == "completed" and counter.count == 2
     counter.on = False
