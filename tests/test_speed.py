@@ -253,3 +253,15 @@ def test_cuda_syncs_per_step(tmp_path, monkeypatch, precision, optimizer_impl, p
     assert s["status"] == "completed"
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 6 * per_step, [str(w.message) for w in syncs[:3]]
+
+
+def test_the_weights_check_finds_one_bad_element_among_mixed_dtypes():
+    """engine.finite_flag: one inf or NaN anywhere, in fp32 or fp16 tensors, is found; fp16 values whose squares
+    or sum overflow are not mistaken for non-finite (an inf-norm, not a 2-norm)."""
+    big = torch.full((4096,), 60000.0, dtype=torch.float16)
+    tensors = [torch.zeros(3, 3), big, torch.ones(5, dtype=torch.float16), torch.zeros(7)]
+    assert engine.finite_flag(tensors).item() == 1.0 and engine.finite_flag([]).item() == 1.0
+    for i, bad in [(0, float("nan")), (2, float("inf")), (3, float("-inf")), (1, float("nan"))]:
+        broken = [t.clone() for t in tensors]
+        broken[i].view(-1)[-1] = bad
+        assert engine.finite_flag(broken).item() == 0.0, (i, bad)

@@ -62,7 +62,7 @@ from .config import TrainerConfig
 from .dist import SINGLE, Ranks
 from .hardware import mark_steady, synchronize
 from .models import set_bn_eval
-from .precision import Deferred, PrecisionPolicy
+from .precision import Deferred, PrecisionPolicy, by_dtype
 from .numerics.probe import Attribution
 from .tricks import cross_entropy, tta_logits
 
@@ -261,11 +261,12 @@ def to_host(vector: torch.Tensor) -> list:
 
 def finite_flag(tensors: list) -> torch.Tensor:
     """1.0 when every element of every tensor is finite, else 0.0, on the device, in a few ops: the inf-norm
-    (max |x|) of each tensor in one foreach call (inf or NaN when any element is; never an overflow of finite
-    values, as a 2-norm or a sum in fp16 could), then one isfinite over their stack."""
+    (max |x|) of each tensor in one foreach call per dtype (inf or NaN when any element is; never an overflow of
+    finite values, as a 2-norm or a sum in fp16 could), then one isfinite over their stack."""
     if not tensors:
         return torch.ones(1)
-    return torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all().float().reshape(1)
+    norms = [n for (group,) in by_dtype(tensors) for n in torch._foreach_norm(group, float("inf"))]
+    return torch.stack(norms).isfinite().all().float().reshape(1)
 
 
 def read_window(window: Window, loop: Loop) -> tuple[list, bool, list]:
