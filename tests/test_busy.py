@@ -1,0 +1,83 @@
+"""The GPU busy fraction (src/mixprec/busy.py) on faked clocks: a fake GPU whose events report a known share of
+the host time a sampled step took, inside real tiny CPU jobs (tests/fakes.py's clock moves only with training
+steps), and the host-bound verdict the tables and the report show."""
+import pytest
+
+import mixprec.run
+from fakes import with_clock
+from helpers import run_tiny
+from mixprec import busy
+
+CPU = ["trainer.device=cpu"]
+TEN_STEPS = ["dataset.train_size=160", "trainer.max_steps=null", "trainer.epochs=1", "trainer.warmup_steps=2"]
+
+
+class FakeEvent:
+    def __init__(self, timer):
+        self.timer, self.t = timer, None
+
+    def record(self):
+        self.t = self.timer.clock()
+
+    def query(self):
+        return self.timer.host_waited
+
+    def elapsed_time(self, end):   # ms, as torch.cuda.Event's: the GPU's share of the host time between the two
+        return 1e3 * self.timer.fraction * (end.t - self.t)
+
+
+class FakeTimer:
+    """A GPU busy `fraction` of the host time of a step; host_waited: the host waited on it inside the step."""
+
+    def __init__(self, clock, fraction, host_waited=False):
+        self.clock, self.fraction, self.host_waited, self.spins = clock, fraction, host_waited, []
+
+    def sync(self):
+        pass
+
+    def event(self):
+        return FakeEvent(self)
+
+    def spin(self, seconds):   # the host waits for the spin at the sync after the step: its time is excluded
+        self.spins.append(seconds)
+        self.clock.now += seconds
+
+
+def run_busy(tmp_path, monkeypatch, fraction, host_waited=False):
+    clock = with_clock(monkeypatch, cost=lambda k: 0.01)
+    timer = FakeTimer(clock, fraction, host_waited)
+    monkeypatch.setattr(mixprec.run.busy, "meter_for", lambda device, world: busy.BusyMeter(timer, clock))
+    return run_tiny(tmp_path, *CPU, *TEN_STEPS), timer
+
+
+@pytest.mark.parametrize("fraction, verdict", [(0.3, True), (0.95, False)])
+def test_busy_fraction_on_faked_clocks_says_host_bound_or_not(tmp_path, monkeypatch, fraction, verdict):
+    s, timer = run_busy(tmp_path, monkeypatch, fraction)
+    m = s["metrics"]
+    assert m["gpu_busy_fraction"] == pytest.approx(fraction, rel=1e-6) and m["host_bound"] is verdict
+    assert m["busy_samples"] == 2 and m["gpu_step_ms"] == pytest.approx(10 * fraction, rel=1e-6)
+    # 10 steps of 10 ms: the 2 sampled ones (spin included) are out of the clock, their samples out of the rate
+    assert m["train_time_s"] == pytest.approx(8 * 0.01, rel=1e-6) and m["wall_step_ms"] == pytest.approx(10.0, rel=1e-6)
+    assert m["throughput"] == pytest.approx(16 / 0.01, rel=1e-6) and timer.spins == [busy.SPIN_S] * 2
+    assert s["epochs"][0]["gpu_busy_fraction"] == pytest.approx(fraction, rel=1e-6)
+    assert (busy.note(m["gpu_busy_fraction"]) is not None) is verdict
+
+
+def test_a_step_the_host_waited_in_gives_no_figure_and_a_longer_spin(tmp_path, monkeypatch):
+    s, timer = run_busy(tmp_path, monkeypatch, 0.5, host_waited=True)
+    m = s["metrics"]
+    assert m["gpu_busy_fraction"] is None and m["host_bound"] is None and m["busy_samples_invalid"] == 2
+    assert timer.spins == [busy.SPIN_S, 2 * busy.SPIN_S]
+
+
+def test_a_cpu_job_records_no_busy_fraction(tmp_path):
+    s = run_tiny(tmp_path, *CPU)
+    assert s["metrics"]["gpu_busy_fraction"] is None and s["metrics"]["host_bound"] is None
+    assert "gpu_busy_fraction" not in s["epochs"][0]
+
+
+def test_the_verdict_and_its_advice():
+    assert busy.verdict(None) is None and busy.note(None) is None
+    assert busy.verdict(0.79) == "host-bound" and busy.verdict(0.8) == "gpu-bound"
+    assert "trainer.compile=reduce-overhead" in busy.note(0.3) and "batch_size" in busy.note(0.3)
+    assert busy.busy_fraction(0.012, 0.010) == 1.0 and busy.busy_fraction(None, 0.01) is None
