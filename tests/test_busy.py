@@ -81,3 +81,32 @@ def test_the_verdict_and_its_advice():
     assert busy.verdict(0.79) == "host-bound" and busy.verdict(0.8) == "gpu-bound"
     assert "trainer.compile=reduce-overhead" in busy.note(0.3) and "batch_size" in busy.note(0.3)
     assert busy.busy_fraction(0.012, 0.010) == 1.0 and busy.busy_fraction(None, 0.01) is None
+
+
+def test_tables_and_report_say_batch_compile_and_host_bound(tmp_path):
+    import json
+
+    from mixprec import records
+    from mixprec.report.analyse import sweep_rows
+    from mixprec.report.make import make_report
+    from mixprec.report.render import format_table, job_block, sweep_note
+
+    jobs = []
+    for i, (precision, b) in enumerate([("fp32", 0.3), ("tf32", 0.95)]):
+        s = run_tiny(tmp_path / str(i), *CPU, f"precision={precision}")
+        s["metrics"].update(gpu_busy_fraction=b, gpu_step_ms=10 * b, wall_step_ms=10.0, host_bound=b < 0.8)
+        (tmp_path / str(i) / "summary.json").write_text(json.dumps(records.jsonable(s)))
+        jobs.append(s)
+    rows = sweep_rows(jobs)
+    assert [(r["batch"], r["compile"], r["busy"]) for r in rows] == [(16, "none", 0.3), (16, "none", 0.95)]
+    assert rows[1]["speedup"] is not None and "host-bound: GPU busy 95%, fp32 30%" in rows[1]["note"]
+    table = format_table(rows)
+    assert "GPU busy" in table.splitlines()[0] and "compile" in table.splitlines()[0] and " 0.30 " in table
+    assert "host-bound" in sweep_note(jobs) and "trainer.compile=reduce-overhead" in sweep_note(jobs)
+    assert "GPU busy    30% of a steady step (3.00 of 10.00 ms; batch 16, compile none): host-bound" in job_block(jobs[0])
+    make_report([str(tmp_path / "0"), str(tmp_path / "1")], out=tmp_path / "report")
+    report = tmp_path / "report" / "report.md"
+    text = report.read_text()
+    assert "| batch | compile | GPU busy (%) |" in text and "**Host-bound:**" in text and "| 16 | none | 30 |" in text
+    cpu = sweep_rows([run_tiny(tmp_path / "cpu", *CPU)])   # a CPU job: no figure, "-" in the table
+    assert cpu[0]["busy"] is None and format_table(cpu).splitlines()[2].split()[9] == "-"
