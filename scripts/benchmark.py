@@ -49,7 +49,7 @@ from mixprec.data import synthetic_images  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
 from mixprec.optim import build_optimizer, build_schedule  # noqa: E402
 from mixprec.precision import DTYPES  # noqa: E402
-from mixprec.records import write_json_atomic  # noqa: E402
+from mixprec.records import write_json_atomic, write_text_atomic  # noqa: E402
 
 
 def compose(overrides: list[str]) -> tuple[Config, dict]:
@@ -260,9 +260,10 @@ def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.de
             "peak_memory_mb": peak, "emulated": emulated}
 
 
-def table_cells(args) -> tuple[list[dict], torch.device]:
+def table_cells(args, save=lambda rows, device: None) -> tuple[list[dict], torch.device]:
     """Every cell, model by model (each built once), with its speed-up against fp32 at the same batch and compile
-    mode (None without an fp32 cell, or for an emulated one: its time is an fp32 time)."""
+    mode (None without an fp32 cell, or for an emulated one: its time is an fp32 time). save(rows, device) after
+    each cell: a run stopped by its time limit keeps the cells it timed."""
     rows = []
     for model in args.models.split(","):
         config, _ = compose([f"model={model}", *args.overrides])
@@ -280,6 +281,7 @@ def table_cells(args) -> tuple[list[dict], torch.device]:
                          (model, batch, mode, "fp32")), None)
             row["speedup"] = (row["samples_per_s"] / fp32["samples_per_s"] if fp32 and not row["emulated"] else None)
             print(cell_line(row), flush=True)
+            save(rows, device)
         del base
     return rows, device
 
@@ -307,7 +309,8 @@ def table_markdown(result: dict) -> str:
              f"{result['warmup']} untimed steps (compilation included), then {result['steps']} timed steps per cell, "
              "synthetic batch on the device, the job's own step (engine.ImageSteps.step). GPU busy: the GPU's own "
              "time for a step over its wall time (docs/speed.md); '-': not measured (CPU). "
-             f"{len(result['rows'])} cells in {result['total_s']:.1f} s.", "",
+             f"{len(result['rows'])} cells in {result['total_s']:.1f} s"
+             + ("." if result["complete"] else " (incomplete: stopped before the last cell)."), "",
              "| " + " | ".join(TABLE_HEADS) + " |", "|" + "---|" * len(TABLE_HEADS)]
     for r in result["rows"]:
         note = "emulated: an fp32 time" if r["emulated"] else ("host-bound" if r["host_bound"] else "")
@@ -321,17 +324,28 @@ def table_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+class TableFile:
+    """The table's JSON and markdown under --out, rewritten after every cell (save)."""
+
+    def __init__(self, args):
+        self.out, self.t0 = args.out, time.perf_counter()
+        self.result = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
+                       "batches": args.batches, "compiles": args.compiles, "torch": torch.__version__}
+
+    def save(self, rows: list, device: torch.device, done: bool = False) -> None:
+        if "device" not in self.result:
+            self.result["device"] = hardware.describe(device)["device_name"]
+        self.result.update(rows=rows, total_s=time.perf_counter() - self.t0, complete=done)
+        if self.out:
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.out / "table.json", self.result)
+            write_text_atomic(self.out / "table.md", table_markdown(self.result))
+
+
 def table(args) -> dict:
-    t0 = time.perf_counter()
-    rows, device = table_cells(args)
-    result = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup, "batches": args.batches,
-              "compiles": args.compiles, "device": hardware.describe(device)["device_name"], "torch": torch.__version__,
-              "rows": rows, "total_s": time.perf_counter() - t0}
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(args.out / "table.json", result)
-        (args.out / "table.md").write_text(table_markdown(result))
-    return result
+    file = TableFile(args)
+    file.save(*table_cells(args, file.save), done=True)
+    return file.result
 
 
 def main(argv=None) -> int:
