@@ -239,3 +239,20 @@ def test_the_reproduction_folder_names_every_visible_gpu(two_gpus, monkeypatch):
         name="GPU number 0", major=9, minor=0, total_memory=80 * 2**30))())
     env = script.environment()
     assert env["gpus"] == ["GPU number 0", "GPU number 1"] and env["device"] == "cuda:0" and env["capability"] == "9.0"
+
+
+@pytest.mark.parametrize("overrides, batch", [
+    ([], 64), (["model=resnet18"], 64),                                      # a CPU: unchanged
+    (["trainer.device=cuda", "model=resnet18"], 256), (["trainer.device=cuda:1", "model=resnet152"], 256),
+    (["trainer.device=cuda", "model=lstm"], 64), (["trainer.device=cuda", "model=gpt"], 64),   # language models
+    (["trainer.device=cuda", "model=resnet18", "trainer.batch_size=32"], 32),                   # an override wins
+    (["trainer.device=cuda", "experiment=fastai_cifar100"], 64),                                # the article's batch
+    (["trainer.device=cuda", "experiment=torch_amp", "workload=resnet18_cifar10"], 256),
+])
+def test_the_default_batch_is_256_for_an_image_model_on_a_gpu(overrides, batch):
+    assert validate(compose_config(*overrides)).trainer.batch_size == batch
+
+
+def test_trainer_device_auto_gets_the_gpu_batch_where_cuda_is_visible(two_gpus):
+    assert validate(compose_config("model=resnet18")).trainer.batch_size == 256
+    assert validate(compose_config("model=resnet18", "trainer.device=cpu")).trainer.batch_size == 64
