@@ -252,6 +252,8 @@ def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.de
         meter = busy.meter_for(device)
         if meter is not None:
             meter.sample(train_steps, (parts, x, y, 1), parts[1].clock)
+    if config.trainer.compile != "none":
+        torch._dynamo.reset()   # the cell's graphs (and CUDA graph pools) go with it
     gpu = meter.gpu_s[0] if meter is not None and meter.gpu_s else None
     peak = None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device) / 2**20
     fraction = busy.busy_fraction(gpu, wall)

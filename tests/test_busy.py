@@ -110,3 +110,28 @@ def test_tables_and_report_say_batch_compile_and_host_bound(tmp_path):
     assert "| batch | compile | GPU busy (%) |" in text and "**Host-bound:**" in text and "| 16 | none | 30 |" in text
     cpu = sweep_rows([run_tiny(tmp_path / "cpu", *CPU)])   # a CPU job: no figure, "-" in the table
     assert cpu[0]["busy"] is None and format_table(cpu).splitlines()[2].split()[9] == "-"
+
+
+def test_sampling_stops_after_max_invalid_samples_and_leaves_the_clock_whole():
+    from fakes import FakeClock
+
+    class Clock:   # engine.TrainClock's exclude, recorded
+        excluded = 0.0
+
+        def exclude(self, seconds):
+            self.excluded += seconds
+
+    clock, train = FakeClock(), Clock()
+    meter = busy.BusyMeter(FakeTimer(clock, 0.5, host_waited=True), clock)
+    sampled = 0
+    for epoch in range(6):
+        for _ in range(10):
+            if meter.wants(True):
+                sampled += 1
+                meter.sample(lambda: setattr(clock, "now", clock.now + 0.01), (), train)
+            else:
+                meter.tick()
+        meter.epoch_record(1.0)
+    assert sampled == busy.MAX_INVALID and meter.invalid == busy.MAX_INVALID
+    assert meter.metrics(1.0)["gpu_busy_fraction"] is None
+    assert train.excluded == pytest.approx(busy.MAX_INVALID * 0.01 + sum(meter.timer.spins))

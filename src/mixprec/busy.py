@@ -5,9 +5,10 @@ device is synchronized, a spin kernel (torch.cuda._sleep) holds the stream while
 behind it, between two CUDA events; the events' elapsed time is then the GPU's time for that step with no wait for
 the host in it (the sample counts only if the start event had not yet run when the host finished queuing, i.e.
 the host never waited on the GPU inside the step; else the spin doubles, and a step that reads the device every
-time gives no figure). The wall time of a step is the steady training clock over the steady steps that were not
-sampled. busy fraction = GPU time / wall time, at most 1: below HOST_BOUND the GPU waited for Python (the
-launch overhead of eager PyTorch), and a speed-up measured there says little about the precision.
+time gives no figure: sampling stops after MAX_INVALID such samples). The wall time of a step is the steady
+training clock over the steady steps that were not sampled. busy fraction = GPU time / wall time, at most 1: below
+HOST_BOUND the GPU waited for Python (the launch overhead of eager PyTorch), and a speed-up measured there says
+little about the precision.
 
 Sampled steps train as any other (same batch, same update); their wall time (spin included) is taken out of
 the training clock and their samples out of the steady throughput. CUDA single-process jobs only: on a CPU (and
@@ -24,6 +25,7 @@ HOST_BOUND = 0.8       # below this busy fraction a step is called host-bound
 SAMPLE_AT = (4, 5)     # the epoch's steady steps sampled (1-based): past the warm-up's queue effects
 SPIN_S = 0.02          # the first spin; doubled when the host needed longer to queue a step
 SPIN_MAX_S = 0.64
+MAX_INVALID = 4        # samples the host waited in before sampling stops (a step that reads the device every time)
 
 ADVICE = ("a bigger trainer.batch_size, or trainer.compile=reduce-overhead (CUDA graphs) / default (fewer "
           "kernels)")
@@ -96,7 +98,10 @@ class BusyMeter:
         self.steady_at_epoch = self.steady_at_start = steady_s
 
     def wants(self, steady: bool) -> bool:
-        """Whether the coming step is sampled (a steady one at SAMPLE_AT in its epoch)."""
+        """Whether the coming step is sampled (a steady one at SAMPLE_AT in its epoch; none once MAX_INVALID samples
+        gave no figure and none did)."""
+        if self.invalid >= MAX_INVALID and not self.gpu_s:
+            return False
         return steady and self.epoch_steady + 1 in SAMPLE_AT
 
     def sample(self, step, args, clock) -> tuple:
