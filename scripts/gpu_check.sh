@@ -26,7 +26,7 @@ if device.type == "cpu":
 arch = torch.cuda.get_arch_list()   # CUDA-only (README: CUDA-only branches): the kernels this wheel carries
 major, minor = map(int, env["capability"].split("."))
 print(f"wheel kernels {arch}")
-if not any(a.startswith("sm_") and int(a[3:]) <= 10 * major + minor for a in arch):
+if not hardware.has_kernels_for(arch, (major, minor)):   # sm_90a, sm_100f and compute_90 parsed too
     raise SystemExit(f"gpu_check: this torch build has no kernels for sm_{major}{minor}; see README (older GPUs)")
 PY
 

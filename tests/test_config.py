@@ -15,7 +15,7 @@ def test_groups_are_the_designed_ones():
     assert {"model", "dataset", "precision", "gpu", "optimizer", "schedule", "trick", "logger",
             "experiment"} <= set(GROUPS)
     assert set(options("precision")) == {"fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3",
-                                         "fastai_fp16", "apex_fp16", "fp8"}
+                                         "fastai_fp16", "apex_fp16", "apex_fp16_2018", "fp8"}
     assert {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152"} <= set(options("model"))
     assert {"auto", "h100", "a100", "v100", "rtx2080ti", "gtx1080ti"} <= set(options("gpu"))
 

@@ -5,8 +5,8 @@ table; apex's best-validation perplexity), each against an independent implement
 published value's `match` composed and checked against the settings its source ran.
 
 Sources read: fastai 1.0.42 (git tag 1.0.42 of fastai/fastai1), davidcpage/cifar10-fast at f79e8b8
-(bag_of_tricks.ipynb cells, dawn.py, new_dawn.py), NVIDIA/apex examples/word_language_model at 0f703d13 (the README's
-117.61) and at 254cad2d^ (main.py's last version, before the example was removed)."""
+(bag_of_tricks.ipynb cells, dawn.py, new_dawn.py), NVIDIA/apex examples/word_language_model at 0f703d13 and 28bdc04e (the
+fastai article's run) and at 254cad2d^ (main.py's last version, before the example was removed)."""
 import math
 import random
 
@@ -20,6 +20,7 @@ from mixprec.config import ConfigError, plain_config, validate
 from mixprec.models import build_model
 from mixprec.optim import build_optimizer, build_schedule
 from mixprec.precision import PrecisionPolicy, StaticScaler
+from mixprec.numerics import emulation
 from mixprec.prewarm import prewarm
 from mixprec.report.published import PUBLISHED_DIR, load_source, matches
 from mixprec.report.analyse import ladder_rows
@@ -291,7 +292,7 @@ def test_two_seed_ladder_sweep_shows_all_runs_and_not_reached(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ apex
-APEX_SMALL = [  # workload=apex_small_lstm: examples/word_language_model/main.py at apex 0f703d13 (README: 117.61)
+APEX_SMALL = [  # workload=apex_small_lstm: examples/word_language_model/main.py at apex 0f703d13 (28bdc04e: the same)
     ("model.arch", "lstm", "main.py@0f703d13:19 --model LSTM"),
     ("model.emsize", 200, "main.py@0f703d13:21 --emsize 200"),
     ("model.nhid", 200, "main.py@0f703d13:23 --nhid 200"),
@@ -312,12 +313,33 @@ APEX_SMALL = [  # workload=apex_small_lstm: examples/word_language_model/main.py
     ("optimizer.momentum", 0.0, "main.py@0f703d13:189 p.data.add_(-lr, grad): plain SGD"),
     ("optimizer.weight_decay", 0.0, "main.py@0f703d13:189: no weight decay"),
 ]
-APEX_LAST = [  # experiment=apex_word_lm precision=apex_fp16: main.py at 254cad2d^ (its last version)
+APEX_ARTICLE = [  # experiment=apex_word_lm precision=apex_fp16_2018: main.py at 28bdc04e, the code on 2019-01-21
+    ("model.emsize", 200, "main.py@28bdc04e:20 --emsize 200"),
+    ("model.nhid", 200, "main.py@28bdc04e:22 --nhid 200"),
+    ("model.nlayers", 2, "main.py@28bdc04e:24 --nlayers 2"),
+    ("optimizer.lr", 20.0, "main.py@28bdc04e:26 --lr 20"),
+    ("trainer.grad_clip", 0.25, "main.py@28bdc04e:28 --clip 0.25; :180 clip_grad_norm(model.parameters(), args.clip)"),
+    ("trainer.batch_size", 20, "main.py@28bdc04e:32 --batch_size 20"),
+    ("dataset.bptt", 35, "main.py@28bdc04e:34 --bptt 35"),
+    ("model.dropout", 0.2, "main.py@28bdc04e:36 --dropout 0.2"),
+    ("model.tied", False, "main.py@28bdc04e:38 --tied store_true (off)"),
+    ("seed", 1111, "main.py@28bdc04e:40 --seed 1111"),
+    ("precision.loss_scale", 1.0, "main.py@28bdc04e:50 --static-loss-scale default=1"),
+    ("precision.param_dtype", "float16", "main.py@28bdc04e:105 model.type(torch.cuda.HalfTensor)"),
+    ("precision.master_weights", True, "main.py@28bdc04e:106 prep_param_lists; :182-186 master step and copy back"),
+    ("precision.clip_scaled_model_grads", True, "main.py@28bdc04e:173-185 backward of loss*S, clip, then grad/S"),
+    ("model.vocab_multiple", 1, "main.py@28bdc04e:67 data.Corpus(args.data): padding came with e21946e0"),
+    ("trainer.eval_batch_size", 10, "main.py@28bdc04e:92 eval_batch_size = 10"),
+    ("schedule.factor", 4.0, "main.py@28bdc04e:226 lr /= 4.0"),
+    ("optimizer.momentum", 0.0, "main.py@28bdc04e:185 master -= grad * lr / S: plain SGD"),
+]
+APEX_README = [  # experiment=apex_word_lm_readme precision=apex_fp16: main.py at 254cad2d^ (its last version)
     ("model.emsize", 1504, "main.py:20 --emsize 1504"),
     ("model.nhid", 1504, "main.py:22 --nhid 1504"),
     ("model.nlayers", 2, "main.py:24 --nlayers 2"),
     ("optimizer.lr", 20.0, "main.py:26 --lr 20"),
     ("trainer.grad_clip", 0.25, "main.py:28 --clip 0.25; :200 clip_grad_norm(master_params, args.clip)"),
+    ("trainer.epochs", 40, "main.py:30 --epochs 40: the README's 'converged'"),
     ("trainer.batch_size", 24, "main.py:32 --batch_size 24"),
     ("dataset.bptt", 35, "main.py:34 --bptt 35"),
     ("model.dropout", 0.65, "main.py:36 --dropout 0.65"),
@@ -326,6 +348,7 @@ APEX_LAST = [  # experiment=apex_word_lm precision=apex_fp16: main.py at 254cad2
     ("precision.loss_scale", 128.0, "main.py:50 --static-loss-scale default=128.0"),
     ("precision.param_dtype", "float16", "main.py:117 model.type(torch.cuda.HalfTensor)"),
     ("precision.master_weights", True, "main.py:118 prep_param_lists; :196-203 master step and copy back"),
+    ("precision.clip_scaled_model_grads", False, "main.py:196-200 master grads / S, then clip_grad_norm(master_params)"),
     ("model.vocab_multiple", 8, "main.py:69 data.Corpus(args.data, pad_to_multiple_of=8)"),
     ("trainer.eval_batch_size", 10, "main.py:94 eval_batch_size = 10"),
     ("schedule.factor", 4.0, "main.py:244 lr /= 4.0"),
@@ -334,22 +357,83 @@ APEX_LAST = [  # experiment=apex_word_lm precision=apex_fp16: main.py at 254cad2
 
 def test_apex_presets_are_main_pys_defaults():
     check_table(composed("workload=apex_small_lstm")[0], APEX_SMALL)
-    c, _ = composed("experiment=apex_word_lm", "precision=apex_fp16")
-    check_table(c, APEX_LAST)
-    assert c.trainer.epochs == 30   # the fastai article's run; main.py:30 --epochs 40 is the converged entries'
+    c, _ = composed("experiment=apex_word_lm", "precision=apex_fp16_2018")
+    check_table(c, APEX_ARTICLE)
+    assert c.trainer.epochs == 30   # the fastai article's run
+    check_table(composed("experiment=apex_word_lm_readme", "precision=apex_fp16")[0], APEX_README)
+    sweep = compose_config("experiment=apex_word_lm").hydra.sweeper.params
+    assert sweep["precision"] == "fp32,apex_fp16_2018,amp"   # the article's two columns, and amp beside them
+    sweep = compose_config("experiment=apex_word_lm_readme").hydra.sweeper.params
+    assert (sweep["precision"], sweep["precision.loss_scale"]) == ("apex_fp16", "1.0,128.0")   # README@859f528b:14
 
 
 def test_apex_published_values_match_only_the_runs_they_come_from():
     values = {v.id: v for v in load_source(PUBLISHED_DIR / "apex_word_lm.yaml").values}
-    small = composed("workload=apex_small_lstm")[1]
-    big6 = composed("experiment=apex_word_lm", "precision=fp32", "trainer.epochs=6")[1]
-    assert matches(values["fp32_ppl_6_epochs"].match, small) and not matches(values["fp32_ppl_6_epochs"].match, big6)
+    article = [composed("experiment=apex_word_lm", f"precision={p}")[1] for p in ("fp32", "apex_fp16_2018", "amp")]
     for vid, scale in (("fp16_ppl_scale1", 1), ("fp16_ppl_scale128", 128)):
-        c, s = composed("experiment=apex_word_lm", "precision=apex_fp16", f"precision.loss_scale={scale}", "trainer.epochs=40")
-        check_table(c, [row for row in APEX_LAST if row[0] != "precision.loss_scale"])
-        assert matches(values[vid].match, s) and c.trainer.epochs == 40   # main.py:30 --epochs 40
-        preset = composed("experiment=apex_word_lm", "precision=apex_fp16", f"precision.loss_scale={scale}")[1]
-        assert not matches(values[vid].match, preset)   # 30 epochs is not "converged" at 40
+        c, s = composed("experiment=apex_word_lm_readme", "precision=apex_fp16", f"precision.loss_scale={scale}")
+        check_table(c, [row for row in APEX_README if row[0] != "precision.loss_scale"])
+        assert matches(values[vid].match, s)
+        at30 = composed("experiment=apex_word_lm_readme", "precision=apex_fp16", f"precision.loss_scale={scale}",
+                        "trainer.epochs=30")[1]
+        assert not matches(values[vid].match, at30)   # 30 epochs is not "converged" at 40
+        assert not any(matches(values[vid].match, a) for a in article)   # the article's run has no README number
+    # 117.61 is a Penn Treebank perplexity (pytorch/examples bcea1f5 "on PTB"): tied to PTB, it matches no
+    # Wikitext-2 run, however close its model
+    ptb = values["fp32_ppl_6_epochs_ptb"]
+    assert ptb.match["dataset"] == "ptb" and "on PTB" in ptb.quote and "bcea1f5" in ptb.quote
+    assert "Wikitext-2" not in ptb.quote and "Penn Treebank" in ptb.label
+    small = composed("workload=apex_small_lstm")[1]
+    assert matches({k: v for k, v in ptb.match.items() if k != "dataset"}, small) and not matches(ptb.match, small)
+    for v in values.values():   # every value names its dataset; only the PTB one names PTB
+        assert v.match["dataset"] == ("ptb" if "PTB" in v.quote else "wikitext2"), v.id
+
+
+def _tiny_fp16_step(precision: str, emulate: bool, lr: float = 0.5, clip: float = 0.25):
+    """One SGD step of a tiny fp16 model at loss scale 128: (model grads as backward left them, masters before,
+    masters after)."""
+    cfg = validate(compose_config(f"precision={precision}", "precision.loss_scale=128", "optimizer=sgd",
+                                  f"optimizer.lr={lr}", "optimizer.momentum=0", "optimizer.weight_decay=0"))
+    with emulation.numerics(emulate):
+        torch.manual_seed(0)
+        policy = PrecisionPolicy(cfg.precision, torch.device("cpu"))
+        model = policy.prepare_model(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)))
+        opt = build_optimizer(cfg.optimizer, policy.optimizer_params(model))
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+        loss = 0.01 * ((model(policy.cast_input(x)).float() - y) ** 2).mean()
+        policy.backward(loss)
+        scaled = [p.grad.float().clone() for p in model.parameters()]
+        before = [m.detach().clone() for m in policy.master_params]
+        policy.step(opt, grad_clip=clip)
+        after = [m.detach().clone() for m in policy.master_params]
+    return scaled, before, after
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_apex_2018_clips_the_scaled_fp16_gradients_before_unscaling(emulate):
+    """main.py@28bdc04e:173-185 by hand: loss * S, backward, PyTorch 1.0's clip_grad_norm_ on the fp16 model's
+    (scaled) gradients (each norm in fp16, their squares summed in double, coefficient 0.25 / (total + 1e-6) applied
+    in fp32 and stored in fp16), then the masters step by grad * lr / S."""
+    lr, clip, scale = 0.5, 0.25, 128.0
+    scaled, before, after = _tiny_fp16_step("apex_fp16_2018", emulate, lr, clip)
+    norms = [float(torch.tensor(math.sqrt(sum(v * v for v in g.flatten().tolist()))).half()) for g in scaled]
+    total = math.sqrt(sum(n * n for n in norms))
+    assert total / scale < clip < total   # the scaled norm is clipped; the true one would not be
+    coef = torch.tensor(min(1.0, clip / (total + 1e-6)), dtype=torch.float32)
+    want = [b - (g * coef).half().float() * (lr / scale) for g, b in zip(scaled, before)]
+    for w, a in zip(want, after):
+        torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-7)
+    # the later code (43522e63, precision=apex_fp16) unscales first and clips the true norm: nothing to clip here
+    scaled2, before2, after2 = _tiny_fp16_step("apex_fp16", emulate, lr, clip)
+    for g, b, a in zip(scaled2, before2, after2):
+        torch.testing.assert_close(a, b - g * (lr / scale), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(after[0], after2[0], rtol=0, atol=1e-6)
+
+
+def test_clip_scaled_model_grads_needs_a_fixed_loss_scale():
+    with pytest.raises(ConfigError, match="clip_scaled_model_grads=true with loss_scale=dynamic"):
+        validate(compose_config("precision=o2", "+precision.clip_scaled_model_grads=true"))
 
 
 def test_the_report_reads_the_best_validation_models_test_perplexity_and_says_so(tmp_path):
@@ -357,15 +441,16 @@ def test_the_report_reads_the_best_validation_models_test_perplexity_and_says_so
 
     from mixprec.report.make import make_report
 
-    _, s = composed("workload=apex_small_lstm")
-    s.update(status="completed", job={"num": 0}, metrics={"final_test_ppl": 120.0, "test_ppl_at_best_valid": 117.0,
-                                                          "final_test_loss": math.log(120.0), "train_time_s": 1.0})
+    _, s = composed("experiment=apex_word_lm_readme", "precision=apex_fp16", "precision.loss_scale=128")
+    s.update(status="completed", job={"num": 0}, metrics={"final_test_ppl": 95.0, "test_ppl_at_best_valid": 91.0,
+                                                          "final_test_loss": math.log(95.0), "train_time_s": 1.0})
     (tmp_path / "0").mkdir()
     (tmp_path / "0" / "summary.json").write_text(json.dumps(s))
     make_report([str(tmp_path)], out=tmp_path / "report")
     md = (tmp_path / "report" / "report.md").read_text()
-    row = next(line for line in md.splitlines() if line.startswith("| apex_word_lm | FP32 LSTM"))
-    assert "| 117 perplexity |" in row and "120" not in row          # the best-validation model's, not the last
+    row = next(line for line in md.splitlines()
+               if line.startswith("| apex_word_lm | converged fp16 test perplexity, loss scale 128"))
+    assert "| 91 perplexity |" in row and "95" not in row          # the best-validation model's, not the last
     assert "`test_ppl`: test perplexity of the best-validation model" in md
 
 
@@ -378,3 +463,62 @@ def test_every_fastai_published_value_matches_a_fastai_fp16_job_of_the_recipe():
         check_table(c, [row for row in FASTAI_TABLE])
         amp = composed("experiment=fastai_cifar100", f"model={model}", "precision=amp")[1]
         assert not matches(v.match, amp), v.id   # torch.amp is a modern column, not the article's
+
+
+# ------------------------------------------------------------------------------------------------ what the seeds say
+def _values(source: str) -> dict:
+    return {v.id: v for v in load_source(PUBLISHED_DIR / f"{source}.yaml").values}
+
+
+def test_fastai_values_name_a_card_only_where_the_article_does():
+    v = _values("fastai_2080ti")
+    assert v["resnet101_speedup_2080ti"].hardware == "NVIDIA RTX 2080 Ti"
+    assert v["resnet101_speedup_1080ti"].hardware == "NVIDIA GTX 1080 Ti"
+    quote = v["resnet101_speedup_1080ti"].quote   # the original's pairing, quoted; the translation's wording noted
+    assert "2 builds based on 2080Ti and 1080Ti respectively" in quote and "translation says '2080Ti'" in quote
+    for vid in ("batch_gain", "accuracy_parity"):   # the article names no card beside them
+        assert v[vid].hardware.startswith("not named"), vid
+
+
+def test_half_pitfalls_quotes_the_post_and_names_its_card():
+    v = _values("half_pitfalls")
+    assert all("1080 Ti" in x.hardware for x in v.values())   # "在1080Ti上"
+    adam = v["adam_fp16_nan"].quote   # the post's observation; the eps mechanism is mixprec's, not quoted as its
+    assert "梯度为零的权重变成了NAN" in adam and "eps" not in adam and "rounds to 0" not in adam
+    bn = v["bn_eval_fp32bn_fails"]
+    assert "O2" not in bn.label and "O2" not in bn.quote   # the post names no opt level
+    small, large = v["small_net_no_gain"], v["larger_net_gain"]
+    assert small.value == 1.0 and "还没有全精度快" in small.quote and "没有很明显的优势" in small.quote
+    assert large.value == pytest.approx(1 / (1 - 1 / 6)) and "快1/6" in large.quote and "1.17x" in large.quote
+
+
+def test_torch_amp_values_are_eight_gpus_with_their_epochs_and_the_blogs_noise():
+    v = _values("torch_amp")
+    assert all(x.hardware.startswith("8x NVIDIA") for x in v.values())
+    assert "8xV100" in v["amp_speedup_range"].quote and v["amp_speedup_range"].noise is None
+    accuracy = [x for x in v.values() if x.metric in ("test_acc_pct", "acc_change_vs_fp32")]
+    assert len(accuracy) == 11 and all(x.noise == 0.4 and "trainer.epochs" in x.match for x in accuracy)
+    assert v["a100_amp_acc"].match["trainer.epochs"] == v["a100_tf32_acc"].match["trainer.epochs"] == 90
+    for gap in ("v100_gap_50", "v100_gap_90", "v100_gap_250"):   # the blog's parity lies within its own noise
+        assert abs(v[gap].value) <= v[gap].noise
+
+
+def test_the_report_says_when_a_number_is_within_the_sources_own_noise(tmp_path):
+    import json
+
+    from mixprec.report.make import make_report
+
+    for name, precision, acc in (("amp", "amp", 0.77), ("tf32", "tf32", 0.75)):
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        d.joinpath("summary.json").write_text(json.dumps({
+            "status": "completed", "name": "torch_amp", "seed": 0, "overrides": ["seed=0"],
+            "choices": {"model": "resnet50", "precision": precision}, "job": {"name": "train", "num": None},
+            "config": {"seed": 0, "name": "torch_amp", "trainer": {"epochs": 90}},
+            "metrics": {"train_time_s": 1.0, "final_test_acc": acc}}))
+    data = make_report([str(tmp_path / "runs")], tmp_path / "report")
+    rows = {c["id"]: c["rows"] for c in data["experiments"][0]["comparisons"]}
+    assert rows["a100_amp_acc"][0]["noise"].startswith("within the source's own noise (±0.4")   # 77.0 vs 76.93
+    assert rows["a100_tf32_acc"][0]["noise"].startswith("outside the source's own noise")       # 75.0 vs 76.85
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "within the source's own noise (±0.4 % top-1 (ImageNet))" in md

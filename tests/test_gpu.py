@@ -10,9 +10,9 @@ from hydra.core.global_hydra import GlobalHydra
 from torch import nn
 
 from helpers import TINY, compose_config, run_tiny, load_script
-from mixprec import checkpoint, data, hardware, precision
+from mixprec import checkpoint, data, hardware, precision, prewarm
 from mixprec.config import validate
-from mixprec.engine import TrainClock
+from mixprec.engine import LoopState, TrainClock
 from mixprec.models import small_cnn
 from mixprec.optim import build_optimizer
 from mixprec.models.resnet9 import GhostBatchNorm
@@ -21,6 +21,7 @@ from mixprec.numerics import emulation
 
 pytestmark = pytest.mark.gpu
 GPU_TINY = [o for o in TINY if not o.startswith("trainer.device")]   # trainer.device=auto: the GPU
+GPU_ANY_MODEL = [o for o in GPU_TINY if not o.startswith("model")]     # model.width is small_cnn's alone
 CUDA0 = torch.device("cuda", 0)
 
 
@@ -97,7 +98,7 @@ def test_the_rnn_runs_in_the_dtype_it_records(mode, rnn_dtype, cudnn):
 def test_a_tiny_job_after_a_big_one_reports_its_own_peak(tmp_path):
     fixed = ["trainer.warmup_steps=1", "trainer.cudnn_benchmark=false"]   # no autotuning workspaces in either
     big = run_tiny(tmp_path / "big", "model=resnet18", "trainer.batch_size=256", "dataset.train_size=512", *fixed,
-                   base=GPU_TINY)
+                   base=GPU_ANY_MODEL)
     tiny = run_tiny(tmp_path / "tiny", *fixed, base=GPU_TINY)
     assert big["status"] == tiny["status"] == "completed"
     assert tiny["metrics"]["peak_memory_mb"] < big["metrics"]["peak_memory_mb"] / 10
@@ -180,3 +181,43 @@ def test_an_lstm_checkpoint_loads_on_the_gpu_into_flat_cudnn_weights(emulate):
         warnings.simplefilter("error")
         out = loaded(x)[0]
     torch.testing.assert_close(out, saved(x)[0])
+
+
+@pytest.mark.parametrize("mode", ["fp32", "amp", "half", "bf16", "amp_bf16"])
+def test_an_rnn_job_never_runs_uncompacted_weights(mode):
+    """After the dtype change (prepare_model), prewarm's deepcopy and a checkpoint load, every RNN's weights are
+    cuDNN's one chunk (models.flatten_rnns): no step warns that cuDNN compacts them at every call. bf16 weights too:
+    flatten_parameters refuses bf16 (CUDNN_TENSOR_DTYPES) where ATen's RNN runs it on cuDNN (the H200 warning)."""
+    config = validate(compose_config(f"precision={mode}", "model=lstm", "optimizer.momentum=0"))
+    policy = precision.PrecisionPolicy(config.precision, CUDA0)
+    tokens = torch.randint(0, 50, (7, 4), device=CUDA0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not part of single contiguous chunk of memory.*")
+        model = policy.prepare_model(RNNModel("lstm", 50, 16, 16, 2))
+        opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
+        prewarm.prewarm_lm(model, policy, opt, 1, bptt=6, columns=4, vocab_size=50)
+        saver, state = checkpoint.Checkpointer(".", meta={}), LoopState()
+        saver.parts["model"] = model
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        saver.restore({"parts": {"model": saved}, "rng": [checkpoint.rng_state()], "loop": state.state_dict()}, state)
+        with policy.autocast():
+            out, _ = model(tokens, model.init_hidden(4))
+    assert torch.isfinite(out.float()).all()
+
+
+def test_the_probes_counts_make_no_host_sync():
+    """probe=ranges measures every tensor of a probed step on the GPU: its counts (histogram included) queue
+    kernels only; the probe copies them to the host once per step."""
+    from mixprec.numerics import probe_stats
+
+    x = torch.randn(4096, device=CUDA0)
+    x[::7], x[1::11], x[2::13] = 0.0, float("inf"), float("nan")
+    expected = probe_stats.tensor_counts(x.cpu())
+    probe_stats.tensor_counts(x)   # CUDA's lazy initialisation out of the way
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        counts, absmax = probe_stats.tensor_counts(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(counts.cpu(), expected[0]) and absmax.item() == expected[1].item()

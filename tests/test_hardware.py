@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import compose_config, load_script
+from helpers import ROOT, compose_config, load_script, run_tiny
 from mixprec import checkpoint, data, dist, hardware, precision
 from mixprec.config import ConfigError, PrecisionConfig, validate
+from mixprec.engine import LoopState
 from mixprec.models import small_cnn
 from mixprec.optim import build_optimizer
 from mixprec.models.resnet9 import GhostBatchNorm, ResNet9
@@ -208,6 +209,48 @@ def test_the_accelerator_rng_is_saved_and_restored_on_the_jobs_own_device(two_gp
     state = checkpoint.rng_state()
     checkpoint.set_rng_state(state)
     assert saved == [torch.device("cuda", 1)] and restored == [(7, torch.device("cuda", 1))]
+
+
+def test_a_cpu_job_on_a_gpu_machine_leaves_cudas_rng_alone(two_gpus, monkeypatch, tmp_path):
+    # Saving or restoring CUDA's RNG state initialises CUDA: a job that runs on the CPU has none to keep.
+    calls = []
+    for name in ("get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name, **k: calls.append(name) or torch.zeros(8))
+    s = run_tiny(tmp_path / "job", "trainer.epochs=2", "trainer.max_steps=null")   # a checkpoint after epoch 1
+    assert s["status"] == "completed" and s["env"]["device"] == "cpu", s.get("error")
+    saver = checkpoint.Checkpointer(tmp_path, meta={"device_type": "cpu"})
+    state = LoopState()
+    saver.save(state)
+    saver.restore(torch.load(tmp_path / checkpoint.CHECKPOINT, weights_only=False), state)
+    assert calls == []
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    checkpoint.set_rng_state(checkpoint.rng_state("cuda"), "cuda")   # a CUDA job's are kept
+    assert calls == ["get_rng_state", "set_rng_state"]
+
+
+@pytest.mark.parametrize("module, name", [("test_gpt", "GPT_JOB"), ("test_pitfalls", "SMALL"), ("test_report", "SIZES"),
+                                          ("helpers", "TINY"), ("test_lm", "LM"), ("test_probe", "LM")])
+def test_the_tests_cpu_jobs_stay_on_the_cpu_of_a_gpu_machine(two_gpus, module, name):
+    # what they assert is CPU behaviour (FP8 and fp16 emulated, fused kernels off): trainer.device=auto would
+    # run them on the GPU there
+    import importlib
+
+    overrides = getattr(importlib.import_module(module), name)
+    assert hardware.select_device(validate(compose_config(*overrides)).trainer.device) == torch.device("cpu")
+
+
+def test_arch_names_are_parsed_with_their_suffixes():
+    names = ["sm_75", "sm_90a", "sm_100a", "sm_120", "compute_90"]
+    assert [hardware.parse_arch(a) for a in names] == \
+        [("sm", 75, ""), ("sm", 90, "a"), ("sm", 100, "a"), ("sm", 120, ""), ("compute", 90, "")]
+    assert hardware.parse_arch("gfx90a") is None   # a ROCm name: not a CUDA arch
+    assert hardware.has_kernels_for(names, (9, 0)) and hardware.has_kernels_for(names, (7, 5))
+    assert not hardware.has_kernels_for(["sm_90a", "compute_90"], (8, 9))   # arch-specific: that GPU only
+    assert not hardware.has_kernels_for(["sm_90a"], (10, 0)) and hardware.has_kernels_for(["sm_100a"], (10, 0))
+    assert hardware.has_kernels_for(["sm_100f"], (10, 3)) and not hardware.has_kernels_for(["sm_100f"], (12, 0))
+    assert not hardware.has_kernels_for(["sm_120", "compute_120"], (9, 0))
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert "hardware.has_kernels_for(arch, (major, minor))" in script and "int(a[3:])" not in script
 
 
 def test_fp32_weights_are_cpu_copies():

@@ -282,7 +282,7 @@ def test_bad_language_model_values_name_the_field(override, field):
 
 
 def test_published_numbers_sit_beside_apex_runs_only():
-    config = validate(compose_config("experiment=apex_word_lm", "precision=apex_fp16"))
+    config = validate(compose_config("experiment=apex_word_lm_readme", "precision=apex_fp16"))
     summary = {"choices": {"precision": "apex_fp16", "dataset": "wikitext2", "model": "lstm"},
                "config": {"model": vars(config.model), "trainer": {"batch_size": 24, "epochs": 30},
                           "precision": vars(config.precision)}, "metrics": {"test_ppl_at_best_valid": 91.5}}
@@ -312,30 +312,31 @@ def test_plateau_divides_the_lr_after_each_epoch_without_a_better_validation_los
 def test_apex_word_lm_sweep_runs_every_job_and_prints_the_table(tmp_path):
     sweep = tmp_path / "sweep"
     small = ["dataset=synthetic_text", "dataset.vocab_size=40", "dataset.train_size=1200", "dataset.test_size=200",
-             "dataset.bptt=6", "model.emsize=16", "model.nhid=16", "trainer.batch_size=4", "trainer.max_steps=2"]
+             "dataset.bptt=6", "model.emsize=16", "model.nhid=16", "trainer.batch_size=4", "trainer.max_steps=2",
+             "trainer.device=cpu"]   # the table marks the CPU's fp16 jobs emulated
     r = run_cli("-m", "experiment=apex_word_lm", *small, "logger=none", f"hydra.sweep.dir={sweep}")
     assert r.returncode == 0, r.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
-    assert sorted(s["choices"]["precision"] for s in summaries) == ["amp", "apex_fp16", "fp32"]
-    for s in summaries:
+    assert sorted(s["choices"]["precision"] for s in summaries) == ["amp", "apex_fp16_2018", "fp32"]
+    for s in summaries:   # the fastai article's run: apex main.py@28bdc04e's defaults
         c = s["config"]
         assert s["status"] == "completed" and s["metrics"]["steps"] == 2
         assert (c["model"]["arch"], c["model"]["nlayers"], c["model"]["dropout"], c["model"]["vocab_multiple"]) == \
-            ("lstm", 2, 0.65, 8)
+            ("lstm", 2, 0.2, 1)
         assert (c["optimizer"]["lr"], c["optimizer"]["momentum"], c["trainer"]["grad_clip"], c["schedule"]["name"],
                 c["trainer"]["epochs"], c["trainer"]["batch_size"]) == (20.0, 0.0, 0.25, "plateau", 30, 4)
     assert {s["choices"]["precision"]: s["config"]["precision"]["loss_scale"] for s in summaries} == \
-        {"fp32": "none", "apex_fp16": 128.0, "amp": "dynamic"}
+        {"fp32": "none", "apex_fp16_2018": 1.0, "amp": "dynamic"}
     out = r.stdout[r.stdout.index(f"sweep {sweep}: 3 jobs"):].splitlines()
     header = out[1].split()
     assert header[:7] == ["job", "model", "precision", "status", "epochs", "time", "s"]
     assert "tokens/s" in header and "valid" in header and "published" in header and "acc" not in header
     rows = {line.split()[2]: line.split() for line in out[3:6]}
     # the static loss scale is shown, and the CPU's fp16 jobs are marked emulated (no speed-up shown for them)
-    assert sorted(rows) == ["amp(emulated)", "apex_fp16(x128)(emulated)", "fp32"]
-    rows["apex_fp16"] = rows.pop("apex_fp16(x128)(emulated)")
+    assert sorted(rows) == ["amp(emulated)", "apex_fp16_2018(x1)(emulated)", "fp32"]
+    rows["apex_fp16_2018"] = rows.pop("apex_fp16_2018(x1)(emulated)")
     rows["amp"] = rows.pop("amp(emulated)")
-    assert rows["amp"][7] == "-" and rows["apex_fp16"][7] == "-"
+    assert rows["amp"][7] == "-" and rows["apex_fp16_2018"][7] == "-"
     by_precision = {s["choices"]["precision"]: s for s in summaries}
     for name, cells in rows.items():
         m = by_precision[name]["metrics"]
@@ -366,3 +367,59 @@ def test_generate_samples_words_from_a_trained_run(tmp_path, capsys):
     assert generate.main([str(image)]) == 2
     assert capsys.readouterr().err.strip() == \
         f"generate: {image}: model=small_cnn is not a language model (lstm, gru, rnn_tanh, rnn_relu, gpt)"
+
+
+# -- cuDNN's one chunk of RNN weights ------------------------------------------------------------------------------
+
+def flatten_callers(monkeypatch) -> list[set]:
+    """Patch nn.RNNBase.flatten_parameters (a no-op on the CPU) to record, per call, the names of the functions on
+    the stack above it: where a GPU job would have compacted its RNN weights."""
+    import sys
+
+    calls = []
+    flatten = nn.RNNBase.flatten_parameters
+
+    def counted(self):
+        frame, names = sys._getframe(1), set()
+        while frame is not None:
+            names.add(frame.f_code.co_name)
+            frame = frame.f_back
+        calls.append(names)
+        return flatten(self)
+
+    monkeypatch.setattr(nn.RNNBase, "flatten_parameters", counted)
+    return calls
+
+
+def flattened_in(calls: list[set], point: str) -> bool:
+    return any(point in c and "flatten_rnns" in c for c in calls)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "half"])   # half: a dtype change (emulated on the CPU)
+def test_rnn_weights_are_compacted_after_the_dtype_change_and_prewarms_copy(tmp_path, monkeypatch, precision):
+    calls = flatten_callers(monkeypatch)
+    s = run_tiny(tmp_path, f"precision={precision}", "trainer.prewarm_steps=1", "trainer.device=cpu", base=LM)
+    assert s["status"] in ("completed", "diverged"), s.get("error")
+    assert flattened_in(calls, "prepare_model")
+    assert flattened_in(calls, "run_prewarm")   # deepcopy made the copy's weights separate tensors
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_rnn_weights_are_compacted_after_a_checkpoint_load(tmp_path, monkeypatch, emulate):
+    from mixprec.checkpoint import Checkpointer
+
+    with emulation.numerics(emulate):
+        models = [RNNModel("lstm", 20, 8, 8, 2) for _ in range(2)]
+        if emulate:
+            models = [m.half() for m in models]
+        saver = Checkpointer(tmp_path, meta={})
+        saver.parts["model"] = models[0]
+        state = engine.LoopState()
+        saver.save(state)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)   # as checkpoint.read: before the numerics
+    calls = flatten_callers(monkeypatch)
+    with emulation.numerics(emulate):
+        saver.parts["model"] = models[1]
+        saver.restore(ckpt, state)
+    assert flattened_in(calls, "restore")
+    assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))

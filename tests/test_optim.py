@@ -79,3 +79,43 @@ def test_a_gpt_job_records_its_groups(tmp_path):
 def test_an_image_job_records_one_decayed_group(tmp_path):
     s = run_tiny(tmp_path)
     assert s["optimizer"]["decay"] == "all" and len(s["optimizer"]["groups"]) == 1
+
+
+def sgd_after_a_skipped_first_step(impl: str, nesterov: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights and momentum buffer of SGD (optimizer.impl=impl) after a first step GradScaler skips (an inf
+    gradient) and a second with gradient 1 everywhere, on the CPU."""
+    w = torch.nn.Parameter(torch.ones(64))
+    cfg = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, nesterov=nesterov, weight_decay=1e-3, impl=impl)
+    opt = build_optimizer(cfg, [w])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    for g in (float("inf"), 1.0):
+        opt.zero_grad()
+        scaler.scale((w * torch.tensor(g)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0 ** 15                     # the first step was skipped
+    return w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_fused_sgd_after_a_skipped_first_step_steps_as_foreach(nesterov):
+    # torch's _fused_sgd allocates its momentum buffers with empty_like and fills them on the first step only: a
+    # skipped first step left garbage that the second step used as momentum (0.89944 instead of 0.9).
+    w, buf = sgd_after_a_skipped_first_step("fused", nesterov)
+    w_ref, buf_ref = sgd_after_a_skipped_first_step("foreach", nesterov)
+    assert torch.equal(buf_ref, torch.full((64,), 1.001))      # the one real step's gradient, weight decay included
+    assert torch.equal(w, w_ref) and torch.equal(buf, buf_ref)
+
+
+def test_fused_sgd_from_zeroed_buffers_is_bitwise_the_first_step_kernel():
+    torch.manual_seed(0)
+    grads = [torch.randn(257) for _ in range(3)]
+    out = []
+    for impl in ("fused", "foreach"):
+        w = torch.nn.Parameter(torch.linspace(-2, 2, 257))
+        opt = build_optimizer(OptimizerConfig(name="sgd", lr=0.05, momentum=0.9, weight_decay=5e-4, impl=impl), [w])
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        out.append((w.detach().clone(), opt.state[w]["momentum_buffer"].clone()))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])

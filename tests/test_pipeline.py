@@ -155,3 +155,34 @@ def test_the_two_pipelines_serve_the_same_evaluation_batches_and_workers_run():
     for _ in range(2):
         got = torch.cat([y for _, y in train]).tolist()
         assert len(got) == len(set(got)) == 48
+
+
+LOADER_LEFT_OPEN = """
+import signal, torch
+from mixprec.data import LoaderBatches
+images = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
+LEFT = LoaderBatches(images, torch.arange(32), 8, (0.5,) * 3, (0.25,) * 3, device=torch.device("cpu"), train=True,
+                     workers=2)
+assert len(list(LEFT)) == 4
+worker = LEFT.loader._iterator._workers[0]
+assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN   # the main process keeps its own handlers
+print(worker.pid, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_loader_workers_ignore_stop_signals_and_end_with_the_process(tmp_path):
+    """Workers ignore SIGTERM/SIGINT (a signal to the process group is the job's to handle: test_resume.py), so
+    multiprocessing's exit hook, which terminates and joins them, would wait forever for a loader left open at
+    exit: pipelines.py stops every open loader's workers first."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    r = subprocess.run([sys.executable, "-c", LOADER_LEFT_OPEN], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    pid = int(r.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)   # the worker is gone too

@@ -15,7 +15,7 @@ from mixprec.precision import PrecisionPolicy, hazards
 from mixprec.search import largest_fitting
 
 SMALL = ["dataset.train_size=64", "dataset.test_size=16", "trainer.batch_size=8", "trainer.eval_batch_size=16",
-         "dataset.image_size=8", "logger=none"]
+         "dataset.image_size=8", "logger=none", "trainer.device=cpu"]
 
 
 @pytest.mark.slow
@@ -48,6 +48,38 @@ def test_hazards_are_found_from_the_config():
     assert not found("precision=amp", "optimizer=adam")
     assert not found("precision=bf16", "optimizer=adam")    # 1e-8 is representable in bf16
     assert not found("precision=half", "optimizer=sgd")
+
+
+@pytest.mark.parametrize("overrides", [["pitfall=adam_fp16"], ["pitfall=adam_fp16_eps1e4"], ["numerics_case=adam_fp16"],
+                                       ["experiment=half_pitfalls", "pitfall=adam_fp16"]])
+def test_the_fp16_adam_cases_pin_the_kernels_they_demonstrate(overrides):
+    # optimizer.impl=auto is fused on CUDA, whose Adam computes in fp32 and does not diverge
+    assert validate(compose_config(*overrides)).optimizer.impl == "foreach"
+
+
+def test_the_eps_hazard_names_the_kernels_it_applies_to():
+    c = validate(compose_config("precision=half", "optimizer=adam"))
+    assert "foreach and for-loop Adam add eps in float16" in hazards(c.precision, c.optimizer)[0]
+    assert hazards(c.precision, c.optimizer, "cuda") == []   # auto: fused on CUDA
+    for impl, found in (("fused", False), ("foreach", True), ("loop", True)):
+        c = validate(compose_config("precision=half", "optimizer=adam", f"optimizer.impl={impl}"))
+        assert bool(hazards(c.precision, c.optimizer, "cuda")) == bool(hazards(c.precision, c.optimizer)) == found
+
+
+@pytest.mark.parametrize("impl, finite", [("fused", True), ("foreach", False), ("loop", False)])
+def test_fused_adam_on_fp16_weights_survives_eps_1e8(impl, finite):
+    # torch's CPU fused Adam takes fp16 (as CUDA's does) and computes in fp32: sqrt(v) + eps is never 0 there,
+    # where foreach and the for-loop add eps=1e-8 in fp16 (0) to a second moment that underflowed to 0.
+    from mixprec.config import OptimizerConfig
+    from mixprec.optim import build_optimizer
+
+    w = torch.nn.Parameter(torch.full((6,), 0.5, dtype=torch.float16))
+    opt = build_optimizer(OptimizerConfig(name="adam", lr=1e-3, eps=1e-8, impl=impl), [w])
+    for _ in range(2):
+        w.grad = torch.tensor([1e-4, 0.0, 1e-3, 2e-4, 1e-5, 0.0], dtype=torch.float16)
+        opt.step()
+    assert torch.equal(opt.state[w]["exp_avg_sq"], torch.zeros(6, dtype=torch.float16))   # underflowed in fp16
+    assert bool(torch.isfinite(w).all()) == finite
 
 
 @pytest.mark.parametrize("keep_bn_fp32", [True, False])

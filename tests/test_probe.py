@@ -85,6 +85,35 @@ def reference_counts(x: torch.Tensor) -> list[int]:
     return [head[k] for k in ps.HEAD] + bins
 
 
+@pytest.mark.parametrize("n", [0, 1, 5000])
+def test_tensor_counts_histogram_is_bincounts_without_a_host_sync(monkeypatch, n):
+    # probe=ranges measures every tensor of a probed step on its device: torch.bincount (and a torch.tensor built
+    # on the device) made about three host syncs a tensor on a GPU. The same histogram, from a fixed-size tensor.
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-160, 130, (n,), generator=g).float())
+    if n > 1:
+        x[::7], x[1::11], x[2::13], x[3::17] = 0.0, float("inf"), float("nan"), -float("inf")
+        x[4], x[5] = 2.0 ** -149, -3.0e38   # fp32's smallest subnormal and a value near its max
+    a = x.abs()
+    af = torch.where(torch.isfinite(a), a, torch.zeros(()))
+    bins = torch.where(af > 0, (torch.frexp(af)[1] - 1).clamp(ps.LO, ps.HI - 1) - ps.LO, ps.NBINS)
+    expected = torch.bincount(bins.long(), minlength=ps.NBINS + 1)
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("a host sync in tensor_counts")
+
+    for name in ("item", "tolist", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    monkeypatch.setattr(torch, "bincount", no_sync)
+    monkeypatch.setattr(torch, "tensor", no_sync)
+    counts, _ = ps.tensor_counts(x)
+    monkeypatch.undo()
+    head = dict(zip(ps.HEAD, counts[:len(ps.HEAD)].tolist()))
+    assert torch.equal(counts[len(ps.HEAD):], expected[:ps.NBINS])
+    assert head["n"] == n and head["zero"] == int(expected[ps.NBINS]) - head["nonfinite"]
+    assert head["finite_nonzero"] == int(expected[:ps.NBINS].sum())
+
+
 def test_tensor_counts_equal_direct_comparisons_at_every_edge():
     """Random magnitudes over fp32's range plus every format edge exactly, just above and just below it."""
     torch.manual_seed(0)
@@ -359,3 +388,36 @@ def test_make_report_draws_the_probed_jobs(tmp_path):
     assert [f.split("_")[:3] for f in figs] == [["numerics", "heatmap", "job"], ["numerics", "hist", "job"]]
     md = (tmp_path / "report" / "report.md").read_text()
     assert figs[1] in md and "unscaled and scaled" in md
+
+
+# -- a finished job leaves nothing behind -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [TINY8, [*TINY8, "probe=ranges"], LM,
+                                       [*TINY8, "precision=half", "optimizer=adam"]],   # diverges, then replays
+                         ids=["image", "image-ranges", "lstm", "half-adam-replay"])
+def test_a_finished_job_frees_its_model_without_the_cycle_collector(tmp_path, monkeypatch, overrides):
+    # The probe kept the last step's replay, a closure over the loop (whose probe kept it: a reference cycle),
+    # holding the model, its batch and the optimizer until Python's cycle collector ran: in a sweep's process the
+    # next job's peak memory counted them. With the collector off, reference counting alone must free the model.
+    import gc
+    import weakref
+
+    import mixprec.run as run_module
+
+    models = []
+
+    def build_model(*args, **kwargs):
+        model = build(*args, **kwargs)
+        models.append(weakref.ref(model))
+        return model
+
+    build = run_module.build_model
+    monkeypatch.setattr(run_module, "build_model", build_model)
+    gc.collect()
+    gc.disable()
+    try:
+        s = run_tiny(tmp_path, *overrides)
+        assert s["status"] in ("completed", "diverged"), s.get("error")
+        assert models and [m() for m in models] == [None] * len(models)
+    finally:
+        gc.enable()

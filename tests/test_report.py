@@ -18,7 +18,7 @@ from mixprec.report.published import SourceError, load_source, load_sources
 # computed (an emulated job's time is an fp32 time: no speed-up; tests/test_emulation.py checks that)
 SIZES = ["dataset.image_size=8", "dataset.train_size=8", "dataset.test_size=8", "trainer.batch_size=8",
          "trainer.eval_batch_size=8", "trainer.epochs=2", "trainer.log_every=1", "trainer.warmup_steps=1",
-         "trainer.target_acc=0.01", "logger=none", "precision.emulate=false"]
+         "trainer.target_acc=0.01", "logger=none", "precision.emulate=false", "trainer.device=cpu"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 TINY_SOURCE = """

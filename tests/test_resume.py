@@ -42,7 +42,7 @@ def train(*args, wait=True):
                PYTHONPATH=str(ROOT / "src"))
     env.pop("WANDB_SERVICE", None)   # set by an in-process W&B run of an earlier test: the job starts its own service
     p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     if wait:
         out, err = p.communicate(timeout=300)
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
@@ -53,15 +53,19 @@ def rows(run_dir):
     return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
 
 
-def signal_in_epoch_2(run_dir, sig, *extra, base=KILLABLE):
-    """Start a job, send `sig` once it has logged a training row of epoch 2, and wait for it to end."""
+def signal_in_epoch_2(run_dir, sig, *extra, base=KILLABLE, group=False):
+    """Start a job, send `sig` once it has logged a training row of epoch 2 (to its whole process group if
+    `group`, as `timeout` and Slurm's scancel do), and wait for it to end."""
     p = train(*base, *extra, f"hydra.run.dir={run_dir}", wait=False)
     deadline = time.monotonic() + 240
     while not any(r["kind"] == "train" and r["epoch"] == 2 for r in _rows_so_far(run_dir)):
         assert p.poll() is None, f"the job ended before epoch 2: {p.communicate()[1][-2000:]}"
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    p.send_signal(sig)
+    if group:
+        os.killpg(p.pid, sig)   # the job leads its own session (train): its group is its pid
+    else:
+        p.send_signal(sig)
     out, err = p.communicate(timeout=120)
     if sig == signal.SIGKILL:
         kill_wandb_service_of(p.pid)
@@ -164,6 +168,21 @@ def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues
     s = assert_same_run(run_dir, uninterrupted)
     assert s["resumed"]["mid_epoch"] and s["resumed"]["from_step"] == loop["step"]
     assert s["resumed"]["previous_status"] == "interrupted"
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_with_loader_workers_ends_interrupted(tmp_path):
+    """`timeout` and scancel signal every process of the job: the DataLoader's workers leave stopping to the job,
+    which ends `interrupted` with its checkpoint, as on the device pipeline (the H200 run: the workers died of the
+    signal and the job ended `failed`, a RuntimeError raised inside the traceback's formatting)."""
+    run_dir = tmp_path / "run"
+    code, _, err = signal_in_epoch_2(run_dir, signal.SIGTERM, "dataset.pipeline=dataloader", "dataset.workers=2",
+                                     group=True)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    s = json.loads((run_dir / SUMMARY).read_text())
+    assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM", s.get("reason")
+    assert (run_dir / CHECKPOINT).is_file()
+    assert "Traceback" not in err and "killed by signal" not in err
 
 
 @pytest.mark.parametrize("precision", [[], ["precision=apex_fp16", "precision.emulate=true"]], ids=["fp32", "emulated_fp16"])

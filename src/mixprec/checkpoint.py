@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .dist import SINGLE, Ranks
+from .models import flatten_rnns
 from .numerics import emulation
 from .records import METRICS, SUMMARY, atomic_file
 
@@ -159,30 +160,34 @@ class PolicyState:
                     master.copy_(saved)
 
 
-def _job_accelerator() -> torch.device | None:
+def _job_accelerator(device_type: str | None = None) -> torch.device | None:
     """The device this job's accelerator RNG lives on: the current one (hardware.configure makes the job's device
-    current), None when no accelerator is visible."""
+    current), None when no accelerator is visible or the job runs on another device type (`device_type`, e.g. a
+    CPU job on a GPU machine: asking for CUDA's RNG state would initialise CUDA for nothing)."""
     acc = torch.accelerator.current_accelerator(check_available=True)
-    return None if acc is None else torch.device(acc.type, torch.accelerator.current_device_index())
+    if acc is None or (device_type is not None and acc.type != device_type):
+        return None
+    return torch.device(acc.type, torch.accelerator.current_device_index())
 
 
-def rng_state() -> dict:
+def rng_state(device_type: str | None = None) -> dict:
     """Every RNG state of this process: python, numpy, torch CPU, and the job's own accelerator device (not every
-    visible GPU by index: a resume on another device restores it onto its own device). Under DDP the checkpoint
-    holds one such state per rank, and each rank restores its own (tests/test_ddp.py)."""
+    visible GPU by index: a resume on another device restores it onto its own device) when the job runs on it
+    (`device_type`; None: whatever accelerator is visible). Under DDP the checkpoint holds one such state per rank,
+    and each rank restores its own (tests/test_ddp.py)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    acc = _job_accelerator()
+    acc = _job_accelerator(device_type)
     return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), int(pos), int(has_gauss), float(gauss)),
             "torch": torch.get_rng_state(),
             "accelerator": None if acc is None else torch.get_device_module(acc).get_rng_state(acc)}
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device_type: str | None = None) -> None:
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
-    acc = _job_accelerator()
+    acc = _job_accelerator(device_type)
     if state.get("accelerator") is not None and acc is not None:
         torch.get_device_module(acc).set_rng_state(state["accelerator"], acc)
 
@@ -202,7 +207,7 @@ class Checkpointer:
         """Write the checkpoint: the loop state (engine.LoopState), every part's state and every rank's RNG states.
         Every rank calls it (the RNG states are gathered, a collective); rank 0 writes the file."""
         t0 = time.perf_counter()
-        rngs = self.ranks.gather(rng_state())
+        rngs = self.ranks.gather(rng_state(self.meta.get("device_type")))
         if not self.ranks.main:
             return
         data = {"format": FORMAT, **self.meta, "loop": loop.state_dict(),
@@ -224,10 +229,11 @@ class Checkpointer:
         for name, part in self.parts.items():
             if isinstance(part, torch.nn.Module):   # the model: emulation swaps its parameters' contents on load
                 emulation.load_module_state(part, ckpt["parts"][name])
+                flatten_rnns(part)
             else:
                 part.load_state_dict(ckpt["parts"][name])
         loop.load_state_dict(ckpt["loop"])
-        set_rng_state(ckpt["rng"][self.ranks.rank])
+        set_rng_state(ckpt["rng"][self.ranks.rank], self.meta.get("device_type"))
 
     def discard(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -230,6 +230,9 @@ class PrecisionConfig:
     fp8_recipe: Optional[Literal["tensorwise", "rowwise"]] = None   # precision=fp8: torchao float8 Linear layers
     # fp16/bf16 rounding emulated on fp32 kernels (numerics/emulation.py): auto = wherever the device is not CUDA
     emulate: Union[bool, Literal["auto"]] = "auto"
+    # clip the model's gradients as backward left them (scaled, in the model's dtype) before they are copied to the
+    # masters and unscaled, the threshold applying to the scaled norm: apex word_language_model main.py@28bdc04e:180
+    clip_scaled_model_grads: bool = False
 
     def check(self) -> None:
         if self.fp8_recipe is not None:
@@ -248,6 +251,9 @@ class PrecisionConfig:
         _at_least(self, "growth_interval", 1, section="precision")
         if self.master_weights and self.param_dtype == "float32":
             raise ConfigError("precision.master_weights=true: only meaningful with param_dtype float16 or bfloat16")
+        if self.clip_scaled_model_grads and self.loss_scale == "dynamic":
+            raise ConfigError("precision.clip_scaled_model_grads=true with loss_scale=dynamic: the clip threshold would "
+                              "apply to a scale that changes; use a static loss scale (a number) or none")
         if self.loss_scale == "dynamic" and self.param_dtype != "float32" and not self.master_weights:
             raise ConfigError(
                 f"precision.loss_scale=dynamic with param_dtype={self.param_dtype}: GradScaler needs fp32 gradients; "

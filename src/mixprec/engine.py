@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -419,7 +420,7 @@ class ImageSteps:
         out = forward(self.model, x, loop.policy)
         loss = cross_entropy(out, y, self.label_smoothing, summed=self.loss_sum)
         inner = getattr(self.model, "module", self.model)   # the probe replays a batch on one rank: not through DDP
-        train_step(loss, loop, state, replay=lambda: forward(inner, x, loop.policy))
+        train_step(loss, loop, state, replay=functools.partial(forward, inner, x, loop.policy))   # no closure
         if self.ema is not None:
             self.ema.update(self.model)
         self.schedule.step()

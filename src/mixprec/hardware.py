@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import re
 import resource
 import subprocess
 import sys
@@ -96,6 +97,27 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     if device.type == "cpu":
         return None
     return torch.get_device_module(device).get_device_capability(device)
+
+
+ARCH = re.compile(r"(sm|compute)_(\d+)([a-z]?)")   # torch.cuda.get_arch_list(): sm_90, sm_90a, sm_100f, compute_90
+
+
+def parse_arch(name: str) -> tuple[str, int, str] | None:
+    """'sm_90a' -> ('sm', 90, 'a'): kind (sm: compiled kernels; compute: PTX), number (10 * major + minor), suffix
+    ('a': arch-specific, that GPU only; 'f': that family). None for a name of another form."""
+    m = ARCH.fullmatch(name)
+    return None if m is None else (m[1], int(m[2]), m[3])
+
+
+def has_kernels_for(arch_list: list[str], cap: tuple[int, int]) -> bool:
+    """Whether a wheel's arch list (torch.cuda.get_arch_list()) has compiled kernels a GPU of compute capability
+    `cap` can run: a plain sm_N with N <= its number (scripts/gpu_check.sh's rule), an arch-specific sm_Na for that
+    very GPU, or a family sm_Nf of its major version up to its number."""
+    number = 10 * cap[0] + cap[1]
+    for kind, n, suffix in filter(None, map(parse_arch, arch_list)):
+        if kind == "sm" and (n == number or n < number and (suffix == "" or suffix == "f" and n // 10 == cap[0])):
+            return True
+    return False
 
 
 def precision_notes(precision: PrecisionConfig, cap: tuple[int, int] | None) -> list[str]:

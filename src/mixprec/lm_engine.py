@@ -28,6 +28,7 @@ bf16) need none of this: the RNN runs in the weights' dtype on both devices.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -118,7 +119,7 @@ class LMSteps:
     def step(self, x, y, loop: Loop, state: LoopState):
         loop.probe.before_step(state.step + 1, loop.policy)
         start, (loss, _, self.hidden) = self.hidden, forward(self.model, x, y, self.hidden, loop.policy)
-        train_step(loss, loop, state, replay=lambda: forward(self.model, x, y, start, loop.policy))
+        train_step(loss, loop, state, replay=functools.partial(forward, self.model, x, y, start, loop.policy))
         if not self.plateau:
             self.schedule.step()
         return loss.detach(), None, y.numel()

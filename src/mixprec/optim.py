@@ -14,9 +14,13 @@ def impl_kwargs(impl: str, params: list) -> dict:
     loop (a Python loop over the parameters: foreach=False) as asked. A fused step under GradScaler takes the scale
     and the found-inf flag on the device (torch/amp/grad_scaler.py: `_step_supports_amp_scaling`)."""
     tensors = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else list(params)
-    if impl == "auto":
-        impl = "fused" if tensors and all(p.is_cuda and p.is_floating_point() for p in tensors) else "foreach"
+    impl = resolve_impl(impl, bool(tensors) and all(p.is_cuda and p.is_floating_point() for p in tensors))
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+
+
+def resolve_impl(impl: str, on_cuda: bool) -> str:
+    """optimizer.impl with auto resolved: fused when the stepped tensors are floating-point CUDA tensors."""
+    return ("fused" if on_cuda else "foreach") if impl == "auto" else impl
 
 
 # optimizer.decay=auto: what each model family's own recipe decays. The GPT decays its matmul and embedding weights
@@ -65,9 +69,27 @@ def param_groups(model: torch.nn.Module, model_params: list, stepped: list, cfg:
 def build_optimizer(cfg: OptimizerConfig, params: list) -> torch.optim.Optimizer:
     """The optimizer of `cfg` over `params` (tensors or param groups), in the implementation optimizer.impl picks."""
     try:
-        return _build(cfg, params, impl_kwargs(cfg.impl, params))
+        optimizer = _build(cfg, params, impl_kwargs(cfg.impl, params))
     except RuntimeError as e:   # fused=True on parameters its kernels do not take
         raise ConfigError(f"optimizer.impl={cfg.impl}: {str(e).splitlines()[0]}; use optimizer.impl=auto or foreach") from None
+    if isinstance(optimizer, torch.optim.SGD):
+        zero_fused_momentum_buffers(optimizer)
+    return optimizer
+
+
+def zero_fused_momentum_buffers(optimizer: torch.optim.SGD) -> None:
+    """Give fused SGD's momentum buffers zeros before its first step. Without them torch's _fused_sgd makes them
+    with torch.empty_like and sets them on its first step only; a step GradScaler skips (found_inf: the kernel
+    returns early) leaves them as allocated, and every later step treats that garbage as momentum. From zeros, the
+    first step's buffer is momentum * 0 + grad = grad, bit for bit what the first-step kernel stores (dampening is 0:
+    not an option here), so fused keeps its speed and a skipped first step changes nothing."""
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group["momentum"] == 0:
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _build(cfg: OptimizerConfig, params: list, impl: dict) -> torch.optim.Optimizer:

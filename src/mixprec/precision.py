@@ -29,6 +29,8 @@ from torch import nn
 
 from .numerics import emulation, fp8
 from .config import OptimizerConfig, PrecisionConfig
+from .models import flatten_rnns
+from .optim import resolve_impl
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -62,6 +64,23 @@ class StaticScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["scale"])
+
+
+def clip_scaled_model_grads_(params: list[torch.Tensor], max_norm: float) -> None:
+    """apex word_language_model main.py@28bdc04e:173-185 (--fp16): backward of the loss times the static scale, then
+    clip_grad_norm(model.parameters(), args.clip) on the fp16 model's gradients, still scaled, so the threshold
+    applies to the scaled norm (0.25 at scale S clips the true gradients at 0.25 / S); only then are they copied
+    to the fp32 masters and divided by S. PyTorch 1.0's clip_grad_norm_: each gradient's 2-norm in its own dtype
+    (p.grad.data.norm(2), fp16 for an fp16 model), their squares summed in higher precision (Python floats
+    there, fp32 here: no host sync, no float64 on devices without it), coefficient max_norm / (total + 1e-6)
+    applied in place where below 1, in the gradient's dtype."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    norms = torch._foreach_norm(grads)   # one per gradient, in its dtype (fp16 norms of fp16 gradients)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, coef)
 
 
 def by_dtype(*lists: list[torch.Tensor]) -> list[list[list[torch.Tensor]]]:
@@ -142,6 +161,7 @@ class PrecisionPolicy:
                         m.float()
         if self.cfg.fp8_recipe is not None:
             self.fp8 = fp8.convert(model, self.cfg.fp8_recipe, self.device)
+        flatten_rnns(model)   # cuDNN's one chunk, whatever the dtype change left (models/rnnlm.py)
         return model
 
     # -- 3. what the optimizer steps ----------------------------------------------------------------------
@@ -170,12 +190,15 @@ class PrecisionPolicy:
     def step(self, optimizer: torch.optim.Optimizer, grad_clip: float | None = None) -> bool:
         """Unscale, clip, step, update the scale; returns True when the step was skipped (an overflow under a
         dynamic loss scale: GradScaler skips the step and halves the scale)."""
+        scaled_clip = grad_clip is not None and self.cfg.clip_scaled_model_grads
+        if scaled_clip:
+            clip_scaled_model_grads_(self.model_params, grad_clip)
         if self.master_params is not None:
             for master, p in zip(self.master_params, self.model_params):
                 master.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         self.scaler.unscale_(optimizer)
-        if grad_clip is not None:
+        if grad_clip is not None and not scaled_clip:
             torch.nn.utils.clip_grad_norm_(self.stepped_params(), grad_clip)
         if id(optimizer) not in self._hooked:
             optimizer.register_step_post_hook(self._saw_step)
@@ -222,15 +245,19 @@ class PrecisionPolicy:
                     state[n] = master.detach().to(cpu, copy=True)
         return state
 
-def hazards(precision: PrecisionConfig, optimizer: OptimizerConfig) -> list[str]:
-    """Known ways a precision + optimizer combination breaks, found from the config before training."""
+def hazards(precision: PrecisionConfig, optimizer: OptimizerConfig, device_type: str = "cpu") -> list[str]:
+    """Known ways a precision + optimizer combination breaks, found from the config before training. Adam's eps:
+    foreach and for-loop Adam add it in the stepped dtype; fused Adam (optimizer.impl=fused, auto on CUDA) computes
+    in fp32 and rounds once, so the hazard is not one there."""
     found = []
     stepped = "float32" if precision.master_weights else precision.param_dtype
-    if optimizer.name in ("adam", "adamw") and stepped != "float32":
+    fused = resolve_impl(optimizer.impl, device_type == "cuda") == "fused"
+    if optimizer.name in ("adam", "adamw") and stepped != "float32" and not fused:
         dt = DTYPES[stepped]
         if torch.tensor(optimizer.eps, dtype=dt).item() == 0.0:
             tiniest = torch.finfo(dt).tiny * torch.finfo(dt).eps   # the smallest subnormal: 2^-24 for fp16
             found.append(f"optimizer.eps={optimizer.eps:g} rounds to 0 in {stepped} (smallest subnormal "
-                         f"{tiniest:.3g}): where Adam's second moment underflows to 0 its update is 0/0 = NaN; "
+                         f"{tiniest:.3g}): where Adam's second moment underflows to 0 its update is 0/0 = NaN "
+                         f"(foreach and for-loop Adam add eps in {stepped}; fused Adam computes in fp32); "
                          "keep the optimizer state in fp32 (amp, o2) or raise eps (1e-4 works in fp16)")
     return found

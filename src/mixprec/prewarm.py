@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .hardware import synchronize
+from .models import flatten_rnns
 from .tricks import cross_entropy
 
 
@@ -68,6 +69,7 @@ def run_prewarm(model, policy, optimizer, steps: int, batch, loss, grad_clip: fl
     with torch.random.fork_rng(devices=accelerator):
         memo: dict = {}
         net, pol = copy.deepcopy((model, policy), memo)   # one memo: the copied policy holds the copied weights
+        flatten_rnns(net)   # the copy's RNN weights are separate tensors: cuDNN would compact them every call
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [memo[id(p)] for p in g["params"]]}
                   for g in optimizer.param_groups]
         opt = type(optimizer)(groups)

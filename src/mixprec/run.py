@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from . import busy, checkpoint, dist, engine, hardware, logs, tricks
 from .compiled import compile_model, warm_compile
 from .config import Config, ConfigError, plain_config, validate_job
-from .data import build_image_data, image_loaders
+from .data import Resumable, build_image_data, image_loaders
 from .data.files import DataError
 from .lm_engine import LMSteps
 from .models import build_model, forward_flops
@@ -164,7 +164,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type != "cpu" else "cpu")
     emulated = emulates(config.precision, device)
     summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
-                   hazards=hazards(config.precision, config.optimizer),
+                   hazards=hazards(config.precision, config.optimizer, device.type),
                    arithmetic="emulated" if emulated else "native")
     warn_if_slow(config, device, profile, emulated)
     try:
@@ -263,6 +263,17 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
                           "torchrun/DDP covers the image models")
     build = language_model_parts if config.model.is_language_model else image_parts
     steps, batches, policy, optimizer, info = build(config, device, ranks)
+    try:
+        return run_parts(config, device, steps, batches, policy, optimizer, info, saver, resume, stop, ranks, recorder)
+    finally:   # a DataLoader's workers end with the job, whatever ended it
+        for loader in (batches, getattr(steps, "test_batches", None)):
+            if isinstance(loader, Resumable):
+                loader.close()
+
+
+def run_parts(config: Config, device: torch.device, steps, batches, policy, optimizer, info: dict, saver: checkpoint.Checkpointer,
+              resume: dict | None, stop, ranks: dist.Ranks, recorder: Recorder) -> dict:
+    """Restore a checkpoint into the built parts and run the shared loop."""
     tr = config.trainer
     model = info.pop("model")
     saver.parts.update(model=model, optimizer=optimizer, schedule=steps.schedule,

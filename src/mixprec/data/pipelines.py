@@ -13,7 +13,10 @@ ImageData (images.py), by `dataset.pipeline`:
 """
 from __future__ import annotations
 
+import atexit
 import math
+import signal
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +60,9 @@ class Resumable:
     position = 0            # batches served in the epoch in progress
     _start = None           # the generators' states at its start
     _pending = None         # (order, first batch) set by resume_at
+
+    def close(self) -> None:
+        """Release what the loader holds beyond memory (LoaderBatches: its worker processes)."""
 
     def __iter__(self):
         order, first = self._pending or (self._begin(), 0)
@@ -155,14 +161,24 @@ class LoaderBatches(Resumable):
                                    size=size, generator=self.augment_generator, **augment)
         self.loader = DataLoader(samples, batch_size, shuffle=train, drop_last=train and len(images) >= batch_size,
                                  num_workers=workers, pin_memory=pin_memory and device.type != "cpu",
-                                 persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
+                                 persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed),
+                                 worker_init_fn=leave_stopping_to_the_job if workers > 0 else None)
         self.device = device
         self.channels_last = channels_last
         self.image_shape = (images.shape[1], size or images.shape[2], size or images.shape[3])
         self.generators = tuple(g for g in (self.loader.generator, self.augment_generator) if g is not None)
+        if workers > 0:
+            _WITH_WORKERS.add(self)
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def close(self) -> None:
+        """Stop the worker processes now, as the job ends (they ignore the stop signals that reach the whole
+        process group: leave_stopping_to_the_job); without it, interpreter exit would terminate-and-join them."""
+        iterator, self.loader._iterator = getattr(self.loader, "_iterator", None), None
+        if iterator is not None:
+            iterator._shutdown_workers()
 
     def _order(self):
         """The epoch's DataLoader iterator (the augmentation draws of a resume are exact only with workers=0:
@@ -172,6 +188,27 @@ class LoaderBatches(Resumable):
     def _batch(self, order, i: int):
         x, y = next(order)
         return in_layout(x.to(self.device, non_blocking=True), self.channels_last), y.to(self.device, non_blocking=True)
+
+
+_WITH_WORKERS = weakref.WeakSet()   # the LoaderBatches whose workers may still run
+
+
+@atexit.register   # registered after multiprocessing's own exit hook, so it runs first
+def _close_all() -> None:
+    """At interpreter exit, stop every loader's workers the code did not close: multiprocessing's exit hook would
+    terminate them (SIGTERM, which they ignore) and wait for them."""
+    for loader in list(_WITH_WORKERS):
+        loader.close()
+
+
+def leave_stopping_to_the_job(worker_id: int) -> None:
+    """A loader worker ignores SIGTERM and SIGINT: `timeout`, Slurm's scancel and a terminal's Ctrl-C signal the
+    whole process group, and a worker that died of it failed the job (the DataLoader's SIGCHLD handler raises
+    "worker killed by signal" wherever the main process is) where the job should stop after its step, write its
+    checkpoint and end `interrupted` (signals.py). The main process shuts its workers down as it ends; a worker
+    whose main process died exits by itself (the DataLoader's watchdog)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class _PreparedSamples(Dataset):

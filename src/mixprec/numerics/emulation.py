@@ -254,6 +254,30 @@ def _wrap_outputs(func, flat_args, out, dtypes, originals, unwrapped):
     return flat[0] if single else type(out)(flat)
 
 
+# CUDA kernels that compute in the storage type, not in fp32: c10::Half and c10::BFloat16 arithmetic rounds the
+# result of every operator, so `a * (scalar_t{1.} - b * b)` (ATen/native/cuda/BinaryMiscBackwardOpsKernels.cu,
+# tanh_backward_kernel_cuda and sigmoid_backward_kernel_cuda, Half and BFloat16) rounds three times. The CPU's
+# kernels differ by dtype (its Half sigmoid_backward rounds each step, its tanh_backward rounds once); the
+# emulation follows CUDA. Each function takes the fp32 data and the storage dtype and rounds as the kernel does.
+def _tanh_backward(grad, out, dtype):
+    return round_(grad * round_(1 - round_(out * out, dtype), dtype), dtype)
+
+
+def _sigmoid_backward(grad, out, dtype):
+    return round_(round_(grad * round_(1 - out, dtype), dtype) * out, dtype)
+
+
+STORAGE_ARITHMETIC = {aten.tanh_backward.default: _tanh_backward, aten.sigmoid_backward.default: _sigmoid_backward}
+
+
+def _run(func, fargs, fkwargs, dtypes):
+    """The fp32 kernel, or, for a kernel that rounds as it goes on a GPU (STORAGE_ARITHMETIC), its steps."""
+    steps = STORAGE_ARITHMETIC.get(func)
+    if steps is not None and dtypes and dtypes[0] in LOW and not fkwargs:
+        return steps(*fargs, dtypes[0])
+    return func(*fargs, **fkwargs)
+
+
 class EmulationMode(TorchDispatchMode):
     """Runs every op that touches a float16/bfloat16 tensor on fp32 kernels and rounds as the GPU stores."""
 
@@ -267,7 +291,7 @@ class EmulationMode(TorchDispatchMode):
         dtypes = None if schema_facts(func)[2] else out_dtypes(func, flat, args, kwargs)
         fargs, fkwargs = mapped(_fp32, args, kwargs)
         originals, unwrapped = _mutated_args(func, args, kwargs, fargs, fkwargs)
-        out = func(*fargs, **fkwargs)
+        out = _run(func, fargs, fkwargs, dtypes)
         _round_written(func, flat, originals, unwrapped)
         return _wrap_outputs(func, flat, out, dtypes, originals, unwrapped)
 

@@ -228,7 +228,12 @@ class Attribution:
                 "first_nonfinite": self.first_nonfinite, "inputs": self.inputs or []}
 
     def close(self) -> None:
-        pass
+        self.release()
+
+    def release(self) -> None:
+        """Drop what the probe holds of the job (the replay's batch, model and policy, the optimizer): a closed probe
+        keeps none of them alive in a sweep's process, where they would count in the next job's peak memory."""
+        self.replay = self.model = self.optimizer = None
 
 
 class Ranges(Attribution):
@@ -404,3 +409,4 @@ class Ranges(Attribution):
     def close(self) -> None:
         self.disarm()
         self.file.close()
+        self.release()

@@ -73,10 +73,13 @@ def tensor_counts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     af = torch.where(finite, a, torch.zeros((), device=a.device))
     nonfinite = x.numel() - finite.sum()
     exponent = torch.frexp(af)[1] - 1   # 2^e <= |x| < 2^(e+1)
-    bins = torch.where(af > 0, exponent.clamp(LO, HI - 1) - LO, NBINS)
-    hist = torch.bincount(bins.long(), minlength=NBINS + 1)
-    head = [torch.tensor(x.numel(), device=x.device), nonfinite, torch.isnan(x).sum(), hist[NBINS] - nonfinite,
-            hist[:NBINS].sum()]
+    bins = torch.where(af > 0, exponent.clamp(LO, HI - 1) - LO, NBINS).long()
+    # Into a fixed NBINS + 1 tensor: no host sync (torch.bincount reads the largest bin on the host to size its
+    # output, and torch.tensor(n, device=...) is a host-to-device copy); integer sums are exact in any order.
+    hist = torch.zeros(NBINS + 1, dtype=torch.long, device=x.device)
+    hist.scatter_add_(0, bins, torch.ones((), dtype=torch.long, device=x.device).expand_as(bins))
+    head = [torch.full((), x.numel(), dtype=torch.long, device=x.device), nonfinite, torch.isnan(x).sum(),
+            hist[NBINS] - nonfinite, hist[:NBINS].sum()]
     for name in MEASURED:
         f = FORMATS[name]
         lost, normal = _EDGES[name]

@@ -148,7 +148,8 @@ def adam_eps_zero(e, n, rows, ctx):
         cites.append(f"numerics.jsonl step {grad['step']} grad {grad['name']} (finite, absmax {grad['absmax']:.3g}, "
                      f"zero {grad['zero']:.3g})")
     line = (f"Adam's eps={ctx['eps']:g} is 0 in {stepped} ({where(e)}): the update divided by sqrt(v) + eps = 0 "
-            "where the second moment underflowed to 0 (0/0 = NaN), from a finite gradient")
+            "where the second moment underflowed to 0 (0/0 = NaN), from a finite gradient (foreach and for-loop Adam "
+            f"add eps in {stepped}; fused Adam computes in fp32)")
     return verdict("adam_eps_zero", line, e, cites, "optimizer.eps=1e-4, or fp32 optimizer state (precision=amp or o2)")
 
 

@@ -17,14 +17,14 @@ from pathlib import Path
 from .. import busy, records
 from ..versions import differences
 from .load import Job, number
-from .published import Published, Source, apex_ppl_values, matches, page_ladder
+from .published import Published, Source, apex_ppl_values, matches, noise_verdict, page_ladder
 
 # choice groups and overrides that never make a variant: they are the axes of the report, or change no result
 _AXES = ("model", "precision", "experiment", "logger", "hydra")
 _NOT_VARIANT = ("seed", "logger", "hydra", "trainer.device", "name", "experiment")
 MAX_VARIANT = 28
 PRECISION_ORDER = ["fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3", "fp8", "fastai_fp16",
-                   "apex_fp16"]
+                   "apex_fp16", "apex_fp16_2018"]
 
 
 def precision_key(p: str) -> tuple:
@@ -132,12 +132,14 @@ def compare(value: Published, groups: list[Group]) -> list[dict]:
             elif value.compare == "difference":
                 ref = sum(value.value) / 2 if isinstance(value.value, tuple) else value.value
                 row["difference"] = st["mean"] - ref
+                row["noise"] = noise_verdict(value, st["mean"])
             elif isinstance(value.value, tuple):
                 lo, hi = value.value
                 row["ratio"] = [st["mean"] / hi, st["mean"] / lo] if lo > 0 else None
                 row["verdict"] = "within range" if lo <= st["mean"] <= hi else ("below" if st["mean"] < lo else "above")
             elif value.value:
                 row["ratio"] = st["mean"] / value.value
+                row["noise"] = noise_verdict(value, st["mean"])
         rows.append(row)
     return rows or [{"group": None, "verdict": "missing: no run yet", "reproduced": None, "ratio": None,
                      "difference": None, "runs": 0}]

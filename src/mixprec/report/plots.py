@@ -23,8 +23,8 @@ from .analyse import PRECISION_ORDER, Group, precision_key, stats  # noqa: E402
 from .load import number  # noqa: E402
 from .published import Source, ladder_steps, matches  # noqa: E402
 
-# one colour per PRECISION_ORDER entry: tab10, then fp8 black, fastai_fp16 olive, apex_fp16 teal
-_PALETTE = plt.get_cmap("tab10").colors + ((0.0, 0.0, 0.0), (0.45, 0.45, 0.0), (0.0, 0.45, 0.45))
+# one colour per PRECISION_ORDER entry: tab10, then fp8 black, fastai_fp16 olive, apex_fp16 teal, apex_fp16_2018 navy
+_PALETTE = plt.get_cmap("tab10").colors + ((0.0, 0.0, 0.0), (0.45, 0.45, 0.0), (0.0, 0.45, 0.45), (0.1, 0.1, 0.45))
 DPI = 110
 
 

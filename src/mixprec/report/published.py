@@ -4,7 +4,9 @@ A source lists the experiment names it applies to (summary["name"], set by exper
 Each value says what it measures (`metric`), the number as published (a number, a [low, high] range, or an
 outcome such as `diverged`), its unit, the hardware it was measured on, the sentence or table it comes from,
 and `match`: which runs it is compared with, by config-group choice (`precision: amp`) or dotted config path
-(`trainer.epochs: 50`); a list means any of those values.
+(`trainer.epochs: 50`); a list means any of those values. `noise` (optional): the run-to-run variation the source
+states for the value, in its unit; a reproduced value that lies that close to the published one is reported as
+"within the source's own noise".
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class Published:
     quote: str                  # the article's sentence or table the value comes from
     match: dict
     compare: str = "ratio"      # ratio (reproduced / published) or difference (reproduced - published)
+    noise: float | None = None  # the source's own run-to-run variation of the value, in its unit
 
     def format_value(self) -> str:
         if isinstance(self.value, tuple):
@@ -116,10 +119,13 @@ def load_source(path: Path) -> Source:
         match = v.get("match")
         if not isinstance(match, dict) or not match:
             raise SourceError(f"{path}: {where}match: missing; name the runs it compares with, e.g. {{precision: amp}}")
+        noise = v.get("noise")
+        if noise is not None and not (_is_number(noise) and noise > 0):
+            raise SourceError(f"{path}: {where}noise: {noise!r}; a positive number in the value's unit, or leave it out")
         values.append(Published(source=sid, id=vid, label=str(v.get("label", vid)), metric=metric,
                                 value=_value(v.get("value"), metric, f"{path}: {where}value"),
                                 unit=need(v, "unit", where), hardware=hardware, quote=need(v, "source", where),
-                                match=dict(match), compare=compare))
+                                match=dict(match), compare=compare, noise=None if noise is None else float(noise)))
     return Source(id=sid, title=need(data, "title", ""), author=_opt_str(data.get("author")),
                   date=_opt_str(data.get("date")), url=_opt_str(data.get("url")),
                   experiments=tuple(str(e) for e in experiments), values=tuple(values), path=path)
@@ -135,6 +141,15 @@ def _value(x, metric: str, where: str):
     if _is_number(x):
         return float(x)
     raise SourceError(f"{where}: {x!r}; expected a number or a [low, high] range")
+
+
+def noise_verdict(value: Published, reproduced: float) -> str | None:
+    """Whether a reproduced number lies within the source's own stated run-to-run variation of the published one
+    (None where the source states none, or the value is a range)."""
+    if value.noise is None or not _is_number(value.value):
+        return None
+    near = abs(reproduced - value.value) <= value.noise
+    return f"{'within' if near else 'outside'} the source's own noise (±{value.noise:g} {value.unit})"
 
 
 def _is_number(x) -> bool:

@@ -84,6 +84,8 @@ def _cell(col: dict, source, value) -> str:
                 text += f", ratio {r['ratio']:.2f}" if not isinstance(r["ratio"], list) else f", {r['verdict']}"
             elif r.get("difference") is not None:
                 text += f", {r['difference']:+.2g} vs published"
+            if r.get("noise"):
+                text += f", {r['noise']}"
         prefix = f"{r['group']}, {r['precision']}: " if len(rows) > 1 else ""
         parts.append(prefix + text)
     hit = {(r["group"], r["precision"]) for r in rows}

@@ -209,7 +209,7 @@ def document(data: dict) -> Doc:
                     rows.append([c["source"], c["label"], c["published"], c["hardware"],
                                  r["group"] and f"{r['group']}, {r['precision']}" or "-",
                                  r["verdict"] if r["group"] is None else format_reproduced(c, r),
-                                 "; ".join(x for x in (format_ratio(r), r["group"] and r.get("verdict"))
+                                 "; ".join(x for x in (format_ratio(r), r["group"] and r.get("verdict"), r.get("noise"))
                                            if x and x != "-") or "-",
                                  "; ".join(r.get("devices") or []) or "-", "; ".join(r.get("software") or []) or "-"])
             d.table(["source", "value", "published", "published on", "our runs", "reproduced", "ratio / verdict",
