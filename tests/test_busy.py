@@ -135,3 +135,19 @@ def test_sampling_stops_after_max_invalid_samples_and_leaves_the_clock_whole():
     assert sampled == busy.MAX_INVALID and meter.invalid == busy.MAX_INVALID
     assert meter.metrics(1.0)["gpu_busy_fraction"] is None
     assert train.excluded == pytest.approx(busy.MAX_INVALID * 0.01 + sum(meter.timer.spins))
+
+
+def test_after_a_step_the_host_took_long_to_queue_the_spin_covers_twice_its_queuing_time():
+    from fakes import FakeClock
+
+    class Clock:
+        def exclude(self, seconds):
+            pass
+
+    clock = FakeClock()
+    timer = FakeTimer(clock, 0.5, host_waited=True)
+    meter = busy.BusyMeter(timer, clock)
+    meter.sample(lambda: setattr(clock, "now", clock.now + 0.3), (), Clock())   # 0.3 s of queuing: an eager fp8 GPT
+    timer.host_waited = False
+    meter.sample(lambda: setattr(clock, "now", clock.now + 0.3), (), Clock())
+    assert timer.spins == [busy.SPIN_S, pytest.approx(0.6)] and meter.gpu_s == [pytest.approx(0.15)]

@@ -4,11 +4,11 @@ Method (docs/speed.md, "Host-bound steps"): a few steady steps an epoch are *sam
 device is synchronized, a spin kernel (torch.cuda._sleep) holds the stream while the host queues the whole step
 behind it, between two CUDA events; the events' elapsed time is then the GPU's time for that step with no wait for
 the host in it (the sample counts only if the start event had not yet run when the host finished queuing, i.e.
-the host never waited on the GPU inside the step; else the spin doubles, and a step that reads the device every
-time gives no figure: sampling stops after MAX_INVALID such samples). The wall time of a step is the steady
-training clock over the steady steps that were not sampled. busy fraction = GPU time / wall time, at most 1: below
-HOST_BOUND the GPU waited for Python (the launch overhead of eager PyTorch), and a speed-up measured there says
-little about the precision.
+the host never waited on the GPU inside the step; else the next spin is twice the host's queuing time or twice the
+spin, and a step that reads the device every time gives no figure: sampling stops after MAX_INVALID such
+samples). The wall time of a step is the steady training clock over the steady steps that were not sampled. busy
+fraction = GPU time / wall time, at most 1: below HOST_BOUND the GPU waited for Python (the launch overhead of
+eager PyTorch), and a speed-up measured there says little about the precision.
 
 Sampled steps train as any other (same batch, same update); their wall time (spin included) is taken out of
 the training clock and their samples out of the steady throughput. CUDA single-process jobs only: on a CPU (and
@@ -23,8 +23,8 @@ import torch
 
 HOST_BOUND = 0.8       # below this busy fraction a step is called host-bound
 SAMPLE_AT = (4, 5)     # the epoch's steady steps sampled (1-based): past the warm-up's queue effects
-SPIN_S = 0.02          # the first spin; doubled when the host needed longer to queue a step
-SPIN_MAX_S = 0.64
+SPIN_S = 0.02          # the first spin; after a sample the host needed longer to queue: twice that time, or twice
+SPIN_MAX_S = 2.56      # the spin, whichever is longer (an eager fp8 GPT step queues ~48 x 311 ops: ~0.6 s)
 MAX_INVALID = 4        # samples the host waited in before sampling stops (a step that reads the device every time)
 
 ADVICE = ("a bigger trainer.batch_size, or trainer.compile=reduce-overhead (CUDA graphs) / default (fewer "
@@ -113,8 +113,10 @@ class BusyMeter:
         start, end = t.event(), t.event()
         t.spin(self.spin_s)
         start.record()
+        queued_from = self.clock()
         result = step(*args)
         end.record()
+        queuing = self.clock() - queued_from   # the host's time to queue the step
         queued_ahead = not start.query()   # the GPU was still spinning when the host had queued the whole step
         t.sync()
         clock.exclude(self.clock() - t0)
@@ -124,7 +126,7 @@ class BusyMeter:
             self.epoch_gpu_s.append(self.gpu_s[-1])
         else:
             self.invalid += 1
-            self.spin_s = min(2 * self.spin_s, SPIN_MAX_S)
+            self.spin_s = min(max(2 * self.spin_s, 2 * queuing), SPIN_MAX_S)
         return result
 
     def tick(self) -> None:
