@@ -231,8 +231,8 @@ def train_steps(parts: tuple, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
 
 def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.device, warmup: int, steps: int) -> dict:
     """One cell: a synthetic batch on the device, `warmup` untimed steps (compilation and autotuning included),
-    `steps` timed ones (device synchronized at both ends), then one step sampled for the GPU's own time (busy.py;
-    CUDA only). Peak memory: the accelerator's max allocated over the cell (None on a CPU)."""
+    `steps` timed ones (device synchronized at both ends), then a step sampled for the GPU's own time (busy.py;
+    CUDA only; up to 3 tries). Peak memory: the accelerator's max allocated over the cell (None on a CPU)."""
     from mixprec import busy
     from mixprec.numerics import emulation
     from mixprec.precision import emulates
@@ -250,8 +250,10 @@ def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.de
         hardware.synchronize(device)
         wall = (time.perf_counter() - t0) / steps
         meter = busy.meter_for(device)
-        if meter is not None:
+        for _ in range(3 if meter is not None else 0):   # a longer spin after a step the host took long to queue
             meter.sample(train_steps, (parts, x, y, 1), parts[1].clock)
+            if meter.gpu_s:
+                break
     if config.trainer.compile != "none":
         torch._dynamo.reset()   # the cell's graphs (and CUDA graph pools) go with it
     gpu = meter.gpu_s[0] if meter is not None and meter.gpu_s else None

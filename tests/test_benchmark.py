@@ -129,3 +129,49 @@ def test_bad_input_is_one_line(bench, capsys):
         bench.main(["overhead", "trick.label_smoothing=0.1"])
     assert bench.main(["overhead", "trainer.batch_size=0"]) == 2
     assert capsys.readouterr().err.strip().startswith("benchmark: config error: trainer.batch_size=0")
+
+
+class ShiftedClock:
+    """time.perf_counter plus what a fake spin added (`now += s`), for test_busy.FakeTimer."""
+
+    def __init__(self):
+        self.shift = 0.0
+
+    def __call__(self):
+        return time.perf_counter() + self.shift
+
+    @property
+    def now(self):
+        return self()
+
+    @now.setter
+    def now(self, value):
+        self.shift += value - self()
+
+
+def test_a_table_cell_samples_until_the_host_queued_a_step_ahead_and_reports_its_busy_fraction(bench, monkeypatch):
+    from test_busy import FakeTimer
+
+    from mixprec import busy
+
+    class OnceTimer(FakeTimer):   # the first sample: the host waited; the next: queued ahead
+        queries = 0
+
+        @property
+        def host_waited(self):
+            self.queries += 1
+            return self.queries == 1
+
+        @host_waited.setter
+        def host_waited(self, value):
+            pass
+
+    clock = ShiftedClock()
+    timer = OnceTimer(clock, 0.4)
+    monkeypatch.setattr(busy, "meter_for", lambda device, world=1: busy.BusyMeter(timer, clock))
+    cfg, _ = bench.compose([*TINY, "dataset.image_size=8", "precision=fp32"])
+    base, shape, classes = bench.build_base(cfg, torch.device("cpu"))
+    cell = bench.time_cell(cfg, base, shape, classes, torch.device("cpu"), 1, 2)
+    assert timer.queries == 2 and len(timer.spins) == 2
+    # the GPU busy 40% of the sampled step's queuing time, against the timed steps' wall time: a fraction, no fake 1.0
+    assert 0 < cell["gpu_busy_fraction"] <= 1 and cell["gpu_step_ms"] > 0 and cell["host_bound"] is not None
