@@ -9,18 +9,27 @@
       --warmup; one discarded round, then --repeats rounds, each running both loops in a random order (--seed);
       reports each loop's median, the ratio mixprec / hand of the medians, and the spread (min..max) of the
       per-round ratios. --compile MODE compiles both (trainer.compile=MODE; compilation is untimed in both).
-  python scripts/benchmark.py table --models resnet18,resnet50 --precisions fp32,tf32,amp,amp_bf16 [overrides]
-      steady-state samples/s per model and precision, speed-up over fp32, and model FLOP utilisation against the
-      GPU profile's peak (pass gpu=h100 etc.; gpu=auto has no peaks).
+  python scripts/benchmark.py table --models resnet18,resnet50 --precisions fp32,tf32,amp,amp_bf16,half,bf16
+          --batches 64,256 --compiles none,default [overrides] --out DIR
+      the speed table, one cell per (image model, precision, batch, compile mode): each model is built once, each
+      cell trains a copy of it the way a job does (the precision policy, channels_last, optimizer, compile mode and
+      the engine's own step, engine.ImageSteps.step) on one synthetic batch on the device: --warmup untimed steps
+      (10; compilation and cuDNN autotuning fall there), --steps timed steps (30) between two device syncs, then
+      one step sampled for the GPU's own time (busy.py, CUDA only). Per cell: samples/s, speed-up against the fp32
+      cell of the same model, batch and compile mode, step time, GPU busy fraction (host-bound below 0.8), peak
+      memory (max allocated on the accelerator; '-' on a CPU) and the cell's own seconds. --out DIR: table.json and
+      table.md. Language models are not in it (their speed: train.py experiment=transformer_precision).
 
-Both run on the CPU too (use small sizes there: model=small_cnn trainer.batch_size=32 dataset.image_size=16). What is
-timed: the same thing for both loops: training steps only (batch slicing and normalisation on the device,
-forward, loss, backward, optimizer step, loss-scale update), after --warmup steps, with the device synchronized
-before each clock reading; no evaluation, no data generation.
+Both run on the CPU too (use small sizes there: model=small_cnn trainer.batch_size=32 dataset.image_size=16). What
+overhead times: the same thing for both loops: training steps only (batch slicing and normalisation on the
+device, forward, loss, backward, optimizer step, loss-scale update), after --warmup steps, with the device
+synchronized before each clock reading; no evaluation, no data generation.
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import itertools
 import random
 import statistics
 import sys
@@ -40,7 +49,7 @@ from mixprec.data import synthetic_images  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
 from mixprec.optim import build_optimizer, build_schedule  # noqa: E402
 from mixprec.precision import DTYPES  # noqa: E402
-from mixprec.records import write_json_atomic  # noqa: E402
+from mixprec.records import write_json_atomic, write_text_atomic  # noqa: E402
 
 
 def compose(overrides: list[str]) -> tuple[Config, dict]:
@@ -178,22 +187,169 @@ def overhead(args) -> dict:
     return result
 
 
-def table(args) -> dict:
+# -- the speed table: each model built once, each (model, precision, batch, compile) cell timed in seconds ------
+
+def build_base(config: Config, device: torch.device) -> tuple[torch.nn.Module, tuple, int]:
+    """The model in fp32 on the device (built once per model; each cell trains a copy), its image shape and
+    number of classes."""
+    shape = (3, config.dataset.image_size, config.dataset.image_size)
+    classes = 100 if "100" in config.dataset.name else 10
+    torch.manual_seed(config.seed)
+    return build_model(config.model, classes).to(device), shape, classes
+
+
+def cell_parts(config: Config, base: torch.nn.Module, device: torch.device):
+    """What a job of this cell's config trains with (run.image_parts' policy, model preparation, channels_last,
+    optimizer and compile mode), on a copy of the base model; returns the engine's steps and loop."""
+    from mixprec import engine
+    from mixprec.compiled import compile_model
+    from mixprec.optim import param_groups
+    from mixprec.precision import PrecisionPolicy
+
+    tr = config.trainer
+    hardware.configure(device, tr, config.precision, config.seed)
+    policy = PrecisionPolicy(config.precision, device)
+    model = policy.prepare_model(copy.deepcopy(base))
+    if tr.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    stepped = policy.optimizer_params(model)   # first: it sets policy.model_params
+    params, _ = param_groups(model, policy.model_params, stepped, config.optimizer, config.model.arch)
+    optimizer = build_optimizer(config.optimizer, params)
+    steps = engine.ImageSteps(compile_model(model, tr.compile), build_schedule(config.schedule, optimizer, 10**6), None)
+    loop = engine.Loop(policy, optimizer, tr, 10**9, progress=False)
+    state = engine.LoopState(scale_min=policy.scale_value, scale_max=policy.scale_value)   # as engine.fit starts
+    return steps, loop, state
+
+
+def train_steps(parts: tuple, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
+    """n training steps on the batch, counted as the loop counts them (the probe's step-1 input check once)."""
+    steps, loop, state = parts
+    for _ in range(n):
+        steps.step(x, y, loop, state)
+        state.step += 1
+
+
+def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.device, warmup: int, steps: int) -> dict:
+    """One cell: a synthetic batch on the device, `warmup` untimed steps (compilation and autotuning included),
+    `steps` timed ones (device synchronized at both ends), then a step sampled for the GPU's own time (busy.py;
+    CUDA only; up to 3 tries). Peak memory: the accelerator's max allocated over the cell (None on a CPU)."""
+    from mixprec import busy
+    from mixprec.numerics import emulation
+    from mixprec.precision import emulates
+
+    b = config.trainer.batch_size
+    emulated = emulates(config.precision, device)
+    with emulation.numerics(emulated):
+        parts = cell_parts(config, base, device)
+        x = torch.randn(b, *shape, device=device)
+        y = torch.randint(0, classes, (b,), device=device)
+        train_steps(parts, x, y, warmup)
+        hardware.synchronize(device)
+        t0 = time.perf_counter()
+        train_steps(parts, x, y, steps)
+        hardware.synchronize(device)
+        wall = (time.perf_counter() - t0) / steps
+        meter = busy.meter_for(device)
+        for _ in range(3 if meter is not None else 0):   # a longer spin after a step the host took long to queue
+            meter.sample(train_steps, (parts, x, y, 1), parts[1].clock)
+            if meter.gpu_s:
+                break
+    if config.trainer.compile != "none":
+        torch._dynamo.reset()   # the cell's graphs (and CUDA graph pools) go with it
+    gpu = meter.gpu_s[0] if meter is not None and meter.gpu_s else None
+    peak = None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device) / 2**20
+    fraction = busy.busy_fraction(gpu, wall)
+    return {"samples_per_s": b / wall, "step_ms": 1e3 * wall, "gpu_step_ms": None if gpu is None else 1e3 * gpu,
+            "gpu_busy_fraction": fraction, "host_bound": None if fraction is None else busy.verdict(fraction) == "host-bound",
+            "peak_memory_mb": peak, "emulated": emulated}
+
+
+def table_cells(args, save=lambda rows, device: None) -> tuple[list[dict], torch.device]:
+    """Every cell, model by model (each built once), with its speed-up against fp32 at the same batch and compile
+    mode (None without an fp32 cell, or for an emulated one: its time is an fp32 time). save(rows, device) after
+    each cell: a run stopped by its time limit keeps the cells it timed."""
     rows = []
     for model in args.models.split(","):
-        base = None
-        for prec in args.precisions.split(","):
-            overrides = sized([f"model={model}", f"precision={prec}", *args.overrides], args.steps, args.warmup)
-            r = mixprec_throughput(overrides)
-            base = r["samples_per_s"] if prec == "fp32" else base
-            rows.append({"model": model, "precision": prec, **r,
-                         "speedup": r["samples_per_s"] / base if base else None})
-            row = rows[-1]
-            mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-            speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}"
-            print(f"{model:10s} {prec:9s} {row['samples_per_s']:>10.1f} samples/s  x{speedup} vs fp32  "
-                  f"MFU {mfu}  peak {row['peak_memory_mb']:.0f} MB", flush=True)
-    return {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup, "rows": rows}
+        config, _ = compose([f"model={model}", *args.overrides])
+        device = hardware.select_device(config.trainer.device)
+        base, shape, classes = build_base(config, device)
+        for batch, mode, prec in itertools.product(args.batches, args.compiles, args.precisions.split(",")):
+            cfg, _ = compose([f"model={model}", f"precision={prec}", *args.overrides, f"trainer.batch_size={batch}",
+                              f"trainer.compile={mode}"])
+            t = time.perf_counter()
+            row = {"model": model, "precision": prec, "batch": batch, "compile": mode,
+                   **time_cell(cfg, base, shape, classes, device, args.warmup, args.steps)}
+            row["cell_s"] = time.perf_counter() - t
+            rows.append(row)
+            fp32 = next((r for r in rows if (r["model"], r["batch"], r["compile"], r["precision"]) ==
+                         (model, batch, mode, "fp32")), None)
+            row["speedup"] = (row["samples_per_s"] / fp32["samples_per_s"] if fp32 and not row["emulated"] else None)
+            print(cell_line(row), flush=True)
+            save(rows, device)
+        del base
+    return rows, device
+
+
+def cell_line(r: dict) -> str:
+    fmt = benchmark_fmt
+    return (f"{r['model']:10s} {r['precision']:9s} b{r['batch']:<5d} {r['compile']:15s} {r['samples_per_s']:>10.1f} "
+            f"samples/s  x{fmt(r['speedup'], '.2f')} vs fp32  GPU busy {fmt(r['gpu_busy_fraction'], '.2f')}  "
+            f"peak {fmt(r['peak_memory_mb'], '.0f')} MB  ({r['cell_s']:.1f} s)")
+
+
+def benchmark_fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+TABLE_HEADS = ["model", "precision", "batch", "compile", "samples/s", "vs fp32", "step ms", "GPU busy", "peak MB",
+               "note"]
+
+
+def table_markdown(result: dict) -> str:
+    """The table as markdown, with what was timed and the host-bound cells named."""
+    from mixprec import busy
+
+    lines = [f"# Speed table ({result['device']}, torch {result['torch']})", "",
+             f"{result['warmup']} untimed steps (compilation included), then {result['steps']} timed steps per cell, "
+             "synthetic batch on the device, the job's own step (engine.ImageSteps.step). GPU busy: the GPU's own "
+             "time for a step over its wall time (docs/speed.md); '-': not measured (CPU). "
+             f"{len(result['rows'])} cells in {result['total_s']:.1f} s"
+             + ("." if result["complete"] else " (incomplete: stopped before the last cell)."), "",
+             "| " + " | ".join(TABLE_HEADS) + " |", "|" + "---|" * len(TABLE_HEADS)]
+    for r in result["rows"]:
+        note = "emulated: an fp32 time" if r["emulated"] else ("host-bound" if r["host_bound"] else "")
+        cells = [r["model"], r["precision"], r["batch"], r["compile"], f"{r['samples_per_s']:.1f}",
+                 benchmark_fmt(r["speedup"], ".2f"), f"{r['step_ms']:.2f}", benchmark_fmt(r["gpu_busy_fraction"], ".2f"),
+                 benchmark_fmt(r["peak_memory_mb"], ".0f"), note]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    if any(r["host_bound"] for r in result["rows"]):
+        lines += ["", f"Host-bound cells (GPU busy < {busy.HOST_BOUND}): their speed-ups measure Python, not the "
+                      f"precision; use {busy.ADVICE}."]
+    return "\n".join(lines) + "\n"
+
+
+class TableFile:
+    """The table's JSON and markdown under --out, rewritten after every cell (save)."""
+
+    def __init__(self, args):
+        self.out, self.t0 = args.out, time.perf_counter()
+        self.result = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
+                       "batches": args.batches, "compiles": args.compiles, "torch": torch.__version__}
+
+    def save(self, rows: list, device: torch.device, done: bool = False) -> None:
+        if "device" not in self.result:
+            self.result["device"] = hardware.describe(device)["device_name"]
+        self.result.update(rows=rows, total_s=time.perf_counter() - self.t0, complete=done)
+        if self.out:
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.out / "table.json", self.result)
+            write_text_atomic(self.out / "table.md", table_markdown(self.result))
+
+
+def table(args) -> dict:
+    file = TableFile(args)
+    file.save(*table_cells(args, file.save), done=True)
+    return file.result
 
 
 def main(argv=None) -> int:
@@ -201,16 +357,22 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("what", choices=["overhead", "table"])
     parser.add_argument("overrides", nargs="*", help="train.py overrides")
-    parser.add_argument("--steps", type=int, default=300, help="timed steps per measurement")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    parser.add_argument("--steps", type=int, help="timed steps per measurement (overhead 300, table 30)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first (overhead 10, table 10)")
     parser.add_argument("--repeats", type=int, default=5, help="overhead: rounds (each runs both loops, in random order)")
     parser.add_argument("--seed", type=int, default=0, help="overhead: seed of the rounds' random order")
     parser.add_argument("--compile", default="none", choices=["none", "default", "max-autotune", "reduce-overhead"],
                         help="overhead: compile both loops' models in this torch.compile mode (trainer.compile)")
     parser.add_argument("--models", default="resnet18,resnet50")
     parser.add_argument("--precisions", default="fp32,tf32,amp,amp_bf16")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--batches", type=int_list, default=[64, 256], help="table: batch sizes (trainer.batch_size)")
+    parser.add_argument("--compiles", type=lambda s: s.split(","), default=["none"],
+                        help="table: compile modes, e.g. none,default,reduce-overhead (trainer.compile)")
+    parser.add_argument("--out", type=Path, help="overhead: write the results as JSON to this file; table: the folder "
+                        "that gets table.json and table.md")
     args = parser.parse_intermixed_args(argv)
+    args.steps = (300 if args.what == "overhead" else 30) if args.steps is None else args.steps
+    args.warmup = 10 if args.warmup is None else args.warmup
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be >= 1")
     try:
@@ -219,9 +381,16 @@ def main(argv=None) -> int:
         print(f"benchmark: config error: {e}", file=sys.stderr)
         return 2
     result.update(torch=torch.__version__, command=" ".join(["python scripts/benchmark.py", *sys.argv[1:]]))
-    if args.out:
+    if args.out and args.what == "overhead":
         write_json_atomic(args.out, result)
     return 0
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. 64,256") from None
 
 
 if __name__ == "__main__":

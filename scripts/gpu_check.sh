@@ -2,9 +2,15 @@
 # The first thing to run on a GPU machine (a user's, or any we get): the environment, the GPU tests, then one short
 # job per precision mode, ending with the sweep's table. Exit status: non-zero when a GPU test failed or a job did
 # not complete. Usage: scripts/gpu_check.sh [extra train.py overrides, e.g. gpu=h100]
+#   scripts/gpu_check.sh --speed [--dry-run] [--out DIR] [overrides]: the 8-minute speed check instead
+#   (scripts/gpu_speed.py: speed table eager and compiled, GPT fp32/amp_bf16/fp8, Page's step 10 twice, overhead)
 set -u
 cd "$(dirname "$0")/.."
 export WANDB_MODE=offline WANDB_SILENT=true PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${1:-}" = "--speed" ]; then
+    shift
+    exec python scripts/gpu_speed.py "$@"
+fi
 
 echo "== environment"
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv 2>/dev/null || echo "nvidia-smi: not found"

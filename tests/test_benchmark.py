@@ -68,13 +68,40 @@ def test_overhead_discards_round_0_and_reports_medians_ratio_and_spread(bench, m
     assert all(sorted(r) == ["hand", "mixprec"] for r in rounds) and len(set(rounds)) == 2   # both orders occur
 
 
-def test_table_speedups_are_against_fp32(bench, monkeypatch):
-    speed = {"fp32": 100.0, "amp": 250.0, "amp_bf16": 180.0}
-    monkeypatch.setattr(bench, "mixprec_throughput", lambda o: {
-        "samples_per_s": speed[next(x.split("=")[1] for x in o if x.startswith("precision="))], "mfu": None,
-        "peak_memory_mb": 1.0})
-    args = Namespace(models="small_cnn", precisions="fp32,amp,amp_bf16", overrides=[], steps=2, warmup=1)
-    assert [r["speedup"] for r in bench.table(args)["rows"]] == [1.0, 2.5, 1.8]
+def test_table_builds_each_model_once_and_speedups_are_against_fp32_of_the_same_batch_and_compile(bench, monkeypatch):
+    speed = {("fp32", 4): 100.0, ("amp", 4): 250.0, ("amp_bf16", 4): 180.0, ("fp32", 8): 200.0, ("amp", 8): 300.0,
+             ("amp_bf16", 8): 500.0}
+    built = []
+    real_build = bench.build_base
+    monkeypatch.setattr(bench, "build_base", lambda *a: built.append(a[0].model.arch) or real_build(*a))
+    monkeypatch.setattr(bench, "time_cell", lambda cfg, *a: {
+        "samples_per_s": speed[cfg.precision.name, cfg.trainer.batch_size], "emulated": False, "step_ms": 1.0,
+        "gpu_busy_fraction": None, "peak_memory_mb": None})
+    args = Namespace(models="small_cnn", precisions="fp32,amp,amp_bf16", overrides=[*TINY, "dataset.image_size=8"],
+                     steps=2, warmup=1, batches=[4, 8], compiles=["none"])
+    rows, _ = bench.table_cells(args)
+    assert built == ["small_cnn"]
+    assert [(r["batch"], r["precision"], r["speedup"]) for r in rows] == [
+        (4, "fp32", 1.0), (4, "amp", 2.5), (4, "amp_bf16", 1.8), (8, "fp32", 1.0), (8, "amp", 1.5), (8, "amp_bf16", 2.5)]
+
+
+def test_the_speed_table_times_every_cell_in_seconds_and_writes_json_and_markdown(bench, tmp_path):
+    out = tmp_path / "table"
+    t0 = time.perf_counter()
+    assert bench.main(["table", "--models", "small_cnn", "--precisions", "fp32,amp_bf16", "--batches", "4,8",
+                       *TINY, "dataset.image_size=8", "--steps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    assert time.perf_counter() - t0 < 60
+    res = json.loads((out / "table.json").read_text())
+    assert [(r["model"], r["precision"], r["batch"], r["compile"]) for r in res["rows"]] == [
+        ("small_cnn", p, b, "none") for b in (4, 8) for p in ("fp32", "amp_bf16")]
+    for r in res["rows"]:
+        assert r["samples_per_s"] > 0 and r["step_ms"] > 0 and r["cell_s"] < 30
+        assert r["gpu_busy_fraction"] is None and r["peak_memory_mb"] is None   # a CPU: not measured, no fake number
+        assert r["speedup"] == (1.0 if r["precision"] == "fp32" else None)   # amp_bf16 is emulated here: no speed-up
+    md = (out / "table.md").read_text().splitlines()
+    rows = [line for line in md if line.startswith("| small_cnn")]
+    assert len(rows) == 4 and rows[1].endswith("| - | - | emulated: an fp32 time |")
+    assert md[0].startswith("# Speed table (") and "4 cells in" in md[2]
 
 
 @pytest.mark.slow
@@ -87,14 +114,12 @@ def test_the_cli_writes_both_loops_and_the_table(tmp_path):
     assert len(res["mixprec_samples_per_s"]) == len(res["hand_samples_per_s"]) == 2
     assert res["median_hand"] == statistics.median(res["hand_samples_per_s"])
     assert f"ratio mixprec / hand: {res['ratio']:.3f}" in r.stdout and "harness overhead:" in r.stdout
-    out = tmp_path / "table.json"
     r = subprocess.run([*BENCH, "table", "--models", "small_cnn", "--precisions", "fp32,amp", "model.width=8",
-                        "trainer.batch_size=16", "dataset.image_size=8", "gpu=h100", "--steps", "2", "--warmup", "1",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+                        "dataset.image_size=8", "--batches", "16", "--steps", "2", "--warmup", "1",
+                        "--out", str(tmp_path / "table")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [(x["model"], x["precision"]) for x in rows] == [("small_cnn", "fp32"), ("small_cnn", "amp")]
-    assert all(x["mfu"] is None for x in rows)   # the h100 profile does not match a CPU: not used
+    rows = json.loads((tmp_path / "table" / "table.json").read_text())["rows"]
+    assert [(x["model"], x["precision"], x["batch"]) for x in rows] == [("small_cnn", "fp32", 16), ("small_cnn", "amp", 16)]
 
 
 def test_bad_input_is_one_line(bench, capsys):
@@ -104,3 +129,49 @@ def test_bad_input_is_one_line(bench, capsys):
         bench.main(["overhead", "trick.label_smoothing=0.1"])
     assert bench.main(["overhead", "trainer.batch_size=0"]) == 2
     assert capsys.readouterr().err.strip().startswith("benchmark: config error: trainer.batch_size=0")
+
+
+class ShiftedClock:
+    """time.perf_counter plus what a fake spin added (`now += s`), for test_busy.FakeTimer."""
+
+    def __init__(self):
+        self.shift = 0.0
+
+    def __call__(self):
+        return time.perf_counter() + self.shift
+
+    @property
+    def now(self):
+        return self()
+
+    @now.setter
+    def now(self, value):
+        self.shift += value - self()
+
+
+def test_a_table_cell_samples_until_the_host_queued_a_step_ahead_and_reports_its_busy_fraction(bench, monkeypatch):
+    from test_busy import FakeTimer
+
+    from mixprec import busy
+
+    class OnceTimer(FakeTimer):   # the first sample: the host waited; the next: queued ahead
+        queries = 0
+
+        @property
+        def host_waited(self):
+            self.queries += 1
+            return self.queries == 1
+
+        @host_waited.setter
+        def host_waited(self, value):
+            pass
+
+    clock = ShiftedClock()
+    timer = OnceTimer(clock, 0.4)
+    monkeypatch.setattr(busy, "meter_for", lambda device, world=1: busy.BusyMeter(timer, clock))
+    cfg, _ = bench.compose([*TINY, "dataset.image_size=8", "precision=fp32"])
+    base, shape, classes = bench.build_base(cfg, torch.device("cpu"))
+    cell = bench.time_cell(cfg, base, shape, classes, torch.device("cpu"), 1, 2)
+    assert timer.queries == 2 and len(timer.spins) == 2
+    # the GPU busy 40% of the sampled step's queuing time, against the timed steps' wall time: a fraction, no fake 1.0
+    assert 0 < cell["gpu_busy_fraction"] <= 1 and cell["gpu_step_ms"] > 0 and cell["host_bound"] is not None

@@ -38,10 +38,10 @@ def test_sweep_writes_one_summary_and_one_wandb_run_per_job_and_a_table(tmp_path
         s = by_job[int(row[0])]
         assert row[3] == "completed"
         if s["choices"]["precision"] == "fp32":
-            assert row[7] == "1.00"
+            assert row[7:11] == ["16", "none", "-", "1.00"]   # batch, compile, GPU busy ("-": a CPU job), vs fp32
         else:
             base = next(b for b in summaries if b["choices"] == {**s["choices"], "precision": "fp32"})
-            assert float(row[7]) == pytest.approx(base["metrics"]["train_time_s"] / s["metrics"]["train_time_s"], abs=0.006)
+            assert float(row[10]) == pytest.approx(base["metrics"]["train_time_s"] / s["metrics"]["train_time_s"], abs=0.006)
 
 
 @pytest.mark.parametrize("args,expect", [

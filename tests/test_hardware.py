@@ -95,6 +95,42 @@ def test_gpu_profiles_match_the_full_device_name(name, matched):
         assert f"but this job ran on '{name}'" in profile["note"]
 
 
+AUTO_NAMES = [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
+              ("Tesla V100-SXM2-16GB", "v100"), ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"),
+              ("NVIDIA GeForce GTX 1080 Ti", "gtx1080ti")]
+
+
+@pytest.mark.parametrize("name, expected", AUTO_NAMES)
+def test_gpu_auto_picks_the_profile_that_matches_the_device_name(name, expected):
+    auto = validate(compose_config("gpu=auto")).gpu
+    profile = hardware.gpu_profile(auto, name)
+    assert (profile["name"], profile["matched"], profile["chosen_by"]) == (expected, True, "auto")
+    m = {"train_flops_per_sample": 3e9, "throughput": 2000.0}
+    assert hardware.mfu(m, profile, "fp32") == pytest.approx(3e9 * 2000 / (profile["peak_tflops"]["fp32"] * 1e12))
+
+
+def test_gpu_auto_on_an_unknown_card_logs_one_line_and_shows_no_mfu(caplog):
+    from mixprec import run
+
+    config = validate(compose_config("gpu=auto", "trainer.device=cpu"))
+    profile = hardware.gpu_profile(config.gpu, "NVIDIA L4")
+    assert profile["matched"] is False and profile["peak_tflops"] is None
+    assert hardware.mfu({"train_flops_per_sample": 3e9, "throughput": 2000.0}, profile, "fp32") is None
+    with caplog.at_level("INFO"):
+        run.warn_if_slow(config, torch.device("cpu"), profile)
+    lines = [r.message for r in caplog.records if "NVIDIA L4" in r.message]
+    assert len(lines) == 1 and "no profile in conf/gpu/ matches 'NVIDIA L4'" in lines[0]
+    assert hardware.gpu_profile(config.gpu, "cpu")["matched"] is None   # a CPU job: no profile, nothing logged
+
+
+def test_the_h200_profile_has_the_h100_sxm_compute_and_its_own_memory():
+    h100, h200 = (validate(compose_config(f"gpu={n}")).gpu for n in ("h100", "h200"))
+    assert h200.peak_tflops == h100.peak_tflops
+    assert h200.peak_tflops["fp8"] == pytest.approx(2 * h200.peak_tflops["bf16"], abs=0.2)
+    assert (h200.memory_gb, h200.bandwidth_gbs) == (141, 4800) and "H200" in h200.source
+    assert hardware.gpu_profile(h100, "NVIDIA H200")["matched"] is False   # gpu=h100 on the H200: not used
+
+
 def test_pre_ampere_gpus_get_a_note_for_bf16_and_tf32():
     prec = {n: validate(compose_config(f"precision={n}")).precision for n in ("amp_bf16", "bf16", "tf32", "amp")}
     assert "bfloat16 has no tensor-core support below compute capability 8.0 (this GPU: 7.0)" in \
@@ -246,3 +282,20 @@ def test_the_reproduction_folder_names_every_visible_gpu(two_gpus, monkeypatch):
         name="GPU number 0", major=9, minor=0, total_memory=80 * 2**30))())
     env = script.environment()
     assert env["gpus"] == ["GPU number 0", "GPU number 1"] and env["device"] == "cuda:0" and env["capability"] == "9.0"
+
+
+@pytest.mark.parametrize("overrides, batch", [
+    ([], 64), (["model=resnet18"], 64),                                      # a CPU: unchanged
+    (["trainer.device=cuda", "model=resnet18"], 256), (["trainer.device=cuda:1", "model=resnet152"], 256),
+    (["trainer.device=cuda", "model=lstm"], 64), (["trainer.device=cuda", "model=gpt"], 64),   # language models
+    (["trainer.device=cuda", "model=resnet18", "trainer.batch_size=32"], 32),                   # an override wins
+    (["trainer.device=cuda", "experiment=fastai_cifar100"], 64),                                # the article's batch
+    (["trainer.device=cuda", "experiment=torch_amp", "workload=resnet18_cifar10"], 256),
+])
+def test_the_default_batch_is_256_for_an_image_model_on_a_gpu(overrides, batch):
+    assert validate(compose_config(*overrides)).trainer.batch_size == batch
+
+
+def test_trainer_device_auto_gets_the_gpu_batch_where_cuda_is_visible(two_gpus):
+    assert validate(compose_config("model=resnet18")).trainer.batch_size == 256
+    assert validate(compose_config("model=resnet18", "trainer.device=cpu")).trainer.batch_size == 64

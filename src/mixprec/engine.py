@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import busy
 from .compiled import GRAPH_MODES, GraphCalls, mark_step
 from .config import TrainerConfig
 from .dist import SINGLE, Ranks
@@ -81,6 +82,7 @@ class TrainClock:
         self.steady = 0.0       # training time after the warm-up mark
         self._t0 = None
         self._warm = None
+        self._excluded = 0.0    # host seconds of this segment not counted (busy.py's sampled steps)
 
     def start(self) -> None:
         synchronize(self.device)
@@ -93,14 +95,19 @@ class TrainClock:
         self.barrier()
         self._warm = time.perf_counter()
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` of the running segment (after the warm-up mark) out of every total."""
+        self._excluded += seconds
+
     def stop(self) -> float:
         synchronize(self.device)
         self.barrier()
         now = time.perf_counter()
-        elapsed = now - self._t0
+        elapsed = now - self._t0 - self._excluded
         self.total += elapsed
         if self._warm is not None:
-            self.steady += now - max(self._t0, self._warm)
+            self.steady += now - max(self._t0, self._warm) - self._excluded
+        self._excluded = 0.0
         return elapsed
 
 
@@ -179,6 +186,7 @@ class Loop:
     reason: str | None = None
     warm_at: int = 0
     window: Window | None = None   # the open log window (train_step adds a fused step's deferred outcome to it)
+    busy: object = None   # busy.BusyMeter on a single-process CUDA job: the GPU's share of a steady step
 
     def __post_init__(self):
         self.clock = TrainClock(self.policy.device, self.ranks.barrier)
@@ -353,6 +361,8 @@ def fit(steps, batches, loop: Loop, state: LoopState) -> dict:
         state.scale_min = state.scale_max = loop.policy.scale_value
     loop.clock.total, loop.clock.steady = state.train_time, state.steady_time
     loop.warm_at = state.step + loop.trainer.warmup_steps   # warm-up is excluded again in a resumed process
+    if loop.busy is not None:
+        loop.busy.start(loop.clock.steady)
     while loop.status == "completed" and state.epoch < loop.trainer.epochs and state.step < loop.total_steps:
         run_epoch(steps, batches, loop, state)
         if loop.status == "interrupted":
@@ -375,10 +385,15 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
     loop.window = window
     loop.clock.start()
     for x, y in batches:
-        loss, correct, n = steps.step(x, y, loop, state)
+        sampled = loop.busy is not None and loop.busy.wants(state.step >= loop.warm_at)
+        loss, correct, n = (loop.busy.sample(steps.step, (x, y, loop, state), loop.clock) if sampled
+                            else steps.step(x, y, loop, state))
         state.step, state.batch = state.step + 1, state.batch + 1
         state.samples += n * n_ranks   # the global batch
-        state.steady_samples += n * n_ranks if state.step > loop.warm_at else 0
+        steady = state.step > loop.warm_at and not sampled   # a sampled step's time is out of the clock
+        state.steady_samples += n * n_ranks if steady else 0
+        if steady and loop.busy is not None:
+            loop.busy.tick()
         window.add(loss, correct, n * n_ranks)
         bar.update(1)
         if state.step == loop.warm_at:
@@ -405,6 +420,8 @@ def end_epoch(steps, loop: Loop, state: LoopState) -> None:
     """The epoch's record (evaluated unless the run diverged), then between epochs a checkpoint and the stop check."""
     record = {"kind": "epoch", "epoch": state.epoch + 1, "step": state.step, "epoch_time_s": state.epoch_time,
               "train_time_s": loop.clock.total, "lr": loop.lr}
+    if loop.busy is not None:
+        record.update(loop.busy.epoch_record(loop.clock.steady))
     if loop.status == "completed":
         t_eval = time.perf_counter()
         record.update(steps.evaluate(state, loop, final=state.step >= loop.total_steps))
@@ -439,6 +456,7 @@ def loop_metrics(state: LoopState, loop: Loop) -> dict:
         "warmup_steps": loop.trainer.warmup_steps,
         "loss_scale": None if loop.policy.scale_value is None else
         {"min": state.scale_min, "max": state.scale_max, "final": loop.policy.scale_value},
+        **(busy.no_metrics() if loop.busy is None else loop.busy.metrics(clock.steady)),
     }
 
 

@@ -215,12 +215,12 @@ def gpu_profile(gpu: GpuConfig, device_name: str) -> dict:
     """The profile to use for MFU, or why none is used. A profile matches a device by its full name as the driver
     reports it (get_device_properties(...).name: "NVIDIA H100 80GB HBM3" is the SXM card, "NVIDIA H100 PCIe" and
     "NVIDIA H100 NVL" are not), case and surrounding spaces aside; one that does not match is reported
-    (matched: false) and its peaks are not used."""
+    (matched: false) and its peaks are not used. gpu=auto uses the profile of conf/gpu/ that matches the device
+    (device_name "cpu": a CPU job, no profile)."""
     if gpu.name == "auto":
-        return {"name": "auto", "matched": None, "peak_tflops": None,
-                "note": "gpu=auto records the device but has no peak numbers; choose gpu=<profile> for MFU"}
+        return auto_profile(device_name)
     names = list(gpu.match)
-    matched = device_name.strip().lower() in {n.strip().lower() for n in names}
+    matched = _matches(gpu, device_name)
     info = {"name": gpu.name, "matched": matched, "peak_tflops": dict(gpu.peak_tflops) if matched else None,
             "memory_gb": gpu.memory_gb, "bandwidth_gbs": gpu.bandwidth_gbs, "source": gpu.source}
     if not matched:
@@ -228,6 +228,32 @@ def gpu_profile(gpu: GpuConfig, device_name: str) -> dict:
                         f"on '{device_name}': its peak numbers are not used (add the name to conf/gpu/{gpu.name}.yaml "
                         "only if it is the same card)")
     return info
+
+
+def _matches(gpu: GpuConfig, device_name: str) -> bool:
+    return device_name.strip().lower() in {n.strip().lower() for n in gpu.match}
+
+
+def known_profiles() -> list[GpuConfig]:
+    """Every named GPU profile of conf/gpu/ (auto aside), in name order."""
+    from omegaconf import OmegaConf
+
+    files = sorted(f for f in (PROJECT_ROOT / "conf" / "gpu").glob("*.yaml") if f.stem != "auto")
+    return [GpuConfig(**OmegaConf.to_container(OmegaConf.load(f))) for f in files]
+
+
+def auto_profile(device_name: str) -> dict:
+    """gpu=auto: the named profile whose `match` holds this device's name (chosen_by: auto), or, for a GPU no
+    profile knows, no peaks and a note saying how to add one (run.warn_if_slow logs it, one line)."""
+    if device_name == "cpu":
+        return {"name": "auto", "matched": None, "peak_tflops": None,
+                "note": "a CPU job: no GPU profile, no MFU"}
+    for gpu in known_profiles():
+        if _matches(gpu, device_name):
+            return {**gpu_profile(gpu, device_name), "chosen_by": "auto"}
+    note = (f"gpu=auto: no profile in conf/gpu/ matches '{device_name}', so MFU is not shown; add a profile with "
+            "its datasheet's dense peaks and this name in `match`")
+    return {"name": "auto", "matched": False, "peak_tflops": None, "note": note}
 
 
 def mfu(metrics: dict, profile: dict, peak_kind: str, world: int = 1) -> float | None:

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from . import checkpoint, dist, engine, hardware, logs, tricks
+from . import busy, checkpoint, dist, engine, hardware, logs, tricks
 from .compiled import RNN_EAGER, compile_model, image_warmup, lm_warmup, warm_compile
 from .config import Config, ConfigError, plain_config, validate_job
 from .data import Resumable, build_image_data, image_loaders
@@ -284,7 +284,8 @@ def run_parts(config: Config, device: torch.device, steps, batches, policy, opti
     with probed(config, model, recorder, ranks) as probe:
         loop = engine.Loop(policy, optimizer, tr, engine.total_steps(tr, len(batches)), log=recorder.log,
                            checkpoint=saver.save, stop=stop, ranks=ranks,
-                           progress=sys.stderr.isatty() and ranks.main, probe=probe)
+                           progress=sys.stderr.isatty() and ranks.main, probe=probe,
+                           busy=busy.meter_for(device, ranks.world))
         result = engine.fit(steps, batches, loop, state)
         result["numerics"] = probe.summary()
         result["verdict"] = verdicts.judge(result["numerics"], probe.rows(),

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import records
+from .. import busy, records
 from ..versions import differences
 from .load import Job, number
 from .published import Published, Source, apex_ppl_values, matches, noise_verdict, page_ladder
@@ -253,7 +253,9 @@ def _group_data(g: Group) -> dict:
             "seeds": [j.seed for j in g.jobs], "dirs": [str(j.dir) for j in g.jobs],
             "metrics": {m: g.stats(m) for m in ("train_time_s", "speedup", "throughput", "final_test_acc",
                                                 "best_test_acc", "time_to_target_s", "peak_memory_mb", "mfu",
-                                                "loss_gap", "test_ppl")},
+                                                "loss_gap", "test_ppl", "gpu_busy_fraction")},
+            "batch": sorted({str(records.lookup(j.summary, "trainer.batch_size")) for j in g.jobs}),
+            "compile": sorted({str(records.lookup(j.summary, "trainer.compile")) for j in g.jobs}),
             "emulated": any(records.emulated(j.summary) for j in g.jobs),
             "peak_memory_kind": sorted({records.metrics(j.summary).get("peak_memory_kind") or "?"
                                         for j in g.jobs}),
@@ -353,10 +355,23 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
             "loss_gap": gap,
             "mfu": m.get("mfu"),
             "peak_mem_mb": m.get("peak_memory_mb"),
+            "batch": records.lookup(s, "trainer.batch_size"),
+            "compile": records.lookup(s, "trainer.compile"),
+            "busy": m.get("gpu_busy_fraction"),
             "note": column_note(s) + _case_note(s.get("case"))
-            + "; ".join(filter(None, (records.verdict_short(s), records.reason(s)))),
+            + "; ".join(filter(None, (records.verdict_short(s), records.reason(s),
+                                      host_bound_note(m, f, fp32.get(records.baseline_key(s)) not in (None, s))))),
         })
     return rows
+
+
+def host_bound_note(m: dict, fp32: dict, compared: bool) -> str | None:
+    """"host-bound" when this job, or the fp32 job its speed-up is measured against, kept the GPU busy less than
+    busy.HOST_BOUND of a steady step (None where no busy fraction was measured: a CPU job)."""
+    mine, theirs = m.get("gpu_busy_fraction"), fp32.get("gpu_busy_fraction") if compared else None
+    if not any(busy.verdict(b) == "host-bound" for b in (mine, theirs)):
+        return None
+    return "host-bound: GPU busy " + ", fp32 ".join(f"{100 * b:.0f}%" for b in (mine, theirs) if b is not None)
 
 
 def precision_label(summary: dict) -> str | None:

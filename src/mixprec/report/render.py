@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from .. import records
+from .. import busy, records
 from ..config import RNN_KINDS
 from .published import DERIVED
 
@@ -162,7 +162,7 @@ def document(data: dict) -> Doc:
         lm = any(g["metrics"]["loss_gap"] or g["metrics"]["mfu"] or g["metrics"].get("test_ppl")
                  for g in gs)   # language models: perplexity, MFU, loss gap
         heads = ["model", "precision", "runs", "train time (s)", "speed-up vs fp32 (x)", "tokens/s" if lm else "samples/s",
-                 "test ppl (best valid epoch)" if lm else "test acc (%)"] + (
+                 "test ppl (best valid epoch)" if lm else "test acc (%)", "batch", "compile", "GPU busy (%)"] + (
                 ["time to target (s)"] if ttt else []) + ["peak memory (MB)"] + (
                 ["MFU (%)", "valid loss - fp32's, same steps"] if lm else [])
         rows = []
@@ -175,11 +175,17 @@ def document(data: dict) -> Doc:
             precision = g["precision"] + (" (emulated: not a low-precision time)" if g["emulated"] else "")
             rows.append([g["label"], precision, runs, mean_sd(m["train_time_s"], ".3f"), mean_sd(m["speedup"], ".2f"),
                          mean_sd(m["throughput"], ".1f"),
-                         mean_sd(m.get("test_ppl"), ".2f") if lm else mean_sd(m["final_test_acc"], ".2f", 100)]
+                         mean_sd(m.get("test_ppl"), ".2f") if lm else mean_sd(m["final_test_acc"], ".2f", 100),
+                         ", ".join(g.get("batch", [])) or "-", ", ".join(g.get("compile", [])) or "-",
+                         mean_sd(m.get("gpu_busy_fraction"), ".0f", 100)]
                         + ([mean_sd(m["time_to_target_s"], ".3g", of=done)] if ttt else [])
                         + [mean_sd(m["peak_memory_mb"], ".0f")]
                         + ([mean_sd(m["mfu"], ".3g", 100), mean_sd(m["loss_gap"], "+.3g")] if lm else []))
         d.table(heads, rows)
+        bound = [g["label"] + " " + g["precision"] for g in gs
+                 if busy.verdict((g["metrics"].get("gpu_busy_fraction") or {}).get("mean")) == "host-bound"]
+        if bound:
+            d.p(f"**Host-bound:** {', '.join(bound)}: {HOST_BOUND_NOTE}.")
         if exp["variants"]:
             d.p("Variants (what else differs between these jobs): "
                 + "; ".join(f"{k} = `{v}`" for k, v in exp["variants"].items()))
@@ -322,6 +328,11 @@ EMULATED_NOTE = ("(emulated): fp16/bf16 rounding emulated on fp32 kernels (preci
                  "no speed-up is shown")
 
 
+HOST_BOUND_NOTE = (f"host-bound: GPU busy below {busy.HOST_BOUND:.0%} of a steady step (GPU busy column; docs/speed.md): "
+                   "the GPU waited for Python, so a speed-up measured there says little about the precision; "
+                   f"use {busy.ADVICE}. GPU busy '-': not measured (a CPU job)")
+
+
 def sweep_note(summaries: list[dict]) -> str | None:
     """What a sweep's table is to be read beside: the published numbers of a recurrent language-model sweep;
     that an emulated job's time is no fp16/bf16/FP8 time."""
@@ -332,16 +343,19 @@ def sweep_note(summaries: list[dict]) -> str | None:
         notes.append(FP8_EMULATED_NOTE)
     if any(s.get("arithmetic") == "emulated" for s in summaries):
         notes.append(EMULATED_NOTE)
+    if any(busy.verdict(records.metrics(s).get("gpu_busy_fraction")) == "host-bound" for s in summaries):
+        notes.append(HOST_BOUND_NOTE)
     return "\n".join(notes) or None
 
 
 SWEEP_COLUMNS = [("job", "job", "d"), ("model", "model", "s"), ("precision", "precision", "s"),
                  ("status", "status", "s"), ("epochs", "epochs", ".2f"), ("train_time_s", "time s", ".2f"),
-                 ("samples_per_s", "samples/s", ".1f"), ("speedup", "vs fp32", ".2f"), ("test_acc", "test acc", ".4f"),
+                 ("samples_per_s", "samples/s", ".1f"), ("batch", "batch", "d"), ("compile", "compile", "s"),
+                 ("busy", "GPU busy", ".2f"), ("speedup", "vs fp32", ".2f"), ("test_acc", "test acc", ".4f"),
                  ("peak_mem_mb", "peak MB", ".0f"), ("note", "note", "s")]
 # language models: tokens/s, MFU, and perplexity (best validation, test at that epoch) beside apex's published
 # one, the validation-loss gap to fp32 after the same steps
-LM_COLUMNS = SWEEP_COLUMNS[:6] + [("samples_per_s", "tokens/s", ".0f"), ("speedup", "vs fp32", ".2f"),
+LM_COLUMNS = SWEEP_COLUMNS[:6] + [("samples_per_s", "tokens/s", ".0f"), *SWEEP_COLUMNS[7:10], ("speedup", "vs fp32", ".2f"),
                                   ("mfu", "MFU", ".1%"), ("valid_ppl", "valid ppl", ".2f"),
                                   ("test_ppl", "test ppl", ".2f"), ("loss_gap", "dloss vs fp32", "+.3g"),
                                   ("published", "published test ppl", "s"), ("peak_mem_mb", "peak MB", ".0f"),
@@ -410,6 +424,11 @@ def job_block(summary: dict) -> str:
     if summary.get("arithmetic") == "emulated":
         lines.append("numerics    emulated: fp16/bf16 rounding on fp32 kernels with CUDA's autocast policy; the "
                      "losses are a GPU's, the time above is an fp32 time on this device, not a low-precision one")
+    if m.get("gpu_busy_fraction") is not None:
+        lines.append(f"GPU busy    {100 * m['gpu_busy_fraction']:.0f}% of a steady step ({_fmt(m.get('gpu_step_ms'), '.2f')}"
+                     f" of {_fmt(m.get('wall_step_ms'), '.2f')} ms; batch {records.lookup(summary, 'trainer.batch_size')}, "
+                     f"compile {records.lookup(summary, 'trainer.compile')})"
+                     + (f": {busy.note(m['gpu_busy_fraction'])}" if m.get("host_bound") else ""))
     if m.get("mfu") is not None:
         lines.append(f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} peak")
     return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""The GPU busy fraction (src/mixprec/busy.py) on faked clocks: a fake GPU whose events report a known share of
+the host time a sampled step took, inside real tiny CPU jobs (tests/fakes.py's clock moves only with training
+steps), and the host-bound verdict the tables and the report show."""
+import pytest
+
+import mixprec.run
+from fakes import with_clock
+from helpers import run_tiny
+from mixprec import busy
+
+CPU = ["trainer.device=cpu"]
+TEN_STEPS = ["dataset.train_size=160", "trainer.max_steps=null", "trainer.epochs=1", "trainer.warmup_steps=2"]
+
+
+class FakeEvent:
+    def __init__(self, timer):
+        self.timer, self.t = timer, None
+
+    def record(self):
+        self.t = self.timer.clock()
+
+    def query(self):
+        return self.timer.host_waited
+
+    def elapsed_time(self, end):   # ms, as torch.cuda.Event's: the GPU's share of the host time between the two
+        return 1e3 * self.timer.fraction * (end.t - self.t)
+
+
+class FakeTimer:
+    """A GPU busy `fraction` of the host time of a step; host_waited: the host waited on it inside the step."""
+
+    def __init__(self, clock, fraction, host_waited=False):
+        self.clock, self.fraction, self.host_waited, self.spins = clock, fraction, host_waited, []
+
+    def sync(self):
+        pass
+
+    def event(self):
+        return FakeEvent(self)
+
+    def spin(self, seconds):   # the host waits for the spin at the sync after the step: its time is excluded
+        self.spins.append(seconds)
+        self.clock.now += seconds
+
+
+def run_busy(tmp_path, monkeypatch, fraction, host_waited=False):
+    clock = with_clock(monkeypatch, cost=lambda k: 0.01)
+    timer = FakeTimer(clock, fraction, host_waited)
+    monkeypatch.setattr(mixprec.run.busy, "meter_for", lambda device, world: busy.BusyMeter(timer, clock))
+    return run_tiny(tmp_path, *CPU, *TEN_STEPS), timer
+
+
+@pytest.mark.parametrize("fraction, verdict", [(0.3, True), (0.95, False)])
+def test_busy_fraction_on_faked_clocks_says_host_bound_or_not(tmp_path, monkeypatch, fraction, verdict):
+    s, timer = run_busy(tmp_path, monkeypatch, fraction)
+    m = s["metrics"]
+    assert m["gpu_busy_fraction"] == pytest.approx(fraction, rel=1e-6) and m["host_bound"] is verdict
+    assert m["busy_samples"] == 2 and m["gpu_step_ms"] == pytest.approx(10 * fraction, rel=1e-6)
+    # 10 steps of 10 ms: the 2 sampled ones (spin included) are out of the clock, their samples out of the rate
+    assert m["train_time_s"] == pytest.approx(8 * 0.01, rel=1e-6) and m["wall_step_ms"] == pytest.approx(10.0, rel=1e-6)
+    assert m["throughput"] == pytest.approx(16 / 0.01, rel=1e-6) and timer.spins == [busy.SPIN_S] * 2
+    assert s["epochs"][0]["gpu_busy_fraction"] == pytest.approx(fraction, rel=1e-6)
+    assert (busy.note(m["gpu_busy_fraction"]) is not None) is verdict
+
+
+def test_a_step_the_host_waited_in_gives_no_figure_and_a_longer_spin(tmp_path, monkeypatch):
+    s, timer = run_busy(tmp_path, monkeypatch, 0.5, host_waited=True)
+    m = s["metrics"]
+    assert m["gpu_busy_fraction"] is None and m["host_bound"] is None and m["busy_samples_invalid"] == 2
+    assert timer.spins == [busy.SPIN_S, 2 * busy.SPIN_S]
+
+
+def test_a_cpu_job_records_no_busy_fraction(tmp_path):
+    s = run_tiny(tmp_path, *CPU)
+    assert s["metrics"]["gpu_busy_fraction"] is None and s["metrics"]["host_bound"] is None
+    assert "gpu_busy_fraction" not in s["epochs"][0]
+
+
+def test_the_verdict_and_its_advice():
+    assert busy.verdict(None) is None and busy.note(None) is None
+    assert busy.verdict(0.79) == "host-bound" and busy.verdict(0.8) == "gpu-bound"
+    assert "trainer.compile=reduce-overhead" in busy.note(0.3) and "batch_size" in busy.note(0.3)
+    assert busy.busy_fraction(0.012, 0.010) == 1.0 and busy.busy_fraction(None, 0.01) is None
+
+
+def test_tables_and_report_say_batch_compile_and_host_bound(tmp_path):
+    import json
+
+    from mixprec import records
+    from mixprec.report.analyse import sweep_rows
+    from mixprec.report.make import make_report
+    from mixprec.report.render import format_table, job_block, sweep_note
+
+    jobs = []
+    for i, (precision, b) in enumerate([("fp32", 0.3), ("tf32", 0.95)]):
+        s = run_tiny(tmp_path / str(i), *CPU, f"precision={precision}")
+        s["metrics"].update(gpu_busy_fraction=b, gpu_step_ms=10 * b, wall_step_ms=10.0, host_bound=b < 0.8)
+        (tmp_path / str(i) / "summary.json").write_text(json.dumps(records.jsonable(s)))
+        jobs.append(s)
+    rows = sweep_rows(jobs)
+    assert [(r["batch"], r["compile"], r["busy"]) for r in rows] == [(16, "none", 0.3), (16, "none", 0.95)]
+    assert rows[1]["speedup"] is not None and "host-bound: GPU busy 95%, fp32 30%" in rows[1]["note"]
+    table = format_table(rows)
+    assert "GPU busy" in table.splitlines()[0] and "compile" in table.splitlines()[0] and " 0.30 " in table
+    assert "host-bound" in sweep_note(jobs) and "trainer.compile=reduce-overhead" in sweep_note(jobs)
+    assert "GPU busy    30% of a steady step (3.00 of 10.00 ms; batch 16, compile none): host-bound" in job_block(jobs[0])
+    make_report([str(tmp_path / "0"), str(tmp_path / "1")], out=tmp_path / "report")
+    report = tmp_path / "report" / "report.md"
+    text = report.read_text()
+    assert "| batch | compile | GPU busy (%) |" in text and "**Host-bound:**" in text and "| 16 | none | 30 |" in text
+    cpu = sweep_rows([run_tiny(tmp_path / "cpu", *CPU)])   # a CPU job: no figure, "-" in the table
+    assert cpu[0]["busy"] is None and format_table(cpu).splitlines()[2].split()[9] == "-"
+
+
+def test_sampling_stops_after_max_invalid_samples_and_leaves_the_clock_whole():
+    from fakes import FakeClock
+
+    class Clock:   # engine.TrainClock's exclude, recorded
+        excluded = 0.0
+
+        def exclude(self, seconds):
+            self.excluded += seconds
+
+    clock, train = FakeClock(), Clock()
+    meter = busy.BusyMeter(FakeTimer(clock, 0.5, host_waited=True), clock)
+    sampled = 0
+    for epoch in range(6):
+        for _ in range(10):
+            if meter.wants(True):
+                sampled += 1
+                meter.sample(lambda: setattr(clock, "now", clock.now + 0.01), (), train)
+            else:
+                meter.tick()
+        meter.epoch_record(1.0)
+    assert sampled == busy.MAX_INVALID and meter.invalid == busy.MAX_INVALID
+    assert meter.metrics(1.0)["gpu_busy_fraction"] is None
+    assert train.excluded == pytest.approx(busy.MAX_INVALID * 0.01 + sum(meter.timer.spins))
+
+
+def test_after_a_step_the_host_took_long_to_queue_the_spin_covers_twice_its_queuing_time():
+    from fakes import FakeClock
+
+    class Clock:
+        def exclude(self, seconds):
+            pass
+
+    clock = FakeClock()
+    timer = FakeTimer(clock, 0.5, host_waited=True)
+    meter = busy.BusyMeter(timer, clock)
+    meter.sample(lambda: setattr(clock, "now", clock.now + 0.3), (), Clock())   # 0.3 s of queuing: an eager fp8 GPT
+    timer.host_waited = False
+    meter.sample(lambda: setattr(clock, "now", clock.now + 0.3), (), Clock())
+    assert timer.spins == [busy.SPIN_S, pytest.approx(0.6)] and meter.gpu_s == [pytest.approx(0.15)]
