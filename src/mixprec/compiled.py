@@ -180,26 +180,12 @@ def image_infer(net, policy, x, y):
         return net(policy.cast_input(x))
 
 
-def lm_loss(net, policy, x, y):
-    from .lm_engine import forward
-    return forward(net, x, y, net.init_hidden(x.size(1)), policy)[0]
-
-
 def image_warmup(batch: int, eval_batch: int, test_size: int, image_shape: tuple, num_classes: int,
                  channels_last: bool = False, bn_eval: bool = False) -> Warmup:
     """An image job's shapes: the training batch (the training loaders drop a last partial batch), the evaluation
     batch and the test set's last, partial, one."""
     return Warmup([batch], split_shapes(test_size, eval_batch), ImageBatch(image_shape, num_classes, channels_last),
                   image_loss, image_infer, bn_eval)
-
-
-def lm_warmup(train_rows: int, columns: int, eval_rows: list[int], eval_columns: int, bptt: int,
-              vocab_size: int) -> Warmup:
-    """A language model's windows: bptt rows and the last window's (a batchified stream of `rows` rows has
-    rows - 1 targets per column), in training (train_rows x columns) and in evaluation (each split's rows)."""
-    train = [(r, columns) for r in split_shapes(train_rows - 1, bptt)]
-    evals = sorted({(r, eval_columns) for rows in eval_rows for r in split_shapes(rows - 1, bptt)}, reverse=True)
-    return Warmup(train, evals, TokenBatch(vocab_size), lm_loss, lm_loss)
 
 
 def split_shapes(n: int, size: int) -> list[int]:

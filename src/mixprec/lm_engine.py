@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .compiled import mark_step
+from .compiled import TokenBatch, Warmup, mark_step, split_shapes
 from .engine import Loop, LoopState, Window, train_step
 from .precision import PrecisionPolicy
 from .models.rnnlm import repackage_hidden
@@ -166,3 +166,17 @@ class LMSteps:
     def load_state_dict(self, state: dict) -> None:
         device = next(self.model.parameters()).device
         self.hidden = None if state["hidden"] is None else carried(state["hidden"], device)
+
+
+def lm_loss(net, policy, x, y):
+    """A window's loss from a fresh hidden state: what compile's warm-up runs (compiled.warm_compile)."""
+    return forward(net, x, y, net.init_hidden(x.size(1)), policy)[0]
+
+
+def lm_warmup(train_rows: int, columns: int, eval_rows: list[int], eval_columns: int, bptt: int,
+              vocab_size: int) -> Warmup:
+    """A language model's windows: bptt rows and the last window's (a batchified stream of `rows` rows has
+    rows - 1 targets per column), in training (train_rows x columns) and in evaluation (each split's rows)."""
+    train = [(r, columns) for r in split_shapes(train_rows - 1, bptt)]
+    evals = sorted({(r, eval_columns) for rows in eval_rows for r in split_shapes(rows - 1, bptt)}, reverse=True)
+    return Warmup(train, evals, TokenBatch(vocab_size), lm_loss, lm_loss)

@@ -22,11 +22,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import busy, checkpoint, dist, engine, hardware, logs, tricks
-from .compiled import RNN_EAGER, compile_model, image_warmup, lm_warmup, warm_compile
+from .compiled import RNN_EAGER, compile_model, image_warmup, warm_compile
 from .config import Config, ConfigError, plain_config, validate_job
 from .data import Resumable, build_image_data, image_loaders
 from .data.files import DataError
-from .lm_engine import LMSteps
+from .lm_engine import LMSteps, lm_warmup
 from .models import build_model, forward_flops
 from .optim import build_optimizer, build_schedule, param_groups
 from .numerics import emulation
