@@ -242,3 +242,92 @@ def test_bad_trick_values_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as e:
         validate(compose_config(*overrides))
     assert str(e.value).startswith(message)
+
+
+# -- Page's ladder made fast without changing its arithmetic: each faster piece against the code it replaced ------
+
+def old_ema_update(ema: EMA, model: nn.Module) -> None:
+    """EMA.update as it was (a lerp_ per tensor of state_dict()): the reference for the foreach update."""
+    ema.steps += 1
+    if (ema.steps - 1) % ema.every:
+        return
+    with torch.no_grad():
+        for ema_v, v in zip(ema.model.state_dict().values(), model.state_dict().values()):
+            if ema_v.is_floating_point():
+                ema_v.lerp_(v, 1 - ema.rho)
+
+
+def half_resnet9(**options) -> nn.Module:
+    """A narrow ResNet-9 as the ladder trains it: fp16 weights, BatchNorm in fp32."""
+    torch.manual_seed(0)
+    model = ResNet9(10, SMALL, **options).half()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.float()
+    return model
+
+
+def ops_of(fn) -> int:
+    from helpers import load_script
+    counter = load_script("bench_ladder_ops").OpCounter()
+    with counter:
+        fn()
+    return sum(counter.parts.values())
+
+
+def test_the_ema_update_is_the_per_tensor_lerp_in_one_dispatch_per_dtype():
+    model = half_resnet9(ghost_splits=4)
+    new, old = EMA(model, 0.99, 2), EMA(model, 0.99, 2)
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        with torch.no_grad():
+            for v in model.state_dict().values():
+                if v.is_floating_point():
+                    v.add_(torch.randn(v.shape, generator=g).to(v.dtype))
+        n_ops = ops_of(lambda: new.update(model))
+        old_ema_update(old, model)
+        assert n_ops == (2 if step % 2 == 0 else 0)   # fp16 weights, fp32 BatchNorm: two foreach lerps
+        for (k, a), b in zip(new.model.state_dict().items(), old.model.state_dict().values()):
+            assert torch.equal(a, b), f"step {step}: {k}"   # bit-equal: the same lerp per element
+    old.steps = 0
+    assert ops_of(lambda: old_ema_update(old, model)) > 40   # the loop it replaced: a detach and a lerp_ per tensor
+
+
+class OldGhostBatchNorm(GhostBatchNorm):
+    """GhostBatchNorm's NCHW path as it was (a mean and a copy per running statistic): the reference."""
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        s = self.splits
+        mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
+        y = F.batch_norm(x.reshape(n // s, s * c, h, w), mean, var, self.weight.repeat(s), self.bias.repeat(s),
+                         True, self.momentum, self.eps)
+        with torch.no_grad():
+            self.running_mean.copy_(mean.view(s, c).mean(0))
+            self.running_var.copy_(var.view(s, c).mean(0))
+        return y.view(n, c, h, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_ghost_bn_computes_the_same_numbers_in_both_layouts_as_before(dtype):
+    """channels_last goes through the NCHW batch_norm call (copies each way), so both layouts give bit-equal
+    outputs, gradients and running statistics, equal to the NCHW code before; before, channels_last normalised
+    per split in its own arithmetic (fp32 var_mean, then scale and shift)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(32, 4, 5, 5, generator=g) * 3 + 1).to(dtype)
+    grad = torch.randn(32, 4, 5, 5, generator=g).to(dtype)
+    results = []
+    for cls, layout in ((OldGhostBatchNorm, torch.contiguous_format), (GhostBatchNorm, torch.contiguous_format),
+                        (GhostBatchNorm, torch.channels_last)):
+        bn = cls(4, splits=4)
+        with torch.no_grad():
+            bn.weight.copy_(torch.linspace(0.5, 2, 4))
+            bn.bias.copy_(torch.linspace(-1, 1, 4))
+        xi = x.detach().contiguous(memory_format=layout).requires_grad_(True)
+        y = bn(xi)
+        assert y.is_contiguous(memory_format=layout) and y.dtype == dtype
+        y.backward(grad.contiguous(memory_format=layout))
+        results.append([y, xi.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var])
+    for name, before, nchw, nhwc in zip(("y", "x.grad", "weight.grad", "bias.grad", "running_mean", "running_var"),
+                                        *results):
+        assert torch.equal(nchw, before) and torch.equal(nhwc, before), name
