@@ -80,10 +80,12 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.parts: Counter = Counter()
         self.ops: Counter = Counter()   # (part, op name)
+        self.views = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         part = part_of_stack()
         self.parts[part] += 1
+        self.views += func.is_view   # metadata only: no kernel on a device
         self.ops[part, str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -114,12 +116,14 @@ def count_step_ops(trick: str, batch: int = 32, measure: int = 10, warm: int = 2
                 loss, correct, n = steps.step(x, y, loop, state)
             state.step += 1
             window.add(loss, correct, n)
+        views = counter.views
         with counter:   # one flush per log_every steps: its ops per step
             engine.flush(steps, window, loop, state)
     flush_ops = counter.parts.pop("flush", 0)
     per_step = {p: counter.parts.get(p, 0) / measure for p in PARTS if p != "flush"}
     per_step["flush"] = flush_ops / config.trainer.log_every
     per_step["total"] = sum(per_step.values())
+    per_step["views"] = views / measure   # of the total: views (no kernel launched), the flush's left out
     return per_step
 
 
@@ -142,10 +146,10 @@ def parse_steps(text: str) -> list[str]:
 
 
 def table(rows: dict) -> str:
-    head = "| step | " + " | ".join(PARTS) + " | total |"
-    lines = [head, "|" + "---|" * (len(PARTS) + 2)]
+    head = "| step | " + " | ".join(PARTS) + " | total | of which views |"
+    lines = [head, "|" + "---|" * (len(PARTS) + 3)]
     for name, r in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r[p]:g}" for p in PARTS) + f" | {r['total']:g} |")
+        lines.append(f"| {name} | " + " | ".join(f"{r[p]:g}" for p in PARTS) + f" | {r['total']:g} | {r['views']:g} |")
     return "\n".join(lines)
 
 

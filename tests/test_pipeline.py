@@ -155,3 +155,29 @@ def test_the_two_pipelines_serve_the_same_evaluation_batches_and_workers_run():
     for _ in range(2):
         got = torch.cat([y for _, y in train]).tolist()
         assert len(got) == len(set(got)) == 48
+
+
+@pytest.mark.parametrize("shard", [(0, 1), (1, 2)])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("cutout", [0, 3])
+def test_the_one_gather_batches_are_the_prepared_ones_bit_for_bit(shard, channels_last, cutout):
+    """The device pipeline's training batches (crop, flip and selection in one gather: DeviceBatches.gathered)
+    against the same loader through `prepare` (pad, crop, flip a float copy), the code it replaced: the same
+    draws, the same values, the same layout, over two epochs; and fewer ops per batch."""
+    images = torch.randint(0, 256, (40, 3, 9, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    kw = dict(mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3), device=CPU, train=True, crop_padding=3, flip=True,
+              cutout=cutout, seed=5, channels_last=channels_last, shard=shard)
+    fast, before = DeviceBatches(images, torch.arange(40), 8, **kw), DeviceBatches(images, torch.arange(40), 8, **kw)
+    assert fast.gather is not None
+    before.gather = None   # DeviceBatches.transform: prepare()
+    for _ in range(2):
+        for (x, y), (x0, y0) in zip(fast, before, strict=True):
+            assert torch.equal(x, x0) and torch.equal(y, y0) and x.stride() == x0.stride()
+    from helpers import load_script
+    counter = load_script("bench_ladder_ops").OpCounter
+    ops = []
+    for loader in (fast, before):
+        with counter() as c:
+            next(iter(loader))
+        ops.append(sum(c.parts.values()))
+    assert ops[0] <= ops[1] - 8, ops   # a batch with an epoch start (randperm): 24-38 ops, against 32-54
