@@ -49,10 +49,18 @@ def test_each_step_has_pages_settings_and_keeps_the_steps_before(i, step):
     # fp16 weights with BatchNorm in fp32, no master weights, no loss scale (the summed loss is Page's)
     assert c.precision.name == "half" and c.precision.keep_bn_fp32 and c.precision.loss_scale == "none"
     assert c.dataset.pipeline == ("dataloader" if i == 0 else "device")
+    if i == 0:   # Page's loader ran in the main process (torch_backend.py at 37a13cc:49, num_workers=0)
+        assert c.dataset.workers == 0 and validate(compose_config(f"trick={step}", "dataset.workers=4")).dataset.workers == 4
     assert c.dataset.cutout == (8 if i < 7 else 5 if i < 9 else 0)
     assert c.trick.label_smoothing == (0.2 if i >= 3 else 0.0)
     assert (c.trick.celu_alpha, c.trick.bn_bias_lr, c.model.output_scale) == (
         (0.3, 64.0, 0.0625) if c.trick.frozen_bn_scale else (0.075, 1.0, 0.125))
+
+
+def test_only_pages_step_1_loads_in_the_main_process():
+    """Page's step 1 loader had no workers; the dataloader pipeline elsewhere keeps its 2 (speed over fidelity)."""
+    assert validate(compose_config("trick=page_01_baseline")).dataset.workers == 0
+    assert validate(compose_config("dataset.pipeline=dataloader")).dataset.workers == 2
 
 
 def test_a_trick_flag_combines_alone_and_the_precision_can_be_swept_over_a_step():
