@@ -85,6 +85,19 @@ def test_the_last_step_trains_with_every_trick_in_its_own_precision(tmp_path):
     assert all(r["loss"] < 10 for r in rows if r["kind"] == "train")   # logged per sample, not summed
 
 
+def test_step_1_is_timed_on_pages_clock_with_its_data_preparation(tmp_path):
+    """dawn.py (37a13cc:79-87) starts its timer before padding and normalising the split: mixprec times its one-off
+    preparation (here the loader's pad and normalise, Page's step 1) as preprocess_time_s, and page_clock_s, the
+    ladder table's "+ prep s", adds it to train_time_s."""
+    base = [o for o in LADDER_TINY if not o.startswith("dataset.image_size")]   # 32 px: the pad-once loader
+    s = run_tiny(tmp_path, "trick=page_01_baseline", "precision=fp32", base=base)
+    m = s["metrics"]
+    assert s["status"] == "completed" and s["config"]["dataset"]["workers"] == 0
+    assert m["preprocess_time_s"] > 0 and m["page_clock_s"] == m["train_time_s"] + m["preprocess_time_s"]
+    (row,) = ladder_rows([s])
+    assert row["page_clock_s"] == pytest.approx(m["page_clock_s"])
+
+
 @pytest.mark.slow   # a subprocess sweep
 def test_the_ladder_sweep_runs_all_ten_steps_and_prints_them_beside_the_article(tmp_path):
     sweep = tmp_path / "sweep"

@@ -171,8 +171,12 @@ class LoaderBatches(Resumable):
                  pin_memory: bool = True):
         augment = dict(pad=crop_padding if train else 0, flip=flip and train, cutout=cutout if train else 0)
         self.augment_generator = torch.Generator().manual_seed(seed + 1) if train and workers == 0 else None
-        samples = _PreparedSamples(images.cpu(), labels.cpu(), *norm_tensors(mean, std, torch.device("cpu")),
-                                   size=size, generator=self.augment_generator, **augment)
+        norm = norm_tensors(mean, std, torch.device("cpu"))
+        if augment["pad"] and (size is None or (size, size) == tuple(images.shape[-2:])):
+            samples = _PaddedSamples(images.cpu(), labels.cpu(), *norm, generator=self.augment_generator, **augment)
+        else:
+            samples = _PreparedSamples(images.cpu(), labels.cpu(), *norm, size=size, generator=self.augment_generator,
+                                       **augment)
         self.loader = DataLoader(samples, batch_size, shuffle=train, drop_last=train and len(images) >= batch_size,
                                  num_workers=workers, pin_memory=pin_memory and device.type != "cpu",
                                  persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
@@ -203,6 +207,35 @@ class _PreparedSamples(Dataset):
 
     def __getitem__(self, i: int):
         return prepare(self.images[i:i + 1], self.mean, self.std, **self.transform)[0], self.labels[i]
+
+
+class _PaddedSamples(Dataset):
+    """Page's step-1 data: the whole split padded (reflect) and normalised once, up front (dawn.py at 37a13cc,
+    lines 79-87, inside his timer: here in the loader's construction, timed as preprocess_time_s), then per sample
+    a crop (a view), a flip and a cutout. The same draws in the same order as `prepare` on one image and the same
+    values (padding and cropping copy, normalising is elementwise), so the same samples bit for bit
+    (tests/test_pipeline.py), at a few ops a sample where `prepare` took ~30: what lets num_workers=0 keep up."""
+
+    def __init__(self, images, labels, mean, std, *, pad: int, flip: bool, cutout: int,
+                 generator: torch.Generator | None):
+        self.padded = (F.pad(images.float(), (pad, pad, pad, pad), mode="reflect") - mean) / std
+        self.labels, self.size, self.pad = labels, tuple(images.shape[-2:]), pad
+        self.flip, self.cutout, self.generator = flip, cutout, generator
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        (h, w), g = self.size, self.generator
+        oy, ox = (int(torch.randint(0, 2 * self.pad + 1, (1,), generator=g)) for _ in range(2))
+        x = self.padded[i, :, oy:oy + h, ox:ox + w]
+        if self.flip and float(torch.rand(1, generator=g)) < 0.5:
+            x = x.flip(2)
+        if self.cutout:
+            y0, x0 = (int(torch.randint(0, n - self.cutout + 1, (1, 1, 1), generator=g)) for n in (h, w))
+            x = x.clone()
+            x[:, y0:y0 + self.cutout, x0:x0 + self.cutout] = 0.0
+        return x, self.labels[i]
 
 
 def in_layout(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
