@@ -27,15 +27,17 @@ class GhostBatchNorm(nn.BatchNorm2d):
     samples k, k+S, k+2S, ...; the batches are shuffled, so which samples share a split is immaterial). As in Page's
     code an NCHW batch is viewed as [N/S, S*C, H, W] (free in NCHW memory) and normalised by one BN call. A
     channels_last batch has no such view (the S and C of a sample are not adjacent in NHWC memory): it is copied to
-    NCHW, normalised by the same call and copied back to channels_last, so both layouts compute the same numbers
-    (two copies each way, where normalising per split in NHWC took ~24 ops forward and ~20 more backward per layer).
-    The running statistics are the mean of the per-split ones, taken every step (Page's layer keeps S*C of them and
-    averages them when it switches to evaluation: the same mean, rounded in another order); evaluation is plain
+    NCHW, normalised by the same call and copied back to channels_last, so both layouts compute the same numbers.
+    Running statistics as Page's layer keeps them: S*C of them (split_mean, split_var), which training updates, and
+    running_mean/running_var their mean over the splits, taken when the layer turns to evaluation (Page's `train`
+    override) and when its state is saved, not every step (6 ops a layer fewer a step); evaluation is plain
     BatchNorm with them."""
 
     def __init__(self, num_features: int, splits: int):
         super().__init__(num_features)
         self.splits = splits
+        self.register_buffer("split_mean", torch.zeros(splits * num_features))
+        self.register_buffer("split_var", torch.ones(splits * num_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -54,13 +56,25 @@ class GhostBatchNorm(nn.BatchNorm2d):
         """x: an NCHW-contiguous [N, C, H, W] batch; one batch_norm over its [N/S, S*C, H, W] view."""
         n, c, h, w = x.shape
         s = self.splits
-        mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
-        y = F.batch_norm(x.view(n // s, s * c, h, w), mean, var, self.weight.repeat(s), self.bias.repeat(s),
-                         True, self.momentum, self.eps)
-        with torch.no_grad():   # the mean written in place: one op per statistic, not a mean and a copy
-            torch.mean(mean.view(s, c), 0, out=self.running_mean)
-            torch.mean(var.view(s, c), 0, out=self.running_var)
-        return y.view(n, c, h, w)
+        return F.batch_norm(x.view(n // s, s * c, h, w), self.split_mean, self.split_var, self.weight.repeat(s),
+                            self.bias.repeat(s), True, self.momentum, self.eps).view(n, c, h, w)
+
+    @torch.no_grad()
+    def collate(self) -> None:
+        """running_mean/running_var <- the mean over the splits of split_mean/split_var."""
+        s, c = self.splits, self.num_features
+        torch.mean(self.split_mean.view(s, c), 0, out=self.running_mean)
+        torch.mean(self.split_var.view(s, c), 0, out=self.running_var)
+
+    def train(self, mode: bool = True):
+        if self.training and not mode:
+            self.collate()
+        return super().train(mode)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.training:   # in evaluation they were collated when it began
+            self.collate()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
 
 def conv_bn(c_in: int, c_out: int, norm, act, pool_order: str | None = None) -> nn.Sequential:
