@@ -49,6 +49,7 @@ def test_each_step_has_pages_settings_and_keeps_the_steps_before(i, step):
     # fp16 weights with BatchNorm in fp32, no master weights, no loss scale (the summed loss is Page's)
     assert c.precision.name == "half" and c.precision.keep_bn_fp32 and c.precision.loss_scale == "none"
     assert c.dataset.pipeline == ("dataloader" if i == 0 else "device")
+    assert c.trainer.channels_last == (not c.trick.ghost_bn)   # ghost BN steps in NCHW, Page's layout
     if i == 0:   # Page's loader ran in the main process (torch_backend.py at 37a13cc:49, num_workers=0)
         assert c.dataset.workers == 0 and validate(compose_config(f"trick={step}", "dataset.workers=4")).dataset.workers == 4
     assert c.dataset.cutout == (8 if i < 7 else 5 if i < 9 else 0)
@@ -96,6 +97,18 @@ def test_step_1_is_timed_on_pages_clock_with_its_data_preparation(tmp_path):
     assert m["preprocess_time_s"] > 0 and m["page_clock_s"] == m["train_time_s"] + m["preprocess_time_s"]
     (row,) = ladder_rows([s])
     assert row["page_clock_s"] == pytest.approx(m["page_clock_s"])
+
+
+@pytest.mark.parametrize("layout,most,before", [("false", 235, 336), ("true", 260, 575)])
+def test_step_10_dispatches_fewer_ops_a_step(layout, most, before):
+    """ATen ops per steady step of Page's step 10 on the CPU (scripts/bench_ladder_ops.py): at this branch's base
+    (799519f) 336 in NCHW and 575 in channels_last; the EMA update was ~142 ops every 5 steps, ghost BN 14 a layer
+    (24 in channels_last, plus ~20 backward), the batch's augmentation 33."""
+    from helpers import load_script
+    ops = load_script("bench_ladder_ops").count_step_ops("page_10_tta", batch=32, measure=5, warm=1,
+                                                         overrides=[f"trainer.channels_last={layout}"])
+    assert ops["total"] <= most < before
+    assert ops["ema"] <= 0.4 and ops["ghost_bn"] <= 8 * (6 if layout == "false" else 8) and ops["data"] <= 22
 
 
 @pytest.mark.slow   # a subprocess sweep
