@@ -101,7 +101,7 @@ def test_step_1_is_timed_on_pages_clock_with_its_data_preparation(tmp_path):
 
 @pytest.mark.parametrize("layout,most,before", [("false", 235, 336), ("true", 260, 575)])
 def test_step_10_dispatches_fewer_ops_a_step(layout, most, before):
-    """ATen ops per steady step of Page's step 10 on the CPU (scripts/bench_ladder_ops.py): at this branch's base
+    """ATen ops per steady step of Page's step 10 on the CPU (scripts/bench_ladder_ops.py): before these changes
     (799519f) 336 in NCHW and 575 in channels_last; the EMA update was ~142 ops every 5 steps, ghost BN 14 a layer
     (24 in channels_last, plus ~20 backward), the batch's augmentation 33."""
     from helpers import load_script
