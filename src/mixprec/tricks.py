@@ -95,8 +95,7 @@ class EMA:
 
 
 def float_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """The floating-point parameters and buffers of `model` (of the module a DDP or compiled wrapper holds), in one
-    fixed order: what the EMA averages (integer buffers, BatchNorm's num_batches_tracked, are not)."""
-    model = getattr(model, "_orig_mod", model)
-    model = getattr(model, "module", model)
+    """The floating-point parameters and buffers of `model`, in one fixed order (a DDP or compiled wrapper yields
+    its module's, in the module's order): what the EMA averages (integer buffers, BatchNorm's num_batches_tracked,
+    are not)."""
     return [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
