@@ -143,20 +143,6 @@ def test_image_size_resizes_and_channels_last(pipeline):
     assert loader.image_shape == (3, 16, 16) and len(loader) == 1
 
 
-def test_the_two_pipelines_serve_the_same_evaluation_batches_and_workers_run():
-    images = torch.randint(0, 256, (50, 3, 8, 8), dtype=torch.uint8)
-    kw = dict(mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3), device=CPU, train=False)
-    device = list(DeviceBatches(images, torch.arange(50), 16, **kw))
-    loader = list(LoaderBatches(images, torch.arange(50), 16, workers=2, **kw))
-    assert len(device) == len(loader) == 4
-    for (a, ya), (b, yb) in zip(device, loader):
-        assert torch.equal(ya, yb) and torch.allclose(a, b, atol=1e-6)
-    train = LoaderBatches(images, torch.arange(50), 16, workers=2, crop_padding=2, flip=True, **{**kw, "train": True})
-    for _ in range(2):
-        got = torch.cat([y for _, y in train]).tolist()
-        assert len(got) == len(set(got)) == 48
-
-
 @pytest.mark.parametrize("shard", [(0, 1), (1, 2)])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("cutout", [0, 3])
@@ -200,3 +186,18 @@ def test_the_loader_pads_and_normalises_once_and_serves_the_prepared_samples_bit
     loader = LoaderBatches(images, torch.arange(30), 8, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3), device=CPU,
                            train=True, crop_padding=3, flip=True, cutout=cutout, workers=0)
     assert isinstance(loader.loader.dataset, _PaddedSamples) and len(list(loader)) == 3
+
+
+def test_the_two_pipelines_serve_the_same_evaluation_batches_and_workers_run():
+    images = torch.randint(0, 256, (50, 3, 8, 8), dtype=torch.uint8)
+    kw = dict(mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3), device=CPU, train=False)
+    device = list(DeviceBatches(images, torch.arange(50), 16, **kw))
+    loader = list(LoaderBatches(images, torch.arange(50), 16, workers=2, **kw))
+    assert len(device) == len(loader) == 4
+    for (a, ya), (b, yb) in zip(device, loader):
+        assert torch.equal(ya, yb) and torch.allclose(a, b, atol=1e-6)
+    train = LoaderBatches(images, torch.arange(50), 16, workers=2, crop_padding=2, flip=True, **{**kw, "train": True})
+    for _ in range(2):
+        got = torch.cat([y for _, y in train]).tolist()
+        assert len(got) == len(set(got)) == 48
+
