@@ -200,4 +200,3 @@ def test_the_two_pipelines_serve_the_same_evaluation_batches_and_workers_run():
     for _ in range(2):
         got = torch.cat([y for _, y in train]).tolist()
         assert len(got) == len(set(got)) == 48
-
