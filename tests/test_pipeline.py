@@ -143,16 +143,17 @@ def test_image_size_resizes_and_channels_last(pipeline):
     assert loader.image_shape == (3, 16, 16) and len(loader) == 1
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("shard", [(0, 1), (1, 2)])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("cutout", [0, 3])
-def test_the_one_gather_batches_are_the_prepared_ones_bit_for_bit(shard, channels_last, cutout):
+def test_the_one_gather_batches_are_the_prepared_ones_bit_for_bit(shard, channels_last, cutout, device):
     """The device pipeline's training batches (crop, flip and selection in one gather: DeviceBatches.gathered)
     against the same loader through `prepare` (pad, crop, flip a float copy), the code it replaced: the same
     draws, the same values, the same layout, over two epochs; and fewer ops per batch."""
     images = torch.randint(0, 256, (40, 3, 9, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    kw = dict(mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3), device=CPU, train=True, crop_padding=3, flip=True,
-              cutout=cutout, seed=5, channels_last=channels_last, shard=shard)
+    kw = dict(mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3), device=torch.device(device), train=True, crop_padding=3,
+              flip=True, cutout=cutout, seed=5, channels_last=channels_last, shard=shard)
     fast, before = DeviceBatches(images, torch.arange(40), 8, **kw), DeviceBatches(images, torch.arange(40), 8, **kw)
     assert fast.gather is not None
     before.gather = None   # DeviceBatches.transform: prepare()

@@ -277,15 +277,20 @@ def ops_of(fn) -> int:
     return sum(counter.parts.values())
 
 
-def test_the_ema_update_is_the_per_tensor_lerp_in_one_dispatch_per_dtype():
-    model = half_resnet9(ghost_splits=4)
+# on a GPU the foreach lerp is CUDA's multi-tensor kernel and ghost BN cuDNN's: the same checks there
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_ema_update_is_the_per_tensor_lerp_in_one_dispatch_per_dtype(device):
+    model = half_resnet9(ghost_splits=4).to(device)
     new, old = EMA(model, 0.99, 2), EMA(model, 0.99, 2)
     g = torch.Generator().manual_seed(1)
     for step in range(5):
         with torch.no_grad():
             for v in model.state_dict().values():
                 if v.is_floating_point():
-                    v.add_(torch.randn(v.shape, generator=g).to(v.dtype))
+                    v.add_(torch.randn(v.shape, generator=g).to(device, v.dtype))
         n_ops = ops_of(lambda: new.update(model))
         old_ema_update(old, model)
         assert n_ops == (2 if step % 2 == 0 else 0)   # fp16 weights, fp32 BatchNorm: two foreach lerps
@@ -314,20 +319,21 @@ class OldGhostBatchNorm(nn.BatchNorm2d):
         return y.view(n, c, h, w)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_ghost_bn_computes_the_same_numbers_in_both_layouts_as_before(dtype):
+def test_ghost_bn_computes_the_same_numbers_in_both_layouts_as_before(dtype, device):
     """channels_last goes through the NCHW batch_norm call (copies each way), so both layouts give bit-equal
     outputs and gradients, equal to the NCHW code before, step after step; before, channels_last normalised per
     split in its own arithmetic (fp32 var_mean, then scale and shift). The running statistics are the per-split
     ones averaged when the layer turns to evaluation (Page's), not every step: the same mean rounded in another
     order, equal to the code before within fp32 rounding (1e-6 relative) after 3 steps, bit-equal after 1."""
     g = torch.Generator().manual_seed(0)
-    xs = [(torch.randn(32, 4, 5, 5, generator=g) * 3 + k).to(dtype) for k in range(3)]
-    grad = torch.randn(32, 4, 5, 5, generator=g).to(dtype)
+    xs = [(torch.randn(32, 4, 5, 5, generator=g) * 3 + k).to(device, dtype) for k in range(3)]
+    grad = torch.randn(32, 4, 5, 5, generator=g).to(device, dtype)
     results, stats = [], []
     for cls, layout in ((OldGhostBatchNorm, torch.contiguous_format), (GhostBatchNorm, torch.contiguous_format),
                         (GhostBatchNorm, torch.channels_last)):
-        bn, out = cls(4, splits=4), []
+        bn, out = cls(4, splits=4).to(device), []
         with torch.no_grad():
             bn.weight.copy_(torch.linspace(0.5, 2, 4))
             bn.bias.copy_(torch.linspace(-1, 1, 4))
