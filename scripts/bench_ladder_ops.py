@@ -4,8 +4,8 @@ the part of the step that dispatched them.
   python scripts/bench_ladder_ops.py [--steps 1-10] [--batch 32] [--measure 10] [--warm 2] [--json PATH] [overrides]
   e.g. python scripts/bench_ladder_ops.py --steps 6,10 trainer.channels_last=false
 
-No GPU is needed: on an accelerator each dispatched op is at least one kernel launch or host-side bookkeeping
-(~38 us of host time each in eager PyTorch on the H200 run), so the count is what a host-bound step costs. Each ladder
+No GPU is needed: on an accelerator each dispatched op is host-side work and, unless a view, a kernel launch, so
+the count tracks what a host-bound eager step costs (docs/sources/page.md has the figures). Each ladder
 step is composed as `experiment=page_ladder trick=page_NN_*`, then made small without changing what is dispatched:
 synthetic CIFAR-shaped data, ResNet-9 at width 8 in every layer (the same layers), batch --batch (a multiple of the
 16 ghost-BN splits), native fp16 (precision.emulate=false), the device pipeline for every step (step 1's DataLoader
@@ -20,6 +20,7 @@ correct count), flush (the log window's checks, per step), other.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections import Counter
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from mixprec import cli, dist, engine, run  # noqa: E402
-from mixprec.config import validate  # noqa: E402
+from mixprec.config import ConfigError, validate  # noqa: E402
 from mixprec.models.resnet9 import GhostBatchNorm  # noqa: E402
 from mixprec.numerics import emulation  # noqa: E402
 
@@ -111,7 +112,7 @@ def count_step_ops(trick: str, batch: int = 32, measure: int = 10, warm: int = 2
         steps.start_epoch(0)
         window, it = engine.Window(), iter(batches)
         for i in range(warm + measure):
-            with counter if i >= warm else _Off():
+            with counter if i >= warm else contextlib.nullcontext():
                 x, y = next(it)
                 loss, correct, n = steps.step(x, y, loop, state)
             state.step += 1
@@ -125,14 +126,6 @@ def count_step_ops(trick: str, batch: int = 32, measure: int = 10, warm: int = 2
     per_step["total"] = sum(per_step.values())
     per_step["views"] = views / measure   # of the total: views (no kernel launched), the flush's left out
     return per_step
-
-
-class _Off:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def parse_steps(text: str) -> list[str]:
@@ -161,7 +154,10 @@ def main(argv=None) -> int:
     p.add_argument("--warm", type=int, default=2, help="uncounted steps first")
     p.add_argument("--json", help="also write the rows here")
     args, overrides = p.parse_known_args(argv)
-    rows = {t: count_step_ops(t, args.batch, args.measure, args.warm, overrides) for t in parse_steps(args.steps)}
+    try:
+        rows = {t: count_step_ops(t, args.batch, args.measure, args.warm, overrides) for t in parse_steps(args.steps)}
+    except ConfigError as e:   # e.g. a --batch the 16 ghost-BN splits do not divide
+        raise SystemExit(f"bench_ladder_ops: {e}") from None
     print(f"ATen ops per steady training step (CPU, batch {args.batch}, {args.measure} steps after {args.warm}; "
           f"overrides: {' '.join(overrides) or 'none'})")
     print(table(rows))

@@ -111,6 +111,16 @@ def test_step_10_dispatches_fewer_ops_a_step(layout, most, before):
     assert ops["ema"] <= 0.4 and ops["ghost_bn"] <= 8 * (6 if layout == "false" else 8) and ops["data"] <= 22
 
 
+@pytest.mark.parametrize("args,message", [(["--steps", "11"], "--steps 11: ladder steps are 1..10"),
+                                          (["--steps", "10", "--batch", "24"],
+                                           "bench_ladder_ops: trick.ghost_splits=16: must divide trainer.batch_size=24")])
+def test_the_ops_script_says_what_was_wrong(args, message):
+    from helpers import load_script
+    with pytest.raises(SystemExit) as e:
+        load_script("bench_ladder_ops").main(args)
+    assert str(e.value) == message
+
+
 @pytest.mark.slow   # a subprocess sweep
 def test_the_ladder_sweep_runs_all_ten_steps_and_prints_them_beside_the_article(tmp_path):
     sweep = tmp_path / "sweep"
