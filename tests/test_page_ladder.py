@@ -49,10 +49,19 @@ def test_each_step_has_pages_settings_and_keeps_the_steps_before(i, step):
     # fp16 weights with BatchNorm in fp32, no master weights, no loss scale (the summed loss is Page's)
     assert c.precision.name == "half" and c.precision.keep_bn_fp32 and c.precision.loss_scale == "none"
     assert c.dataset.pipeline == ("dataloader" if i == 0 else "device")
+    assert c.trainer.channels_last == (not c.trick.ghost_bn)   # ghost BN steps in NCHW, Page's layout
+    if i == 0:   # Page's loader ran in the main process (torch_backend.py at 37a13cc:49, num_workers=0)
+        assert c.dataset.workers == 0 and validate(compose_config(f"trick={step}", "dataset.workers=4")).dataset.workers == 4
     assert c.dataset.cutout == (8 if i < 7 else 5 if i < 9 else 0)
     assert c.trick.label_smoothing == (0.2 if i >= 3 else 0.0)
     assert (c.trick.celu_alpha, c.trick.bn_bias_lr, c.model.output_scale) == (
         (0.3, 64.0, 0.0625) if c.trick.frozen_bn_scale else (0.075, 1.0, 0.125))
+
+
+def test_only_pages_step_1_loads_in_the_main_process():
+    """Page's step 1 loader had no workers; the dataloader pipeline elsewhere keeps its 2 (speed over fidelity)."""
+    assert validate(compose_config("trick=page_01_baseline")).dataset.workers == 0
+    assert validate(compose_config("dataset.pipeline=dataloader")).dataset.workers == 2
 
 
 def test_a_trick_flag_combines_alone_and_the_precision_can_be_swept_over_a_step():
@@ -75,6 +84,41 @@ def test_the_last_step_trains_with_every_trick_in_its_own_precision(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["test_acc_tta"] for r in rows if r["kind"] == "epoch"] == [m["final_test_acc"]]
     assert all(r["loss"] < 10 for r in rows if r["kind"] == "train")   # logged per sample, not summed
+
+
+def test_step_1_is_timed_on_pages_clock_with_its_data_preparation(tmp_path):
+    """dawn.py (37a13cc:79-87) starts its timer before padding and normalising the split: mixprec times its one-off
+    preparation (here the loader's pad and normalise, Page's step 1) as preprocess_time_s, and page_clock_s, the
+    ladder table's "time+prep s", adds it to train_time_s."""
+    base = [o for o in LADDER_TINY if not o.startswith("dataset.image_size")]   # 32 px: the pad-once loader
+    s = run_tiny(tmp_path, "trick=page_01_baseline", "precision=fp32", base=base)
+    m = s["metrics"]
+    assert s["status"] == "completed" and s["config"]["dataset"]["workers"] == 0
+    assert m["preprocess_time_s"] > 0 and m["page_clock_s"] == m["train_time_s"] + m["preprocess_time_s"]
+    (row,) = ladder_rows([s])
+    assert row["page_clock_s"] == pytest.approx(m["page_clock_s"])
+
+
+@pytest.mark.parametrize("layout,most,before", [("false", 235, 336), ("true", 260, 575)])
+def test_step_10_dispatches_fewer_ops_a_step(layout, most, before):
+    """ATen ops per steady step of Page's step 10 on the CPU (scripts/bench_ladder_ops.py): before these changes
+    (799519f) 336 in NCHW and 575 in channels_last; the EMA update was ~142 ops every 5 steps, ghost BN 14 a layer
+    (24 in channels_last, plus ~20 backward), the batch's augmentation 33."""
+    from helpers import load_script
+    ops = load_script("bench_ladder_ops").count_step_ops("page_10_tta", batch=32, measure=5, warm=1,
+                                                         overrides=[f"trainer.channels_last={layout}"])
+    assert ops["total"] <= most < before
+    assert ops["ema"] <= 0.4 and ops["ghost_bn"] <= 8 * (6 if layout == "false" else 8) and ops["data"] <= 22
+
+
+@pytest.mark.parametrize("args,message", [(["--steps", "11"], "--steps 11: ladder steps are 1..10"),
+                                          (["--steps", "10", "--batch", "24"],
+                                           "bench_ladder_ops: trick.ghost_splits=16: must divide trainer.batch_size=24")])
+def test_the_ops_script_says_what_was_wrong(args, message):
+    from helpers import load_script
+    with pytest.raises(SystemExit) as e:
+        load_script("bench_ladder_ops").main(args)
+    assert str(e.value) == message
 
 
 @pytest.mark.slow   # a subprocess sweep

@@ -143,6 +143,52 @@ def test_image_size_resizes_and_channels_last(pipeline):
     assert loader.image_shape == (3, 16, 16) and len(loader) == 1
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("shard", [(0, 1), (1, 2)])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("cutout", [0, 3])
+def test_the_one_gather_batches_are_the_prepared_ones_bit_for_bit(shard, channels_last, cutout, device):
+    """The device pipeline's training batches (crop, flip and selection in one gather: DeviceBatches.gathered)
+    against the same loader through `prepare` (pad, crop, flip a float copy), the code it replaced: the same
+    draws, the same values, the same layout, over two epochs; and fewer ops per batch."""
+    images = torch.randint(0, 256, (40, 3, 9, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    kw = dict(mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3), device=torch.device(device), train=True, crop_padding=3,
+              flip=True, cutout=cutout, seed=5, channels_last=channels_last, shard=shard)
+    fast, before = DeviceBatches(images, torch.arange(40), 8, **kw), DeviceBatches(images, torch.arange(40), 8, **kw)
+    assert fast.gather is not None
+    before.gather = None   # DeviceBatches.transform: prepare()
+    for _ in range(2):
+        for (x, y), (x0, y0) in zip(fast, before, strict=True):
+            assert torch.equal(x, x0) and torch.equal(y, y0) and x.stride() == x0.stride()
+    from helpers import load_script
+    counter = load_script("bench_ladder_ops").OpCounter
+    ops = []
+    for loader in (fast, before):
+        with counter() as c:
+            next(iter(loader))
+        ops.append(sum(c.parts.values()))
+    assert ops[0] <= ops[1] - 8, ops   # a batch with an epoch start (randperm): 24-38 ops, against 32-54
+
+
+@pytest.mark.parametrize("cutout", [0, 3])
+def test_the_loader_pads_and_normalises_once_and_serves_the_prepared_samples_bit_for_bit(cutout):
+    """The dataloader pipeline (Page's step 1) pads and normalises the split once, then crops, flips and cuts out
+    each sample: against `prepare` on each image (the code it replaced), the same draws give the same samples."""
+    from mixprec.data.pipelines import _PaddedSamples, _PreparedSamples, norm_tensors
+    images = torch.randint(0, 256, (30, 3, 9, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    norm = norm_tensors((0.4, 0.5, 0.6), (0.2, 0.25, 0.3), CPU)
+    kw = dict(pad=3, flip=True, cutout=cutout)
+    fast = _PaddedSamples(images, torch.arange(30), *norm, generator=torch.Generator().manual_seed(7), **kw)
+    before = _PreparedSamples(images, torch.arange(30), *norm, generator=torch.Generator().manual_seed(7), **kw)
+    for _ in range(3):
+        for i in range(30):
+            (x, y), (x0, y0) = fast[i], before[i]
+            assert torch.equal(x, x0) and y == y0, i
+    loader = LoaderBatches(images, torch.arange(30), 8, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3), device=CPU,
+                           train=True, crop_padding=3, flip=True, cutout=cutout, workers=0)
+    assert isinstance(loader.loader.dataset, _PaddedSamples) and len(list(loader)) == 3
+
+
 def test_the_two_pipelines_serve_the_same_evaluation_batches_and_workers_run():
     images = torch.randint(0, 256, (50, 3, 8, 8), dtype=torch.uint8)
     kw = dict(mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3), device=CPU, train=False)

@@ -52,12 +52,14 @@ def test_ghost_bn_is_bn_applied_to_each_split_in_training():
         torch.testing.assert_close(y[k::4], expected, rtol=1e-5, atol=1e-5)
     whole = F.batch_norm(x, None, None, gbn.weight, gbn.bias, training=True, eps=gbn.eps)
     assert not torch.allclose(y, whole, atol=1e-3)   # it is not plain BN over the batch
-    # running statistics: the mean of what each split's BN would have tracked (momentum 0.1 from 0 and 1)
+    # running statistics: the mean of what each split's BN would have tracked (momentum 0.1 from 0 and 1), taken when
+    # the layer turns to evaluation
+    gbn.eval()
     means = torch.stack([x[k::4].mean(dim=(0, 2, 3)) for k in range(4)])
     variances = torch.stack([x[k::4].transpose(0, 1).reshape(4, -1).var(dim=1) for k in range(4)])
     torch.testing.assert_close(gbn.running_mean, 0.1 * means.mean(0))
     torch.testing.assert_close(gbn.running_var, 0.9 + 0.1 * variances.mean(0))
-    gbn.eval()   # evaluation: plain BN with those statistics
+    # evaluation: plain BN with those statistics
     torch.testing.assert_close(gbn(x), F.batch_norm(x, gbn.running_mean, gbn.running_var, gbn.weight, gbn.bias,
                                                     training=False, eps=gbn.eps))
 
@@ -242,3 +244,114 @@ def test_bad_trick_values_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as e:
         validate(compose_config(*overrides))
     assert str(e.value).startswith(message)
+
+
+# -- Page's ladder made fast without changing its arithmetic: each faster piece against the code it replaced ------
+
+def old_ema_update(ema: EMA, model: nn.Module) -> None:
+    """EMA.update as it was (a lerp_ per tensor of state_dict()): the reference for the foreach update."""
+    ema.steps += 1
+    if (ema.steps - 1) % ema.every:
+        return
+    with torch.no_grad():
+        for ema_v, v in zip(ema.model.state_dict().values(), model.state_dict().values()):
+            if ema_v.is_floating_point():
+                ema_v.lerp_(v, 1 - ema.rho)
+
+
+def half_resnet9(**options) -> nn.Module:
+    """A narrow ResNet-9 as the ladder trains it: fp16 weights, BatchNorm in fp32."""
+    torch.manual_seed(0)
+    model = ResNet9(10, SMALL, **options).half()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.float()
+    return model
+
+
+def ops_of(fn) -> int:
+    from helpers import load_script
+    counter = load_script("bench_ladder_ops").OpCounter()
+    with counter:
+        fn()
+    return sum(counter.parts.values())
+
+
+# on a GPU the foreach lerp is CUDA's multi-tensor kernel and ghost BN cuDNN's: the same checks there
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_ema_update_is_the_per_tensor_lerp_in_one_dispatch_per_dtype(device):
+    model = half_resnet9(ghost_splits=4).to(device)
+    new, old = EMA(model, 0.99, 2), EMA(model, 0.99, 2)
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        with torch.no_grad():
+            for v in model.state_dict().values():
+                if v.is_floating_point():
+                    v.add_(torch.randn(v.shape, generator=g).to(device, v.dtype))
+        n_ops = ops_of(lambda: new.update(model))
+        old_ema_update(old, model)
+        assert n_ops == (2 if step % 2 == 0 else 0)   # fp16 weights, fp32 BatchNorm: two foreach lerps
+        for (k, a), b in zip(new.model.state_dict().items(), old.model.state_dict().values()):
+            assert torch.equal(a, b), f"step {step}: {k}"   # bit-equal: the same lerp per element
+    old.steps = 0
+    assert ops_of(lambda: old_ema_update(old, model)) > 40   # the loop it replaced: a detach and a lerp_ per tensor
+
+
+class OldGhostBatchNorm(nn.BatchNorm2d):
+    """GhostBatchNorm's NCHW path as it was (running statistics averaged over the splits every step): the reference."""
+
+    def __init__(self, num_features, splits):
+        super().__init__(num_features)
+        self.splits = splits
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        s = self.splits
+        mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
+        y = F.batch_norm(x.reshape(n // s, s * c, h, w), mean, var, self.weight.repeat(s), self.bias.repeat(s),
+                         True, self.momentum, self.eps)
+        with torch.no_grad():
+            self.running_mean.copy_(mean.view(s, c).mean(0))
+            self.running_var.copy_(var.view(s, c).mean(0))
+        return y.view(n, c, h, w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_ghost_bn_computes_the_same_numbers_in_both_layouts_as_before(dtype, device):
+    """channels_last goes through the NCHW batch_norm call (copies each way), so both layouts give bit-equal
+    outputs and gradients, equal to the NCHW code before, step after step; before, channels_last normalised per
+    split in its own arithmetic (fp32 var_mean, then scale and shift). The running statistics are the per-split
+    ones averaged when the layer turns to evaluation (Page's), not every step: the same mean rounded in another
+    order, equal to the code before within fp32 rounding (1e-6 relative) after 3 steps, bit-equal after 1."""
+    g = torch.Generator().manual_seed(0)
+    xs = [(torch.randn(32, 4, 5, 5, generator=g) * 3 + k).to(device, dtype) for k in range(3)]
+    grad = torch.randn(32, 4, 5, 5, generator=g).to(device, dtype)
+    results, stats = [], []
+    for cls, layout in ((OldGhostBatchNorm, torch.contiguous_format), (GhostBatchNorm, torch.contiguous_format),
+                        (GhostBatchNorm, torch.channels_last)):
+        bn, out = cls(4, splits=4).to(device), []
+        with torch.no_grad():
+            bn.weight.copy_(torch.linspace(0.5, 2, 4))
+            bn.bias.copy_(torch.linspace(-1, 1, 4))
+        for x in xs:
+            xi = x.detach().contiguous(memory_format=layout).requires_grad_(True)
+            y = bn(xi)
+            assert y.is_contiguous(memory_format=layout) and y.dtype == dtype
+            y.backward(grad.contiguous(memory_format=layout))
+            out += [y, xi.grad, bn.weight.grad.clone(), bn.bias.grad.clone()]
+            if len(out) == 4:
+                stats.append({k: v.clone() for k, v in bn.state_dict().items()})   # after one step, collated
+        results.append(out)
+        bn.eval()
+        stats.append({k: v.clone() for k, v in bn.state_dict().items()})
+    for i, (before, nchw, nhwc) in enumerate(zip(*results)):
+        assert torch.equal(nchw, before) and torch.equal(nhwc, before), ("y", "x.grad", "weight.grad", "bias.grad")[i % 4]
+    one, three = stats[0::2], stats[1::2]
+    for name in ("running_mean", "running_var"):
+        assert torch.equal(one[1][name], one[0][name]) and torch.equal(one[2][name], one[1][name])
+        torch.testing.assert_close(three[1][name], three[0][name], rtol=1e-6, atol=0)
+        assert torch.equal(three[2][name], three[1][name])

@@ -295,6 +295,9 @@ def run_parts(config: Config, device: torch.device, steps, batches, policy, opti
                                  "sync_bn": tr.sync_bn, "backend": dist.backend_for(device),
                                  "weight_spread": dist.spread(policy.stepped_params(), ranks)}
     result["metrics"].update(info.pop("metrics"))
+    m = result["metrics"]
+    if "preprocess_time_s" in m:   # an image job: its time on Page's clock, the one-off data preparation included
+        m["page_clock_s"] = m["train_time_s"] + m["preprocess_time_s"]
     result["fp8"] = policy.fp8   # precision=fp8: the float8 and bf16 Linear layers, emulated or not (else None)
     final = info.pop("final")   # the weights that were evaluated: the EMA's if any
     if result["status"] in checkpoint.FINAL and ranks.main:
@@ -317,8 +320,11 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     """An image classifier's steps, training batches, policy, optimizer, and what the job records about it."""
     tr, t, resnet9 = config.trainer, config.trick, config.model.arch == "resnet9"
     data = build_image_data(config.dataset)
+    start = time.perf_counter()   # Page's clock starts before his preprocessing (dawn.py at 37a13cc:79-87)
     train_batches, test_batches = image_loaders(data, config.dataset, tr, device, seed=config.seed,
                                                 shard=(ranks.rank, ranks.world))
+    hardware.synchronize(device)
+    preprocess_s = time.perf_counter() - start
     whitening, setup_s = tricks.fit_whitening(t, data, device) if resnet9 else (None, 0.0)
     model = build_model(config.model, data.num_classes, **(resnet9_options(t, whitening) if resnet9 else {}))
     flops = forward_flops(model, torch.zeros(1, *train_batches.image_shape))
@@ -348,6 +354,7 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     info = {"model": model, "parts": {} if ema is None else {"ema": ema}, "final": model if ema is None else ema.model,
             "num_classes": data.num_classes, "optimizer": groups,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "prewarm_time_s": prewarm_s,
+                        "preprocess_time_s": preprocess_s,
                         "compile_time_s": compile_s,
                         "train_flops_per_sample": None if flops is None else 3 * flops},
             "data": {**data.info, "train": len(data.train_y), "test": len(data.test_y), "mean": data.mean,

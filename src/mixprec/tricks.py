@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .hardware import synchronize
+from .precision import by_dtype
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, label_smoothing: float = 0.0,
@@ -75,13 +76,15 @@ class EMA:
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        """Call after every optimizer step."""
+        """Call after every optimizer step. One foreach lerp per dtype (fp16 weights, fp32 BatchNorm) instead of a
+        lerp_ per tensor: the same rule, element by element the same lerp (on the CPU the foreach op runs lerp_
+        per tensor; CUDA's multi-tensor kernel applies ATen's same lerp formula in the same opmath type), in 2
+        dispatches rather than ~40, and no state_dict() (a detach per tensor) per update."""
         self.steps += 1
         if (self.steps - 1) % self.every:
             return
-        for ema_v, v in zip(self.model.state_dict().values(), model.state_dict().values()):
-            if ema_v.is_floating_point():
-                ema_v.lerp_(v, 1 - self.rho)
+        for ema_group, group in by_dtype(float_tensors(self.model), float_tensors(model)):
+            torch._foreach_lerp_(ema_group, group, 1 - self.rho)
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "steps": self.steps}
@@ -90,3 +93,9 @@ class EMA:
         self.model.load_state_dict(state["model"])
         self.steps = state["steps"]
 
+
+def float_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The floating-point parameters and buffers of `model`, in one fixed order (a DDP or compiled wrapper yields
+    its module's, in the module's order): what the EMA averages (integer buffers, BatchNorm's num_batches_tracked,
+    are not)."""
+    return [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]

@@ -124,6 +124,9 @@ class DeviceBatches(Resumable):
         n = len(self.images)
         self.drop_last = train and n >= batch_size
         self.shard = shard
+        same_size = size is None or (size, size) == tuple(images.shape[-2:])
+        self.gather = gather_tables(images.shape[-2:], crop_padding, cutout, device) if train and crop_padding \
+            and same_size else None   # the one-gather path (gathered); else transform (prepare)
 
     def __len__(self) -> int:
         n = len(self.images)
@@ -137,7 +140,25 @@ class DeviceBatches(Resumable):
         idx = order[sl] if order is not None else sl
         if self.shard[1] > 1:
             idx = shard_of(idx, self.shard)
+        if self.gather is not None:
+            return self.gathered(idx), self.labels[idx]
         return self.transform(self.images[idx]), self.labels[idx]
+
+    def gathered(self, idx: torch.Tensor) -> torch.Tensor:
+        """What transform(images[idx]) serves, in fewer ops: the crop, the flip and the batch's selection in one
+        gather from the uint8 split (reflect padding as an index table), converted to float in the batch's layout,
+        then normalised and cut out as `prepare` does. The same random draws in the same order, the same values
+        (a gather copies; the normalisation is the same elementwise arithmetic), so the same batches bit for bit
+        (tests/test_pipeline.py); 22 ops a batch (33 with cutout), where `prepare` took 33 (55), with half the
+        passes over the batch."""
+        a = self.augment
+        rows, cols = crop_flip_index(len(idx), self.gather, a["pad"], a["flip"], self.generator, self.shard)
+        x = self.images[idx.view(-1, 1, 1), :, rows.unsqueeze(2), cols.unsqueeze(1)].permute(0, 3, 1, 2)
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        x = (x.to(torch.float32, memory_format=layout) - self.mean) / self.std
+        if a["cutout"]:   # in place: x keeps its layout
+            x.masked_fill_(cutout_mask(len(idx), self.gather, a["cutout"], self.generator, self.shard), 0.0)
+        return x
 
     def transform(self, batch: torch.Tensor) -> torch.Tensor:
         x = prepare(batch, self.mean, self.std, size=self.size, generator=self.generator, shard=self.shard,
@@ -157,8 +178,12 @@ class LoaderBatches(Resumable):
                  pin_memory: bool = True):
         augment = dict(pad=crop_padding if train else 0, flip=flip and train, cutout=cutout if train else 0)
         self.augment_generator = torch.Generator().manual_seed(seed + 1) if train and workers == 0 else None
-        samples = _PreparedSamples(images.cpu(), labels.cpu(), *norm_tensors(mean, std, torch.device("cpu")),
-                                   size=size, generator=self.augment_generator, **augment)
+        norm = norm_tensors(mean, std, torch.device("cpu"))
+        if augment["pad"] and (size is None or (size, size) == tuple(images.shape[-2:])):
+            samples = _PaddedSamples(images.cpu(), labels.cpu(), *norm, generator=self.augment_generator, **augment)
+        else:
+            samples = _PreparedSamples(images.cpu(), labels.cpu(), *norm, size=size, generator=self.augment_generator,
+                                       **augment)
         self.loader = DataLoader(samples, batch_size, shuffle=train, drop_last=train and len(images) >= batch_size,
                                  num_workers=workers, pin_memory=pin_memory and device.type != "cpu",
                                  persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed),
@@ -222,6 +247,35 @@ class _PreparedSamples(Dataset):
         return prepare(self.images[i:i + 1], self.mean, self.std, **self.transform)[0], self.labels[i]
 
 
+class _PaddedSamples(Dataset):
+    """Page's step-1 data: the whole split padded (reflect) and normalised once, up front (dawn.py at 37a13cc,
+    lines 79-87, inside his timer: here in the loader's construction, timed as preprocess_time_s), then per sample
+    a crop (a view), a flip and a cutout. The same draws in the same order as `prepare` on one image and the same
+    values (padding and cropping copy, normalising is elementwise), so the same samples bit for bit
+    (tests/test_pipeline.py), at a few ops a sample where `prepare` took ~30: what lets num_workers=0 keep up."""
+
+    def __init__(self, images, labels, mean, std, *, pad: int, flip: bool, cutout: int,
+                 generator: torch.Generator | None):
+        self.padded = (F.pad(images.float(), (pad, pad, pad, pad), mode="reflect") - mean) / std
+        self.labels, self.size, self.pad = labels, tuple(images.shape[-2:]), pad
+        self.flip, self.cutout, self.generator = flip, cutout, generator
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        (h, w), g = self.size, self.generator
+        oy, ox = (int(torch.randint(0, 2 * self.pad + 1, (1,), generator=g)) for _ in range(2))
+        x = self.padded[i, :, oy:oy + h, ox:ox + w]
+        if self.flip and float(torch.rand(1, generator=g)) < 0.5:
+            x = x.flip(2)
+        if self.cutout:
+            y0, x0 = (int(torch.randint(0, n - self.cutout + 1, (1, 1, 1), generator=g)) for n in (h, w))
+            x = x.clone()
+            x[:, y0:y0 + self.cutout, x0:x0 + self.cutout] = 0.0
+        return x, self.labels[i]
+
+
 def in_layout(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """The batch in the memory layout trainer.channels_last asks for: NHWC (channels_last) or NCHW. Both are
     explicit: the crop's gather leaves NHWC strides (random_crop), which would otherwise train NHWC either way."""
@@ -256,6 +310,8 @@ def prepare(batch: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, *, pad: 
 def shard_of(t: torch.Tensor, shard: tuple[int, int]) -> torch.Tensor:
     """Rank `shard[0]`'s equal slice (along dim 0) of `t`, split into `shard[1]` parts."""
     rank, world = shard
+    if world == 1:
+        return t   # no slice op: one process serves the whole batch
     b = len(t) // world
     return t[rank * b:(rank + 1) * b]
 
@@ -272,6 +328,48 @@ def random_crop(x: torch.Tensor, pad: int, generator: torch.Generator | None,
     cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, :]      # [B, 1, W]
     batch_idx = torch.arange(b, device=x.device)[:, None, None]
     return padded.permute(0, 2, 3, 1)[batch_idx, rows, cols].permute(0, 3, 1, 2)
+
+
+def gather_tables(hw, pad: int, cutout: int, device: torch.device) -> dict:
+    """Index tables of the one-gather batches (DeviceBatches.gathered). rows, cols: the source index of each
+    position of an image reflect-padded by `pad` (F.pad's reflect: -1 -> 1, H -> H - 2); rows_at, cols_at and
+    cols_mirrored: the output positions forward and mirrored; with `cutout`, rows_cut[y0] and cols_cut[x0]: whether
+    each row (column) lies in a square of that side starting at y0 (x0)."""
+    tables = {}
+    for name, n in zip(("rows", "cols"), hw):
+        k = torch.arange(-pad, n + pad, device=device)
+        tables[name] = torch.where(k < 0, -k, torch.where(k > n - 1, 2 * (n - 1) - k, k))
+        tables[name + "_at"] = at = torch.arange(n, device=device)
+        if cutout:
+            start = torch.arange(n - cutout + 1, device=device)[:, None]
+            tables[name + "_cut"] = (at >= start) & (at < start + cutout)
+    tables["cols_mirrored"] = tables["cols_at"].flip(0)
+    return tables
+
+
+def crop_flip_index(b: int, tables: dict, pad: int, flip: bool, generator: torch.Generator | None,
+                    shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [B, H], cols [B, W]): the source row and column in the unpadded image of each pixel of each sample's
+    random crop (offsets 0..2*pad of the reflect-padded image) and, with `flip`, its random mirror: the draws of
+    random_crop then random_flip, in their order and shapes."""
+    device = tables["rows"].device
+    oy = shard_of(torch.randint(0, 2 * pad + 1, (b * shard[1],), device=device, generator=generator), shard)
+    ox = shard_of(torch.randint(0, 2 * pad + 1, (b * shard[1],), device=device, generator=generator), shard)
+    at = tables["cols_at"]
+    if flip:
+        mirror = shard_of(torch.rand(b * shard[1], device=device, generator=generator), shard) < 0.5
+        at = torch.where(mirror.unsqueeze(1), tables["cols_mirrored"], at)
+    return tables["rows"][oy.unsqueeze(1) + tables["rows_at"]], tables["cols"][ox.unsqueeze(1) + at]
+
+
+def cutout_mask(b: int, tables: dict, side: int, generator: torch.Generator | None,
+                shard: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """random_cutout's mask [B, 1, H, W] (the same draws, in its order and shapes) from the tables' bands."""
+    h, w = len(tables["rows_at"]), len(tables["cols_at"])
+    device = tables["rows"].device
+    y0 = shard_of(torch.randint(0, h - side + 1, (b * shard[1], 1, 1), device=device, generator=generator), shard)
+    x0 = shard_of(torch.randint(0, w - side + 1, (b * shard[1], 1, 1), device=device, generator=generator), shard)
+    return (tables["rows_cut"][y0.view(-1)].unsqueeze(2) & tables["cols_cut"][x0.view(-1)].unsqueeze(1)).unsqueeze(1)
 
 
 def random_flip(x: torch.Tensor, generator: torch.Generator | None, shard: tuple[int, int] = (0, 1)) -> torch.Tensor:

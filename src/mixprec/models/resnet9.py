@@ -26,14 +26,18 @@ class GhostBatchNorm(nn.BatchNorm2d):
     """BatchNorm whose training statistics are taken over `splits` interleaved parts of the batch (split k holds
     samples k, k+S, k+2S, ...; the batches are shuffled, so which samples share a split is immaterial). As in Page's
     code an NCHW batch is viewed as [N/S, S*C, H, W] (free in NCHW memory) and normalised by one BN call. A
-    channels_last batch has no such view (the S and C of a sample are not adjacent in NHWC memory), so it is
-    normalised from per-split statistics on a [N/S, S, C, H, W] view: no copy, and the output keeps the input's
-    layout. The running statistics are the mean of the per-split ones (what Page's layer collates before
-    evaluation); evaluation is plain BatchNorm with them."""
+    channels_last batch has no such view (the S and C of a sample are not adjacent in NHWC memory): it is copied to
+    NCHW, normalised by the same call and copied back to channels_last, so both layouts compute the same numbers.
+    Running statistics as Page's layer keeps them: S*C of them (split_mean, split_var), which training updates, and
+    running_mean/running_var their mean over the splits, taken when the layer turns to evaluation (Page's `train`
+    override) and when its state is saved, not every step (6 ops a layer fewer a step); evaluation is plain
+    BatchNorm with them."""
 
     def __init__(self, num_features: int, splits: int):
         super().__init__(num_features)
         self.splits = splits
+        self.register_buffer("split_mean", torch.zeros(splits * num_features))
+        self.register_buffer("split_var", torch.ones(splits * num_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -43,25 +47,34 @@ class GhostBatchNorm(nn.BatchNorm2d):
         if n % s:
             raise ValueError(f"ghost batch norm: a batch of {n} does not split into {s} equal parts")
         if x.is_contiguous():
-            mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
-            y = F.batch_norm(x.reshape(n // s, s * c, h, w), mean, var, self.weight.repeat(s), self.bias.repeat(s),
-                             True, self.momentum, self.eps)
-            with torch.no_grad():
-                self.running_mean.copy_(mean.view(s, c).mean(0))
-                self.running_var.copy_(var.view(s, c).mean(0))
-            return y.view(n, c, h, w)
-        return self._split_stats_forward(x.view(n // s, s, c, h, w)).view(n, c, h, w)
+            return self._ghost_forward(x)
+        y = self._ghost_forward(x.contiguous())
+        return y.contiguous(memory_format=torch.channels_last) if x.is_contiguous(
+            memory_format=torch.channels_last) else y
 
-    def _split_stats_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N/S, S, C, H, W] in any layout; batch_norm's training math per (split, channel), in fp32."""
-        var, mean = torch.var_mean(x.float(), dim=(0, 3, 4), keepdim=True, correction=0)
-        count = x.shape[0] * x.shape[3] * x.shape[4]
-        with torch.no_grad():   # as F.batch_norm: the running variance takes the unbiased estimate
-            m = self.momentum
-            self.running_mean.mul_(1 - m).add_(mean.mean(dim=(0, 1)).flatten(), alpha=m)
-            self.running_var.mul_(1 - m).add_((var * count / max(count - 1, 1)).mean(dim=(0, 1)).flatten(), alpha=m)
-        scale = torch.rsqrt(var + self.eps) * self.weight.view(1, 1, -1, 1, 1)
-        return ((x - mean) * scale + self.bias.view(1, 1, -1, 1, 1)).to(x.dtype)
+    def _ghost_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: an NCHW-contiguous [N, C, H, W] batch; one batch_norm over its [N/S, S*C, H, W] view."""
+        n, c, h, w = x.shape
+        s = self.splits
+        return F.batch_norm(x.view(n // s, s * c, h, w), self.split_mean, self.split_var, self.weight.repeat(s),
+                            self.bias.repeat(s), True, self.momentum, self.eps).view(n, c, h, w)
+
+    @torch.no_grad()
+    def collate(self) -> None:
+        """running_mean/running_var <- the mean over the splits of split_mean/split_var."""
+        s, c = self.splits, self.num_features
+        torch.mean(self.split_mean.view(s, c), 0, out=self.running_mean)
+        torch.mean(self.split_var.view(s, c), 0, out=self.running_var)
+
+    def train(self, mode: bool = True):
+        if self.training and not mode:
+            self.collate()
+        return super().train(mode)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.training:   # in evaluation they were collated when it began
+            self.collate()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
 
 def conv_bn(c_in: int, c_out: int, norm, act, pool_order: str | None = None) -> nn.Sequential:

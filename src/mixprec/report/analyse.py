@@ -430,6 +430,7 @@ def ladder_rows(summaries: list[dict]) -> list[dict]:
             "step": step, "variant": variant, "runs": (len(done), len(group)),
             "epochs": _mean([m.get("epochs") for m in done]),
             "train_time_s": stats([m.get("train_time_s") for m in done]),
+            "page_clock_s": _mean([m.get("page_clock_s") for m in done]),   # + the one-off data preparation
             "setup_s": _mean([m.get("setup_time_s") for m in done]),
             "acc": stats([m.get("final_test_acc_no_tta", m.get("final_test_acc")) for m in done]),
             "acc_tta": stats([m.get("final_test_acc_tta") for m in done]),

@@ -435,7 +435,8 @@ def job_block(summary: dict) -> str:
 
 
 LADDER_COLUMNS = [("step", "step", "s"), ("variant", "variant", "s"), ("runs", "runs", "s"),
-                  ("epochs", "epochs", ".2f"), ("train_time_s", "time s", "s"), ("setup_s", "setup s", ".2f"),
+                  ("epochs", "epochs", ".2f"), ("train_time_s", "time s", "s"), ("page_clock_s", "time+prep s", ".2f"),
+                  ("setup_s", "setup s", ".2f"),
                   ("acc", "acc (no TTA)", "s"), ("acc_tta", "acc (TTA)", "s"), ("reached", "reached", "s"),
                   ("to_94_s", "to target s (median)", "s"), ("page_s", "Page s", ".1f"),
                   ("page_epochs", "Page ep", "d"), ("note", "note", "s")]
