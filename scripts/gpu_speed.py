@@ -1,7 +1,8 @@
 """The GPU speed check, within 8 minutes on one H100/H200: one folder with the speed table (resnet18 and
 resnet50 x six precisions x batch 64 and 256, eager; resnet18 compiled with default and reduce-overhead), Page's
-step 10 twice, mixprec's loop against a hand-written one at batch 64 and 256, and the GPT (12 x 768) in fp32,
-amp_bf16 and fp8, eager and compiled. Each step runs under its own `timeout` (its limit, or what is left of
+step 10 twice, mixprec's loop against a hand-written one at batch 64 and 256, the GPT (12 x 768) in fp32,
+amp_bf16 and fp8, eager and compiled, and a 2 x 4096 GPT in amp_bf16 and fp8, compiled (the width at which
+torchao's float8 benchmarks show a gain). Each step runs under its own `timeout` (its limit, or what is left of
 --budget if less); a step that hits it keeps what it wrote (the table is saved after every cell). budget.md says
 each step's limit, seconds and outcome; SUMMARY.md gathers the results. logger=none throughout; the jobs' saved
 weights (*.pt) are deleted, the rest of their records kept (summary.json, metrics.jsonl, train.log).
@@ -74,6 +75,12 @@ def plan(out: Path, dry: bool, extra: list[str]) -> list[dict]:
     gpt = ["experiment=transformer_precision", f"precision={','.join(GPT_PRECISIONS)}",
            *(DRY_GPT if dry else ["trainer.max_steps=40", *extra])]
     gpt_compile = "none" if dry else "default"
+    # torchao's float8 gains start where a Linear's K and N reach 4096 (its README: 0.80x at M, K, N = 1024, 2048,
+    # 1024; 1.39x at 4096, 8192, 16384): the 12 x 768 GPT is below that, a 2 x 4096 one (MLP 4096 -> 16384, 8192
+    # tokens a step) within it
+    wide = ["experiment=transformer_precision", "precision=amp_bf16,fp8",
+            *(DRY_GPT if dry else ["model.n_layer=2", "model.n_head=32", "model.n_embd=4096", "trainer.max_steps=30",
+                                   *extra])]
     return [
         {"name": "table_eager", "cmd": table_step("table_eager", out, dry, ["none"]), "limit": 110,
          "files": [("table_eager/table.json", 1), ("table_eager/table.md", 1)]},
@@ -87,6 +94,9 @@ def plan(out: Path, dry: bool, extra: list[str]) -> list[dict]:
          "requested": "trainer.compile=default,reduce-overhead"},
         {"name": "gpt_compiled", "cmd": train_step("gpt_compiled", [*gpt, f"trainer.compile={gpt_compile}"], out),
          "limit": 90, "files": jobs("gpt_compiled", 3), "requested": "trainer.compile=default"},
+        {"name": "gpt_wide_compiled", "cmd": train_step("gpt_wide_compiled", [*wide, f"trainer.compile={gpt_compile}"],
+                                                        out),
+         "limit": 120, "files": jobs("gpt_wide_compiled", 2), "requested": "trainer.compile=default"},
     ]
 
 
@@ -171,6 +181,8 @@ def summary_markdown(out: Path, env: dict, budget_md: str) -> str:
     lines += jobs_markdown("Page's step 10, seeds 0 and 1", job_rows(out, "page10"))
     lines += jobs_markdown("GPT, eager", job_rows(out, "gpt_eager"))
     lines += jobs_markdown("GPT, compiled", job_rows(out, "gpt_compiled"))
+    lines += jobs_markdown("GPT 2 x 4096 (torchao's float8 gains from K, N >= 4096), compiled: fp8 against amp_bf16",
+                           job_rows(out, "gpt_wide_compiled"))
     lines += ["## mixprec's loop against a hand-written one", ""]
     for b in (64, 256):
         f = out / f"overhead_b{b}.json"
