@@ -36,7 +36,8 @@ class SweepTable(Callback):
                 print(note)
         ladder = ladder_rows(summaries)
         if ladder:  # a sweep over Page's ladder steps: per step, beside the article's V100 times
-            print("\nPage's ladder (article: one V100, each step's fixed-schedule time; statistics over all runs):\n"
+            print("\nPage's ladder (article: one V100, each step's fixed-schedule time, step 1's with its data "
+                  "preparation: time+prep s; statistics over all runs):\n"
                   + format_table([ladder_cells(r) for r in ladder], LADDER_COLUMNS))
         for p in problems:
             print(f"unreadable: {p}")

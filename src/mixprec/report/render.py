@@ -192,7 +192,8 @@ def document(data: dict) -> Doc:
         if exp.get("ladder"):
             d.h(3, "Ladder")
             d.p("Per ladder step, as the sweep's console table: statistics over all the step's runs (seeds); "
-                "Page s and Page ep: the article's V100 time and epochs for that step.")
+                "Page s and Page ep: the article's V100 time and epochs for that step (step 1's 75 s on his clock, "
+                "started before the data's padding and normalisation: compare it with time+prep s).")
             d.table([h for _, h, _ in LADDER_COLUMNS], [row_cells(ladder_cells(r), LADDER_COLUMNS) for r in exp["ladder"]])
         if exp.get("parity"):
             parity_section(d, exp["parity"])
