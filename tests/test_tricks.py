@@ -355,3 +355,18 @@ def test_ghost_bn_computes_the_same_numbers_in_both_layouts_as_before(dtype, dev
         assert torch.equal(one[1][name], one[0][name]) and torch.equal(one[2][name], one[1][name])
         torch.testing.assert_close(three[1][name], three[0][name], rtol=1e-6, atol=0)
         assert torch.equal(three[2][name], three[1][name])
+
+
+def test_ghost_bn_loads_weights_saved_without_its_split_statistics():
+    """A state saved before GhostBatchNorm kept Page's per-split statistics (running_mean/var only) still loads:
+    each split starts from the running statistics, and evaluation gives what it gave."""
+    old = GhostBatchNorm(4, splits=2).eval()
+    old.running_mean.copy_(torch.arange(4.0))
+    old.running_var.copy_(torch.arange(1.0, 5.0))
+    state = {k: v for k, v in old.state_dict().items() if not k.startswith("split_")}
+    new = GhostBatchNorm(4, splits=2)
+    new.load_state_dict(state)
+    assert torch.equal(new.split_mean, torch.arange(4.0).repeat(2))
+    assert torch.equal(new.split_var, torch.arange(1.0, 5.0).repeat(2))
+    x = torch.randn(2, 4, 3, 3)
+    assert torch.equal(new.eval()(x), old(x))

@@ -76,6 +76,14 @@ class GhostBatchNorm(nn.BatchNorm2d):
             self.collate()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Weights saved before the per-split statistics existed (running_mean/var only) load with each split
+        starting from them, as the running statistics they were."""
+        for split, running in (("split_mean", "running_mean"), ("split_var", "running_var")):
+            if prefix + split not in state_dict and prefix + running in state_dict:
+                state_dict[prefix + split] = state_dict[prefix + running].repeat(self.splits)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
 
 def conv_bn(c_in: int, c_out: int, norm, act, pool_order: str | None = None) -> nn.Sequential:
     """conv 3x3 -> BN -> activation, with a 2x2 max-pool placed by `pool_order` (None: no pool)."""
