@@ -151,3 +151,53 @@ def test_after_a_step_the_host_took_long_to_queue_the_spin_covers_twice_its_queu
     timer.host_waited = False
     meter.sample(lambda: setattr(clock, "now", clock.now + 0.3), (), Clock())
     assert timer.spins == [busy.SPIN_S, pytest.approx(0.6)] and meter.gpu_s == [pytest.approx(0.15)]
+
+
+class HostClock:
+    """The training clock's side of busy.BusyMeter.sample: what it leaves out."""
+    excluded = 0.0
+
+    def exclude(self, seconds):
+        self.excluded += seconds
+
+
+@pytest.mark.gpu
+def test_the_cuda_timer_times_a_step_queued_behind_its_spin():
+    """busy.CudaTimer on the GPU (the spin, CUDA events, the queued-ahead check): a few large matmuls keep the GPU
+    busy for most of their wall time; hundreds of one-element adds are the host's launch time, not the GPU's."""
+    import time
+
+    import torch
+
+    device = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=device)
+    heavy = lambda: [a @ a for _ in range(8)]
+    light = lambda: [a[:1, :1] + 1 for _ in range(300)]
+    meter, clock = busy.BusyMeter(busy.CudaTimer(device)), HostClock()
+    fractions = []
+    for step in (heavy, light):
+        step()   # cuBLAS and the allocator warmed
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        for _ in range(3):   # a first sample may have to lengthen the spin
+            meter.sample(step, (), clock)
+            if len(meter.gpu_s) > len(fractions):
+                break
+        assert len(meter.gpu_s) == len(fractions) + 1, "no valid sample: the host waited on the GPU every time"
+        fractions.append(busy.busy_fraction(meter.gpu_s[-1], wall))
+    assert fractions[0] > busy.HOST_BOUND and fractions[1] < fractions[0], fractions
+    assert clock.excluded > 0
+
+
+@pytest.mark.gpu
+def test_a_cuda_job_records_its_busy_fraction(tmp_path):
+    from helpers import TINY
+
+    s = run_tiny(tmp_path, *TEN_STEPS, base=[o for o in TINY if not o.startswith("trainer.device")])
+    m = s["metrics"]
+    assert s["env"]["device"].startswith("cuda"), s["env"]
+    assert m["busy_samples"] >= 1 and 0 < m["gpu_busy_fraction"] <= 1 and m["host_bound"] in (True, False)
+    assert s["epochs"][0]["gpu_busy_fraction"] is not None

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from .hardware import synchronize
+
 HOST_BOUND = 0.8       # below this busy fraction a step is called host-bound
 SAMPLE_AT = (4, 5)     # the epoch's steady steps sampled (1-based): past the warm-up's queue effects
 SPIN_S = 0.02          # the first spin; after a sample the host needed longer to queue: twice that time, or twice
@@ -55,17 +57,18 @@ def note(fraction: float | None) -> str | None:
 
 
 class CudaTimer:
-    """The GPU side of a sample on a CUDA device: synchronize, spin, events. tests/test_speed.py fakes it."""
+    """The GPU side of a sample on a CUDA device: synchronize, spin, events. tests/test_busy.py fakes it; its
+    gpu-marked test runs it. CUDA only: the spin (torch.cuda._sleep) has no device-generic twin."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.cycles_per_s = None
 
     def sync(self) -> None:
-        torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
     def event(self):
-        return torch.cuda.Event(enable_timing=True)
+        return torch.get_device_module(self.device).Event(enable_timing=True)
 
     def spin(self, seconds: float) -> None:
         if self.cycles_per_s is None:   # calibrate once: a known number of cycles against events
