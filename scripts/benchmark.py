@@ -11,16 +11,18 @@
       per-round ratios. --compile MODE compiles both (trainer.compile=MODE; compilation is untimed in both).
   python scripts/benchmark.py table --models resnet18,resnet50 --precisions fp32,tf32,amp,amp_bf16,half,bf16
           --batches 64,256 --compiles none,default [overrides] --out DIR
-      the speed table, one cell per (image model, precision, batch, compile mode): each model is built once, each
-      cell trains a copy of it the way a job does (the precision policy, channels_last, optimizer, compile mode)
-      and steps it with a job's loop (engine.fit: the engine's step, the log window and its one flush, the
-      training clock, the busy meter) on one synthetic batch on the device, in the job's memory layout: --warmup
-      steps out of the steady clock (10; compilation and cuDNN autotuning fall there), then --steps steady steps
-      (30), a few of them sampled for the GPU's own time (busy.py, CUDA only). Per cell: samples/s (the job's
-      steady throughput), speed-up against the fp32 cell of the same model, batch and compile mode, step time, GPU
-      busy fraction (host-bound below 0.8), peak memory (max allocated on the accelerator; '-' on a CPU) and the
-      cell's own seconds. A cell that fails (an OOM, a compile error) is recorded with its error, dynamo and the
-      device's cache are reset, and the table goes on. --out DIR: table.json and
+      the speed table, one cell per (image model, precision, batch, compile mode): each model
+      is built once, each cell trains a copy of it the way a job does (the precision policy,
+      channels_last, optimizer, compile mode) and steps it with a job's loop (engine.fit: the
+      engine's step, the log window and its one flush, the training clock, the busy meter) on
+      one synthetic batch on the device, in the job's memory layout: --warmup steps out of the
+      steady clock (10; compilation and cuDNN autotuning fall there), then --steps steady steps
+      (30), a few of them sampled for the GPU's own time (busy.py, CUDA only). Per cell:
+      samples/s (the job's steady throughput), speed-up against the fp32 cell of the same model,
+      batch and compile mode, step time, GPU busy fraction (host-bound below 0.8), peak memory
+      (max allocated on the accelerator; '-' on a CPU) and the cell's own seconds. A cell that
+      fails (an OOM, a compile error) is recorded with its error, dynamo and the device's cache
+      are reset, and the table goes on. --out DIR: table.json and
       table.md. Language models are not in it (their speed: train.py experiment=transformer_precision).
 
 Both run on the CPU too (use small sizes there: model=small_cnn trainer.batch_size=32 dataset.image_size=16). What
@@ -196,7 +198,8 @@ def overhead(args) -> dict:
 # -- the speed table: each model built once, each (model, precision, batch, compile) cell timed in seconds ------
 
 class CellSteps(engine.ImageSteps):
-    """A job's image steps (engine.ImageSteps: the same step), without evaluation: a cell times training only."""
+    """A job's image steps (engine.ImageSteps: the same step), without evaluation: a cell times
+    training only."""
 
     def evaluate(self, state: engine.LoopState, loop: engine.Loop, final: bool) -> dict:
         return {}
@@ -212,15 +215,17 @@ def build_base(config: Config, device: torch.device) -> tuple[torch.nn.Module, t
 
 
 def cell_config(config: Config, warmup: int, steps: int) -> Config:
-    """The cell's config: one epoch of warmup + steps steps, the first `warmup` out of the steady clock."""
-    trainer = dataclasses.replace(config.trainer, epochs=1, max_steps=warmup + steps, warmup_steps=warmup)
+    """The cell's config: one epoch of warmup + steps steps, the first `warmup` out of the steady
+    clock."""
+    trainer = dataclasses.replace(config.trainer, epochs=1, max_steps=warmup + steps,
+                                  warmup_steps=warmup)
     return dataclasses.replace(config, trainer=trainer)
 
 
 def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> tuple:
-    """What a job of this cell's config trains with (run.image_parts' policy, model preparation, channels_last,
-    optimizer, compile mode and its refusal of an emulated compile; its busy meter), on a copy of the base
-    model; returns the engine's steps and loop, and the loop's state."""
+    """What a job of this cell's config trains with (run.image_parts' policy, model preparation,
+    channels_last, optimizer, compile mode and its refusal of an emulated compile; its busy meter),
+    on a copy of the base model; returns the engine's steps and loop, and the loop's state."""
     from mixprec.compiled import compile_model
     from mixprec.optim import param_groups
     from mixprec.precision import PrecisionPolicy
@@ -234,20 +239,24 @@ def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> t
     if tr.channels_last:
         model = model.to(memory_format=torch.channels_last)
     stepped = policy.optimizer_params(model)   # first: it sets policy.model_params
-    params, _ = param_groups(model, policy.model_params, stepped, config.optimizer, config.model.arch)
+    params, _ = param_groups(model, policy.model_params, stepped, config.optimizer,
+                             config.model.arch)
     optimizer = build_optimizer(config.optimizer, params)
-    total = tr.max_steps
-    steps = CellSteps(compile_model(model, tr.compile), build_schedule(config.schedule, optimizer, total), None)
-    loop = engine.Loop(policy, optimizer, tr, total, progress=False, busy=busy.meter_for(device))
+    schedule = build_schedule(config.schedule, optimizer, tr.max_steps)
+    steps = CellSteps(compile_model(model, tr.compile), schedule, None)
+    loop = engine.Loop(policy, optimizer, tr, tr.max_steps, progress=False,
+                       busy=busy.meter_for(device))
     return steps, loop, engine.LoopState()
 
 
-def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.device, warmup: int, steps: int) -> dict:
-    """One cell, stepped as a job steps (engine.fit: the log window and its flush, the training clock, the busy
-    meter's sampled steps) on one synthetic batch on the device, in the layout a job's pipeline gives
-    (data.pipelines.in_layout): `warmup` steps out of the steady clock (compilation and autotuning fall there),
-    then `steps` steady ones. Speed: the job's steady throughput; GPU busy: the job's (busy.py, CUDA only; the
-    steady steps it samples: busy.SAMPLE_AT). Peak memory: the accelerator's over the cell (None on a CPU)."""
+def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.device, warmup: int,
+              steps: int) -> dict:
+    """One cell, stepped as a job steps (engine.fit: the log window and its flush, the training
+    clock, the busy meter's sampled steps) on one synthetic batch on the device, in the layout a
+    job's pipeline gives (data.pipelines.in_layout): `warmup` steps out of the steady clock
+    (compilation and autotuning fall there), then `steps` steady ones. Speed: the job's steady
+    throughput; GPU busy: the job's (busy.py, CUDA only; the steady steps it samples:
+    busy.SAMPLE_AT). Peak memory: the accelerator's over the cell (None on a CPU)."""
     from mixprec.data.pipelines import in_layout
     from mixprec.numerics import emulation
     from mixprec.precision import emulates
@@ -266,14 +275,14 @@ def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.de
     peak = None if device.type == "cpu" else hardware.memory_metrics(device)["peak_memory_mb"]
     return {"samples_per_s": m["throughput"], "step_ms": 1e3 * b / m["throughput"],
             "gpu_step_ms": m.get("gpu_step_ms"), "gpu_busy_fraction": m["gpu_busy_fraction"],
-            "host_bound": m["host_bound"], "skipped_steps": m["skipped_steps"], "peak_memory_mb": peak,
-            "emulated": emulated}
+            "host_bound": m["host_bound"], "skipped_steps": m["skipped_steps"],
+            "peak_memory_mb": peak, "emulated": emulated}
 
 
 def reset_after_cell(device: torch.device) -> None:
-    """A clean start for the next cell: dynamo's graphs and guards (and CUDA graph pools) dropped, the cell's
-    tensors collected and the device's cached blocks freed (after an OOM, the next cell starts from an empty
-    cache)."""
+    """A clean start for the next cell: dynamo's graphs and guards (and CUDA graph pools) dropped,
+    the cell's tensors collected and the device's cached blocks freed (after an OOM, the next cell
+    starts from an empty cache)."""
     torch._dynamo.reset()
     gc.collect()
     module = torch.get_device_module(device)
@@ -288,14 +297,16 @@ def cell_error(error: BaseException) -> str:
 
 
 def run_cell(cfg: Config, bases: dict, model: str, device: torch.device, args) -> dict:
-    """One cell's figures, or {"error": ...} when it fails (an OOM, a compile error, any Exception; a
-    KeyboardInterrupt ends the table): its traceback goes to stderr, and the table goes on after a reset."""
+    """One cell's figures, or {"error": ...} when it fails (an OOM, a compile error, any Exception;
+    a KeyboardInterrupt ends the table): its traceback goes to stderr, and the table goes on after a
+    reset."""
     try:
         if model not in bases:
             bases[model] = build_base(cfg, device)
-        return {**time_cell(cfg, *bases[model], device, args.warmup, args.steps), "error": None}
+        figures = time_cell(cfg, *bases[model], device, args.warmup, args.steps)
+        return {**figures, "error": None}
     except Exception as e:
-        if not isinstance(e, ConfigError):   # a refusal is its one line; anything else, its traceback too
+        if not isinstance(e, ConfigError):   # a refusal is its one line; else its traceback too
             traceback.print_exc()
         return {"error": cell_error(e)}
     finally:
@@ -303,19 +314,22 @@ def run_cell(cfg: Config, bases: dict, model: str, device: torch.device, args) -
 
 
 def table_plan(args) -> list[tuple[str, str, int, str, Config]]:
-    """Every cell's (model, precision, batch, compile mode, config), composed before any is timed: a bad
-    override or name ends the table at once, in one line."""
-    return [(model, prec, batch, mode, compose([f"model={model}", f"precision={prec}", *args.overrides,
-                                                f"trainer.batch_size={batch}", f"trainer.compile={mode}"])[0])
-            for model in args.models.split(",")
-            for batch, mode, prec in itertools.product(args.batches, args.compiles, args.precisions.split(","))]
+    """Every cell's (model, precision, batch, compile mode, config), composed before any is timed:
+    a bad override or name ends the table at once, in one line."""
+    cells = [(model, prec, batch, mode) for model in args.models.split(",")
+             for batch, mode, prec in itertools.product(args.batches, args.compiles,
+                                                        args.precisions.split(","))]
+    return [(model, prec, batch, mode,
+             compose([f"model={model}", f"precision={prec}", *args.overrides,
+                      f"trainer.batch_size={batch}", f"trainer.compile={mode}"])[0])
+            for model, prec, batch, mode in cells]
 
 
 def table_cells(args, save=lambda rows, device: None) -> tuple[list[dict], torch.device]:
-    """Every cell, model by model (each built once), with its speed-up against fp32 at the same batch and compile
-    mode (None without a timed fp32 cell, or for an emulated one: its time is an fp32 time). A failed cell is
-    recorded with its error. save(rows, device) after each cell: a run stopped by its time limit keeps the cells
-    it timed."""
+    """Every cell, model by model (each built once), with its speed-up against fp32 at the same
+    batch and compile mode (None without a timed fp32 cell, or for an emulated one: its time is an
+    fp32 time). A failed cell is recorded with its error. save(rows, device) after each cell: a run
+    stopped by its time limit keeps the cells it timed."""
     rows, bases, device = [], {}, None
     for model, prec, batch, mode, cfg in table_plan(args):
         device = hardware.select_device(cfg.trainer.device)
@@ -326,8 +340,8 @@ def table_cells(args, save=lambda rows, device: None) -> tuple[list[dict], torch
                **run_cell(cfg, bases, model, device, args)}
         row["cell_s"] = time.perf_counter() - t
         rows.append(row)
-        fp32 = next((r for r in rows if (r["model"], r["batch"], r["compile"], r["precision"]) ==
-                     (model, batch, mode, "fp32") and not r["error"]), None)
+        fp32 = next((r for r in rows if not r["error"] and r["precision"] == "fp32"
+                     and (r["model"], r["batch"], r["compile"]) == (model, batch, mode)), None)
         row["speedup"] = (row["samples_per_s"] / fp32["samples_per_s"]
                           if fp32 and not row["error"] and not row["emulated"] else None)
         print(cell_line(row), flush=True)
@@ -341,8 +355,8 @@ def cell_line(r: dict) -> str:
     if r["error"]:
         return f"{head} failed: {r['error']}  ({r['cell_s']:.1f} s)"
     return (f"{head} {r['samples_per_s']:>10.1f} samples/s  x{fmt(r['speedup'], '.2f')} vs fp32  "
-            f"GPU busy {fmt(r['gpu_busy_fraction'], '.2f')}  peak {fmt(r['peak_memory_mb'], '.0f')} MB  "
-            f"({r['cell_s']:.1f} s)")
+            f"GPU busy {fmt(r['gpu_busy_fraction'], '.2f')}  "
+            f"peak {fmt(r['peak_memory_mb'], '.0f')} MB  ({r['cell_s']:.1f} s)")
 
 
 def benchmark_fmt(v, spec: str) -> str:
@@ -351,46 +365,50 @@ def benchmark_fmt(v, spec: str) -> str:
 
 TABLE_HEADS = ["model", "precision", "batch", "compile", "samples/s", "vs fp32", "step ms", "GPU busy", "peak MB",
                "note"]
+CELL_KEYS = ("model", "precision", "batch", "compile")
 
 
 def failed_cells(rows: list[dict]) -> list[dict]:
     """The cells that failed, each named (model, precision, batch, compile) with its error."""
-    return [{k: r[k] for k in ("model", "precision", "batch", "compile", "error")} for r in rows if r["error"]]
+    return [{k: r[k] for k in (*CELL_KEYS, "error")} for r in rows if r["error"]]
 
 
 def table_row(r: dict) -> str:
     """One markdown row: a timed cell's figures, or a failed cell's dashes."""
     if r["error"]:
-        return "| " + " | ".join(str(c) for c in [r["model"], r["precision"], r["batch"], r["compile"]]
-                                 + ["-"] * 5 + ["failed"]) + " |"
-    note = "emulated: an fp32 time" if r["emulated"] else ("host-bound" if r["host_bound"] else "")
-    cells = [r["model"], r["precision"], r["batch"], r["compile"], f"{r['samples_per_s']:.1f}",
-             benchmark_fmt(r["speedup"], ".2f"), f"{r['step_ms']:.2f}", benchmark_fmt(r["gpu_busy_fraction"], ".2f"),
-             benchmark_fmt(r["peak_memory_mb"], ".0f"), note]
+        cells = [*(r[k] for k in CELL_KEYS), *["-"] * 5, "failed"]
+    else:
+        note = ("emulated: an fp32 time" if r["emulated"] else
+                "host-bound" if r["host_bound"] else "")
+        cells = [*(r[k] for k in CELL_KEYS), f"{r['samples_per_s']:.1f}",
+                 benchmark_fmt(r["speedup"], ".2f"), f"{r['step_ms']:.2f}",
+                 benchmark_fmt(r["gpu_busy_fraction"], ".2f"),
+                 benchmark_fmt(r["peak_memory_mb"], ".0f"), note]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def table_markdown(result: dict) -> str:
-    """The table as markdown, with what was timed, the host-bound cells and the failed cells named."""
+    """The table as markdown, with what was timed, the host-bound cells and the failed cells
+    named."""
     rows = result["rows"]
     lines = [f"# Speed table ({result['device']}, torch {result['torch']})", "",
-             f"{result['warmup']} untimed steps (compilation included), then {result['steps']} timed steps per cell, "
-             "synthetic batch on the device in the job's memory layout, stepped as a job steps (engine.fit: the "
-             "log window and its flush, the training clock). GPU busy: the GPU's own time for a step over its wall "
-             "time (docs/speed.md); '-': not measured (CPU). "
-             f"{len(rows)} cells in {result['total_s']:.1f} s"
+             f"{result['warmup']} untimed steps (compilation included), then {result['steps']} "
+             "timed steps per cell, synthetic batch on the device in the job's memory layout, "
+             "stepped as a job steps (engine.fit: the log window and its flush, the training "
+             "clock). GPU busy: the GPU's own time for a step over its wall time (docs/speed.md); "
+             f"'-': not measured (CPU). {len(rows)} cells in {result['total_s']:.1f} s"
              + ("." if result["complete"] else " (incomplete: stopped before the last cell)."), "",
              "| " + " | ".join(TABLE_HEADS) + " |", "|" + "---|" * len(TABLE_HEADS)]
     lines += [table_row(r) for r in rows]
     if any(r["host_bound"] for r in rows if not r["error"]):
-        lines += ["", f"Host-bound cells (GPU busy < {busy.HOST_BOUND}): their speed-ups measure Python, not the "
-                      f"precision; use {busy.ADVICE}."]
+        lines += ["", f"Host-bound cells (GPU busy < {busy.HOST_BOUND}): their speed-ups measure "
+                      f"Python, not the precision; use {busy.ADVICE}."]
     failed = failed_cells(rows)
     if failed:
-        lines += ["", f"Failed cells ({len(failed)}): the table went on after each (their tracebacks: the run's "
-                      "stderr).", ""]
-        lines += [f"- {f['model']} {f['precision']} batch {f['batch']} compile {f['compile']}: {f['error']}"
-                  for f in failed]
+        lines += ["", f"Failed cells ({len(failed)}): the table went on after each (their "
+                      "tracebacks: the run's stderr).", ""]
+        lines += [f"- {f['model']} {f['precision']} batch {f['batch']} compile {f['compile']}: "
+                  f"{f['error']}" for f in failed]
     return "\n".join(lines) + "\n"
 
 
@@ -405,8 +423,8 @@ class TableFile:
     def save(self, rows: list, device: torch.device, done: bool = False) -> None:
         if "device" not in self.result:
             self.result["device"] = hardware.describe(device)["device_name"]
-        self.result.update(rows=rows, failed=failed_cells(rows), total_s=time.perf_counter() - self.t0,
-                           complete=done)
+        self.result.update(rows=rows, failed=failed_cells(rows),
+                           total_s=time.perf_counter() - self.t0, complete=done)
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.out / "table.json", self.result)
