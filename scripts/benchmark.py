@@ -11,13 +11,18 @@
       per-round ratios. --compile MODE compiles both (trainer.compile=MODE; compilation is untimed in both).
   python scripts/benchmark.py table --models resnet18,resnet50 --precisions fp32,tf32,amp,amp_bf16,half,bf16
           --batches 64,256 --compiles none,default [overrides] --out DIR
-      the speed table, one cell per (image model, precision, batch, compile mode): each model is built once, each
-      cell trains a copy of it the way a job does (the precision policy, channels_last, optimizer, compile mode and
-      the engine's own step, engine.ImageSteps.step) on one synthetic batch on the device: --warmup untimed steps
-      (10; compilation and cuDNN autotuning fall there), --steps timed steps (30) between two device syncs, then
-      one step sampled for the GPU's own time (busy.py, CUDA only). Per cell: samples/s, speed-up against the fp32
-      cell of the same model, batch and compile mode, step time, GPU busy fraction (host-bound below 0.8), peak
-      memory (max allocated on the accelerator; '-' on a CPU) and the cell's own seconds. --out DIR: table.json and
+      the speed table, one cell per (image model, precision, batch, compile mode): each model
+      is built once, each cell trains a copy of it the way a job does (the precision policy,
+      channels_last, optimizer, compile mode) and steps it with a job's loop (engine.fit: the
+      engine's step, the log window and its one flush, the training clock, the busy meter) on
+      one synthetic batch on the device, in the job's memory layout: --warmup steps out of the
+      steady clock (10; compilation and cuDNN autotuning fall there), then --steps steady steps
+      (30), a few of them sampled for the GPU's own time (busy.py, CUDA only). Per cell:
+      samples/s (the job's steady throughput), speed-up against the fp32 cell of the same model,
+      batch and compile mode, step time, GPU busy fraction (host-bound below 0.8), peak memory
+      (max allocated on the accelerator; '-' on a CPU) and the cell's own seconds. A cell that
+      fails (an OOM, a compile error) is recorded with its error, dynamo and the device's cache
+      are reset, and the table goes on. --out DIR: table.json and
       table.md. Language models are not in it (their speed: train.py experiment=transformer_precision).
 
 Both run on the CPU too (use small sizes there: model=small_cnn trainer.batch_size=32 dataset.image_size=16). What
@@ -29,12 +34,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import gc
 import itertools
 import random
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -43,7 +51,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from mixprec import cli, hardware  # noqa: E402
+from mixprec import busy, cli, engine, hardware  # noqa: E402
 from mixprec.config import Config, ConfigError, plain_config, validate  # noqa: E402
 from mixprec.data import synthetic_images  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
@@ -189,6 +197,14 @@ def overhead(args) -> dict:
 
 # -- the speed table: each model built once, each (model, precision, batch, compile) cell timed in seconds ------
 
+class CellSteps(engine.ImageSteps):
+    """A job's image steps (engine.ImageSteps: the same step), without evaluation: a cell times
+    training only."""
+
+    def evaluate(self, state: engine.LoopState, loop: engine.Loop, final: bool) -> dict:
+        return {}
+
+
 def build_base(config: Config, device: torch.device) -> tuple[torch.nn.Module, tuple, int]:
     """The model in fp32 on the device (built once per model; each cell trains a copy), its image shape and
     number of classes."""
@@ -198,102 +214,148 @@ def build_base(config: Config, device: torch.device) -> tuple[torch.nn.Module, t
     return build_model(config.model, classes).to(device), shape, classes
 
 
-def cell_parts(config: Config, base: torch.nn.Module, device: torch.device):
-    """What a job of this cell's config trains with (run.image_parts' policy, model preparation, channels_last,
-    optimizer and compile mode), on a copy of the base model; returns the engine's steps and loop."""
-    from mixprec import engine
+def cell_config(config: Config, warmup: int, steps: int) -> Config:
+    """The cell's config: one epoch of warmup + steps steps, the first `warmup` out of the steady
+    clock."""
+    trainer = dataclasses.replace(config.trainer, epochs=1, max_steps=warmup + steps,
+                                  warmup_steps=warmup)
+    return dataclasses.replace(config, trainer=trainer)
+
+
+def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> tuple:
+    """What a job of this cell's config trains with (run.image_parts' policy, model preparation,
+    channels_last, optimizer, compile mode and its refusal of an emulated compile; its busy meter),
+    on a copy of the base model; returns the engine's steps and loop, and the loop's state."""
     from mixprec.compiled import compile_model
     from mixprec.optim import param_groups
     from mixprec.precision import PrecisionPolicy
+    from mixprec.run import refuse_emulated_compile
 
     tr = config.trainer
     hardware.configure(device, tr, config.precision, config.seed)
     policy = PrecisionPolicy(config.precision, device)
+    refuse_emulated_compile(config, policy)
     model = policy.prepare_model(copy.deepcopy(base))
     if tr.channels_last:
         model = model.to(memory_format=torch.channels_last)
     stepped = policy.optimizer_params(model)   # first: it sets policy.model_params
-    params, _ = param_groups(model, policy.model_params, stepped, config.optimizer, config.model.arch)
+    params, _ = param_groups(model, policy.model_params, stepped, config.optimizer,
+                             config.model.arch)
     optimizer = build_optimizer(config.optimizer, params)
-    steps = engine.ImageSteps(compile_model(model, tr.compile), build_schedule(config.schedule, optimizer, 10**6), None)
-    loop = engine.Loop(policy, optimizer, tr, 10**9, progress=False)
-    state = engine.LoopState(scale_min=policy.scale_value, scale_max=policy.scale_value)   # as engine.fit starts
-    return steps, loop, state
+    schedule = build_schedule(config.schedule, optimizer, tr.max_steps)
+    steps = CellSteps(compile_model(model, tr.compile), schedule, None)
+    loop = engine.Loop(policy, optimizer, tr, tr.max_steps, progress=False,
+                       busy=busy.meter_for(device))
+    return steps, loop, engine.LoopState()
 
 
-def train_steps(parts: tuple, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
-    """n training steps on the batch, counted as the loop counts them (the probe's step-1 input check once)."""
-    steps, loop, state = parts
-    for _ in range(n):
-        steps.step(x, y, loop, state)
-        state.step += 1
-
-
-def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.device, warmup: int, steps: int) -> dict:
-    """One cell: a synthetic batch on the device, `warmup` untimed steps (compilation and autotuning included),
-    `steps` timed ones (device synchronized at both ends), then a step sampled for the GPU's own time (busy.py;
-    CUDA only; up to 3 tries). Peak memory: the accelerator's max allocated over the cell (None on a CPU)."""
-    from mixprec import busy
+def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.device, warmup: int,
+              steps: int) -> dict:
+    """One cell, stepped as a job steps (engine.fit: the log window and its flush, the training
+    clock, the busy meter's sampled steps) on one synthetic batch on the device, in the layout a
+    job's pipeline gives (data.pipelines.in_layout): `warmup` steps out of the steady clock
+    (compilation and autotuning fall there), then `steps` steady ones. Speed: the job's steady
+    throughput; GPU busy: the job's (busy.py, CUDA only; the steady steps it samples:
+    busy.SAMPLE_AT). Peak memory: the accelerator's over the cell (None on a CPU)."""
+    from mixprec.data.pipelines import in_layout
     from mixprec.numerics import emulation
     from mixprec.precision import emulates
 
-    b = config.trainer.batch_size
+    config = cell_config(config, warmup, steps)
+    b, tr = config.trainer.batch_size, config.trainer
     emulated = emulates(config.precision, device)
     with emulation.numerics(emulated):
-        parts = cell_parts(config, base, device)
-        x = torch.randn(b, *shape, device=device)
+        cell, loop, state = cell_parts(config, base, device)
+        x = in_layout(torch.randn(b, *shape, device=device), tr.channels_last)
         y = torch.randint(0, classes, (b,), device=device)
-        train_steps(parts, x, y, warmup)
-        hardware.synchronize(device)
-        t0 = time.perf_counter()
-        train_steps(parts, x, y, steps)
-        hardware.synchronize(device)
-        wall = (time.perf_counter() - t0) / steps
-        meter = busy.meter_for(device)
-        for _ in range(3 if meter is not None else 0):   # a longer spin after a step the host took long to queue
-            meter.sample(train_steps, (parts, x, y, 1), parts[1].clock)
-            if meter.gpu_s:
-                break
-    if config.trainer.compile != "none":
-        torch._dynamo.reset()   # the cell's graphs (and CUDA graph pools) go with it
-    gpu = meter.gpu_s[0] if meter is not None and meter.gpu_s else None
-    peak = None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device) / 2**20
-    fraction = busy.busy_fraction(gpu, wall)
-    return {"samples_per_s": b / wall, "step_ms": 1e3 * wall, "gpu_step_ms": None if gpu is None else 1e3 * gpu,
-            "gpu_busy_fraction": fraction, "host_bound": None if fraction is None else busy.verdict(fraction) == "host-bound",
+        result = engine.fit(cell, [(x, y)] * tr.max_steps, loop, state)
+    if result["status"] != "completed":
+        raise RuntimeError(f"the cell's training {result['status']}: {result['reason']}")
+    m = result["metrics"]
+    peak = None if device.type == "cpu" else hardware.memory_metrics(device)["peak_memory_mb"]
+    return {"samples_per_s": m["throughput"], "step_ms": 1e3 * b / m["throughput"],
+            "gpu_step_ms": m.get("gpu_step_ms"), "gpu_busy_fraction": m["gpu_busy_fraction"],
+            "host_bound": m["host_bound"], "skipped_steps": m["skipped_steps"],
             "peak_memory_mb": peak, "emulated": emulated}
 
 
+def reset_after_cell(device: torch.device) -> None:
+    """A clean start for the next cell: dynamo's graphs and guards (and CUDA graph pools) dropped,
+    the cell's tensors collected and the device's cached blocks freed (after an OOM, the next cell
+    starts from an empty cache)."""
+    torch._dynamo.reset()
+    gc.collect()
+    module = torch.get_device_module(device)
+    if hasattr(module, "empty_cache"):
+        module.empty_cache()
+
+
+def cell_error(error: BaseException) -> str:
+    """The error of a failed cell in one line: its type and its message's first line."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def run_cell(cfg: Config, bases: dict, model: str, device: torch.device, args) -> dict:
+    """One cell's figures, or {"error": ...} when it fails (an OOM, a compile error, any Exception;
+    a KeyboardInterrupt ends the table): its traceback goes to stderr, and the table goes on after a
+    reset."""
+    try:
+        if model not in bases:
+            bases[model] = build_base(cfg, device)
+        figures = time_cell(cfg, *bases[model], device, args.warmup, args.steps)
+        return {**figures, "error": None}
+    except Exception as e:
+        if not isinstance(e, ConfigError):   # a refusal is its one line; else its traceback too
+            traceback.print_exc()
+        return {"error": cell_error(e)}
+    finally:
+        reset_after_cell(device)
+
+
+def table_plan(args) -> list[tuple[str, str, int, str, Config]]:
+    """Every cell's (model, precision, batch, compile mode, config), composed before any is timed:
+    a bad override or name ends the table at once, in one line."""
+    cells = [(model, prec, batch, mode) for model in args.models.split(",")
+             for batch, mode, prec in itertools.product(args.batches, args.compiles,
+                                                        args.precisions.split(","))]
+    return [(model, prec, batch, mode,
+             compose([f"model={model}", f"precision={prec}", *args.overrides,
+                      f"trainer.batch_size={batch}", f"trainer.compile={mode}"])[0])
+            for model, prec, batch, mode in cells]
+
+
 def table_cells(args, save=lambda rows, device: None) -> tuple[list[dict], torch.device]:
-    """Every cell, model by model (each built once), with its speed-up against fp32 at the same batch and compile
-    mode (None without an fp32 cell, or for an emulated one: its time is an fp32 time). save(rows, device) after
-    each cell: a run stopped by its time limit keeps the cells it timed."""
-    rows = []
-    for model in args.models.split(","):
-        config, _ = compose([f"model={model}", *args.overrides])
-        device = hardware.select_device(config.trainer.device)
-        base, shape, classes = build_base(config, device)
-        for batch, mode, prec in itertools.product(args.batches, args.compiles, args.precisions.split(",")):
-            cfg, _ = compose([f"model={model}", f"precision={prec}", *args.overrides, f"trainer.batch_size={batch}",
-                              f"trainer.compile={mode}"])
-            t = time.perf_counter()
-            row = {"model": model, "precision": prec, "batch": batch, "compile": mode,
-                   **time_cell(cfg, base, shape, classes, device, args.warmup, args.steps)}
-            row["cell_s"] = time.perf_counter() - t
-            rows.append(row)
-            fp32 = next((r for r in rows if (r["model"], r["batch"], r["compile"], r["precision"]) ==
-                         (model, batch, mode, "fp32")), None)
-            row["speedup"] = (row["samples_per_s"] / fp32["samples_per_s"] if fp32 and not row["emulated"] else None)
-            print(cell_line(row), flush=True)
-            save(rows, device)
-        del base
+    """Every cell, model by model (each built once), with its speed-up against fp32 at the same
+    batch and compile mode (None without a timed fp32 cell, or for an emulated one: its time is an
+    fp32 time). A failed cell is recorded with its error. save(rows, device) after each cell: a run
+    stopped by its time limit keeps the cells it timed."""
+    rows, bases, device = [], {}, None
+    for model, prec, batch, mode, cfg in table_plan(args):
+        device = hardware.select_device(cfg.trainer.device)
+        if model not in bases:
+            bases.clear()   # the model before is freed (run_cell builds this one)
+        t = time.perf_counter()
+        row = {"model": model, "precision": prec, "batch": batch, "compile": mode,
+               **run_cell(cfg, bases, model, device, args)}
+        row["cell_s"] = time.perf_counter() - t
+        rows.append(row)
+        fp32 = next((r for r in rows if not r["error"] and r["precision"] == "fp32"
+                     and (r["model"], r["batch"], r["compile"]) == (model, batch, mode)), None)
+        row["speedup"] = (row["samples_per_s"] / fp32["samples_per_s"]
+                          if fp32 and not row["error"] and not row["emulated"] else None)
+        print(cell_line(row), flush=True)
+        save(rows, device)
     return rows, device
 
 
 def cell_line(r: dict) -> str:
     fmt = benchmark_fmt
-    return (f"{r['model']:10s} {r['precision']:9s} b{r['batch']:<5d} {r['compile']:15s} {r['samples_per_s']:>10.1f} "
-            f"samples/s  x{fmt(r['speedup'], '.2f')} vs fp32  GPU busy {fmt(r['gpu_busy_fraction'], '.2f')}  "
+    head = f"{r['model']:10s} {r['precision']:9s} b{r['batch']:<5d} {r['compile']:15s}"
+    if r["error"]:
+        return f"{head} failed: {r['error']}  ({r['cell_s']:.1f} s)"
+    return (f"{head} {r['samples_per_s']:>10.1f} samples/s  x{fmt(r['speedup'], '.2f')} vs fp32  "
+            f"GPU busy {fmt(r['gpu_busy_fraction'], '.2f')}  "
             f"peak {fmt(r['peak_memory_mb'], '.0f')} MB  ({r['cell_s']:.1f} s)")
 
 
@@ -303,28 +365,50 @@ def benchmark_fmt(v, spec: str) -> str:
 
 TABLE_HEADS = ["model", "precision", "batch", "compile", "samples/s", "vs fp32", "step ms", "GPU busy", "peak MB",
                "note"]
+CELL_KEYS = ("model", "precision", "batch", "compile")
+
+
+def failed_cells(rows: list[dict]) -> list[dict]:
+    """The cells that failed, each named (model, precision, batch, compile) with its error."""
+    return [{k: r[k] for k in (*CELL_KEYS, "error")} for r in rows if r["error"]]
+
+
+def table_row(r: dict) -> str:
+    """One markdown row: a timed cell's figures, or a failed cell's dashes."""
+    if r["error"]:
+        cells = [*(r[k] for k in CELL_KEYS), *["-"] * 5, "failed"]
+    else:
+        note = ("emulated: an fp32 time" if r["emulated"] else
+                "host-bound" if r["host_bound"] else "")
+        cells = [*(r[k] for k in CELL_KEYS), f"{r['samples_per_s']:.1f}",
+                 benchmark_fmt(r["speedup"], ".2f"), f"{r['step_ms']:.2f}",
+                 benchmark_fmt(r["gpu_busy_fraction"], ".2f"),
+                 benchmark_fmt(r["peak_memory_mb"], ".0f"), note]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def table_markdown(result: dict) -> str:
-    """The table as markdown, with what was timed and the host-bound cells named."""
-    from mixprec import busy
-
+    """The table as markdown, with what was timed, the host-bound cells and the failed cells
+    named."""
+    rows = result["rows"]
     lines = [f"# Speed table ({result['device']}, torch {result['torch']})", "",
-             f"{result['warmup']} untimed steps (compilation included), then {result['steps']} timed steps per cell, "
-             "synthetic batch on the device, the job's own step (engine.ImageSteps.step). GPU busy: the GPU's own "
-             "time for a step over its wall time (docs/speed.md); '-': not measured (CPU). "
-             f"{len(result['rows'])} cells in {result['total_s']:.1f} s"
+             f"{result['warmup']} untimed steps (compilation included), then {result['steps']} "
+             "timed steps per cell, synthetic batch on the device in the job's memory layout, "
+             "stepped as a job steps (engine.fit: the log window and its flush, the training "
+             "clock). GPU busy: the GPU's own time for a step over its wall time (docs/speed.md); "
+             f"'-': not measured (CPU). {len(rows)} cells in {result['total_s']:.1f} s"
              + ("." if result["complete"] else " (incomplete: stopped before the last cell)."), "",
              "| " + " | ".join(TABLE_HEADS) + " |", "|" + "---|" * len(TABLE_HEADS)]
-    for r in result["rows"]:
-        note = "emulated: an fp32 time" if r["emulated"] else ("host-bound" if r["host_bound"] else "")
-        cells = [r["model"], r["precision"], r["batch"], r["compile"], f"{r['samples_per_s']:.1f}",
-                 benchmark_fmt(r["speedup"], ".2f"), f"{r['step_ms']:.2f}", benchmark_fmt(r["gpu_busy_fraction"], ".2f"),
-                 benchmark_fmt(r["peak_memory_mb"], ".0f"), note]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    if any(r["host_bound"] for r in result["rows"]):
-        lines += ["", f"Host-bound cells (GPU busy < {busy.HOST_BOUND}): their speed-ups measure Python, not the "
-                      f"precision; use {busy.ADVICE}."]
+    lines += [table_row(r) for r in rows]
+    if any(r["host_bound"] for r in rows if not r["error"]):
+        lines += ["", f"Host-bound cells (GPU busy < {busy.HOST_BOUND}): their speed-ups measure "
+                      f"Python, not the precision; use {busy.ADVICE}."]
+    failed = failed_cells(rows)
+    if failed:
+        lines += ["", f"Failed cells ({len(failed)}): the table went on after each (their "
+                      "tracebacks: the run's stderr).", ""]
+        lines += [f"- {f['model']} {f['precision']} batch {f['batch']} compile {f['compile']}: "
+                  f"{f['error']}" for f in failed]
     return "\n".join(lines) + "\n"
 
 
@@ -339,7 +423,8 @@ class TableFile:
     def save(self, rows: list, device: torch.device, done: bool = False) -> None:
         if "device" not in self.result:
             self.result["device"] = hardware.describe(device)["device_name"]
-        self.result.update(rows=rows, total_s=time.perf_counter() - self.t0, complete=done)
+        self.result.update(rows=rows, failed=failed_cells(rows),
+                           total_s=time.perf_counter() - self.t0, complete=done)
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.out / "table.json", self.result)

@@ -5,6 +5,7 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from argparse import Namespace
 
 import pytest
@@ -132,13 +133,15 @@ def test_bad_input_is_one_line(bench, capsys):
 
 
 class ShiftedClock:
-    """time.perf_counter plus what a fake spin added (`now += s`), for test_busy.FakeTimer."""
+    """time.perf_counter plus what a fake spin added (`now += s`), for test_busy.FakeTimer; it
+    replaces time.perf_counter, so the training clock sees the spin the meter takes out of it."""
 
-    def __init__(self):
-        self.shift = 0.0
+    def __init__(self, monkeypatch):
+        self.shift, self.real = 0.0, time.perf_counter
+        monkeypatch.setattr(time, "perf_counter", self)
 
     def __call__(self):
-        return time.perf_counter() + self.shift
+        return self.real() + self.shift
 
     @property
     def now(self):
@@ -150,6 +153,8 @@ class ShiftedClock:
 
 
 def test_a_table_cell_samples_until_the_host_queued_a_step_ahead_and_reports_its_busy_fraction(bench, monkeypatch):
+    """A cell samples a job's steady steps (busy.SAMPLE_AT) with the job's meter: the first
+    sample, which the host waited in, gives no figure and a longer spin; the second does."""
     from test_busy import FakeTimer
 
     from mixprec import busy
@@ -166,12 +171,175 @@ def test_a_table_cell_samples_until_the_host_queued_a_step_ahead_and_reports_its
         def host_waited(self, value):
             pass
 
-    clock = ShiftedClock()
+    clock = ShiftedClock(monkeypatch)
     timer = OnceTimer(clock, 0.4)
     monkeypatch.setattr(busy, "meter_for", lambda device, world=1: busy.BusyMeter(timer, clock))
     cfg, _ = bench.compose([*TINY, "dataset.image_size=8", "precision=fp32"])
     base, shape, classes = bench.build_base(cfg, torch.device("cpu"))
-    cell = bench.time_cell(cfg, base, shape, classes, torch.device("cpu"), 1, 2)
+    cell = bench.time_cell(cfg, base, shape, classes, torch.device("cpu"), 1, 6)
     assert timer.queries == 2 and len(timer.spins) == 2
     # the GPU busy 40% of the sampled step's queuing time, against the timed steps' wall time: a fraction, no fake 1.0
     assert 0 < cell["gpu_busy_fraction"] <= 1 and cell["gpu_step_ms"] > 0 and cell["host_bound"] is not None
+
+
+FUSED_AMP = ["precision=amp", "optimizer.impl=fused"]
+
+
+def counted_calls(monkeypatch, *targets) -> dict:
+    """How often each (owner, name) of targets is called, by name."""
+    calls = {}
+    for owner, name in targets:
+        original, calls[name] = getattr(owner, name), 0
+
+        def counted(*args, _f=original, _n=name, **kwargs):
+            calls[_n] += 1
+            return _f(*args, **kwargs)
+        monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("overrides, per_step", [
+    (FUSED_AMP, 0),                                     # the found-inf flag: read at the flush
+    (["precision=amp", "optimizer.impl=foreach"], 1),   # GradScaler's own check, as in a job
+    (["precision=fp32"], 0),
+])
+def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides, per_step):
+    """A cell runs a job's loop (engine.fit: a log window, its one flush): tests/test_speed.py's
+    sync count for a job, here for a cell: 0 syncs in a steady fused-amp step, and the window
+    flushed as a job flushes it."""
+    from test_speed import SyncCounter
+
+    import mixprec.engine as engine
+    from mixprec.numerics.probe import Attribution
+
+    counter = SyncCounter(monkeypatch)
+    counter.off_during(monkeypatch, Attribution, "see_batch")   # step 1's input check, once a run
+    counter.on_during(monkeypatch, engine.ImageSteps, "step")
+    calls = counted_calls(monkeypatch, (engine.ImageSteps, "step"), (engine, "flush"))
+    cfg, _ = bench.compose([*TINY, "dataset.image_size=8", *overrides])
+    base, shape, classes = bench.build_base(cfg, torch.device("cpu"))
+    cell = bench.time_cell(cfg, base, shape, classes, torch.device("cpu"), 2, 4)
+    assert calls["step"] == 6 and cell["samples_per_s"] > 0
+    assert counter.count == 6 * per_step
+    assert calls["flush"] >= 1   # the found-inf flags and losses read once, at the window's end
+
+
+def layouts_seen(monkeypatch) -> list:
+    """Records the memory layout of every batch the loop's forward gets (engine.forward)."""
+    import mixprec.engine as engine
+
+    seen, forward = [], engine.forward
+
+    def recorded(model, x, policy):
+        nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        seen.append("channels_last" if nhwc else "nchw" if x.is_contiguous() else "other")
+        return forward(model, x, policy)
+    monkeypatch.setattr(engine, "forward", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_a_table_cell_feeds_batches_in_the_jobs_memory_format(bench, tmp_path, monkeypatch,
+                                                               channels_last):
+    """A job's pipeline gives channels_last batches to a channels_last model
+    (data.pipelines.in_layout); a cell must too, or its convolutions time a layout conversion no
+    job makes."""
+    from helpers import run_tiny
+
+    flag = f"trainer.channels_last={str(channels_last).lower()}"
+    seen = layouts_seen(monkeypatch)
+    job = run_tiny(tmp_path, "dataset.image_size=8", flag)
+    assert job["status"] == "completed"
+    job_layouts, seen[:] = set(seen), []
+    cfg, _ = bench.compose([*TINY, "dataset.image_size=8", flag])
+    base, shape, classes = bench.build_base(cfg, torch.device("cpu"))
+    bench.time_cell(cfg, base, shape, classes, torch.device("cpu"), 1, 2)
+    assert set(seen) == job_layouts == {"channels_last" if channels_last else "nchw"}
+
+
+OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
+COMPILE_ERROR = "backend='inductor' raised: CompilationError"
+
+
+def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monkeypatch):
+    """An OOM in one cell's step and a compile error in others: each recorded with its error, dynamo
+    reset and the device's cache emptied after each (the failed cell's model freed first), the other
+    cells timed; table.json and table.md name every failed cell."""
+    import mixprec.compiled as compiled
+    import mixprec.engine as engine
+
+    forward, compile_model = engine.forward, compiled.compile_model
+    resets, emptied, failed_models = [], [], []
+
+    def oom_at_fp32_batch_4(model, x, policy):
+        if policy.cfg.name == "fp32" and len(x) == 4:
+            failed_models.append(weakref.ref(model))
+            raise torch.OutOfMemoryError(OOM)
+        return forward(model, x, policy)
+
+    def compile_error(model, mode):
+        if mode == "default":
+            raise RuntimeError(COMPILE_ERROR)
+        return compile_model(model, mode)
+    monkeypatch.setattr(engine, "forward", oom_at_fp32_batch_4)
+    monkeypatch.setattr(compiled, "compile_model", compile_error)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(torch.cpu, "empty_cache",
+                        lambda: emptied.append([m() for m in failed_models]), raising=False)
+    out = tmp_path / "table"
+    assert bench.main(["table", "--models", "small_cnn", "--precisions", "fp32,tf32",
+                       "--batches", "4,8", "--compiles", "none,default", *TINY,
+                       "dataset.image_size=8", "--steps", "2", "--warmup", "1",
+                       "--out", str(out)]) == 0
+    res = json.loads((out / "table.json").read_text())
+    failed = {(r["precision"], r["batch"], r["compile"]): r["error"]
+              for r in res["rows"] if r["error"]}
+    assert failed == {("fp32", 4, "none"): f"OutOfMemoryError: {OOM}",
+                      **{(p, b, "default"): f"RuntimeError: {COMPILE_ERROR}"
+                         for p in ("fp32", "tf32") for b in (4, 8)}}
+    assert res["complete"] and len(res["rows"]) == 8
+    assert [(f["precision"], f["batch"], f["compile"]) for f in res["failed"]] == list(failed)
+    timed = [r for r in res["rows"] if not r["error"]]
+    assert [(r["precision"], r["batch"]) for r in timed] == [("tf32", 4), ("fp32", 8), ("tf32", 8)]
+    assert all(r["samples_per_s"] > 0 for r in timed)
+    assert timed[0]["speedup"] is None   # its fp32 cell failed
+    assert len(resets) >= 5 and len(emptied) >= 5   # after every failed cell at least
+    assert failed_models and emptied[0] == [None]   # the OOM cell's model freed before the emptying
+    md = (out / "table.md").read_text()
+    assert md.count("| failed |") == 5 and "Failed cells (5)" in md
+    assert f"- small_cnn fp32 batch 4 compile none: OutOfMemoryError: {OOM}" in md
+    monkeypatch.setattr(engine, "forward", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):   # a user's Ctrl-C still ends the table
+        bench.main(["table", "--models", "small_cnn", "--precisions", "fp32", "--batches", "4",
+                    *TINY, "dataset.image_size=8", "--steps", "1", "--warmup", "1"])
+
+
+@pytest.mark.gpu
+def test_a_cuda_table_cell_makes_no_sync_in_an_amp_step_and_measures_gpu_busy(bench, monkeypatch):
+    """CUDA's own count, as test_speed.test_cuda_syncs_per_step counts a job's:
+    torch.cuda.set_sync_debug_mode("warn") during the engine's steps of an amp cell
+    (optimizer.impl=auto: fused on CUDA): none; and its GPU busy fraction is measured (a step that
+    reads found-inf at once gave '-'), its peak memory too."""
+    import warnings
+
+    import mixprec.engine as engine
+    step = engine.ImageSteps.step
+
+    def watched(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return step(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    monkeypatch.setattr(engine.ImageSteps, "step", watched)
+    device = torch.device("cuda")
+    cfg, _ = bench.compose(["model=small_cnn", "model.width=8", "trainer.batch_size=16",
+                            "dataset.image_size=8", "precision=amp", "trainer.device=cuda"])
+    base, shape, classes = bench.build_base(cfg, device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cell = bench.time_cell(cfg, base, shape, classes, device, 2, 8)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert syncs == []
+    assert cell["gpu_busy_fraction"] is not None and cell["gpu_step_ms"] > 0
+    assert cell["peak_memory_mb"] > 0
