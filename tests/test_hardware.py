@@ -253,6 +253,24 @@ def test_arch_names_are_parsed_with_their_suffixes():
     assert "hardware.has_kernels_for(arch, (major, minor))" in script and "int(a[3:])" not in script
 
 
+CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]   # a CUDA 12.6 wheel's list
+
+
+@pytest.mark.parametrize("arch, cap, runs", [
+    (CU126, (9, 0), True), (CU126, (8, 9), True), (CU126, (7, 0), True),
+    (CU126, (10, 0), False), (CU126, (12, 0), False),   # a B200, an RTX 5090: cubins of another major
+    (["sm_80"], (9, 0), False), (["sm_80"], (8, 6), True), (["sm_86"], (8, 0), False),
+    (["sm_80", "compute_80"], (9, 0), True),             # PTX: the driver compiles it for a later GPU
+    (["compute_90"], (12, 0), True), (["compute_90"], (8, 9), False),
+    (["compute_90a"], (9, 0), True), (["compute_90a"], (10, 0), False),   # arch-specific PTX too
+    (["sm_90a"], (9, 0), True), (["sm_100a"], (10, 3), False),
+    (["sm_100f"], (10, 0), True), (["sm_103f"], (10, 0), False), (["compute_100f"], (12, 0), False),
+    (["sm_90x"], (9, 0), False), (["gfx90a"], (9, 0), False),
+])
+def test_kernels_count_for_their_major_version_and_ptx_for_later_gpus(arch, cap, runs):
+    assert hardware.has_kernels_for(arch, cap) is runs
+
+
 def test_fp32_weights_are_cpu_copies():
     config = validate(compose_config("precision=o2"))
     policy = precision.PrecisionPolicy(config.precision, torch.device("cpu"))
