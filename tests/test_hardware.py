@@ -96,7 +96,8 @@ def test_gpu_profiles_match_the_full_device_name(name, matched):
 
 
 AUTO_NAMES = [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
-              ("Tesla V100-SXM2-16GB", "v100"), ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"),
+              ("Tesla V100-SXM2-16GB", "v100"), ("Tesla V100-SXM2-32GB", "v100_32gb"),
+              ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"),
               ("NVIDIA GeForce GTX 1080 Ti", "gtx1080ti")]
 
 
@@ -107,6 +108,18 @@ def test_gpu_auto_picks_the_profile_that_matches_the_device_name(name, expected)
     assert (profile["name"], profile["matched"], profile["chosen_by"]) == (expected, True, "auto")
     m = {"train_flops_per_sample": 3e9, "throughput": 2000.0}
     assert hardware.mfu(m, profile, "fp32") == pytest.approx(3e9 * 2000 / (profile["peak_tflops"]["fp32"] * 1e12))
+
+
+def test_every_profile_names_only_cards_of_its_memory_and_no_card_has_two_profiles():
+    """A device name that says its memory ('Tesla V100-SXM2-32GB') matches a profile of that memory."""
+    import re
+
+    seen = {}
+    for gpu in hardware.known_profiles():
+        for name in gpu.match:
+            said = re.search(r"(\d+)GB", name)
+            assert said is None or int(said[1]) == gpu.memory_gb, (gpu.name, name, gpu.memory_gb)
+            assert seen.setdefault(name.strip().lower(), gpu.name) == gpu.name, name
 
 
 def test_gpu_auto_on_an_unknown_card_logs_one_line_and_shows_no_mfu(caplog):
