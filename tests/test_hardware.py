@@ -111,7 +111,7 @@ def test_gpu_auto_picks_the_profile_that_matches_the_device_name(name, expected)
 
 
 def test_every_profile_names_only_cards_of_its_memory_and_no_card_has_two_profiles():
-    """A device name that says its memory ('Tesla V100-SXM2-32GB') matches a profile of that memory."""
+    """A device name that says its memory ('Tesla V100-SXM2-32GB') matches a profile of it."""
     import re
 
     seen = {}
@@ -271,9 +271,9 @@ CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]   # a CU
 
 @pytest.mark.parametrize("arch, cap, runs", [
     (CU126, (9, 0), True), (CU126, (8, 9), True), (CU126, (7, 0), True),
-    (CU126, (10, 0), False), (CU126, (12, 0), False),   # a B200, an RTX 5090: cubins of another major
+    (CU126, (10, 0), False), (CU126, (12, 0), False),   # a B200, an RTX 5090: another major
     (["sm_80"], (9, 0), False), (["sm_80"], (8, 6), True), (["sm_86"], (8, 0), False),
-    (["sm_80", "compute_80"], (9, 0), True),             # PTX: the driver compiles it for a later GPU
+    (["sm_80", "compute_80"], (9, 0), True),             # PTX: compiled for a later GPU
     (["compute_90"], (12, 0), True), (["compute_90"], (8, 9), False),
     (["compute_90a"], (9, 0), True), (["compute_90a"], (10, 0), False),   # arch-specific PTX too
     (["sm_90a"], (9, 0), True), (["sm_100a"], (10, 3), False),

@@ -92,10 +92,11 @@ def read(out_dir: Path, config: dict, device_type: str) -> dict | None:
 
 
 def keep_default_batch(cfg, out_dir: Path) -> int | None:
-    """Under trainer.resume=auto, a job whose trainer.batch_size is the device default (defaults.py: no preset
-    or override set it) resumes with its checkpoint's batch when the default has changed since (64 on CUDA
-    before 256): a default is not the user's change. Sets it in `cfg` (a Hydra DictConfig, before validation)
-    and says so; returns the batch taken, else None. A checkpoint that cannot be read is left to read()."""
+    """Under trainer.resume=auto, a job whose trainer.batch_size is the device default (defaults.py:
+    no preset or override set it) resumes with its checkpoint's batch when the default has changed
+    since (64 on CUDA before 256): a default is not the user's change. Sets it in `cfg` (a Hydra
+    DictConfig, before validation) and says so; returns the batch taken, else None. A checkpoint
+    that cannot be read is left to read(), which says what is wrong."""
     from omegaconf import OmegaConf
 
     trainer = cfg.get("trainer")
@@ -114,9 +115,9 @@ def keep_default_batch(cfg, out_dir: Path) -> int | None:
     if not isinstance(saved, int) or isinstance(saved, bool) or saved == now:
         return None
     trainer.batch_size = saved
-    log.info(f"mixprec: note: resuming {out_dir} with its checkpoint's batch, trainer.batch_size={saved} "
-             f"(the default is {now} now; a default is not a change to the job: to train at {now}, start "
-             "over with trainer.resume=never)")
+    log.info(f"mixprec: note: resuming {out_dir} with its checkpoint's batch, "
+             f"trainer.batch_size={saved} (the default is {now} now; a default is not a change to "
+             f"the job: to train at {now}, start over with trainer.resume=never)")
     return saved
 
 

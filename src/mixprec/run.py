@@ -79,7 +79,7 @@ def run_job(cfg: DictConfig) -> dict:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     try:
-        checkpoint.keep_default_batch(cfg, job.out)   # a resume keeps its batch when only the default moved
+        checkpoint.keep_default_batch(cfg, job.out)   # a resume keeps a default batch that moved
         summary["config"] = plain_config(cfg)
         config = validate_job(cfg)
         prior = final_prior(config, job)
