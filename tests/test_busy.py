@@ -222,11 +222,15 @@ def test_the_cuda_timer_times_a_step_queued_behind_its_spin():
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         for _ in range(3):   # a first sample may have to lengthen the spin
+            excluded, t0 = clock.excluded, time.perf_counter()
             meter.sample(step, (), clock)
+            kept = time.perf_counter() - t0 - (clock.excluded - excluded)
             if len(meter.gpu_s) > len(fractions):
                 break
         assert len(meter.gpu_s) == len(fractions) + 1, "no valid sample: the host waited on the GPU every time"
         fractions.append(busy.busy_fraction(meter.gpu_s[-1], wall))
+        # the clock keeps a sampled step's own time, near an unsampled one's: no spin in it
+        assert 0.5 * wall < kept < 2 * wall, (kept, wall)
     assert fractions[0] > busy.HOST_BOUND and fractions[1] < fractions[0], fractions
     assert clock.excluded > 0
 
