@@ -16,31 +16,48 @@ class FakeEvent:
     def __init__(self, timer):
         self.timer, self.t = timer, None
 
-    def record(self):
-        self.t = self.timer.clock()
+    def record(self):   # the GPU time (on the host's clock) at which the GPU reaches the event
+        self.t = self.timer.reach()
 
     def query(self):
-        return self.timer.host_waited
+        return self.t <= self.timer.clock.now
 
-    def elapsed_time(self, end):   # ms, as torch.cuda.Event's: the GPU's share of the host time between the two
-        return 1e3 * self.timer.fraction * (end.t - self.t)
+    def elapsed_time(self, end):   # ms, as torch.cuda.Event's
+        return 1e3 * (end.t - self.t)
 
 
 class FakeTimer:
-    """A GPU busy `fraction` of the host time of a step; host_waited: the host waited on it inside the step."""
+    """A fake GPU: a spin keeps it busy for its seconds; the work the host queues takes `fraction`
+    of the host's time queuing it and starts once the GPU is free (after the spin). host_waited
+    (read once a sample): the host waits out the spin before it queues the step, as a step that
+    reads the device first does."""
 
     def __init__(self, clock, fraction, host_waited=False):
         self.clock, self.fraction, self.host_waited, self.spins = clock, fraction, host_waited, []
+        self.free = clock.now   # when the GPU's queued work ends
+        self.mark = clock.now   # the host time the GPU's queue is counted up to
+
+    def queue(self):   # the work the host queued since the last mark
+        self.free = max(self.free, self.mark) + self.fraction * (self.clock.now - self.mark)
+        self.mark = self.clock.now
+
+    def reach(self):
+        self.queue()
+        return self.free
 
     def sync(self):
-        pass
+        self.queue()
+        self.clock.now = self.mark = max(self.clock.now, self.free)
 
     def event(self):
         return FakeEvent(self)
 
-    def spin(self, seconds):   # the host waits for the spin at the sync after the step: its time is excluded
+    def spin(self, seconds):
+        self.queue()
         self.spins.append(seconds)
-        self.clock.now += seconds
+        self.free = max(self.free, self.clock.now) + seconds
+        if self.host_waited:
+            self.sync()
 
 
 def run_busy(tmp_path, monkeypatch, fraction, host_waited=False):
@@ -56,9 +73,13 @@ def test_busy_fraction_on_faked_clocks_says_host_bound_or_not(tmp_path, monkeypa
     m = s["metrics"]
     assert m["gpu_busy_fraction"] == pytest.approx(fraction, rel=1e-6) and m["host_bound"] is verdict
     assert m["busy_samples"] == 2 and m["gpu_step_ms"] == pytest.approx(10 * fraction, rel=1e-6)
-    # 10 steps of 10 ms: the 2 sampled ones (spin included) are out of the clock, their samples out of the rate
-    assert m["train_time_s"] == pytest.approx(8 * 0.01, rel=1e-6) and m["wall_step_ms"] == pytest.approx(10.0, rel=1e-6)
+    # 10 steps of 10 ms of host time: the host queues a sampled step during its spin (the GPU's
+    # share of it runs after the spin), and only the spin and its wait are out of the clock:
+    # 10 steps' time, 8 steady ones of 10 ms
+    assert m["train_time_s"] == pytest.approx(10 * 0.01, rel=1e-6)
+    assert m["wall_step_ms"] == pytest.approx(10.0, rel=1e-6)
     assert m["throughput"] == pytest.approx(16 / 0.01, rel=1e-6) and timer.spins == [busy.SPIN_S] * 2
+    assert s["epochs"][0]["epoch_time_s"] == pytest.approx(10 * 0.01, rel=1e-6)
     assert s["epochs"][0]["gpu_busy_fraction"] == pytest.approx(fraction, rel=1e-6)
     assert (busy.note(m["gpu_busy_fraction"]) is not None) is verdict
 
@@ -68,6 +89,8 @@ def test_a_step_the_host_waited_in_gives_no_figure_and_a_longer_spin(tmp_path, m
     m = s["metrics"]
     assert m["gpu_busy_fraction"] is None and m["host_bound"] is None and m["busy_samples_invalid"] == 2
     assert timer.spins == [busy.SPIN_S, 2 * busy.SPIN_S]
+    # the host waited out the spin before the step: only the spin is out of the clock
+    assert m["train_time_s"] == pytest.approx(10 * 0.01, rel=1e-6)
 
 
 def test_a_cpu_job_records_no_busy_fraction(tmp_path):
@@ -129,12 +152,11 @@ def test_sampling_stops_after_max_invalid_samples_and_leaves_the_clock_whole():
             if meter.wants(True):
                 sampled += 1
                 meter.sample(lambda: setattr(clock, "now", clock.now + 0.01), (), train)
-            else:
-                meter.tick()
+            meter.tick()   # as engine.run_epoch: every steady step, sampled or not
         meter.epoch_record(1.0)
     assert sampled == busy.MAX_INVALID and meter.invalid == busy.MAX_INVALID
     assert meter.metrics(1.0)["gpu_busy_fraction"] is None
-    assert train.excluded == pytest.approx(busy.MAX_INVALID * 0.01 + sum(meter.timer.spins))
+    assert train.excluded == pytest.approx(sum(meter.timer.spins))   # the steps' time stays
 
 
 def test_after_a_step_the_host_took_long_to_queue_the_spin_covers_twice_its_queuing_time():
@@ -151,6 +173,23 @@ def test_after_a_step_the_host_took_long_to_queue_the_spin_covers_twice_its_queu
     timer.host_waited = False
     meter.sample(lambda: setattr(clock, "now", clock.now + 0.3), (), Clock())
     assert timer.spins == [busy.SPIN_S, pytest.approx(0.6)] and meter.gpu_s == [pytest.approx(0.15)]
+
+
+@pytest.mark.parametrize("fraction, kept", [(0.3, 0.01), (2.0, 0.02)])
+def test_a_valid_sample_keeps_the_slower_side_of_its_step_in_the_clock(fraction, kept):
+    """A host-bound sampled step (the GPU's share 30% of the host's 10 ms) keeps the host's 10 ms;
+    a GPU-bound one (the GPU 20 ms) keeps the GPU's 20 ms: what a pipelined steady step takes.
+    Out go the spin and its wait."""
+    from fakes import FakeClock
+
+    clock, train = FakeClock(), HostClock()
+    meter = busy.BusyMeter(FakeTimer(clock, fraction), clock)
+    t0 = clock.now
+    meter.sample(lambda: setattr(clock, "now", clock.now + 0.01), (), train)
+    took = clock.now - t0
+    assert meter.gpu_s == [pytest.approx(0.01 * fraction)]
+    assert took == pytest.approx(busy.SPIN_S + 0.01 * fraction)
+    assert took - train.excluded == pytest.approx(kept)
 
 
 class HostClock:
@@ -183,11 +222,15 @@ def test_the_cuda_timer_times_a_step_queued_behind_its_spin():
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         for _ in range(3):   # a first sample may have to lengthen the spin
+            excluded, t0 = clock.excluded, time.perf_counter()
             meter.sample(step, (), clock)
+            kept = time.perf_counter() - t0 - (clock.excluded - excluded)
             if len(meter.gpu_s) > len(fractions):
                 break
         assert len(meter.gpu_s) == len(fractions) + 1, "no valid sample: the host waited on the GPU every time"
         fractions.append(busy.busy_fraction(meter.gpu_s[-1], wall))
+        # the clock keeps a sampled step's own time, near an unsampled one's: no spin in it
+        assert 0.5 * wall < kept < 2 * wall, (kept, wall)
     assert fractions[0] > busy.HOST_BOUND and fractions[1] < fractions[0], fractions
     assert clock.excluded > 0
 

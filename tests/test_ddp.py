@@ -185,6 +185,22 @@ def test_bad_override_under_torchrun_is_one_line(tmp_path):
     assert json.loads((tmp_path / "job" / "summary.json").read_text())["status"] == "failed"
 
 
+@pytest.mark.slow
+def test_ghost_splits_that_do_not_divide_a_ranks_batch_are_one_line_before_any_work(tmp_path):
+    """16 splits divide the global batch of 16 (config.py's check passes) but not each rank's 8."""
+    small = [o for o in TINY if not o.startswith("model")]
+    small += ["model=resnet9", "model.channels=[8,16,32,64]", "trick.ghost_bn=true"]
+    r = run([*small, f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path, timeout=120)
+    assert r.returncode != 0, r.stderr[-3000:]   # torchrun exits 1 when a rank fails
+    out = r.stdout + r.stderr
+    line = ("mixprec: config error: trick.ghost_splits=16: must divide each rank's batch, "
+            "trainer.batch_size=16 / 2 ranks = 8")
+    assert out.count(line) == 1, out[-3000:]   # rank 0 says it; rank 1 exits quietly
+    assert "mixprec/" not in out and "train.py\", line" not in out   # no traceback from any rank
+    assert not (tmp_path / "job" / "metrics.jsonl").exists()   # no step ran
+    assert json.loads((tmp_path / "job" / "summary.json").read_text())["status"] == "failed"
+
+
 def test_a_failed_ranks_error_is_said_by_rank_0_or_by_itself():
     store = torch.distributed.HashStore()
     other = dist.Ranks(rank=1, world=2)
@@ -201,6 +217,10 @@ def test_ranks_checks():
         dist.check(15, False, torch.device("cpu"), ranks)
     with pytest.raises(ConfigError, match="trainer.sync_bn=true: SyncBatchNorm runs on GPUs only"):
         dist.check(16, True, torch.device("cpu"), ranks)
+    assert dist.check(32, False, torch.device("cpu"), ranks, ghost_splits=16) == 16
+    with pytest.raises(ConfigError, match=r"trick.ghost_splits=16: must divide each rank's batch, "
+                                          r"trainer.batch_size=16 / 2 ranks = 8 "):
+        dist.check(16, False, torch.device("cpu"), ranks, ghost_splits=16)
     # rank 1's slices of a global batch: its samples and its share of the random draws
     assert pipelines.shard_of(torch.arange(16), (1, 2)).tolist() == list(range(8, 16))
     gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731

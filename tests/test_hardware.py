@@ -96,7 +96,8 @@ def test_gpu_profiles_match_the_full_device_name(name, matched):
 
 
 AUTO_NAMES = [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
-              ("Tesla V100-SXM2-16GB", "v100"), ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"),
+              ("Tesla V100-SXM2-16GB", "v100"), ("Tesla V100-SXM2-32GB", "v100_32gb"),
+              ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"),
               ("NVIDIA GeForce GTX 1080 Ti", "gtx1080ti")]
 
 
@@ -107,6 +108,18 @@ def test_gpu_auto_picks_the_profile_that_matches_the_device_name(name, expected)
     assert (profile["name"], profile["matched"], profile["chosen_by"]) == (expected, True, "auto")
     m = {"train_flops_per_sample": 3e9, "throughput": 2000.0}
     assert hardware.mfu(m, profile, "fp32") == pytest.approx(3e9 * 2000 / (profile["peak_tflops"]["fp32"] * 1e12))
+
+
+def test_every_profile_names_only_cards_of_its_memory_and_no_card_has_two_profiles():
+    """A device name that says its memory ('Tesla V100-SXM2-32GB') matches a profile of it."""
+    import re
+
+    seen = {}
+    for gpu in hardware.known_profiles():
+        for name in gpu.match:
+            said = re.search(r"(\d+)GB", name)
+            assert said is None or int(said[1]) == gpu.memory_gb, (gpu.name, name, gpu.memory_gb)
+            assert seen.setdefault(name.strip().lower(), gpu.name) == gpu.name, name
 
 
 def test_gpu_auto_on_an_unknown_card_logs_one_line_and_shows_no_mfu(caplog):
@@ -251,6 +264,24 @@ def test_arch_names_are_parsed_with_their_suffixes():
     assert not hardware.has_kernels_for(["sm_120", "compute_120"], (9, 0))
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
     assert "hardware.has_kernels_for(arch, (major, minor))" in script and "int(a[3:])" not in script
+
+
+CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]   # a CUDA 12.6 wheel's list
+
+
+@pytest.mark.parametrize("arch, cap, runs", [
+    (CU126, (9, 0), True), (CU126, (8, 9), True), (CU126, (7, 0), True),
+    (CU126, (10, 0), False), (CU126, (12, 0), False),   # a B200, an RTX 5090: another major
+    (["sm_80"], (9, 0), False), (["sm_80"], (8, 6), True), (["sm_86"], (8, 0), False),
+    (["sm_80", "compute_80"], (9, 0), True),             # PTX: compiled for a later GPU
+    (["compute_90"], (12, 0), True), (["compute_90"], (8, 9), False),
+    (["compute_90a"], (9, 0), True), (["compute_90a"], (10, 0), False),   # arch-specific PTX too
+    (["sm_90a"], (9, 0), True), (["sm_100a"], (10, 3), False),
+    (["sm_100f"], (10, 0), True), (["sm_103f"], (10, 0), False), (["compute_100f"], (12, 0), False),
+    (["sm_90x"], (9, 0), False), (["gfx90a"], (9, 0), False),
+])
+def test_kernels_count_for_their_major_version_and_ptx_for_later_gpus(arch, cap, runs):
+    assert hardware.has_kernels_for(arch, cap) is runs
 
 
 def test_fp32_weights_are_cpu_copies():

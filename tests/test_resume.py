@@ -377,6 +377,33 @@ def test_a_bad_checkpoint_gives_one_line_naming_the_file(tmp_path, failed_job, c
         assert [r["epoch"] for r in rows(tmp_path) if r["kind"] == "epoch"] == [1, 2]
 
 
+def test_an_older_default_batch_resumes_with_its_batch_and_says_so(tmp_path, caplog):
+    """The default batch moved (64 on CUDA, then 256; here the CPU default 16, then 64) between a
+    run and its resume: a job that never set the batch resumes with its checkpoint's."""
+    from mixprec import defaults
+
+    base = [o for o in TINY if not o.startswith(("trainer.batch_size", "trainer.max_steps"))]
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit):
+        mp.setattr(defaults, "CPU_BATCH", 16)   # the default when the job ran
+        fail_at_the_end(mp)
+        run_tiny(tmp_path, *EPOCHS2, base=base)
+    assert json.loads((tmp_path / SUMMARY).read_text())["config"]["trainer"]["batch_size"] == 16
+    with caplog.at_level("INFO"):
+        s = run_tiny(tmp_path, *EPOCHS2, "trainer.resume=auto", base=base)   # the default is 64 now
+    assert s["status"] == "completed" and s["resumed"]["from_step"] == 4
+    assert s["metrics"]["steps"] == 8
+    assert s["config"]["trainer"]["batch_size"] == 16
+    notes = [r.message for r in caplog.records if "trainer.batch_size=16" in r.message]
+    assert len(notes) == 1 and "the default is 64 now" in notes[0], notes
+
+
+def test_a_checkpoint_is_refused_when_the_user_sets_another_batch(tmp_path, failed_job, capsys):
+    shutil.copy(failed_job / CHECKPOINT, tmp_path / CHECKPOINT)   # at TINY's batch, 16
+    with pytest.raises(SystemExit):
+        run_tiny(tmp_path, *EPOCHS2, "trainer.resume=auto", "trainer.batch_size=32")
+    assert "written by a different config (trainer.batch_size: 16 -> 32)" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_final_weights_are_fp32_and_load_into_a_rebuilt_model(tmp_path):
     s = run_tiny(tmp_path, "precision=o2")

@@ -1,18 +1,25 @@
-"""How busy the GPU was in a job's steady-state steps: the GPU's own time for a step against the step's wall time.
+"""How busy the GPU was in a job's steady-state steps: the GPU's own time for a step against the
+step's wall time.
 
-Method (docs/speed.md, "Host-bound steps"): a few steady steps an epoch are *sampled*. For a sampled step the
-device is synchronized, a spin kernel (torch.cuda._sleep) holds the stream while the host queues the whole step
-behind it, between two CUDA events; the events' elapsed time is then the GPU's time for that step with no wait for
-the host in it (the sample counts only if the start event had not yet run when the host finished queuing, i.e.
-the host never waited on the GPU inside the step; else the next spin is twice the host's queuing time or twice the
-spin, and a step that reads the device every time gives no figure: sampling stops after MAX_INVALID such
-samples). The wall time of a step is the steady training clock over the steady steps that were not sampled. busy
-fraction = GPU time / wall time, at most 1: below HOST_BOUND the GPU waited for Python (the launch overhead of
-eager PyTorch), and a speed-up measured there says little about the precision.
+Method (docs/speed.md, "Host-bound steps"): a few steady steps an epoch are *sampled*. For a sampled
+step the device is synchronized, a spin kernel (torch.cuda._sleep) holds the stream while the host
+queues the whole step behind it, between two CUDA events; the events' elapsed time is then the GPU's
+time for that step with no wait for the host in it (the sample counts only if the start event had
+not yet run when the host finished queuing, i.e. the host never waited on the GPU inside the step;
+else the next spin is twice the host's queuing time or twice the spin, and a step that reads the
+device every time gives no figure: sampling stops after MAX_INVALID such samples). The wall time of
+a step is the steady training clock over the job's steady steps, sampled ones included. busy
+fraction = GPU time / wall time, at most 1: below HOST_BOUND the GPU waited for Python (the launch
+overhead of eager PyTorch), and a speed-up measured there says little about the precision.
 
-Sampled steps train as any other (same batch, same update); their wall time (spin included) is taken out of
-the training clock and their samples out of the steady throughput. CUDA single-process jobs only: on a CPU (and
-under DDP) no figure is recorded (None), never a made-up one.
+Sampled steps train as any other (same batch, same update) and stay in the training clock and the
+steady throughput; only what sampling adds is taken out of the clock (clock.exclude): the spin and
+the wait it causes. What a sampled step keeps is its own time as a steady step would take it: with a
+valid sample the longer of the host's queuing time and the GPU's time (in a pipelined steady step
+the slower side sets the pace); with an invalid one (the host waited) its wall time less everything
+the GPU ran before the step could start (the spin, its launch and calibration), which leaves out too
+the host's queuing that overlapped the spin before its wait. CUDA single-process jobs only: on a CPU
+(and under DDP) no figure is recorded (None), never a made-up one.
 """
 from __future__ import annotations
 
@@ -82,8 +89,9 @@ class CudaTimer:
 
 
 class BusyMeter:
-    """Samples steps (sample), counts the steady steps it did not sample (tick), and gives the busy fraction
-    per epoch (epoch_record) and for the job (metrics). `timer`: CudaTimer or a fake; `clock`: the host clock."""
+    """Samples steps (sample), counts the steady steps (tick), and gives the busy fraction per
+    epoch (epoch_record) and for the job (metrics). `timer`: CudaTimer or a fake; `clock`: the host
+    clock."""
 
     def __init__(self, timer, clock=time.perf_counter):
         self.timer, self.clock = timer, clock
@@ -91,7 +99,7 @@ class BusyMeter:
         self.gpu_s: list = []          # every valid sample, the job's
         self.epoch_gpu_s: list = []
         self.epoch_steady = 0          # steady steps of this epoch so far (sampled ones included)
-        self.steady_steps = 0          # steady steps not sampled, the job's
+        self.steady_steps = 0          # steady steps, sampled ones included, the job's
         self.epoch_steps = 0
         self.invalid = 0
         self.steady_at_epoch = self.steady_at_start = 0.0
@@ -108,12 +116,14 @@ class BusyMeter:
         return steady and self.epoch_steady + 1 in SAMPLE_AT
 
     def sample(self, step, args, clock) -> tuple:
-        """Run step(*args) queued behind a spin between two events; returns its result. Its wall time is taken
-        out of the training clock (clock.exclude)."""
+        """Run step(*args) queued behind a spin between two events; returns its result. The spin
+        and the wait it causes are taken out of the training clock (clock.exclude); the step's own
+        time stays (module docstring). The caller counts the step as any steady one (tick)."""
         t = self.timer
         t.sync()
         t0 = self.clock()
-        start, end = t.event(), t.event()
+        before, start, end = t.event(), t.event(), t.event()
+        before.record()
         t.spin(self.spin_s)
         start.record()
         queued_from = self.clock()
@@ -122,18 +132,21 @@ class BusyMeter:
         queuing = self.clock() - queued_from   # the host's time to queue the step
         queued_ahead = not start.query()   # the GPU was still spinning when the host had queued the whole step
         t.sync()
-        clock.exclude(self.clock() - t0)
-        self.epoch_steady += 1
+        took = self.clock() - t0
         if queued_ahead:
             self.gpu_s.append(start.elapsed_time(end) / 1e3)
             self.epoch_gpu_s.append(self.gpu_s[-1])
+            own = max(queuing, self.gpu_s[-1])
         else:
             self.invalid += 1
             self.spin_s = min(max(2 * self.spin_s, 2 * queuing), SPIN_MAX_S)
+            # less all the GPU ran before the step could start
+            own = took - before.elapsed_time(start) / 1e3
+        clock.exclude(took - min(took, max(0.0, own)))
         return result
 
     def tick(self) -> None:
-        """A steady step that was not sampled."""
+        """A steady step, sampled or not: a step's wall time is the steady clock over them all."""
         self.epoch_steady += 1
         self.steady_steps += 1
         self.epoch_steps += 1

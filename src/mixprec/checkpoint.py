@@ -16,12 +16,15 @@ model from the job's summary and loads them).
 `trainer.resume=auto`: a job whose summary.json says completed or diverged is final and skipped (nothing is
 rewritten); otherwise (running = killed, interrupted, failed) it continues from its checkpoint when there is one,
 else starts over. metrics.jsonl is cut back to the rows up to the checkpoint's step, so no row appears twice.
+The config must be the checkpoint's (config_diff), except a default batch that has moved since
+(keep_default_batch: the checkpoint's batch is kept).
 """
 from __future__ import annotations
 
 import dataclasses
 
 import json
+import logging
 import random
 import time
 from pathlib import Path
@@ -29,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .defaults import RESOLVER
 from .dist import SINGLE, Ranks
 from .models import flatten_rnns
 from .numerics import emulation
@@ -40,6 +44,9 @@ FORMAT = 3   # 2: the loop state is engine.LoopState.state_dict(); the loader's 
              # 3: "rng" is a list, one entry per rank
 FINAL = ("completed", "diverged")        # a job in these states is done: resume=auto skips it
 VOLATILE = ("trainer.resume", "trainer.device", "logger")   # config that may differ between a run and its resume
+
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -82,6 +89,36 @@ def read(out_dir: Path, config: dict, device_type: str) -> dict | None:
         raise CheckpointError(f"{path}: written by a different config ({diff}); resume with the job's own "
                               f"overrides, or {fix}")
     return ckpt
+
+
+def keep_default_batch(cfg, out_dir: Path) -> int | None:
+    """Under trainer.resume=auto, a job whose trainer.batch_size is the device default (defaults.py:
+    no preset or override set it) resumes with its checkpoint's batch when the default has changed
+    since (64 on CUDA before 256): a default is not the user's change. Sets it in `cfg` (a Hydra
+    DictConfig, before validation) and says so; returns the batch taken, else None. A checkpoint
+    that cannot be read is left to read(), which says what is wrong."""
+    from omegaconf import OmegaConf
+
+    trainer = cfg.get("trainer")
+    if trainer is None or trainer.get("resume") != "auto" or "batch_size" not in trainer:
+        return None
+    default = OmegaConf.to_container(trainer, resolve=False)["batch_size"]
+    path = Path(out_dir) / CHECKPOINT
+    if not (isinstance(default, str) and RESOLVER in default and path.exists()):
+        return None
+    try:   # mmap: only the pickled structure is read, not the tensors
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        saved = ckpt["config"]["trainer"]["batch_size"]
+        now = trainer.batch_size
+    except Exception:
+        return None
+    if not isinstance(saved, int) or isinstance(saved, bool) or saved == now:
+        return None
+    trainer.batch_size = saved
+    log.info(f"mixprec: note: resuming {out_dir} with its checkpoint's batch, "
+             f"trainer.batch_size={saved} (the default is {now} now; a default is not a change to "
+             f"the job: to train at {now}, start over with trainer.resume=never)")
+    return saved
 
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> str | None:

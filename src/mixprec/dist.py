@@ -173,15 +173,25 @@ def device_name(name: str, ranks: Ranks) -> str:
     return f"{acc.type}:{ranks.local_rank}"
 
 
-def check(batch_size: int, sync_bn: bool, device: torch.device, ranks: Ranks) -> int:
-    """The per-rank batch (the configured batch is the global one); ConfigError for what DDP cannot do."""
+def check(batch_size: int, sync_bn: bool, device: torch.device, ranks: Ranks,
+          ghost_splits: int = 1) -> int:
+    """The per-rank batch (the configured batch is the global one); ConfigError for what DDP cannot
+    do. ghost_splits (trick.ghost_bn): ghost BN splits each rank's batch, so they must divide the
+    per-rank batch (config.py checks the global one; this is before any work, where the layer would
+    raise only in its first forward)."""
     if batch_size % ranks.world:
         raise ConfigError(f"trainer.batch_size={batch_size}: the global batch must divide by the {ranks.world} ranks "
                           f"(each rank takes batch_size / world size)")
     if sync_bn and ranks.active and device.type != "cuda":   # SyncBatchNorm's kernels: CUDA (and a few others) only
         raise ConfigError("trainer.sync_bn=true: SyncBatchNorm runs on GPUs only; on CPUs use sync_bn=false "
                           "(or model.bn_eval=true for batch statistics that do not depend on the split)")
-    return batch_size // ranks.world
+    per_rank = batch_size // ranks.world
+    if per_rank % ghost_splits:
+        raise ConfigError(f"trick.ghost_splits={ghost_splits}: must divide each rank's batch, "
+                          f"trainer.batch_size={batch_size} / {ranks.world} ranks = {per_rank} "
+                          f"(ghost BN splits each rank's batch); use a batch that divides by "
+                          f"{ghost_splits * ranks.world}, or fewer splits")
+    return per_rank
 
 
 def wrap(model: torch.nn.Module, device: torch.device, sync_bn: bool, ranks: Ranks) -> torch.nn.Module:

@@ -82,7 +82,7 @@ class TrainClock:
         self.steady = 0.0       # training time after the warm-up mark
         self._t0 = None
         self._warm = None
-        self._excluded = 0.0    # host seconds of this segment not counted (busy.py's sampled steps)
+        self._excluded = 0.0    # host seconds of this segment not counted (busy.py's spins, waits)
 
     def start(self) -> None:
         synchronize(self.device)
@@ -390,7 +390,7 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
                             else steps.step(x, y, loop, state))
         state.step, state.batch = state.step + 1, state.batch + 1
         state.samples += n * n_ranks   # the global batch
-        steady = state.step > loop.warm_at and not sampled   # a sampled step's time is out of the clock
+        steady = state.step > loop.warm_at   # a sampled step too: only its spin is out of the clock
         state.steady_samples += n * n_ranks if steady else 0
         if steady and loop.busy is not None:
             loop.busy.tick()

@@ -109,15 +109,28 @@ def parse_arch(name: str) -> tuple[str, int, str] | None:
     return None if m is None else (m[1], int(m[2]), m[3])
 
 
-def has_kernels_for(arch_list: list[str], cap: tuple[int, int]) -> bool:
-    """Whether a wheel's arch list (torch.cuda.get_arch_list()) has compiled kernels a GPU of compute capability
-    `cap` can run: a plain sm_N with N <= its number (scripts/gpu_check.sh's rule), an arch-specific sm_Na for that
-    very GPU, or a family sm_Nf of its major version up to its number."""
+def runs_on(kind: str, n: int, suffix: str, cap: tuple[int, int]) -> bool:
+    """Whether code built for one parsed arch (parse_arch) runs on a GPU of compute capability
+    `cap`. CUDA's compatibility rules: a cubin (sm_N) runs on the same major version at a minor
+    version >= its own, never across majors (sm_80 on an H100, sm_90 on a B200: no); PTX
+    (compute_N) is compiled by the driver for any GPU numbered >= N, later majors included; an
+    arch-specific build ('a', either kind) runs on exactly that capability; a family build ('f',
+    either kind) on the same major version at a minor >= its own. Another suffix: not known to
+    run."""
     number = 10 * cap[0] + cap[1]
-    for kind, n, suffix in filter(None, map(parse_arch, arch_list)):
-        if kind == "sm" and (n == number or n < number and (suffix == "" or suffix == "f" and n // 10 == cap[0])):
-            return True
-    return False
+    if suffix == "a":
+        return n == number
+    if suffix not in ("", "f"):
+        return False
+    if kind == "compute" and suffix == "":
+        return n <= number
+    return n // 10 == cap[0] and n <= number
+
+
+def has_kernels_for(arch_list: list[str], cap: tuple[int, int]) -> bool:
+    """Whether a wheel's arch list (torch.cuda.get_arch_list()) has code a GPU of compute
+    capability `cap` can run (runs_on: cubins of its major version, PTX up to its number)."""
+    return any(runs_on(*arch, cap) for arch in filter(None, map(parse_arch, arch_list)))
 
 
 def precision_notes(precision: PrecisionConfig, cap: tuple[int, int] | None) -> list[str]:

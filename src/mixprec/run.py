@@ -79,6 +79,7 @@ def run_job(cfg: DictConfig) -> dict:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     try:
+        checkpoint.keep_default_batch(cfg, job.out)   # a resume keeps a default batch that moved
         summary["config"] = plain_config(cfg)
         config = validate_job(cfg)
         prior = final_prior(config, job)
@@ -148,7 +149,8 @@ def train_and_record(config: Config, summary: dict, out_dir: Path, group: str | 
                      ranks: dist.Ranks = dist.SINGLE) -> dict:
     """Run one validated job, write its records (rank 0), and return its summary (failed jobs included)."""
     device = hardware.select_device(dist.device_name(config.trainer.device, ranks))
-    dist.check(config.trainer.batch_size, config.trainer.sync_bn, device, ranks)
+    dist.check(config.trainer.batch_size, config.trainer.sync_bn, device, ranks,
+               config.trick.ghost_splits if config.trick.ghost_bn else 1)
     made = dist.init(ranks)   # joins the job's process group (torchrun's is joined already, in train.py)
     try:
         return record_training(config, summary, out_dir, group, name, device, ranks)
