@@ -11,6 +11,7 @@ from argparse import Namespace
 import pytest
 import torch
 
+from fakes import FakeClock, Timed
 from helpers import ROOT, load_script
 
 BENCH = [sys.executable, str(ROOT / "scripts" / "benchmark.py")]
@@ -132,26 +133,6 @@ def test_bad_input_is_one_line(bench, capsys):
     assert capsys.readouterr().err.strip().startswith("benchmark: config error: trainer.batch_size=0")
 
 
-class ShiftedClock:
-    """time.perf_counter plus what a fake spin added (`now += s`), for test_busy.FakeTimer; it
-    replaces time.perf_counter, so the training clock sees the spin the meter takes out of it."""
-
-    def __init__(self, monkeypatch):
-        self.shift, self.real = 0.0, time.perf_counter
-        monkeypatch.setattr(time, "perf_counter", self)
-
-    def __call__(self):
-        return self.real() + self.shift
-
-    @property
-    def now(self):
-        return self()
-
-    @now.setter
-    def now(self, value):
-        self.shift += value - self()
-
-
 def test_a_table_cell_samples_until_the_host_queued_a_step_ahead_and_reports_its_busy_fraction(bench, monkeypatch):
     """A cell samples a job's steady steps (busy.SAMPLE_AT) with the job's meter: the first
     sample, which the host waited in, gives no figure and a longer spin; the second does."""
@@ -171,15 +152,18 @@ def test_a_table_cell_samples_until_the_host_queued_a_step_ahead_and_reports_its
         def host_waited(self, value):
             pass
 
-    clock = ShiftedClock(monkeypatch)
+    clock = FakeClock()   # moves only with the training forwards (10 ms each) and the fake GPU
+    monkeypatch.setattr(time, "perf_counter", clock)
     timer = OnceTimer(clock, 0.4)
     monkeypatch.setattr(busy, "meter_for", lambda device, world=1: busy.BusyMeter(timer, clock))
     cfg, _ = bench.compose([*TINY, "dataset.image_size=8", "precision=fp32"])
     base, shape, classes = bench.build_base(cfg, torch.device("cpu"))
+    base = Timed(base, clock, lambda k: 0.01)
     cell = bench.time_cell(cfg, base, shape, classes, torch.device("cpu"), 1, 6)
     assert timer.queries == 2 and len(timer.spins) == 2
-    # the GPU busy 40% of the sampled step's queuing time, against the timed steps' wall time: a fraction, no fake 1.0
-    assert 0 < cell["gpu_busy_fraction"] <= 1 and cell["gpu_step_ms"] > 0 and cell["host_bound"] is not None
+    # the GPU busy 40% of the sampled step's 10 ms of queuing, against the steps' 10 ms of wall time
+    assert cell["gpu_busy_fraction"] == pytest.approx(0.4) and cell["host_bound"] is True
+    assert cell["gpu_step_ms"] == pytest.approx(4.0)
 
 
 FUSED_AMP = ["precision=amp", "optimizer.impl=fused"]
