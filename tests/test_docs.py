@@ -53,9 +53,10 @@ def recorded_device(folder: Path) -> str:
 
 
 def test_the_readme_is_a_front_door():
-    """At most 150 lines; within the first 100 the set-up, the main command and a sweep, the precision modes and
-    the layout; the layout names every top-level folder and every subpackage of src/mixprec; the results summary
-    (15 lines at most) links the results page and every folder under outputs/reference/ with its device."""
+    """At most 150 lines; within the first 100 the set-up, the main command and a sweep, the
+    precision modes and the layout; the layout names every top-level folder and every subpackage of
+    src/mixprec; the results summary (15 lines at most) links the results page and every folder
+    under outputs/reference/ with its device."""
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 150
     at = {line: i for i, line in enumerate(lines) if line.startswith("## ")}
@@ -70,13 +71,16 @@ def test_the_readme_is_a_front_door():
     for folder in ("train.py", "conf/", "src/mixprec/", "scripts/", "tests/", "outputs/", "docs/"):
         assert folder in first_words, f"README's layout: no line for {folder}"
     for pkg in sorted((ROOT / "src" / "mixprec").glob("*/__init__.py")):
-        assert f"{pkg.parent.name}/" in first_words, f"README's layout: no line for {pkg.parent.name}/"
+        name = f"{pkg.parent.name}/"
+        assert name in first_words, f"README's layout: no line for src/mixprec/{name}"
     following = [i for i in at.values() if i > at["## Results"]]
-    results = [line for line in lines[at["## Results"] + 1:min(following, default=len(lines))] if line.strip()]
+    end = min(following, default=len(lines))
+    results = [line for line in lines[at["## Results"] + 1:end] if line.strip()]
     assert len(results) <= 15 and any("](docs/results.md)" in line for line in results)
     reference = ROOT / "outputs" / "reference"
     folders = [p.parent for p in sorted(reference.rglob("plan.json"))]
-    folders += [p for p in sorted(reference.iterdir()) if p.is_dir() and not any(p.rglob("plan.json"))]
+    folders += [p for p in sorted(reference.iterdir())
+                if p.is_dir() and not any(p.rglob("plan.json"))]
     assert len(folders) >= 6
     for f in folders:
         link = f"]({f.relative_to(ROOT).as_posix()}/"

@@ -189,8 +189,9 @@ def analyse(jobs: list[Job], sources: list[Source], problems: list[str], inputs:
         data["experiments"].append(exp)
     for s in sources:
         if not present & set(s.experiments):
-            data["sources_without_runs"].append(dict(_unmatched(s), url=s.url, experiments=list(s.experiments),
-                                                     values=[_published_data(v, s) for v in s.values]))
+            values = [_published_data(v, s) for v in s.values]
+            data["sources_without_runs"].append(
+                dict(_unmatched(s), url=s.url, experiments=list(s.experiments), values=values))
     return data
 
 
@@ -202,7 +203,7 @@ def _unmatched(s: Source) -> dict:
 
 @functools.cache
 def _plan_sweeps() -> dict[str, tuple[str, ...]]:
-    """Per article of the reproduction plan (src/mixprec/plan.yaml), its sweeps' full-fidelity commands."""
+    """Per article of the reproduction plan (plan.yaml), its sweeps' full-fidelity commands."""
     try:
         return {a.id: tuple(full_command(s) for s in a.sweeps) for a in load_plan().articles}
     except PlanError:
@@ -210,8 +211,8 @@ def _plan_sweeps() -> dict[str, tuple[str, ...]]:
 
 
 def run_commands(source: Source) -> list[str]:
-    """The commands that run the jobs a source's values are compared with: its article's sweeps in the
-    reproduction plan; none for a source the plan does not hold (a user's own published file)."""
+    """The commands that run the jobs a source's values are compared with: its article's sweeps
+    in the reproduction plan; none for a source the plan does not hold (a user's own file)."""
     return list(_plan_sweeps().get(source.id, ()))
 
 

@@ -27,9 +27,11 @@ from .published import Source, ladder_steps, matches  # noqa: E402
 # one colour per PRECISION_ORDER entry: tab10, then fp8 black, fastai_fp16 olive, apex_fp16 teal, apex_fp16_2018 navy
 _PALETTE = plt.get_cmap("tab10").colors + ((0.0, 0.0, 0.0), (0.45, 0.45, 0.0), (0.0, 0.45, 0.45), (0.1, 0.1, 0.45))
 DPI = 110
-EMULATED_CAPTION = (" Hatched, (emulated): fp16/bf16 rounding emulated on fp32 kernels (precision.emulate), so "
-                    "those bars are fp32 time and memory on their device, not the precision's (as the runs table "
-                    "marks them).")
+EMULATED_CAPTION = (" Hatched, (emulated): fp16/bf16 rounding emulated on fp32 kernels "
+                    "(precision.emulate), so those bars are fp32 time and memory on their device, "
+                    "not the precision's (as the runs table marks them).")
+EMULATED_LADDER = (" Dashed, (emulated): fp16/bf16 rounding emulated on fp32 kernels, so that "
+                   "staircase is an fp32 time on its device, not the precision's.")
 
 
 def color(precision: str):
@@ -51,10 +53,10 @@ EMULATED_HATCH = "//"
 
 def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "{:.2f}",
                   emulated: frozenset = frozenset()) -> list[float]:
-    """series: precision -> list over labels of (mean, std) or None. The bars a label has sit side by side,
-    centred on it; returns, per label, the x of each precision's bar (for markers drawn on top). emulated:
-    the (label, precision) bars whose arithmetic was emulated: hatched, and their precision's legend entry says
-    so, as the tables mark them (their time and memory are fp32's on that device, not the precision's)."""
+    """series: precision -> list over labels of (mean, std) or None. The bars a label has sit side
+    by side, centred on it; returns, per label, the x of each precision's bar (for markers on top).
+    emulated: the (label, precision) bars whose arithmetic was emulated: hatched, and their
+    precision's legend entry says so, as the tables mark them (an fp32 time and memory)."""
     present = [[p for p in series if series[p][j] is not None] for j in range(len(labels))]
     width = 0.8 / max(max((len(ps) for ps in present), default=1), 1)
     xpos = {}
@@ -65,9 +67,10 @@ def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "
         pts = [(xpos[(j, p)], v) for j, v in enumerate(values) if v is not None]
         spread = [v[1] or 0.0 for _, v in pts]
         marked = [(labels[j], p) in emulated for j, v in enumerate(values) if v is not None]
-        name = p if not any(marked) else f"{p} (emulated)" if all(marked) else f"{p} (hatched: emulated)"
-        bars = ax.bar([x for x, _ in pts], [v[0] for _, v in pts], width * 0.95, label=name, color=color(p),
-                      yerr=spread if any(spread) else None, capsize=3)
+        name = f"{p} (emulated)" if all(marked) else f"{p} (hatched: emulated)"
+        name = name if any(marked) else p
+        bars = ax.bar([x for x, _ in pts], [v[0] for _, v in pts], width * 0.95, label=name,
+                      color=color(p), yerr=spread if any(spread) else None, capsize=3)
         for bar, m in zip(bars, marked):
             if m:
                 bar.set_hatch(EMULATED_HATCH)
@@ -99,7 +102,7 @@ def speedup_bars(path: Path, title: str, labels: list[str], series: dict, publis
 
 def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict, mem_series: dict,
                     mem_kind: str, emulated: frozenset = frozenset()) -> Path:
-    """Training time and peak memory per label and precision; emulated (label, precision) bars hatched."""
+    """Training time and peak memory per label and precision; emulated bars hatched."""
     if len(labels) <= 3:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(10.0, 2.4 * len(labels) + 5), 4.4))
     else:   # many models or variants: one above the other, each as wide as a page
@@ -140,8 +143,8 @@ def accuracy_curves(path: Path, title: str, curves: list[dict], ylabel: str = "t
 
 def ladder(path: Path, title: str, steps: list[str], article: list, reproduced: dict, target: str,
            emulated: frozenset = frozenset()) -> Path:
-    """Time to target per ladder step; article: value or (lo, hi) per step; reproduced: precision -> [(mean, std)];
-    an emulated precision's staircase is dashed and labelled so (an fp32 time, not the precision's)."""
+    """Time to target per ladder step; article: value or (lo, hi) per step; reproduced: precision ->
+    [(mean, std)]; an emulated precision's staircase is dashed and labelled so (an fp32 time)."""
     fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(steps) + 2), 4.8))
     xs = list(range(len(steps)))
     mid = [None if v is None else (sum(v) / 2 if isinstance(v, tuple) else v) for v in article]
@@ -259,9 +262,7 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                                 "(Page's times are each step's whole fixed schedule, eval excluded, with a mean final "
                                 "accuracy of the target over his runs; ours: the same time, mean over seeds; the "
                                 "ladder table gives the fraction of runs that reached the target)."
-                                + (" Dashed, (emulated): fp16/bf16 rounding emulated on fp32 kernels, so that "
-                                   "staircase is an fp32 time on its device, not the precision's."
-                                   if staircase[-1] else "")})
+                                + (EMULATED_LADDER if staircase[-1] else "")})
     traces = _loss_scale_traces(groups)
     if traces:
         figs.append({"path": loss_scale(pdir / f"{slug}_loss_scale.png", f"{exp['name']}: loss scale", traces),

@@ -66,8 +66,8 @@ def build(data: dict, jobs, entity: str, project: str, title: str = "mixprec rep
 
 
 def _comparison_markdown(exp: dict) -> str:
-    """The published values beside the runs, as the local report has them: a source with no matching run is
-    one line."""
+    """The published values beside the runs, as the local report has them: a source with no
+    matching run is one line."""
     d = Doc()
     unmatched = exp.get("unmatched_sources", [])
     skip = {u["id"] for u in unmatched}
