@@ -1,6 +1,8 @@
 """The docs against the repository: the pinned versions (constraints.txt) where the README, CI and docs/gpus.md
 speak of them, and no reference a user cannot follow (issue numbers, the developers' own files)."""
+import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +41,53 @@ def test_docs_gpus_speaks_of_the_pinned_torch_and_cuda():
     assert f"torchvision {pins['torchvision']}" in text and f"torchao {pins['torchao']}" in text
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"torch {pins['torch']}" in readme and f"CUDA {cuda}" in readme
+
+
+def recorded_device(folder: Path) -> str:
+    """The device a committed results folder's records say it ran on ("cpu", "cuda:0", ...)."""
+    env = folder / "environment.json"
+    if env.is_file():   # a scripts/reproduce.py folder
+        return json.loads(env.read_text())["device"]
+    (numbers,) = folder.glob("*.json")   # scripts/fixed_numbers.py's record
+    return json.loads(numbers.read_text())["device"]
+
+
+def test_the_readme_is_a_front_door():
+    """At most 150 lines; within the first 100 the set-up, the main command and a sweep, the
+    precision modes and the layout; the layout names every top-level folder and every subpackage of
+    src/mixprec; the results summary (15 lines at most) links the results page and every folder
+    under outputs/reference/ with its device."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150
+    at = {line: i for i, line in enumerate(lines) if line.startswith("## ")}
+    assert list(at)[:4] == ["## Set-up", "## Run", "## Precision modes", "## Layout"]
+    run = [line.split("#")[0].strip() for line in lines[at["## Run"]:at["## Precision modes"]]]
+    assert "python train.py" in run and any(line.startswith("python train.py -m ") for line in run)
+    tree = lines[at["## Layout"]:]
+    tree = tree[tree.index("```") + 1:]
+    tree = tree[:tree.index("```")]
+    assert at["## Layout"] + len(tree) < 100
+    first_words = {line.split()[0] for line in tree}
+    for folder in ("train.py", "conf/", "src/mixprec/", "scripts/", "tests/", "outputs/", "docs/"):
+        assert folder in first_words, f"README's layout: no line for {folder}"
+    for pkg in sorted((ROOT / "src" / "mixprec").glob("*/__init__.py")):
+        name = f"{pkg.parent.name}/"
+        assert name in first_words, f"README's layout: no line for src/mixprec/{name}"
+    following = [i for i in at.values() if i > at["## Results"]]
+    end = min(following, default=len(lines))
+    results = [line for line in lines[at["## Results"] + 1:end] if line.strip()]
+    assert len(results) <= 15 and any("](docs/results.md)" in line for line in results)
+    reference = ROOT / "outputs" / "reference"
+    folders = [p.parent for p in sorted(reference.rglob("plan.json"))]
+    folders += [p for p in sorted(reference.iterdir())
+                if p.is_dir() and not any(p.rglob("plan.json"))]
+    assert len(folders) >= 6
+    for f in folders:
+        link = f"]({f.relative_to(ROOT).as_posix()}/"
+        row = next((line for line in results if link in line), None)
+        assert row is not None, f"README's results: no line links {f.relative_to(reference)}"
+        on_cpu = recorded_device(f).startswith("cpu")
+        assert ("| CPU, fp16/bf16 emulated |" in row) == on_cpu, row
 
 
 def test_pyproject_names_no_other_tested_version():

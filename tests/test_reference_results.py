@@ -113,7 +113,7 @@ COMMITTED = ["torch_amp", "half_pitfalls", "fastai_2080ti", "page_ladder", "apex
 ACCURACY = ("test_acc_pct", "acc_change_vs_fp32", "test_ppl", "status")   # what a CPU run can stand beside
 
 
-def test_committed_cpu_results_have_a_row_for_every_published_accuracy_and_the_readme_shows_them():
+def test_committed_cpu_results_have_a_row_for_every_published_accuracy_and_show_in_docs():
     from mixprec.report import readme
 
     found = readme.folders(RESULTS)
@@ -135,9 +135,11 @@ def test_committed_cpu_results_have_a_row_for_every_published_accuracy_and_the_r
         for v in source.values:   # an accuracy-like value has our number, or the plan's stated reason
             if v.metric in ACCURACY:
                 assert not rows[v.id].startswith("missing: no run matches"), (f.name, v.id, rows[v.id])
-    readme_text = (ROOT / "README.md").read_text()
-    assert readme.section(RESULTS) in readme_text, (
-        "README's CPU results differ from the folders; regenerate: python -m mixprec.report.readme " + str(RESULTS))
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert page == readme.page(RESULTS), ("docs/results.md differs from the folders; regenerate: "
+                                          "python -m mixprec.report.readme " + str(RESULTS))
+    links = page.count("](../outputs/reference/cpu-emulated-2026-11-25/")   # from docs/
+    assert links == 2 * len(COMMITTED)
 
 
 if __name__ == "__main__":

@@ -187,12 +187,12 @@ def test_wandb_offline_says_why_in_one_line_and_writes_the_local_report(runs, tm
     assert "Traceback" not in r.stderr
     md = (tmp_path / "report.md").read_text()
     assert (tmp_path / "report.html").stat().st_size > 50_000
-    # the shipped published numbers: no job belongs to their experiments, so every value is listed as missing
-    assert "## Published numbers with no runs yet" in md
-    fastai = md_table(md, "### fastai_2080ti")
-    assert ["ResNet-101, FP32 time / mixed-precision time", "1.18 x", "NVIDIA RTX 2080 Ti",
-            "model=resnet101, precision=fastai_fp16, model.head=fastai"] \
-        == fastai[0][:4]
+    # the shipped published numbers: no job belongs to their experiments, so each source is one line
+    assert "## Published sources with no matching run" in md and "### fastai_2080ti" not in md
+    (fastai,) = [line for line in md.splitlines() if "fastai_2080ti" in line]
+    assert fastai.startswith("- `fastai_2080ti` (RTX 2080Ti Vs GTX 1080Ti")
+    assert "no job here matches its" in fastai
+    assert "`python train.py -m experiment=fastai_cifar100 model=resnet18," in fastai
 
 
 @pytest.mark.slow
@@ -288,3 +288,125 @@ def test_every_precision_mode_has_its_own_colour_and_place():
     modes = sorted(p.stem for p in (ROOT / "conf" / "precision").glob("*.yaml"))
     assert sorted(PRECISION_ORDER) == modes
     assert len({color(m) for m in modes}) == len(modes)
+
+
+# ------------------------------------------------------------------------------ a user's sweep
+
+def write_job(root, name, precision, train_time, emulated, experiment="default", trick=None):
+    """A completed CPU job's records with a known time and memory; `emulated`: fp16/bf16 rounding
+    on fp32 kernels."""
+    d = root / name
+    d.mkdir(parents=True)
+    model = "resnet9" if trick else "small_cnn"
+    choices = {"model": model, "precision": precision, "optimizer": "sgd"}
+    if trick:
+        choices["trick"] = trick
+    metrics = {"train_time_s": train_time, "final_test_acc": 0.5, "peak_memory_mb": 100.0,
+               "peak_memory_kind": "process_peak_rss", "time_to_target_s": train_time,
+               "target_acc": 0.94}
+    summary = {"status": "completed", "name": experiment, "seed": 0, "choices": choices,
+               "overrides": [f"precision={precision}"] + ([f"trick={trick}"] if trick else []),
+               "job": {"name": "train", "num": None, "output_dir": str(d)},
+               "config": {"seed": 0, "name": experiment, "model": {"arch": model}},
+               "arithmetic": "emulated" if emulated else "native", "metrics": metrics,
+               "env": {"device": "cpu", "device_name": "x86_64", "torch": "2.x"}}
+    (d / "summary.json").write_text(json.dumps(summary))
+
+
+def drawn_figures(monkeypatch):
+    """What each figure the report draws shows, by file name: per axes, its bars (height, hatch)
+    and its legend's entries."""
+    from mixprec.report import plots
+
+    seen, real = {}, plots.save
+
+    def keep(fig, path):
+        seen[Path(path).name] = [
+            {"bars": [(round(p.get_height(), 6), p.get_hatch()) for p in ax.patches],
+             "legend": [t.get_text() for t in ax.get_legend().get_texts()]}
+            for ax in fig.axes]
+        return real(fig, path)
+
+    monkeypatch.setattr(plots, "save", keep)
+    return seen
+
+
+def test_the_time_bars_mark_emulated_runs_as_the_tables_do(tmp_path, monkeypatch):
+    """A CPU sweep: fp32 at 10 s, amp emulated at 15 s (an fp32 time with rounding on top, not
+    amp's). The runs table says `(emulated: ...)`; the training-time and memory bars of amp are
+    hatched and its legend says (emulated), fp32's are plain; the caption says what that means."""
+    write_job(tmp_path / "runs", "fp32", "fp32", 10.0, emulated=False)
+    write_job(tmp_path / "runs", "amp", "amp", 15.0, emulated=True)
+    seen = drawn_figures(monkeypatch)
+    data = make_report([str(tmp_path / "runs")], tmp_path / "report")
+    (time_panel, memory_panel) = seen["default_time_memory.png"]
+    for panel, (fp32, amp) in ((time_panel, (10.0, 15.0)), (memory_panel, (100.0, 100.0))):
+        assert panel["bars"] == [(fp32, None), (amp, "//")]
+        assert panel["legend"] == ["fp32", "amp (emulated)"]
+    (fig,) = [f for f in data["experiments"][0]["plots"] if f["path"].endswith("_time_memory.png")]
+    assert "Hatched, (emulated): fp16/bf16 rounding emulated" in fig["caption"]
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| amp (emulated: not a low-precision time) |" in md
+
+
+def test_the_ladder_plot_marks_an_emulated_precision(tmp_path, monkeypatch):
+    """Page's ladder on a CPU: half emulated, fp32 native; the staircase of half says (emulated)."""
+    for step in ("page_01_baseline", "page_02_gpu_preproc"):
+        write_job(tmp_path / "runs", f"{step}_fp32", "fp32", 60.0, False, "page_ladder", step)
+        write_job(tmp_path / "runs", f"{step}_half", "half", 70.0, True, "page_ladder", step)
+    seen = drawn_figures(monkeypatch)
+    make_report([str(tmp_path / "runs")], tmp_path / "report")
+    (ax,) = seen["page_ladder_ladder.png"]
+    assert "reproduced (half, emulated)" in ax["legend"] and "reproduced (fp32)" in ax["legend"]
+
+
+UNMATCHED_SOURCE = """
+id: nomatch
+title: A source this sweep does not run
+url: https://example.org/nomatch
+experiments: [default]
+hardware: Test GPU
+values:
+  - {id: big, label: ResNet-152 amp speed-up, metric: speedup, value: 2.0, unit: x, source: t1,
+     match: {model: resnet152, precision: amp}}
+  - {id: big_acc, label: ResNet-152 accuracy, metric: test_acc_pct, value: 90, unit: "%",
+     source: t2, match: {model: resnet152, precision: fp32}}
+"""
+
+
+def test_a_source_with_no_matching_job_takes_one_line(tmp_path):
+    """A user's sweep (experiment `default`) against the shipped sources, none of which lists it,
+    and against a source that lists it but whose values match none of its jobs: each such source
+    is one line naming the commands that run its jobs (the plan's sweeps), not a table of
+    "missing" rows; in report.md and in the W&B Report's table alike."""
+    from mixprec import plan as P
+    from mixprec.report.wandb_report import _comparison_markdown
+
+    write_job(tmp_path / "runs", "fp32", "fp32", 10.0, emulated=False)
+    write_job(tmp_path / "runs", "amp", "amp", 15.0, emulated=True)
+    make_report([str(tmp_path / "runs")], tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "missing: no run yet" not in md and "### fastai_2080ti" not in md
+    (fastai,) = [line for line in md.splitlines() if "fastai_2080ti" in line]
+    article = next(a for a in P.load_plan().articles if a.id == "fastai_2080ti")
+    assert fastai.startswith("- `fastai_2080ti` (") and "no job here matches its" in fastai
+    assert all(f"`{P.full_command(s)}`" in fastai for s in article.sweeps)
+    assert sum("no job here matches" in line for line in md.splitlines()) == 5   # the 5 shipped
+
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / "nomatch.yaml").write_text(UNMATCHED_SOURCE)
+    (published / "tinyref.yaml").write_text(TINY_SOURCE)   # matches some of these jobs
+    data = make_report([str(tmp_path / "runs")], tmp_path / "report2", published)
+    md = (tmp_path / "report2" / "report.md").read_text()
+    assert "Published sources: nomatch, tinyref" in md
+    (line,) = [line for line in md.splitlines()
+               if "nomatch" in line and not line.startswith("Published sources")]
+    assert line.startswith("- `nomatch` (A source this sweep does not run): no job here matches "
+                           "its 2 published")
+    assert "ResNet-152" not in md   # neither its rows nor its quotes
+    table = md_table(md, "### Reproduced against published")
+    assert ["tinyref", "A (fp32)", "3 s"] == table[3][:3] and all(r[0] == "tinyref" for r in table)
+    wandb_md = _comparison_markdown(data["experiments"][0])
+    assert line in wandb_md.splitlines() and "ResNet-152" not in wandb_md
+    assert "| A (fp32) | 3 s |" in wandb_md

@@ -8,6 +8,7 @@ Speed-ups are sweep_rows's: fp32 training time / the job's, for the fp32 job wit
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import busy, records
+from ..plan import PlanError, full_command, load_plan
 from ..versions import differences
 from .load import Job, number
 from .published import Published, Source, apex_ppl_values, matches, noise_verdict, page_ladder
@@ -181,14 +183,37 @@ def analyse(jobs: list[Job], sources: list[Source], problems: list[str], inputs:
             "parity": parity_rows(groups),
             "perplexity": perplexity_rows(groups),
         }
+        exp["unmatched_sources"] = [_unmatched(s) for s in applicable if not any(
+            r["group"] for c in exp["comparisons"] if c["source"] == s.id for r in c["rows"])]
         exp["_groups"] = groups  # for the plots; not serialised
         data["experiments"].append(exp)
     for s in sources:
         if not present & set(s.experiments):
-            data["sources_without_runs"].append({"id": s.id, "title": s.title, "url": s.url,
-                                                 "experiments": list(s.experiments),
-                                                 "values": [_published_data(v, s) for v in s.values]})
+            values = [_published_data(v, s) for v in s.values]
+            data["sources_without_runs"].append(
+                dict(_unmatched(s), url=s.url, experiments=list(s.experiments), values=values))
     return data
+
+
+def _unmatched(s: Source) -> dict:
+    """A source no job of the report matches: what the report says of it in one line."""
+    return {"id": s.id, "title": s.title, "n_values": len(s.values), "commands": run_commands(s),
+            "file": s.path.name}
+
+
+@functools.cache
+def _plan_sweeps() -> dict[str, tuple[str, ...]]:
+    """Per article of the reproduction plan (plan.yaml), its sweeps' full-fidelity commands."""
+    try:
+        return {a.id: tuple(full_command(s) for s in a.sweeps) for a in load_plan().articles}
+    except PlanError:
+        return {}
+
+
+def run_commands(source: Source) -> list[str]:
+    """The commands that run the jobs a source's values are compared with: its article's sweeps
+    in the reproduction plan; none for a source the plan does not hold (a user's own file)."""
+    return list(_plan_sweeps().get(source.id, ()))
 
 
 # two-sided 95% quantiles of Student's t by degrees of freedom (more than 30: the normal's 1.96, near enough)

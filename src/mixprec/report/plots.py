@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from .. import records  # noqa: E402
 from ..jobdirs import shorten  # noqa: E402
 from ..records import atomic_file  # noqa: E402
 from ..records import metrics  # noqa: E402
@@ -26,6 +27,11 @@ from .published import Source, ladder_steps, matches  # noqa: E402
 # one colour per PRECISION_ORDER entry: tab10, then fp8 black, fastai_fp16 olive, apex_fp16 teal, apex_fp16_2018 navy
 _PALETTE = plt.get_cmap("tab10").colors + ((0.0, 0.0, 0.0), (0.45, 0.45, 0.0), (0.0, 0.45, 0.45), (0.1, 0.1, 0.45))
 DPI = 110
+EMULATED_CAPTION = (" Hatched, (emulated): fp16/bf16 rounding emulated on fp32 kernels "
+                    "(precision.emulate), so those bars are fp32 time and memory on their device, "
+                    "not the precision's (as the runs table marks them).")
+EMULATED_LADDER = (" Dashed, (emulated): fp16/bf16 rounding emulated on fp32 kernels, so that "
+                   "staircase is an fp32 time on its device, not the precision's.")
 
 
 def color(precision: str):
@@ -42,9 +48,15 @@ def save(fig, path: Path) -> Path:
     return path
 
 
-def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "{:.2f}") -> list[float]:
-    """series: precision -> list over labels of (mean, std) or None. The bars a label has sit side by side,
-    centred on it; returns, per label, the x of each precision's bar (for markers drawn on top)."""
+EMULATED_HATCH = "//"
+
+
+def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "{:.2f}",
+                  emulated: frozenset = frozenset()) -> list[float]:
+    """series: precision -> list over labels of (mean, std) or None. The bars a label has sit side
+    by side, centred on it; returns, per label, the x of each precision's bar (for markers on top).
+    emulated: the (label, precision) bars whose arithmetic was emulated: hatched, and their
+    precision's legend entry says so, as the tables mark them (an fp32 time and memory)."""
     present = [[p for p in series if series[p][j] is not None] for j in range(len(labels))]
     width = 0.8 / max(max((len(ps) for ps in present), default=1), 1)
     xpos = {}
@@ -54,8 +66,14 @@ def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "
     for p, values in series.items():
         pts = [(xpos[(j, p)], v) for j, v in enumerate(values) if v is not None]
         spread = [v[1] or 0.0 for _, v in pts]
-        ax.bar([x for x, _ in pts], [v[0] for _, v in pts], width * 0.95, label=p, color=color(p),
-               yerr=spread if any(spread) else None, capsize=3)
+        marked = [(labels[j], p) in emulated for j, v in enumerate(values) if v is not None]
+        name = f"{p} (emulated)" if all(marked) else f"{p} (hatched: emulated)"
+        name = name if any(marked) else p
+        bars = ax.bar([x for x, _ in pts], [v[0] for _, v in pts], width * 0.95, label=name,
+                      color=color(p), yerr=spread if any(spread) else None, capsize=3)
+        for bar, m in zip(bars, marked):
+            if m:
+                bar.set_hatch(EMULATED_HATCH)
         for (x, v), sd in zip(pts, spread):   # the value, above its error bar
             ax.annotate(fmt.format(v[0]), (x, v[0] + sd), xytext=(0, 2), textcoords="offset points",
                         ha="center", va="bottom", fontsize=8)
@@ -83,14 +101,15 @@ def speedup_bars(path: Path, title: str, labels: list[str], series: dict, publis
 
 
 def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict, mem_series: dict,
-                    mem_kind: str) -> Path:
+                    mem_kind: str, emulated: frozenset = frozenset()) -> Path:
+    """Training time and peak memory per label and precision; emulated bars hatched."""
     if len(labels) <= 3:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(10.0, 2.4 * len(labels) + 5), 4.4))
     else:   # many models or variants: one above the other, each as wide as a page
         fig, (a1, a2) = plt.subplots(2, 1, figsize=(min(14.0, 1.3 * len(labels) + 4), 9.0))
-    _grouped_bars(a1, labels, time_series, "training time (s)", "{:.3g}")
+    _grouped_bars(a1, labels, time_series, "training time (s)", "{:.3g}", emulated)
     a1.set_title("training time (eval excluded)")
-    _grouped_bars(a2, labels, mem_series, "peak memory (MB)", "{:.0f}")
+    _grouped_bars(a2, labels, mem_series, "peak memory (MB)", "{:.0f}", emulated)
     a2.set_title(f"peak memory ({mem_kind})" if mem_kind else "peak memory")
     for ax in (a1, a2):
         if ax.get_legend_handles_labels()[0]:   # a panel with no numbers (e.g. no memory recorded) has no legend
@@ -122,8 +141,10 @@ def accuracy_curves(path: Path, title: str, curves: list[dict], ylabel: str = "t
     return save(fig, path)
 
 
-def ladder(path: Path, title: str, steps: list[str], article: list, reproduced: dict, target: str) -> Path:
-    """Time to target per ladder step; article: value or (lo, hi) per step; reproduced: precision -> [(mean, std)]."""
+def ladder(path: Path, title: str, steps: list[str], article: list, reproduced: dict, target: str,
+           emulated: frozenset = frozenset()) -> Path:
+    """Time to target per ladder step; article: value or (lo, hi) per step; reproduced: precision ->
+    [(mean, std)]; an emulated precision's staircase is dashed and labelled so (an fp32 time)."""
     fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(steps) + 2), 4.8))
     xs = list(range(len(steps)))
     mid = [None if v is None else (sum(v) / 2 if isinstance(v, tuple) else v) for v in article]
@@ -138,7 +159,9 @@ def ladder(path: Path, title: str, steps: list[str], article: list, reproduced: 
         got = [(x, v) for x, v in zip(xs, values) if v is not None]
         if got:
             ax.step([x for x, _ in got], [v[0] for _, v in got], where="mid", color=color(precision), lw=2,
-                    label=f"reproduced ({precision})")
+                    ls="--" if precision in emulated else "-",
+                    label=f"reproduced ({precision}, emulated)" if precision in emulated
+                    else f"reproduced ({precision})")
             ax.errorbar([x for x, _ in got], [v[0] for _, v in got], yerr=[v[1] or 0.0 for _, v in got],
                         fmt="o", color=color(precision), capsize=3)
     ax.set_xticks(xs, steps, rotation=30, ha="right")
@@ -211,11 +234,14 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
         what = {"process_peak_rss": "process peak RSS: CPU run",
                 "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
         mem_kind = " / ".join(what.get(k, k) for k in kinds)
+        emulated = frozenset((g.label, g.precision) for g in groups
+                             if any(records.emulated(j.summary) for j in g.jobs))
         figs.append({"path": time_and_memory(pdir / f"{slug}_time_memory.png",
                                              f"{exp['name']}: training time and peak memory",
-                                             time_labels, times, mems, mem_kind),
+                                             time_labels, times, mems, mem_kind, emulated),
                      "caption": "Training time (eval excluded) and peak memory per model and precision, mean over "
-                                "completed runs; error bars: standard deviation over seeds."})
+                                "completed runs; error bars: standard deviation over seeds."
+                                + (EMULATED_CAPTION if emulated else "")})
     losses = _loss_curves(groups)
     if losses:
         figs.append({"path": accuracy_curves(pdir / f"{slug}_train_loss.png", f"{exp['name']}: training loss",
@@ -235,7 +261,8 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                      "caption": "Training time per ladder step: the article's staircase against the reproduced one "
                                 "(Page's times are each step's whole fixed schedule, eval excluded, with a mean final "
                                 "accuracy of the target over his runs; ours: the same time, mean over seeds; the "
-                                "ladder table gives the fraction of runs that reached the target)."})
+                                "ladder table gives the fraction of runs that reached the target)."
+                                + (EMULATED_LADDER if staircase[-1] else "")})
     traces = _loss_scale_traces(groups)
     if traces:
         figs.append({"path": loss_scale(pdir / f"{slug}_loss_scale.png", f"{exp['name']}: loss scale", traces),
@@ -291,7 +318,8 @@ def _ladder(exp: dict, sources: list[Source], groups: list[Group]):
         reproduced[p] = [None if st is None else (st["mean"], st["std"]) for st in vals]
     targets = {metrics(j.summary).get("target_acc") for js in hit for j in js} - {None}
     target = f"{100 * targets.pop():g}% test accuracy" if len(targets) == 1 else "the target accuracy"
-    return [v.label for v in steps], [v.value for v in steps], reproduced, target
+    emulated = frozenset(j.precision for js in hit for j in js if records.emulated(j.summary))
+    return [v.label for v in steps], [v.value for v in steps], reproduced, target, emulated
 
 
 def _loss_scale_traces(groups: list[Group], limit: int = 12) -> list[dict]:

@@ -204,29 +204,7 @@ def document(data: dict) -> Doc:
             d.table(PPL_HEADS, [ppl_cells(r) for r in exp["perplexity"]])
         if exp["comparisons"]:
             d.h(3, "Reproduced against published")
-            rows = []
-            for c in exp["comparisons"]:
-                for r in c["rows"]:
-                    rows.append([c["source"], c["label"], c["published"], c["hardware"],
-                                 r["group"] and f"{r['group']}, {r['precision']}" or "-",
-                                 r["verdict"] if r["group"] is None else format_reproduced(c, r),
-                                 "; ".join(x for x in (format_ratio(r), r["group"] and r.get("verdict"), r.get("noise"))
-                                           if x and x != "-") or "-",
-                                 "; ".join(r.get("devices") or []) or "-", "; ".join(r.get("software") or []) or "-"])
-            d.table(["source", "value", "published", "published on", "our runs", "reproduced", "ratio / verdict",
-                     "our device", "our software"], rows)
-            missing = sum(1 for c in exp["comparisons"] for r in c["rows"] if r["group"] is None)
-            if missing:
-                d.p(f"{missing} published value(s) have no matching run yet (\"missing\" above): the runs they "
-                    "need are named by each value's `match` in src/mixprec/published/<source>.yaml."
-                    + (" Where a results folder's plan runs a smaller stand-in instead, the side-by-side section "
-                       "above shows it with its reason ([stand-in: ...])." if stand_ins else ""))
-            d.p("Where each published value comes from:")
-            d.bullets([f"{c['source']} / {c['label']}: \"{c['quote']}\" ({c['source_title']}"
-                       + (f", {c['url']}" if c["url"] else "") + ")" for c in exp["comparisons"]])
-            used = sorted({c["metric"] for c in exp["comparisons"]} & set(DERIVED))
-            if used:   # e.g. test_ppl: the best-validation model's test perplexity, as apex's main.py reports it
-                d.p("How the reproduced values are read: " + "; ".join(f"`{m}`: {DERIVED[m]}" for m in used) + ".")
+            comparisons_section(d, exp, stand_ins)
         if exp["not_completed"]:
             d.h(3, "Runs that diverged or failed")
             d.table(["job", "model", "precision", "seed", "status", "reason", "non-finite at step"],
@@ -243,14 +221,58 @@ def document(data: dict) -> Doc:
         for fig in exp.get("plots", []):
             d.image(fig["path"], fig["caption"])
     if data["sources_without_runs"]:
-        d.h(2, "Published numbers with no runs yet")
-        d.p("No job of these sources' experiments is among the inputs: every value below is missing.")
-        for s in data["sources_without_runs"]:
-            d.h(3, f"{s['id']}: {s['title']} (experiments: {', '.join(s['experiments'])})")
-            d.table(["value", "published", "published on", "compared with runs of", "source"],
-                    [[v["label"], v["published"], v["hardware"], ", ".join(f"{k}={v2}" for k, v2 in v["match"].items()),
-                      v["quote"]] for v in s["values"]])
+        d.h(2, "Published sources with no matching run")
+        d.bullets([unmatched_line(s) for s in data["sources_without_runs"]])
     return d
+
+
+def unmatched_line(s: dict) -> str:
+    """One line for a published source that no job of the report matches: what it is, how many
+    values it publishes, and the commands that run its jobs (the plan's sweeps), or where its
+    values say which jobs."""
+    n = s.get("n_values", len(s.get("values", [])))
+    where = s.get("file", s["id"] + ".yaml")
+    run = ("run: " + "; ".join(f"`{c}`" for c in s["commands"]) if s.get("commands")
+           else f"each value's `match` in {where} names the jobs it needs")
+    return f"`{s['id']}` ({s['title']}): no job here matches its {n} published value(s) ({run})"
+
+
+def _comparison_cells(c: dict, r: dict) -> list[str]:
+    """A row of the reproduced-against-published table: a published value and one group's runs."""
+    ratio = [x for x in (format_ratio(r), r["group"] and r.get("verdict"), r.get("noise"))
+             if x and x != "-"]
+    return [c["source"], c["label"], c["published"], c["hardware"],
+            r["group"] and f"{r['group']}, {r['precision']}" or "-",
+            r["verdict"] if r["group"] is None else format_reproduced(c, r),
+            "; ".join(ratio) or "-",
+            "; ".join(r.get("devices") or []) or "-", "; ".join(r.get("software") or []) or "-"]
+
+
+def comparisons_section(d: Doc, exp: dict, stand_ins: bool) -> None:
+    """Published values beside the runs they match, with the quotes they come from; a source none
+    of whose values matches a run here is one line (unmatched_line), not a table of missing rows."""
+    unmatched = exp.get("unmatched_sources", [])
+    shown = [c for c in exp["comparisons"] if c["source"] not in {u["id"] for u in unmatched}]
+    rows = [_comparison_cells(c, r) for c in shown for r in c["rows"]]
+    if rows:
+        d.table(["source", "value", "published", "published on", "our runs", "reproduced",
+                 "ratio / verdict", "our device", "our software"], rows)
+    missing = sum(1 for c in shown for r in c["rows"] if r["group"] is None)
+    if missing:
+        d.p(f"{missing} published value(s) have no matching run yet (\"missing\" above): the runs "
+            "they need are named by each value's `match` in src/mixprec/published/<source>.yaml."
+            + (" Where a results folder's plan runs a smaller stand-in instead, the side-by-side "
+               "section above shows it with its reason ([stand-in: ...])." if stand_ins else ""))
+    if unmatched:
+        d.bullets([unmatched_line(u) for u in unmatched])
+    if shown:
+        d.p("Where each published value comes from:")
+        d.bullets([f"{c['source']} / {c['label']}: \"{c['quote']}\" ({c['source_title']}"
+                   + (f", {c['url']}" if c["url"] else "") + ")" for c in shown])
+    used = sorted({c["metric"] for c in shown} & set(DERIVED))
+    if used:   # e.g. test_ppl: the best-validation model's test perplexity, as apex reports it
+        d.p("How the reproduced values are read: "
+            + "; ".join(f"`{m}`: {DERIVED[m]}" for m in used) + ".")
 
 
 def parity_section(d: Doc, rows: list[dict]) -> None:

@@ -12,7 +12,7 @@ from collections import Counter
 from urllib.parse import urlparse
 
 from .. import records
-from .render import Doc, format_ratio, format_reproduced
+from .render import Doc, format_ratio, format_reproduced, unmatched_line
 
 GROUP_BY = ["config.precision.name", "config.model.arch"]
 BARS = [("train_time_s", "training time (s)"), ("throughput", "samples/s (steady state)"),
@@ -66,14 +66,19 @@ def build(data: dict, jobs, entity: str, project: str, title: str = "mixprec rep
 
 
 def _comparison_markdown(exp: dict) -> str:
+    """The published values beside the runs, as the local report has them: a source with no
+    matching run is one line."""
     d = Doc()
+    unmatched = exp.get("unmatched_sources", [])
+    skip = {u["id"] for u in unmatched}
     rows = [[c["label"], c["published"], c["hardware"], f"{r['group']}, {r['precision']}" if r["group"] else "-",
              r["verdict"] if r["group"] is None else format_reproduced(c, r), format_ratio(r)]
-            for c in exp["comparisons"] for r in c["rows"]]
-    if not rows:
-        return ""
-    d.table(["value", "published", "published on", "our runs", "reproduced", "ratio"], rows)
-    return d.markdown(base=None).strip()
+            for c in exp["comparisons"] if c["source"] not in skip for r in c["rows"]]
+    if rows:
+        d.table(["value", "published", "published on", "our runs", "reproduced", "ratio"], rows)
+    if unmatched:
+        d.bullets([unmatched_line(u) for u in unmatched])
+    return d.markdown(base=None).strip() if d.blocks else ""
 
 
 def offline_reason() -> str | None:
