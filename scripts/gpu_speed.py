@@ -1,32 +1,35 @@
-"""The GPU speed check: its questions in order of value within 8 minutes on one H100/H200, each step under a
-budget of its own. The steps, most valuable first:
+"""The GPU speed check: its questions in order of value, within 8 minutes on one H100/H200, each
+step under a budget of its own. The steps, most valuable first:
 
-  fp8_wide        FP8 against amp_bf16 where torchao's float8 gains begin (K, N >= 4096): a 2 x 4096 GPT, compiled
+  fp8_wide        FP8 against amp_bf16 where torchao's float8 gains begin (K, N >= 4096): a 2 x 4096
+                  GPT, compiled
   table_eager     the speed table, eager: resnet18 and resnet50 x six precisions x batch 64 and 256
-  table_compiled  the speed table, compiled: resnet18 x fp32, amp x batch 256 x default, reduce-overhead
+  table_compiled  the speed table, compiled: resnet18 x fp32, amp x batch 256 x default and
+                  reduce-overhead
   page10          Page's step 10, eager and under reduce-overhead (CUDA graphs)
   gpt             the GPT (12 x 768) in fp32, amp_bf16 and fp8, eager
 
-A step's budget is its estimated running time plus, for each graph it compiles, an estimated compile time (the
-graphs a step compiles are counted in the CPU dry run: see below); the budgets add up to at most BUDGET_S (8
-minutes). Each step runs under `timeout` with its budget plus whatever the steps before it left unused; a step
-that runs out is recorded as timed out and keeps what it wrote (the tables are saved after every cell), and the
-next step runs. Data: nothing is downloaded. Without CIFAR-10 Page's step runs on dataset=synthetic at CIFAR-10's
-sizes (its times stand; its accuracy is skipped); without Wikitext-2 the GPT runs on dataset=synthetic_text at
-Wikitext-2's sizes; the 2 x 4096 GPT always runs on synthetic tokens in whole windows (speed only, and every
-window shape is one more graph to compile). Each says so in one line. logger=none throughout; the jobs' saved
-weights (*.pt) are deleted, the rest of their records kept (summary.json, metrics.jsonl, train.log).
+A step's budget is its estimated running time plus, for each graph it compiles, an estimated compile
+time (the graphs a step compiles are counted in the CPU dry run: see below); the budgets add up to
+at most BUDGET_S (8 minutes). Each step runs under `timeout` with its budget plus whatever the steps
+before it left unused; a step that runs out is recorded as timed out and keeps what it wrote (the
+tables are saved after every cell), and the next step runs. Data: nothing is downloaded. Without
+CIFAR-10 Page's step runs on dataset=synthetic at CIFAR-10's sizes (its times stand; its accuracy is
+skipped); without Wikitext-2 the GPT runs on dataset=synthetic_text at Wikitext-2's sizes; the 2 x
+4096 GPT always runs on synthetic tokens in whole windows (speed only, and every window shape is one
+more graph to compile). Each says so in one line. logger=none throughout; the jobs' saved weights
+(*.pt) are deleted, the rest of their records kept (summary.json, metrics.jsonl, train.log).
 
-  python scripts/gpu_speed.py [--out DIR] [train.py overrides for the jobs, e.g. dataset.data_dir=/data]
+  python scripts/gpu_speed.py [--out DIR] [train.py overrides, e.g. dataset.data_dir=/data]
   python scripts/gpu_speed.py --dry-run [--out DIR]   # the same steps at tiny sizes on the CPU
 
-The default folder is outputs/reference/<gpu>-speed-<date>/, which git keeps (commit it with the device and the
-command: env.json and SUMMARY.md name both). budget.md says each step's budget, limit, graphs, seconds and outcome;
-SUMMARY.md answers the questions and gathers the tables. The dry run compiles with the GPU run's modes through
-a backend that counts dynamo's graphs instead of compiling them (--count-compiles), at tiny sizes whose shapes
-repeat the GPU run's (whole or partial last batches), and fails when a step's count differs from the graphs its
-budget assumed. Exit status 1 when a file the folder should hold is missing or a dry-run count is off, else 0.
-"""
+The default folder is outputs/reference/<gpu>-speed-<date>/, which git keeps (commit it: env.json
+and SUMMARY.md name the device and the command). budget.md says each step's budget, limit, graphs,
+seconds and outcome; SUMMARY.md answers the questions and gathers the tables. The dry run compiles
+in the GPU run's modes through a backend that counts dynamo's graphs instead of compiling them
+(--count-compiles), at tiny sizes whose shapes repeat the GPU run's (whole or partial last batches),
+and fails when a step's count differs from the graphs its budget assumes. Exit status 1 when a file
+the folder should hold is missing or a dry-run count is off, else 0."""
 from __future__ import annotations
 
 import argparse
@@ -47,28 +50,30 @@ from mixprec.compiled import split_shapes  # noqa: E402
 from mixprec.records import write_json_atomic, write_text_atomic  # noqa: E402
 
 PY = [sys.executable]
-BUDGET_S = 480                     # 8 minutes: the sum of the steps' budgets may not exceed it
-START_S = 10                       # a step's process start: python, torch (torchao) and Hydra's compose
-DRY_LIMIT_S = 600                  # a dry-run step's limit on a small CPU (the GPU budgets are shown, not enforced)
+BUDGET_S = 480           # 8 minutes: the sum of the steps' budgets may not exceed it
+START_S = 10             # a step's process start: python, torch (torchao) and Hydra's compose
+DRY_LIMIT_S = 600        # a dry-run step's limit on a small CPU (GPU budgets: shown, not enforced)
 TABLE_PRECISIONS = "fp32,tf32,amp,amp_bf16,half,bf16"
 GPT_PRECISIONS = "fp32,amp_bf16,fp8"
-WIKITEXT_TOKENS = (2088628, 217646)   # Wikitext-2's train and valid splits (tokens), the synthetic stand-in's sizes
+WIKITEXT_TOKENS = (2088628, 217646)   # Wikitext-2's train and valid tokens: the stand-in's sizes
 WIKITEXT_VOCAB = 33278
 CIFAR_SIZES = (50000, 10000)
-PAGE_EVAL_BATCH = 500              # divides CIFAR-10's 10,000 test images: no partial batch, one graph fewer
-LOCATION = ("dataset.data_dir=", "dataset.download=")   # overrides that a synthetic dataset has no key for
+PAGE_EVAL_BATCH = 500    # divides CIFAR-10's 10,000 test images: no partial batch, one graph fewer
+LOCATION = ("dataset.data_dir=", "dataset.download=")   # keys a synthetic dataset does not have
 DRY = ["trainer.device=cpu"]
-DRY_COMPILED = [*DRY, "precision.emulate=false"]   # compiled jobs run the CPU's own low-precision kernels
+DRY_COMPILED = [*DRY, "precision.emulate=false"]   # compiled: the CPU's own low-precision kernels
 DRY_IMAGE = ["model.width=8", "dataset.image_size=8", *DRY]
+PAGE_SKIPPED = "Page's accuracy: skipped (CIFAR-10 absent: the jobs ran on dataset=synthetic)."
 
 
-def step(name: str, question: str, cmd: list[str], files: list[tuple], *, run_s: float, graphs: int = 0,
-         compile_s: float = 0.0, **more) -> dict:
-    """A step: its command, the files it must leave (patterns and counts, relative to the folder), and its budget:
-    run_s (its estimated running time without compilation) + graphs x compile_s (seconds per graph)."""
+def step(name: str, question: str, cmd: list[str], files: list[tuple], *, run_s: float,
+         graphs: int = 0, compile_s: float = 0.0, **more) -> dict:
+    """A step: its command, the files it must leave (patterns and counts, relative to the folder)
+    and its budget: run_s (its estimated running time without compilation) + graphs x compile_s
+    (seconds a graph)."""
     budget = math.ceil(run_s + graphs * compile_s)
-    return {"name": name, "question": question, "cmd": cmd, "files": files, "run_s": run_s, "graphs": graphs,
-            "compile_s": compile_s, "budget": budget, **more}
+    return {"name": name, "question": question, "cmd": cmd, "files": files, "run_s": run_s,
+            "graphs": graphs, "compile_s": compile_s, "budget": budget, **more}
 
 
 def jobs(name: str, n: int) -> list[tuple]:
@@ -85,65 +90,74 @@ def located(extra: list[str]) -> list[str]:
 
 
 def lm_graphs(train_tokens: int, eval_tokens: int, batch: int, bptt: int) -> int:
-    """The graphs one compiled language-model job makes: one per window shape it warms (compiled.warm_compile; a
-    batchified split of n rows has n - 1 targets per column: full windows and a last, shorter one), training and
-    evaluation (valid and test are the same size here)."""
+    """The graphs one compiled language-model job makes: one per window shape it warms
+    (compiled.warm_compile; a batchified split of n rows has n - 1 targets per column: full windows
+    and a last, shorter one), training and evaluation (valid and test are the same size here)."""
     return (len(split_shapes(train_tokens // batch - 1, bptt))
             + len(split_shapes(eval_tokens // batch - 1, bptt)))
 
 
 def fp8_wide_step(out: Path, dry: bool, extra: list[str]) -> dict:
-    """FP8 against amp_bf16 at width 4096, compiled. torchao's float8 gains start where a Linear's K and N reach
-    4096 (its README, H100: 0.80x at M, K, N = 1024, 2048, 1024; 1.39x at 4096, 8192, 16384): the 12 x 768 GPT
-    is below it, a 2 x 4096 one (MLP 4096 -> 16384, 8192 tokens a step) within it. Synthetic tokens (Wikitext-2's
-    vocabulary) in whole windows, so each job compiles one training and one evaluation graph."""
+    """FP8 against amp_bf16 at width 4096, compiled. torchao's float8 gains start where a Linear's K
+    and N reach 4096 (its README, H100: 0.80x at M, K, N = 1024, 2048, 1024; 1.39x at 4096, 8192,
+    16384): the 12 x 768 GPT is below it, a 2 x 4096 one (MLP 4096 -> 16384, 8192 tokens a step)
+    within it. Synthetic tokens (Wikitext-2's vocabulary) in whole windows: each job compiles one
+    training and one evaluation graph."""
     batch, bptt, steps = (4, 16, 2) if dry else (32, 256, 30)
-    train, evals = batch * (bptt * (steps + 10) + 1), batch * (bptt * 2 + 1)   # stops mid-epoch: one evaluation
+    # whole windows; training stops mid-epoch (one evaluation, at the end)
+    train, evals = batch * (bptt * (steps + 10) + 1), batch * (bptt * 2 + 1)
     size = (["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "dataset.vocab_size=64",
              "trainer.warmup_steps=1", *DRY_COMPILED] if dry else
-            ["model.n_layer=2", "model.n_head=32", "model.n_embd=4096", f"dataset.vocab_size={WIKITEXT_VOCAB}",
-             *located(extra)])
-    overrides = ["experiment=transformer_precision", "precision=amp_bf16,fp8", "dataset=synthetic_text",
-                 f"dataset.train_size={train}", f"dataset.test_size={evals}", f"model.block_size={bptt}",
-                 f"trainer.batch_size={batch}", f"trainer.eval_batch_size={batch}", f"trainer.max_steps={steps}",
-                 "trainer.compile=default", *size]
+            ["model.n_layer=2", "model.n_head=32", "model.n_embd=4096",
+             f"dataset.vocab_size={WIKITEXT_VOCAB}", *located(extra)])
+    overrides = ["experiment=transformer_precision", "precision=amp_bf16,fp8",
+                 "dataset=synthetic_text", f"dataset.train_size={train}",
+                 f"dataset.test_size={evals}", f"model.block_size={bptt}",
+                 f"trainer.batch_size={batch}", f"trainer.eval_batch_size={batch}",
+                 f"trainer.max_steps={steps}", "trainer.compile=default", *size]
     return step("fp8_wide", "fp8 against amp_bf16, 2 x 4096 GPT, compiled",
-                train_cmd("fp8_wide", overrides, out), jobs("fp8_wide", 2),
-                run_s=START_S + 2 * 15, graphs=2 * lm_graphs(train, evals, batch, bptt), compile_s=22,
-                data="dataset=synthetic_text (Wikitext-2's vocabulary, whole windows): a speed question, and each "
-                     "window shape would be one more graph to compile")
+                train_cmd("fp8_wide", overrides, out), jobs("fp8_wide", 2), run_s=START_S + 2 * 15,
+                graphs=2 * lm_graphs(train, evals, batch, bptt), compile_s=22,
+                data="dataset=synthetic_text (Wikitext-2's vocabulary, whole windows): a speed "
+                     "question, and each window shape would be one more graph to compile")
 
 
 def table_cmd(name: str, out: Path, sizes: list[str], compiles: str) -> list[str]:
-    return [*PY, "scripts/benchmark.py", "table", *sizes, "--compiles", compiles, "--out", str(out / name)]
+    return [*PY, "scripts/benchmark.py", "table", *sizes, "--compiles", compiles,
+            "--out", str(out / name)]
 
 
 def table_steps(out: Path, dry: bool) -> list[dict]:
-    """The speed table eager (two models, six precisions, two batches) and compiled (resnet18 at batch 256,
-    fp32 and amp, each compile mode: one graph a cell, the table resets dynamo after each)."""
+    """The speed table eager (two models, six precisions, two batches) and compiled (resnet18 at
+    batch 256, fp32 and amp, each compile mode: one graph a cell, the table resets dynamo after
+    each)."""
     tiny = ["--models", "small_cnn", "--steps", "2", "--warmup", "1"]
     eager = ([*tiny, "--precisions", "fp32,amp_bf16", "--batches", "4,8", *DRY_IMAGE] if dry else
-             ["--models", "resnet18,resnet50", "--precisions", TABLE_PRECISIONS, "--batches", "64,256",
-              "--steps", "30", "--warmup", "10"])
+             ["--models", "resnet18,resnet50", "--precisions", TABLE_PRECISIONS,
+              "--batches", "64,256", "--steps", "30", "--warmup", "10"])
     precisions, batches = ["fp32", "amp"], ["8"] if dry else ["256"]
     compiled = [*(tiny if dry else ["--models", "resnet18", "--steps", "30", "--warmup", "10"]),
                 "--precisions", ",".join(precisions), "--batches", ",".join(batches),
                 *(["model.width=8", "dataset.image_size=8", *DRY_COMPILED] if dry else [])]
     modes = ["default", "reduce-overhead"]
     files = lambda name: [(f"{name}/table.json", 1), (f"{name}/table.md", 1)]
-    return [step("table_eager", "the ResNet speed table, eager", table_cmd("table_eager", out, eager, "none"),
-                 files("table_eager"), run_s=START_S + 60),
+    return [step("table_eager", "the ResNet speed table, eager",
+                 table_cmd("table_eager", out, eager, "none"), files("table_eager"),
+                 run_s=START_S + 60),
             step("table_compiled", "the ResNet-18 speed table, compiled",
-                 table_cmd("table_compiled", out, compiled, ",".join(modes)), files("table_compiled"),
-                 run_s=START_S + 10, graphs=len(precisions) * len(batches) * len(modes), compile_s=26)]
+                 table_cmd("table_compiled", out, compiled, ",".join(modes)),
+                 files("table_compiled"),
+                 run_s=START_S + 10, graphs=len(precisions) * len(batches) * len(modes),
+                 compile_s=26)]
 
 
 def page_step(out: Path, dry: bool, extra: list[str], cifar: bool) -> dict:
-    """Page's step 10 (seed 0) eager, then under reduce-overhead (its training graph and one evaluation graph:
-    the evaluation batch divides the test set). Without CIFAR-10: dataset=synthetic at its sizes."""
+    """Page's step 10 (seed 0) eager, then under reduce-overhead (its training graph and one
+    evaluation graph: the evaluation batch divides the test set). Without CIFAR-10:
+    dataset=synthetic at its sizes."""
     test, eval_batch = (40, 20) if dry else (CIFAR_SIZES[1], PAGE_EVAL_BATCH)
-    overrides = ["experiment=page_ladder", "trick=page_10_tta", "seed=0", "trainer.compile=none,reduce-overhead",
-                 f"trainer.eval_batch_size={eval_batch}"]
+    overrides = ["experiment=page_ladder", "trick=page_10_tta", "seed=0",
+                 "trainer.compile=none,reduce-overhead", f"trainer.eval_batch_size={eval_batch}"]
     if dry:
         overrides += ["dataset=synthetic", "dataset.train_size=64", f"dataset.test_size={test}",
                       "dataset.image_size=16", "trainer.batch_size=32", "trainer.max_steps=2",
@@ -151,40 +165,47 @@ def page_step(out: Path, dry: bool, extra: list[str], cifar: bool) -> dict:
     elif cifar:
         overrides += extra
     else:
-        overrides += ["dataset=synthetic", f"dataset.train_size={CIFAR_SIZES[0]}", f"dataset.test_size={test}",
-                      *located(extra)]
-    note = (None if cifar or dry else "CIFAR-10 not found: runs on dataset=synthetic at CIFAR-10's sizes "
-            f"({CIFAR_SIZES[0]:,} + {CIFAR_SIZES[1]:,} images); its times stand, Page's accuracy is skipped")
-    return step("page10", "Page's step 10, eager and under reduce-overhead", train_cmd("page10", overrides, out),
-                jobs("page10", 2), run_s=START_S + 55, graphs=1 + len(split_shapes(test, eval_batch)),
-                compile_s=18, data=note, accuracy=cifar and not dry)
+        overrides += ["dataset=synthetic", f"dataset.train_size={CIFAR_SIZES[0]}",
+                      f"dataset.test_size={test}", *located(extra)]
+    note = (None if cifar or dry else "CIFAR-10 not found: runs on dataset=synthetic at CIFAR-10's "
+            f"sizes ({CIFAR_SIZES[0]:,} + {CIFAR_SIZES[1]:,} images); its times stand, Page's "
+            "accuracy is skipped")
+    return step("page10", "Page's step 10, eager and under reduce-overhead",
+                train_cmd("page10", overrides, out), jobs("page10", 2), run_s=START_S + 55,
+                graphs=1 + len(split_shapes(test, eval_batch)), compile_s=18, data=note,
+                accuracy=cifar and not dry)
 
 
 def gpt_step(out: Path, dry: bool, extra: list[str], wikitext: bool) -> dict:
-    """The GPT (12 x 768) in fp32, amp_bf16 and fp8, eager (compiled, its 12 layers would take minutes of
-    compilation a job; the compiled fp8 question is fp8_wide's). Without Wikitext-2: synthetic_text."""
-    overrides = ["experiment=transformer_precision", f"precision={GPT_PRECISIONS}", "trainer.compile=none"]
+    """The GPT (12 x 768) in fp32, amp_bf16 and fp8, eager (compiled, its 12 layers would take
+    minutes of compilation a job; the compiled fp8 question is fp8_wide's). Without Wikitext-2:
+    synthetic_text at its sizes."""
+    overrides = ["experiment=transformer_precision", f"precision={GPT_PRECISIONS}",
+                 "trainer.compile=none"]
     if dry:
         overrides += ["dataset=synthetic_text", "dataset.vocab_size=64", "dataset.train_size=2000",
-                      "dataset.test_size=400", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
-                      "model.block_size=16", "trainer.batch_size=4", "trainer.eval_batch_size=4",
+                      "dataset.test_size=400", "model.n_layer=1", "model.n_head=2",
+                      "model.n_embd=32", "model.block_size=16", "trainer.batch_size=4",
+                      "trainer.eval_batch_size=4",
                       "trainer.max_steps=2", "trainer.warmup_steps=1", *DRY]
     elif wikitext:
         overrides += ["trainer.max_steps=40", *extra]
     else:
         overrides += ["dataset=synthetic_text", f"dataset.vocab_size={WIKITEXT_VOCAB}",
-                      f"dataset.train_size={WIKITEXT_TOKENS[0]}", f"dataset.test_size={WIKITEXT_TOKENS[1]}",
-                      "trainer.max_steps=40", *located(extra)]
-    note = (None if wikitext or dry else "Wikitext-2 not found: runs on dataset=synthetic_text at Wikitext-2's "
-            "sizes; its tokens/s stand, its perplexities are the synthetic text's")
-    return step("gpt", "the GPT (12 x 768) fp32, amp_bf16, fp8, eager", train_cmd("gpt", overrides, out),
-                jobs("gpt", 3), run_s=START_S + 40, data=note)
+                      f"dataset.train_size={WIKITEXT_TOKENS[0]}",
+                      f"dataset.test_size={WIKITEXT_TOKENS[1]}", "trainer.max_steps=40",
+                      *located(extra)]
+    note = (None if wikitext or dry else "Wikitext-2 not found: runs on dataset=synthetic_text at "
+            "Wikitext-2's sizes; its tokens/s stand, its perplexities are the synthetic text's")
+    return step("gpt", "the GPT (12 x 768) fp32, amp_bf16, fp8, eager",
+                train_cmd("gpt", overrides, out), jobs("gpt", 3), run_s=START_S + 40, data=note)
 
 
 def plan(out: Path, dry: bool, extra: list[str], present: dict) -> list[dict]:
     """The steps in order of value; present: {"cifar10": bool, "wikitext2": bool} (found_data)."""
     steps = [fp8_wide_step(out, dry, extra), *table_steps(out, dry),
-             page_step(out, dry, extra, present["cifar10"]), gpt_step(out, dry, extra, present["wikitext2"])]
+             page_step(out, dry, extra, present["cifar10"]),
+             gpt_step(out, dry, extra, present["wikitext2"])]
     total = sum(s["budget"] for s in steps)
     if total > BUDGET_S:
         raise ValueError(f"the steps' budgets add up to {total} s, over {BUDGET_S} s")
@@ -192,15 +213,16 @@ def plan(out: Path, dry: bool, extra: list[str], present: dict) -> list[dict]:
 
 
 def found_data(extra: list[str]) -> tuple[Path, dict]:
-    """Where the jobs would read their data (dataset.data_dir among the overrides, else $MIXPREC_DATA_DIR, else
-    data/ under the project) and whether CIFAR-10 and Wikitext-2 are there. Nothing is downloaded: on an offline
-    GPU machine a download cannot succeed, and elsewhere it would spend the budget."""
+    """Where the jobs would read their data (dataset.data_dir among the overrides, else
+    $MIXPREC_DATA_DIR, else data/ under the project) and whether CIFAR-10 and Wikitext-2 are there.
+    Nothing is downloaded: on an offline GPU machine a download cannot succeed, and elsewhere it
+    would spend the budget."""
     from mixprec.data.cifar import SPECS
     from mixprec.data.files import data_root
     from mixprec.data.wikitext import FOLDER, SPLITS
 
-    data_dir = next((o.split("=", 1)[1] for o in reversed(extra) if o.lstrip("+").startswith(LOCATION[0])),
-                    None)
+    data_dir = next((o.split("=", 1)[1] for o in reversed(extra)
+                     if o.lstrip("+").startswith(LOCATION[0])), None)
     root = data_root(data_dir)
     cifar = SPECS["cifar10"]
     return root, {"cifar10": all((root / cifar.folder / f).is_file() for f in cifar.files)
@@ -209,9 +231,10 @@ def found_data(extra: list[str]) -> tuple[Path, dict]:
 
 
 def count_compiles(record: Path, cmd: list[str]) -> int:
-    """Run a script (cmd: its path and arguments) in this process with every torch.compile given a backend that
-    counts dynamo's graphs (training: traced with grad enabled; inference) and runs them uncompiled: a dry run's
-    count of the graphs a GPU run compiles, in seconds where inductor on a small CPU takes minutes per graph."""
+    """Run a script (cmd: its path and arguments) in this process with every torch.compile given a
+    backend that counts dynamo's graphs (training: traced with grad enabled; inference) and runs
+    them uncompiled: a dry run's count of the graphs a GPU run compiles, in seconds where inductor
+    on a small CPU takes minutes a graph. The counts go to `record` (JSON)."""
     import runpy
 
     import torch
@@ -224,11 +247,12 @@ def count_compiles(record: Path, cmd: list[str]) -> int:
         counts["training" if torch.is_grad_enabled() else "inference"] += 1
         return gm.forward
 
-    def counting(model=None, **kwargs):   # mode and options are inductor's: the counting backend has none
-        return real(model, backend=backend, dynamic=kwargs.get("dynamic"), fullgraph=kwargs.get("fullgraph", False))
+    def counting(model=None, **kwargs):   # mode and options are inductor's: the backend has none
+        return real(model, backend=backend, dynamic=kwargs.get("dynamic"),
+                    fullgraph=kwargs.get("fullgraph", False))
 
     torch.compile = counting
-    sys.argv, sys.path[0] = list(cmd), str(Path(cmd[0]).resolve().parent)   # as `python <script>` would
+    sys.argv, sys.path[0] = list(cmd), str(Path(cmd[0]).resolve().parent)   # as `python <script>`
     try:
         runpy.run_path(cmd[0], run_name="__main__")
         code = 0
@@ -240,15 +264,18 @@ def count_compiles(record: Path, cmd: list[str]) -> int:
 
 
 def run_step(step: dict, out: Path, limit: float, dry: bool) -> dict:
-    """One step under `timeout` (SIGTERM at limit - 5 s, so that its jobs end `interrupted` with their records,
-    SIGKILL at the limit); its output in logs/<name>.log. The dry run counts its graphs."""
+    """One step under `timeout` (SIGTERM at limit - 5 s, so that its jobs end `interrupted` with
+    their records; SIGKILL at the limit); its output in logs/<name>.log. The dry run counts its
+    graphs."""
     limit = round(limit)
-    row = {"name": step["name"], "budget_s": step["budget"], "limit_s": limit, "graphs": step["graphs"],
-           "graphs_counted": None, "seconds": 0.0}
+    row = {"name": step["name"], "budget_s": step["budget"], "limit_s": limit,
+           "graphs": step["graphs"], "graphs_counted": None, "seconds": 0.0}
     if limit < 10:
         return {**row, "outcome": "skipped: out of budget"}
-    log, counted = out / "logs" / f"{step['name']}.log", out / "logs" / f"{step['name']}.graphs.json"
-    cmd = [*PY, str(Path(__file__)), "--count-compiles", str(counted), *step["cmd"][1:]] if dry else step["cmd"]
+    log = out / "logs" / f"{step['name']}.log"
+    counted = out / "logs" / f"{step['name']}.graphs.json"
+    cmd = ([*PY, str(Path(__file__)), "--count-compiles", str(counted), *step["cmd"][1:]] if dry
+           else step["cmd"])
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write("$ " + shlex.join(step["cmd"]) + "\n")
@@ -256,27 +283,28 @@ def run_step(step: dict, out: Path, limit: float, dry: bool) -> dict:
         rc = subprocess.run(["timeout", "--kill-after=5", str(limit - 5), *cmd], cwd=ROOT, stdout=f,
                             stderr=subprocess.STDOUT).returncode
     row["seconds"] = round(time.perf_counter() - t0, 1)
-    for weights in (out / step["name"]).glob("*/*.pt"):   # a job's saved weights (the GPT's: 0.5 GB): not kept
+    for weights in (out / step["name"]).glob("*/*.pt"):   # the jobs' saved weights: not kept
         weights.unlink()
     if counted.exists():
         row["graphs_counted"] = json.loads(counted.read_text())["graphs"]
-    row["outcome"] = "ok" if rc == 0 else ("timed out" if rc in (124, 137) else f"failed (exit {rc})")
+    row["outcome"] = ("ok" if rc == 0 else "timed out" if rc in (124, 137)
+                      else f"failed (exit {rc})")
     return row
 
 
 def budget_markdown(rows: list[dict], steps: list[dict], total: float, dry: bool) -> str:
-    """Each step's budget (estimated run + graphs x seconds a graph), the limit it ran under, the graphs (the dry
-    run's count beside), seconds and outcome."""
-    head = ("CPU dry run at tiny sizes: the GPU run's budgets, not enforced here; graphs counted" if dry
-            else "GPU")
-    lines = [f"# Time budget ({head}): {total:.0f} s; budgets add up to {sum(s['budget'] for s in steps)} s "
-             f"of {BUDGET_S} s", "",
-             "| step | question | budget s (run + graphs x s) | limit s | graphs | counted (dry run) | seconds "
-             "| outcome |", "|---|---|---|---|---|---|---|---|"]
+    """Each step's budget (estimated run + graphs x seconds a graph), the limit it ran under, the
+    graphs (the dry run's count beside), seconds and outcome."""
+    head = ("CPU dry run at tiny sizes: the GPU run's budgets, not enforced here; graphs counted"
+            if dry else "GPU")
+    lines = [f"# Time budget ({head}): {total:.0f} s; budgets add up to "
+             f"{sum(s['budget'] for s in steps)} s of {BUDGET_S} s", "",
+             "| step | question | budget s (run + graphs x s) | limit s | graphs "
+             "| counted (dry run) | seconds | outcome |", "|---|---|---|---|---|---|---|---|"]
     for r, s in zip(rows, steps):
         plan_s = f"{s['budget']} ({s['run_s']:g} + {s['graphs']} x {s['compile_s']:g})"
-        lines.append(f"| {r['name']} | {s['question']} | {plan_s} | {r['limit_s']} | {r['graphs']} | "
-                     f"{fmt(r['graphs_counted'], 'd')} | {r['seconds']} | {r['outcome']} |")
+        lines.append(f"| {r['name']} | {s['question']} | {plan_s} | {r['limit_s']} | {r['graphs']} "
+                     f"| {fmt(r['graphs_counted'], 'd')} | {r['seconds']} | {r['outcome']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -290,8 +318,8 @@ def missing(out: Path, steps: list[dict]) -> list[str]:
 
 def miscounted(rows: list[dict]) -> list[str]:
     """A dry run's steps whose graphs counted differ from the graphs their budgets assume."""
-    return [f"{r['name']} compiled {r['graphs_counted']} graphs, its budget assumes {r['graphs']}" for r in rows
-            if r["graphs_counted"] != r["graphs"]]
+    return [f"{r['name']} compiled {r['graphs_counted']} graphs, its budget assumes {r['graphs']}"
+            for r in rows if r["graphs_counted"] != r["graphs"]]
 
 
 def job_rows(out: Path, name: str) -> list[dict]:
@@ -300,11 +328,13 @@ def job_rows(out: Path, name: str) -> list[dict]:
     for path in sorted(out.glob(f"{name}/*/summary.json")):
         s = json.loads(path.read_text())
         m, ch = s.get("metrics", {}), s.get("choices", {})
-        rows.append({"precision": ch.get("precision"), "seed": s.get("seed"), "status": s.get("status"),
+        rows.append({"precision": ch.get("precision"), "seed": s.get("seed"),
+                     "status": s.get("status"),
                      "compile": (s.get("config") or {}).get("trainer", {}).get("compile"),
                      "throughput": m.get("throughput"), "train_time_s": m.get("train_time_s"),
                      "compile_time_s": m.get("compile_time_s"), "busy": m.get("gpu_busy_fraction"),
-                     "acc": m.get("final_test_acc"), "ppl": m.get("final_valid_ppl"), "error": s.get("error")})
+                     "acc": m.get("final_test_acc"), "ppl": m.get("final_valid_ppl"),
+                     "error": s.get("error")})
     return rows
 
 
@@ -313,15 +343,17 @@ def fmt(v, spec: str) -> str:
 
 
 def jobs_markdown(title: str, rows: list[dict], accuracy: bool = True) -> list[str]:
-    head = ["precision", "compile", "seed", "status", "train s", "compile s", "samples or tokens /s", "GPU busy",
-            *(["test acc"] if accuracy else []), "valid ppl", "error"]
+    head = ["precision", "compile", "seed", "status", "train s", "compile s",
+            "samples or tokens /s", "GPU busy", *(["test acc"] if accuracy else []), "valid ppl",
+            "error"]
     lines = [f"## {title}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in rows:
-        cell = f" {fmt(r['acc'], '.4f')} |" if accuracy else ""
-        lines.append(f"| {r['precision']} | {r['compile']} | {r['seed']} | {r['status']} | "
-                     f"{fmt(r['train_time_s'], '.2f')} | {fmt(r['compile_time_s'], '.1f')} | "
-                     f"{fmt(r['throughput'], '.0f')} | {fmt(r['busy'], '.2f')} |{cell} {fmt(r['ppl'], '.1f')} | "
-                     f"{(r['error'] or '')[:80]} |")
+        cells = [r["precision"], r["compile"], r["seed"], r["status"],
+                 fmt(r["train_time_s"], ".2f"), fmt(r["compile_time_s"], ".1f"),
+                 fmt(r["throughput"], ".0f"), fmt(r["busy"], ".2f"),
+                 *([fmt(r["acc"], ".4f")] if accuracy else []), fmt(r["ppl"], ".1f"),
+                 (r["error"] or "")[:80]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines + [""]
 
 
@@ -336,54 +368,70 @@ def table_rows(out: Path, name: str) -> dict:
     return {(r["model"], r["precision"], r["batch"], r["compile"]): r for r in rows}
 
 
-def answers(out: Path, steps: dict) -> list[str]:
-    """The questions' answers in a few lines, each a ratio of two measured figures ("-" where one is missing)."""
-    by = lambda rows, key: {r[key]: r for r in rows}
-    wide = by(job_rows(out, "fp8_wide"), "precision")
-    tput = lambda rows, k, field="throughput": (rows.get(k) or {}).get(field)
-    lines = ["## Answers", "",
-             f"- fp8 / amp_bf16, 2 x 4096 GPT compiled: {ratio(tput(wide, 'fp8'), tput(wide, 'amp_bf16'))} "
-             f"({fmt(tput(wide, 'fp8'), '.0f')} against {fmt(tput(wide, 'amp_bf16'), '.0f')} tokens/s; "
-             "target >= 1)"]
+def get(rows: dict, key, field: str = "throughput"):
+    return (rows.get(key) or {}).get(field)
+
+
+def table_answers(out: Path) -> list[str]:
+    """amp / fp32 and amp / tf32 at each table's largest batch (256 on a GPU), with amp's GPU busy.
+    """
+    lines = []
     for name, mode in (("table_eager", "none"), ("table_compiled", "default"),
                        ("table_compiled", "reduce-overhead")):
         cells = table_rows(out, name)
         for model in sorted({k[0] for k in cells}):
-            b = max(k[2] for k in cells if k[0] == model)   # 256 on a GPU
-            s = {p: tput(cells, (model, p, b, mode), "samples_per_s") for p in ("fp32", "tf32", "amp")}
-            busy = tput(cells, (model, "amp", b, mode), "gpu_busy_fraction")
-            lines.append(f"- {model} batch {b}, compile {mode}: amp / fp32 {ratio(s['amp'], s['fp32'])}, "
-                         f"amp / tf32 {ratio(s['amp'], s['tf32'])} (target amp >= 1.5x fp32); amp's GPU busy "
-                         f"{fmt(busy, '.2f')}")
+            b = max(k[2] for k in cells if k[0] == model)
+            s = {p: get(cells, (model, p, b, mode), "samples_per_s")
+                 for p in ("fp32", "tf32", "amp")}
+            busy = get(cells, (model, "amp", b, mode), "gpu_busy_fraction")
+            lines.append(f"- {model} batch {b}, compile {mode}: amp / fp32 "
+                         f"{ratio(s['amp'], s['fp32'])}, amp / tf32 {ratio(s['amp'], s['tf32'])} "
+                         f"(target amp >= 1.5x fp32); amp's GPU busy {fmt(busy, '.2f')}")
+    return lines
+
+
+def answers(out: Path, steps: dict) -> list[str]:
+    """The questions' answers in a few lines, each a ratio of two measured figures ("-" where one is
+    missing)."""
+    by = lambda rows, key: {r[key]: r for r in rows}
+    wide = by(job_rows(out, "fp8_wide"), "precision")
+    fp8, bf16 = get(wide, "fp8"), get(wide, "amp_bf16")
+    lines = ["## Answers", "", f"- fp8 / amp_bf16, 2 x 4096 GPT compiled: {ratio(fp8, bf16)} "
+             f"({fmt(fp8, '.0f')} against {fmt(bf16, '.0f')} tokens/s; target >= 1)",
+             *table_answers(out)]
     page = by(job_rows(out, "page10"), "compile")
-    acc = (f"; test accuracy {fmt(tput(page, 'none', 'acc'), '.4f')} eager, "
-           f"{fmt(tput(page, 'reduce-overhead', 'acc'), '.4f')} under CUDA graphs"
+    acc = (f"; test accuracy {fmt(get(page, 'none', 'acc'), '.4f')} eager, "
+           f"{fmt(get(page, 'reduce-overhead', 'acc'), '.4f')} under CUDA graphs"
            if steps.get("page10", {}).get("accuracy") else "")
-    lines.append(f"- Page's step 10: {fmt(tput(page, 'none', 'train_time_s'), '.2f')} s eager, "
-                 f"{fmt(tput(page, 'reduce-overhead', 'train_time_s'), '.2f')} s under reduce-overhead "
-                 f"(target <= 4 s){acc}")
+    lines.append(f"- Page's step 10: {fmt(get(page, 'none', 'train_time_s'), '.2f')} s eager, "
+                 f"{fmt(get(page, 'reduce-overhead', 'train_time_s'), '.2f')} s under "
+                 f"reduce-overhead (target <= 4 s){acc}")
     gpt = by(job_rows(out, "gpt"), "precision")
-    lines.append(f"- GPT 12 x 768 eager: amp_bf16 / fp32 {ratio(tput(gpt, 'amp_bf16'), tput(gpt, 'fp32'))}, "
-                 f"fp8 / fp32 {ratio(tput(gpt, 'fp8'), tput(gpt, 'fp32'))}")
+    lines.append(f"- GPT 12 x 768 eager: amp_bf16 / fp32 "
+                 f"{ratio(get(gpt, 'amp_bf16'), get(gpt, 'fp32'))}, fp8 / fp32 "
+                 f"{ratio(get(gpt, 'fp8'), get(gpt, 'fp32'))}")
     return lines + [""]
 
 
-def summary_markdown(out: Path, env: dict, steps: list[dict], budget_md: str, data: list[str]) -> str:
-    """SUMMARY.md: the device and command, the answers, the budget, the data used, then each step's records."""
+def summary_markdown(out: Path, env: dict, steps: list[dict], budget_md: str,
+                     data: list[str]) -> str:
+    """SUMMARY.md: the device and command, the answers, the budget, the data used, then each step's
+    records."""
     by_name = {s["name"]: s for s in steps}
-    lines = [f"# GPU speed check: {env.get('device_name')}, torch {env.get('torch')}, {env.get('date')}", "",
-             f"`{env.get('command')}`", "", *answers(out, by_name),
+    lines = [f"# GPU speed check: {env.get('device_name')}, torch {env.get('torch')}, "
+             f"{env.get('date')}", "", f"`{env.get('command')}`", "", *answers(out, by_name),
              budget_md.replace("# Time budget", "## Time budget", 1), *data, ""]
-    lines += jobs_markdown("FP8 against amp_bf16: a 2 x 4096 GPT (torchao's float8 gains from K, N >= 4096), "
-                           "compiled", job_rows(out, "fp8_wide"))
+    lines += jobs_markdown("FP8 against amp_bf16: a 2 x 4096 GPT (torchao's float8 gains from K, N "
+                           ">= 4096), compiled", job_rows(out, "fp8_wide"))
     for name in ("table_eager", "table_compiled"):
         md = out / name / "table.md"
-        lines += [md.read_text().replace("# Speed table", f"## {name}: speed table", 1) if md.exists()
-                  else f"## {name}: no table (see logs/{name}.log)", ""]
+        lines += [md.read_text().replace("# Speed table", f"## {name}: speed table", 1)
+                  if md.exists() else f"## {name}: no table (see logs/{name}.log)", ""]
     accuracy = by_name.get("page10", {}).get("accuracy", False)
-    lines += jobs_markdown("Page's step 10, eager and under reduce-overhead", job_rows(out, "page10"), accuracy)
+    lines += jobs_markdown("Page's step 10, eager and under reduce-overhead",
+                           job_rows(out, "page10"), accuracy)
     if not accuracy:
-        lines += ["Page's accuracy: skipped (CIFAR-10 absent: the jobs ran on dataset=synthetic).", ""]
+        lines += [PAGE_SKIPPED, ""]
     lines += jobs_markdown("GPT 12 x 768, eager", job_rows(out, "gpt"))
     return "\n".join(lines) + "\n"
 
@@ -400,8 +448,8 @@ def environment(dry: bool) -> dict:
 
 
 def default_out(env: dict, dry: bool) -> Path:
-    """outputs/reference/<gpu>-speed-<date>/ (kept by git), a time added if that exists; a dry run's under
-    outputs/gpu_speed_dry/ (ignored)."""
+    """outputs/reference/<gpu>-speed-<date>/ (kept by git), a time added if that exists; a dry run's
+    under outputs/gpu_speed_dry/ (ignored)."""
     now = time.strftime("%Y-%m-%d_%H-%M-%S")
     if dry:
         return ROOT / "outputs" / "gpu_speed_dry" / now
@@ -413,10 +461,24 @@ def default_out(env: dict, dry: bool) -> Path:
 def data_lines(steps: list[dict], root: Path, dry: bool) -> list[str]:
     """One line per step whose data is not its preset's (the dry run: one line for all)."""
     if dry:
-        return ["dry run: every step at tiny sizes on synthetic data on the CPU, compile modes as a GPU run's, "
-                "each graph counted instead of compiled"]
-    return [f"{s['name']}: {s['data']}" + (f" (looked in {root})" if "not found" in s["data"] else "")
-            for s in steps if s.get("data")]
+        return ["dry run: every step at tiny sizes on synthetic data on the CPU, compile modes as "
+                "a GPU run's, each graph counted instead of compiled"]
+    where = lambda s: f" (looked in {root})" if "not found" in s["data"] else ""
+    return [f"{s['name']}: {s['data']}{where(s)}" for s in steps if s.get("data")]
+
+
+def run_steps(steps: list[dict], out: Path, dry: bool) -> list[dict]:
+    """Every step in order, each limited to its budget and what the steps before it left unused."""
+    t0, rows, allotted = time.perf_counter(), [], 0
+    for s in steps:
+        allotted += s["budget"]
+        limit = DRY_LIMIT_S if dry else allotted - (time.perf_counter() - t0)
+        rows.append(run_step(s, out, limit, dry))
+        counted = ("" if rows[-1]["graphs_counted"] is None
+                   else f", {rows[-1]['graphs_counted']} graphs")
+        print(f"gpu_speed: {s['name']}: {rows[-1]['outcome']} in {rows[-1]['seconds']} s (budget "
+              f"{s['budget']} s{counted})", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -424,10 +486,14 @@ def main(argv=None) -> int:
     if argv[:1] == ["--count-compiles"] and len(argv) > 2:
         return count_compiles(Path(argv[1]), argv[2:])
     parser = cli.ArgumentParser(prog="gpu_speed.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("overrides", nargs="*", help="train.py overrides for the jobs (e.g. dataset.data_dir=/data)")
-    parser.add_argument("--out", type=Path, help="the folder (default outputs/reference/<gpu>-speed-<date>)")
-    parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU, graphs counted")
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__)
+    parser.add_argument("overrides", nargs="*",
+                        help="train.py overrides for the jobs (e.g. dataset.data_dir=/data)")
+    parser.add_argument("--out", type=Path,
+                        help="the folder (default outputs/reference/<gpu>-speed-<date>)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny sizes on the CPU, graphs counted")
     args = parser.parse_args(argv)
     env = environment(args.dry_run)
     env["command"] = shlex.join(["scripts/gpu_speed.py", *argv])
@@ -441,21 +507,16 @@ def main(argv=None) -> int:
     env.update(data_root=str(root), data_found=present, budget_s=sum(s["budget"] for s in steps))
     write_json_atomic(out / "env.json", env)
     write_json_atomic(out / "plan.json", {"steps": steps, "budget_s": BUDGET_S})
-    t0, rows, allotted = time.perf_counter(), [], 0
-    for s in steps:
-        allotted += s["budget"]   # its own budget and what the steps before it left unused
-        limit = DRY_LIMIT_S if args.dry_run else allotted - (time.perf_counter() - t0)
-        rows.append(run_step(s, out, limit, args.dry_run))
-        counted = "" if rows[-1]["graphs_counted"] is None else f", {rows[-1]['graphs_counted']} graphs"
-        print(f"gpu_speed: {s['name']}: {rows[-1]['outcome']} in {rows[-1]['seconds']} s (budget "
-              f"{s['budget']} s{counted})", flush=True)
+    t0 = time.perf_counter()
+    rows = run_steps(steps, out, args.dry_run)
     total = time.perf_counter() - t0
     budget_md = budget_markdown(rows, steps, total, args.dry_run)
     write_json_atomic(out / "budget.json", {"budget_s": BUDGET_S, "total_s": total, "steps": rows})
     write_text_atomic(out / "budget.md", budget_md)
     write_text_atomic(out / "SUMMARY.md", summary_markdown(out, env, steps, budget_md, data))
     gone, off = missing(out, steps), miscounted(rows) if args.dry_run else []
-    print(f"gpu_speed: {out}: {total:.0f} s; " + (f"missing: {'; '.join(gone)}" if gone else "every file is there"))
+    print(f"gpu_speed: {out}: {total:.0f} s; "
+          + (f"missing: {'; '.join(gone)}" if gone else "every file is there"))
     for line in off:
         print(f"gpu_speed: graphs: {line}: revise its budget (plan in scripts/gpu_speed.py)")
     return 1 if gone or off else 0
