@@ -222,7 +222,7 @@ def document(data: dict) -> Doc:
                     + (" Where a results folder's plan runs a smaller stand-in instead, the side-by-side section "
                        "above shows it with its reason ([stand-in: ...])." if stand_ins else ""))
             d.p("Where each published value comes from:")
-            d.bullets([f"{c['source']} / {c['label']}: \"{c['quote']}\" ({c['source_title']}"
+            d.bullets([f"{c['source']} / {c['label']}: {c['quote']} ({c['source_title']}"
                        + (f", {c['url']}" if c["url"] else "") + ")" for c in exp["comparisons"]])
             used = sorted({c["metric"] for c in exp["comparisons"]} & set(DERIVED))
             if used:   # e.g. test_ppl: the best-validation model's test perplexity, as apex's main.py reports it
