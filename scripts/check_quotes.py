@@ -15,7 +15,6 @@ published files. A path that does not exist, or a folder without *.txt: one line
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import unicodedata
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from mixprec import cli  # noqa: E402
 from mixprec.report.published import PUBLISHED_DIR, SourceError, load_sources  # noqa: E402
 
 
@@ -40,17 +40,15 @@ def read_texts(paths: list[str]) -> dict[str, str]:
     texts = {}
     for p in map(Path, paths):
         if not p.exists():
-            raise TextsError(f"check_quotes: {p}: no such file or folder; give the folder of "
-                             "source texts")
+            raise TextsError(f"{p}: no such file or folder; give the folder of source texts")
         files = sorted(p.glob("*.txt")) if p.is_dir() else [p]
         if not files:
-            raise TextsError(f"check_quotes: {p}: no *.txt file in it; give the folder of "
-                             "source texts")
+            raise TextsError(f"{p}: no *.txt file in it; give the folder of source texts")
         for f in files:
             try:
                 texts[f.name] = flat(f.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError) as e:
-                raise TextsError(f"check_quotes: {f}: not readable as UTF-8 text ({e})") from None
+                raise TextsError(f"{f}: not readable as UTF-8 text ({e})") from None
     return texts
 
 
@@ -84,22 +82,14 @@ def problems(quotes: dict, texts: dict[str, str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(prog="check_quotes.py", description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="+", help="folders of source texts (*.txt) or text files")
     ap.add_argument("--seeds-only", action="store_true",
                     help="check only the quotes whose document is one of the given source texts")
     ap.add_argument("--published", default=str(PUBLISHED_DIR), help="folder of published *.yaml")
-    args = ap.parse_args(argv)
-    try:
-        sources = load_sources(Path(args.published))
-    except SourceError as e:
-        print(f"check_quotes: {e}", file=sys.stderr)
-        return 2
-    try:
-        texts = read_texts(args.paths)
-    except TextsError as e:
-        print(e, file=sys.stderr)
-        return 2
+    args = ap.parse_intermixed_args(argv)
+    sources = load_sources(Path(args.published))
+    texts = read_texts(args.paths)
     quotes = unique_quotes(sources, set(texts) if args.seeds_only else None)
     lines = problems(quotes, texts)
     print(f"checked {len(quotes)} distinct quotes against {len(texts)} texts ({', '.join(texts)}): "
@@ -109,5 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if lines else 0
 
 
+def entry(argv: list[str] | None = None) -> int:
+    """main's exit status; a bad folder or published file: one line on stderr, status 2."""
+    return cli.run("check_quotes", main, argv, known=(SourceError, TextsError))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())
