@@ -87,9 +87,10 @@ def test_the_last_step_trains_with_every_trick_in_its_own_precision(tmp_path):
 
 
 def test_step_1_is_timed_on_pages_clock_with_its_data_preparation(tmp_path):
-    """dawn.py (37a13cc:79-87) starts its timer before padding and normalising the split: mixprec times its one-off
-    preparation (here the loader's pad and normalise, Page's step 1) as preprocess_time_s, and page_clock_s, the
-    ladder table's "time+prep s", adds it to train_time_s."""
+    """dawn.py@55be9b98 (lines 33-40) starts its timer before padding and normalising the split:
+    mixprec times its one-off preparation (here the loader's pad and normalise, Page's step 1)
+    as preprocess_time_s, and page_clock_s, the ladder table's "time+prep s", adds it to
+    train_time_s."""
     base = [o for o in LADDER_TINY if not o.startswith("dataset.image_size")]   # 32 px: the pad-once loader
     s = run_tiny(tmp_path, "trick=page_01_baseline", "precision=fp32", base=base)
     m = s["metrics"]

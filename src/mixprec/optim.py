@@ -111,10 +111,11 @@ def build_schedule(cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, total_
     fractions of total_steps. Stepped once per optimizer step.
     schedule=plateau: PyTorch's word_language_model rule instead, stepped once per epoch with the validation
     loss (`schedule.step(valid_loss)`): the lr is divided by cfg.factor after every epoch whose validation loss
-    is not below the best so far (ReduceLROnPlateau, patience 0, threshold 0)."""
+    is not below the best so far (ReduceLROnPlateau, patience 0, threshold 0), however small it already is
+    (eps 0: the example's `lr /= 4.0` has no floor, where PyTorch's default eps would stop dividing)."""
     if cfg.name == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=1 / cfg.factor, patience=0,
-                                                          threshold=0.0)
+                                                          threshold=0.0, eps=0.0)
     if cfg.name == "fastai_onecycle":
         return FastaiOneCycle(optimizer, total_steps, cfg.div_factor, cfg.pct_start, cfg.final_div, tuple(cfg.moms))
     knots = np.asarray(cfg.knots, dtype=np.float64) * max(total_steps, 1)

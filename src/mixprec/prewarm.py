@@ -1,6 +1,7 @@
-"""Untimed warm-up before the training clock: Page's rule (cifar10-fast dawn.py:28-33 and new_dawn.py:51-57 run
-`warmup_cudnn` on random batches before `Timer(...)` starts; bag_of_tricks.ipynb cell 27 on one training batch),
-so cuDNN's autotuning (`cudnn.benchmark`), lazy CUDA initialisation and the allocator's growth are not timed.
+"""Untimed warm-up before the training clock: Page's rule (cifar10-fast dawn.py@55be9b98 lines 28-33
+and new_dawn.py:51-57 run `warmup_cudnn` on random batches before `Timer(...)` starts;
+bag_of_tricks.ipynb cell 27 on one training batch), so cuDNN's autotuning (`cudnn.benchmark`), lazy
+CUDA initialisation and the allocator's growth are not timed.
 
 `prewarm(...)` runs N full training steps (forward, backward, unscale and optimizer step) on random inputs of the
 training batch's shape, through a throwaway deep copy of the model, the precision policy (loss scaler, master

@@ -248,11 +248,12 @@ class _PreparedSamples(Dataset):
 
 
 class _PaddedSamples(Dataset):
-    """Page's step-1 data: the whole split padded (reflect) and normalised once, up front (dawn.py at 37a13cc,
-    lines 79-87, inside his timer: here in the loader's construction, timed as preprocess_time_s), then per sample
-    a crop (a view), a flip and a cutout. The same draws in the same order as `prepare` on one image and the same
-    values (padding and cropping copy, normalising is elementwise), so the same samples bit for bit
-    (tests/test_pipeline.py), at a few ops a sample where `prepare` took ~30: what lets num_workers=0 keep up."""
+    """Page's step-1 data: the whole split padded (reflect) and normalised once, up front
+    (dawn.py@55be9b98 lines 33-40, inside his timer: here in the loader's construction, timed as
+    preprocess_time_s), then per sample a crop (a view), a flip and a cutout. The same draws in the
+    same order as `prepare` on one image and the same values (padding and cropping copy, normalising
+    is elementwise), so the same samples bit for bit (tests/test_pipeline.py), at a few ops a sample
+    where `prepare` took ~30: what lets num_workers=0 keep up."""
 
     def __init__(self, images, labels, mean, std, *, pad: int, flip: bool, cutout: int,
                  generator: torch.Generator | None):

@@ -267,7 +267,7 @@ def comparisons_section(d: Doc, exp: dict, stand_ins: bool) -> None:
         d.bullets([unmatched_line(u) for u in unmatched])
     if shown:
         d.p("Where each published value comes from:")
-        d.bullets([f"{c['source']} / {c['label']}: \"{c['quote']}\" ({c['source_title']}"
+        d.bullets([f"{c['source']} / {c['label']}: {c['quote']} ({c['source_title']}"
                    + (f", {c['url']}" if c["url"] else "") + ")" for c in shown])
     used = sorted({c["metric"] for c in shown} & set(DERIVED))
     if used:   # e.g. test_ppl: the best-validation model's test perplexity, as apex reports it
