@@ -1,49 +1,55 @@
 """trainer.compile: the training model through torch.compile, compiled and warmed up before the clock starts.
 
 `compile_model(net, mode)` wraps the module the loop trains (the DDP wrapper under several ranks) in
-torch.compile with the chosen mode: `default` (inductor), `max-autotune` (inductor, Triton kernels autotuned,
-CUDA graphs), `reduce-overhead` (inductor with CUDA graphs), and static shapes (`dynamic=False`): each shape the
-warm-up compiles gets a graph of its own, so the shorter last window of a language model (or the last, partial,
-evaluation batch) does not make dynamo recompile with that dimension dynamic, a graph that would then serve every
-full window. The engine calls the model inside the precision policy's autocast, so autocast is part of the
-compiled graph: dynamo traces the forward under the ambient autocast state and guards on it (a change of state
-recompiles). The compiled module shares its parameters and buffers with the model: optimizer, EMA, checkpoints
-and the saved weights use the plain model and see the same tensors. Image models and the GPT are compiled;
-precision=fp8 compiles the float8-converted model, as torchao intends (its Float8Linear casts fuse into the
-matmuls' neighbours under inductor). The RNN language models stay eager (RNN_EAGER says why).
+torch.compile with the chosen mode: `default` (inductor), `max-autotune` (inductor, Triton kernels
+autotuned, CUDA graphs), `reduce-overhead` (inductor with CUDA graphs), and static shapes
+(`dynamic=False`): each shape the warm-up compiles gets a graph of its own, so the shorter last
+window of a language model (or the last, partial, evaluation batch) does not make dynamo recompile
+with that dimension dynamic, a graph that would then serve every full window. The engine calls the
+model inside the precision policy's autocast, so autocast is part of the compiled graph: dynamo
+traces the forward under the ambient autocast state and guards on it (a change of state recompiles).
+The compiled module shares its parameters and buffers with the model: optimizer, EMA, checkpoints
+and the saved weights use the plain model and see the same tensors. Image models and the GPT are
+compiled; precision=fp8 compiles the float8-converted model, as torchao intends (its Float8Linear
+casts fuse into the matmuls' neighbours under inductor). The RNN language models stay eager
+(RNN_EAGER says why).
 
-One process, many jobs (a Hydra sweep): dynamo's caches are per process and keyed by code objects that every
-job's model shares, so each compiled job would add its graphs to the earlier jobs' until dynamo's recompile
-limit, and from then on run eagerly. `reset_compile_state(device)` starts each job afresh (run.train_job calls
-it first; scripts that time several models in one process call it between them): dynamo's caches, the CUDA-graph
-trees and their memory pools, the device's cached blocks. `GraphWatch` records what a job's compilation did: the
-graphs dynamo compiled (`compiled_graphs`) and the calls of the compiled model after the warm-up that ran
-eagerly (`eager_calls`, said in one warning line and in the sweep table when not 0).
+One process, many jobs (a Hydra sweep): dynamo's caches are per process and keyed by code objects
+that every job's model shares, so each compiled job would add its graphs to the earlier jobs' until
+dynamo's recompile limit, and from then on run eagerly. `reset_compile_state(device)` starts each
+job afresh (run.train_job calls it first; scripts that time several models in one process call it
+between them): dynamo's caches, the CUDA-graph trees and their memory pools, the device's cached
+blocks. `GraphWatch` records what a job's compilation did: the graphs dynamo compiled
+(`compiled_graphs`) and the calls of the compiled model after the warm-up that ran eagerly
+(`eager_calls`, said in one warning line and in the sweep table when not 0).
 
-Stop signals: inductor compiles Triton kernels in a pool of worker processes, in the job's process group, and
-caches the pool: a SIGTERM sent to the group (`timeout`, scancel, a terminal) would kill it, and every later
-compile in the process fails ("Attempting to use a closed pool"). `start_compile_workers()` starts the pool
-before the first compile with the stop signals blocked, a mask its processes inherit: they leave stopping to the
-job (as the DataLoader's workers do), which compiles on, trains a step and stops with its checkpoint.
+Stop signals: inductor compiles Triton kernels in a pool of worker processes, in the job's process
+group, and caches the pool: a SIGTERM sent to the group (`timeout`, scancel, a terminal) would kill
+it, and every later compile in the process fails ("Attempting to use a closed pool").
+`start_compile_workers()` starts the pool before the first compile with the stop signals blocked, a
+mask its processes inherit: they leave stopping to the job (as the DataLoader's workers do), which
+compiles on, trains a step and stops with its checkpoint.
 
-CUDA graphs (`reduce-overhead`, `max-autotune`): a graph's outputs live in a memory pool that its next replay
-overwrites. The loop therefore calls `mark_step(mode)` (torch.compiler.cudagraph_mark_step_begin) at the start
-of every training step and before every evaluation call, and keeps no compiled output past it: the losses and
-counts it keeps for the log flush are computed from the outputs by eager ops, and an evaluation call whose output
-outlives the next call (flip TTA) goes through `GraphCalls`, which clones it.
+CUDA graphs (`reduce-overhead`, `max-autotune`): a graph's outputs live in a memory pool that its
+next replay overwrites. The loop therefore calls `mark_step(mode)`
+(torch.compiler.cudagraph_mark_step_begin) at the start of every training step and before every
+evaluation call, and keeps no compiled output past it: the losses and counts it keeps for the log
+flush are computed from the outputs by eager ops, and an evaluation call whose output outlives the
+next call (flip TTA) goes through `GraphCalls`, which clones it.
 
-`warm_compile(net, policy, mode, warmup)` compiles now, outside the training clock, and returns the seconds it
-took (recorded as `compile_time_s`, apart from `train_time_s`): for each shape the loop will see (`Warmup`: the
-training batch; the evaluation batch and the last, partial, evaluation batch; a language model's full and last
-window), forward and backward in training mode, and the no-grad forward in eval mode, each called
-`calls_per_shape(mode)` times: once for inductor, three times under CUDA graphs (cudagraph trees run a shape
-eagerly on its first call, record it on the second and replay from the third), so neither a compilation, an
-autotuning nor a graph recording falls in the timed steps. Under CUDA graphs every shape is warmed a second time
-after all: that pass was needed while a second shape made dynamo recompile with that dimension dynamic (cudagraph
-trees then recorded the new graph anew for each size, the first one included); with static shapes it should find
-nothing left to record, and it stays until a GPU run shows that. Afterwards every parameter, buffer (BatchNorm
-statistics) and gradient is put back as it was and the torch RNGs are restored, so the run trains exactly as an
-uncompiled one would (within inductor's rounding).
+`warm_compile(net, policy, mode, warmup)` compiles now, outside the training clock, and returns the
+seconds it took (recorded as `compile_time_s`, apart from `train_time_s`): for each shape the loop
+will see (`Warmup`: the training batch; the evaluation batch and the last, partial, evaluation
+batch; a language model's full and last window), forward and backward in training mode, and the
+no-grad forward in eval mode, each called `calls_per_shape(mode)` times: once for inductor, three
+times under CUDA graphs (cudagraph trees run a shape eagerly on its first call, record it on the
+second and replay from the third), so neither a compilation, an autotuning nor a graph recording
+falls in the timed steps. Under CUDA graphs every shape is warmed a second time after all: that pass
+was needed while a second shape made dynamo recompile with that dimension dynamic (cudagraph trees
+then recorded the new graph anew for each size, the first one included); with static shapes it
+should find nothing left to record, and it stays until a GPU run shows that. Afterwards every
+parameter, buffer (BatchNorm statistics) and gradient is put back as it was and the torch RNGs are
+restored, so the run trains exactly as an uncompiled one would (within inductor's rounding).
 """
 from __future__ import annotations
 
@@ -69,8 +75,9 @@ RNN_EAGER = ("the RNN language models run eagerly: torch.compile does not trace 
 
 
 def compile_model(net: nn.Module, mode: str, backend="inductor") -> nn.Module:
-    """`net` through torch.compile in `mode`, with static shapes (the module's note); `net` itself under "none".
-    backend: inductor, or a test's counting backend (a callable: `mode` is inductor's, so it is not passed)."""
+    """`net` through torch.compile in `mode` with static shapes (the module's note); `net` itself
+    under "none". backend: inductor, or a test's counting backend (a callable: `mode` is inductor's,
+    not passed)."""
     if mode == "none":
         return net
     if backend != "inductor":
@@ -79,9 +86,10 @@ def compile_model(net: nn.Module, mode: str, backend="inductor") -> nn.Module:
 
 
 def reset_compile_state(device: torch.device | None = None) -> None:
-    """Forget every earlier compilation of this process, as a new process would start: dynamo's code caches and
-    guards (torch._dynamo.reset, which also resets the CUDA-graph trees when CUDA is initialised), then the
-    objects they kept alive, then the device's cached blocks (the graphs' memory pools among them)."""
+    """Forget every earlier compilation of this process, as a new process would start: dynamo's code
+    caches and guards (torch._dynamo.reset, which also resets the CUDA-graph trees when CUDA is
+    initialised), then the objects they kept alive, then the device's cached blocks (the graphs'
+    memory pools among them)."""
     torch._dynamo.reset()
     gc.collect()
     if device is not None and device.type != "cpu":
@@ -89,11 +97,11 @@ def reset_compile_state(device: torch.device | None = None) -> None:
 
 
 def start_compile_workers() -> None:
-    """Start inductor's compile-worker pool (the Triton backend's; nothing without Triton) with the stop signals
-    blocked in this thread while it starts: its processes inherit the mask, so a SIGTERM sent to the job's process
-    group leaves them running. The signals stay pending here until the mask is restored, none is lost. A pool
-    started earlier in the process is kept as it is."""
-    if not hasattr(signal, "pthread_sigmask"):
+    """Start inductor's compile-worker pool (the Triton backend's; nothing without Triton) with the
+    stop signals blocked in this thread while it starts: its processes inherit the mask, so a
+    SIGTERM sent to the job's process group leaves them running. Here the signals wait until the
+    mask is restored: none is lost. A pool started earlier in the process is kept as it is."""
+    if not hasattr(signal, "pthread_sigmask"):   # Windows: inductor compiles in the process there
         return
     from torch._inductor.async_compile import maybe_warm_pool
 
@@ -105,14 +113,16 @@ def start_compile_workers() -> None:
 
 
 def dynamo_graphs() -> int:
-    """Graphs dynamo has compiled in this process (one more at every compilation or recompilation)."""
+    """Graphs dynamo has compiled in this process (one more at every compilation or
+    recompilation)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 class EagerCalls:
-    """A forward pre-hook counting the calls of a module that run outside a compiled graph: dynamo traces it with
-    torch.compiler.is_compiling() True (so it adds nothing to the graph), a graph's call never runs it, and a call
-    dynamo gave up on (the recompile limit, a frame it skipped) runs it eagerly."""
+    """A forward pre-hook counting the calls of a module that run outside a compiled graph: dynamo
+    traces it with torch.compiler.is_compiling() True (so it adds nothing to the graph), a graph's
+    call never runs it, and a call dynamo gave up on (the recompile limit, a frame it skipped) runs
+    it eagerly."""
 
     def __init__(self):
         self.count = 0
@@ -123,8 +133,9 @@ class EagerCalls:
 
 
 class GraphWatch:
-    """What a job's compiled model did: the graphs dynamo compiled from its creation (at the job's start, after
-    reset_compile_state) and the calls after the warm-up that ran eagerly. Nothing for an eager job."""
+    """What a job's compiled model did: the graphs dynamo compiled from its creation (at the job's
+    start, after reset_compile_state) and the calls after the warm-up that ran eagerly. Nothing for
+    an eager job."""
 
     def __init__(self, net: nn.Module, mode: str):
         self.mode, self.graphs_at_start, self.eager_at_warm = mode, dynamo_graphs(), 0
@@ -135,15 +146,16 @@ class GraphWatch:
         self.eager_at_warm = self.eager.count
 
     def finish(self) -> dict:
-        """The job's `compiled_graphs` and `eager_calls` (metrics); a warning line when calls ran eagerly."""
+        """The job's `compiled_graphs` and `eager_calls` (metrics); a warning line when calls ran
+        eagerly."""
         if self.handle is None:
             return {}
         self.handle.remove()
         eager = self.eager.count - self.eager_at_warm
         if eager:
-            log.warning(f"mixprec: trainer.compile={self.mode}: {eager} calls of the compiled model after its warm-up "
-                        "ran eagerly (dynamo gave up on them; TORCH_LOGS=recompiles says why): this job's time is "
-                        "partly an eager time")
+            log.warning(f"mixprec: trainer.compile={self.mode}: {eager} calls of the compiled "
+                        "model after its warm-up ran eagerly (dynamo gave up on them; "
+                        "TORCH_LOGS=recompiles says why): this job's time is partly an eager time")
         return {"compiled_graphs": dynamo_graphs() - self.graphs_at_start, "eager_calls": eager}
 
 

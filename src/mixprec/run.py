@@ -22,8 +22,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import busy, checkpoint, dist, engine, hardware, logs, tricks
-from .compiled import (RNN_EAGER, GraphWatch, compile_model, image_warmup, reset_compile_state, start_compile_workers,
-                       warm_compile)
+from .compiled import (RNN_EAGER, GraphWatch, compile_model, image_warmup, reset_compile_state,
+                       start_compile_workers, warm_compile)
 from .config import Config, ConfigError, plain_config, validate_job
 from .data import Resumable, build_image_data, image_loaders
 from .data.files import DataError
@@ -121,10 +121,11 @@ def end_job(summary: dict, job: JobDir, error: JobError | None = None) -> dict:
     completed job; any job of a sweep) or the process ended with the failure's exit status."""
     if error is None and summary["status"] not in checkpoint.FINAL:
         error = outcome(summary, job)
-    if error is None and job.sweep and summary.get("stop_signal"):   # it completed as the signal came
-        by = summary["stop_signal"]
-        error = JobError(f"mixprec: {by} as the job ended ({summary['status']}): the sweep stops here. To continue: "
-                         f"{resume_hint(job.out, job.sweep)}", 128 + signal.Signals[by].value, stops_sweep=True)
+    by = summary.get("stop_signal")
+    if error is None and job.sweep and by:   # it completed as the signal came
+        error = JobError(f"mixprec: {by} as the job ended ({summary['status']}): the sweep stops "
+                         f"here. To continue: {resume_hint(job.out, job.sweep)}",
+                         128 + signal.Signals[by].value, stops_sweep=True)
     if error is not None and not (job.sweep and error.code == 1):
         if job.ranks.main:
             log.error(str(error))
@@ -139,9 +140,11 @@ def end_job(summary: dict, job: JobDir, error: JobError | None = None) -> dict:
 def outcome(summary: dict, job: JobDir) -> JobError:
     """The JobError of a job that trained but did not complete (interrupted or failed)."""
     by = summary.get("interrupted_by")   # None on a rank that another rank's signal stopped
-    if summary["status"] == "interrupted":   # an error after the signal: the loop wrote no checkpoint (note_signal)
-        saved = "nothing saved since its last checkpoint" if summary.get("error") else "checkpoint saved"
-        return JobError(f"mixprec: {summary['reason']}; {saved}. To continue: {resume_hint(job.out, job.sweep)}",
+    if summary["status"] == "interrupted":   # with an error (note_signal): no checkpoint was saved
+        saved = ("nothing saved since its last checkpoint" if summary.get("error")
+                 else "checkpoint saved")
+        return JobError(f"mixprec: {summary['reason']}; {saved}. To continue: "
+                        f"{resume_hint(job.out, job.sweep)}",
                         128 + signal.Signals[by].value if by else 1, stops_sweep=True)
     line = f"mixprec: the job failed: {summary.get('error')}"
     ckpt = job.out / checkpoint.CHECKPOINT
@@ -165,8 +168,9 @@ def train_and_record(config: Config, summary: dict, out_dir: Path, group: str | 
 
 def record_training(config: Config, summary: dict, out_dir: Path, group: str | None, name: str,
                     device: torch.device, ranks: dist.Ranks, stop: StopSignals) -> dict:
-    """Set up the device and the job dir (resume, W&B), train, and complete the summary (`stop`: the job's stop
-    signals, active since before the set-up: the loop stops after a step, and note_signal says how it ended)."""
+    """Set up the device and the job dir (resume, W&B), train, and complete the summary. `stop`: the
+    job's stop signals, active since before the set-up: the loop stops after a step; note_signal
+    records them."""
     hardware.configure(device, config.trainer, config.precision, config.seed)
     env = hardware.describe(device)
     profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type != "cpu" else "cpu")
@@ -215,16 +219,18 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
 
 
 def note_signal(summary: dict, by: str | None) -> None:
-    """The stop signal that reached the job (`by`, None: none), in its summary: `stop_signal`, whatever the job's
-    status (one that completed as it came stops a sweep all the same), and `interrupted_by` for a job it stopped.
-    A job that failed after the signal ends `interrupted`: the signal reached its helper processes too (inductor's
-    compile workers, a C++ compiler, W&B's service) and what failed next is its doing; the error stays recorded."""
+    """The stop signal that reached the job (`by`; None: none) in its summary: `stop_signal`
+    whatever the job's status (a job that completed as it came stops a sweep all the same),
+    `interrupted_by` for a job it stopped. A job that failed after the signal ends `interrupted`:
+    the signal reached its helper processes too (inductor's compile workers, a C++ compiler, W&B's
+    service), and what failed next is its doing; the error stays recorded."""
     if by is None:
         return
     summary["stop_signal"] = by
     if summary["status"] == "failed":
-        first = str(summary.get("error") or "").splitlines()[:1]
-        summary.update(status="interrupted", reason=f"{by} received; the job then stopped on {(first or ['?'])[0]}")
+        first = (str(summary.get("error") or "").splitlines() or ["?"])[0]
+        summary.update(status="interrupted",
+                       reason=f"{by} received; the job then stopped on {first}")
     if summary["status"] == "interrupted":
         summary["interrupted_by"] = by
 
@@ -284,7 +290,7 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
         raise ConfigError("model=" + config.model.arch + ": language models train in one process here; "
                           "torchrun/DDP covers the image models")
     build = language_model_parts if config.model.is_language_model else image_parts
-    reset_compile_state(device)   # an earlier job of this process (a sweep's) leaves no graph, guard or pool
+    reset_compile_state(device)   # an earlier job of this process (a sweep's) leaves nothing
     steps, batches, policy, optimizer, info = build(config, device, ranks)
     try:
         return run_parts(config, device, steps, batches, policy, optimizer, info, saver, resume, stop, ranks, recorder)
@@ -383,11 +389,13 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     return steps, train_batches, policy, optimizer, info
 
 
-def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode: str, warmup) -> tuple:
-    """The loop's model (steps.model) compiled in `mode` and warmed for `warmup`'s shapes before the clock, then the
-    device's peak reset (prewarm's copies are gone: the peak is the run's own, prewarm.py). Returns the warm-up's
-    seconds and the GraphWatch that records the job's graphs and eager calls. On an accelerator the compile
-    workers start first, out of reach of the job's stop signals (compiled.start_compile_workers)."""
+def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode: str,
+                     warmup) -> tuple:
+    """The loop's model (steps.model) compiled in `mode` and warmed for `warmup`'s shapes before the
+    clock, then the device's peak reset (prewarm's copies are gone: the peak is the run's own,
+    prewarm.py). Returns the warm-up's seconds and the GraphWatch that records the job's graphs and
+    eager calls. On an accelerator the compile workers start first, out of reach of the job's stop
+    signals (start_compile_workers)."""
     steps.model = compile_model(net, mode)
     watch = GraphWatch(net, mode)
     if mode != "none" and policy.device.type != "cpu":

@@ -436,11 +436,13 @@ def job_block(summary: dict) -> str:
 
 
 def compiled_note(m: dict) -> str:
-    """A compiled job's graphs, and its calls after the warm-up that ran eagerly when some did (compiled.GraphWatch)."""
+    """A compiled job's graphs, and its calls after the warm-up that ran eagerly if some did
+    (GraphWatch)."""
     if m.get("compiled_graphs") is None:
         return ""
     eager = m.get("eager_calls")
-    return f" ({m['compiled_graphs']} graphs" + (f"; {eager} calls ran EAGERLY after the warm-up)" if eager else ")")
+    return (f" ({m['compiled_graphs']} graphs"
+            + (f"; {eager} calls ran EAGERLY after the warm-up)" if eager else ")"))
 
 
 LADDER_COLUMNS = [("step", "step", "s"), ("variant", "variant", "s"), ("runs", "runs", "s"),
