@@ -201,7 +201,7 @@ STATIC_JOBS = {
 }
 
 
-@pytest.mark.parametrize("kind", [pytest.param("gpt", marks=pytest.mark.slow), "image"])
+@pytest.mark.parametrize("kind", STATIC_JOBS)
 def test_the_timed_steps_and_evaluations_run_static_shape_graphs(tmp_path, monkeypatch, kind):
     """Warming the shorter last window (or the partial last test batch) must not make dynamo
     recompile with that dimension dynamic: that graph would then serve every full window of the run.
