@@ -17,8 +17,8 @@ casts fuse into the matmuls' neighbours under inductor). The RNN language models
 One process, many jobs (a Hydra sweep): dynamo's caches are per process and keyed by code objects
 that every job's model shares, so each compiled job would add its graphs to the earlier jobs' until
 dynamo's recompile limit, and from then on run eagerly. `reset_compile_state(device)` starts each
-job afresh (run.train_job calls it first; scripts that time several models in one process call it
-between them): dynamo's caches, the CUDA-graph trees and their memory pools, the device's cached
+job afresh (run.train_job calls it first; a script that compiles several models in one process
+should call it between them): dynamo's caches, the CUDA-graph trees and their memory pools, the device's cached
 blocks. `GraphWatch` records what a job's compilation did: the graphs dynamo compiled
 (`compiled_graphs`) and the calls of the compiled model after the warm-up that ran eagerly
 (`eager_calls`, said in one warning line and in the sweep table when not 0).
