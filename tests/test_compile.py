@@ -7,8 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+import mixprec.compiled as compiled
 import mixprec.run as run
 from helpers import run_tiny
+from mixprec.report.analyse import sweep_rows
+from mixprec.report.render import job_block
 from test_gpt import GPT_JOB
 from test_speed import SMALL
 
@@ -104,11 +107,6 @@ def test_a_compiled_gpt_under_cuda_graphs_marks_each_window(tmp_path, monkeypatc
     assert all(r["loss"] == r["loss"] for r in train_rows(tmp_path))   # not NaN
 
 
-def dynamo_graphs() -> int:
-    """Graphs dynamo has made in this process (one more at every compilation or recompilation)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
 def traced_only(monkeypatch) -> list:
     """trainer.compile through dynamo with the eager backend: every (re)compilation counted, seconds instead of
     inductor's minutes. Returns the graphs made during fit (training and evaluation)."""
@@ -117,11 +115,11 @@ def traced_only(monkeypatch) -> list:
     fit = run.engine.fit
 
     def counted_fit(*args, **kwargs):
-        before = dynamo_graphs()
+        before = compiled.dynamo_graphs()
         try:
             return fit(*args, **kwargs)
         finally:
-            made.append(dynamo_graphs() - before)
+            made.append(compiled.dynamo_graphs() - before)
     monkeypatch.setattr(run.engine, "fit", counted_fit)
     return made
 
@@ -145,6 +143,101 @@ def test_a_gpt_compile_warmup_covers_its_windows(tmp_path, monkeypatch):
                  "dataset.test_size=100", base=GPT_JOB)
     assert s["status"] == "completed", s.get("error")
     assert s["metrics"]["compile_time_s"] > 0 and made == [0]
+
+
+class CountingBackend:
+    """A dynamo backend that runs each graph as traced (the eager backend) and notes, per graph,
+    whether a size of its inputs is symbolic (a dynamic-shape graph), the input shapes and its
+    calls; `marked()` notes each graph's calls so far (at the start of fit: what the timed steps and
+    evaluations call comes after)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        values = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+        graph = {"dynamic": any(symbolic(v) for v in values), "calls": 0, "at_fit": None,
+                 "shapes": [tuple(v.shape) for v in values
+                            if isinstance(v, torch.Tensor) and v.dim() >= 2]}
+        self.graphs.append(graph)
+
+        def call(*args):
+            graph["calls"] += 1
+            return gm.forward(*args)
+        return call
+
+    def mark(self):
+        for graph in self.graphs:
+            graph["at_fit"] = graph["calls"]
+
+    def after_warmup(self) -> list[dict]:
+        """The graphs called after the mark (a graph compiled after it counts whole)."""
+        return [g for g in self.graphs if g["calls"] > (g["at_fit"] or 0)]
+
+
+def symbolic(value) -> bool:
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
+
+
+def counted(monkeypatch) -> CountingBackend:
+    """trainer.compile through the real compile_model with the counting backend; fit marks the
+    graphs' calls."""
+    backend = CountingBackend()
+    monkeypatch.setattr(run, "compile_model",
+                        lambda net, mode: compiled.compile_model(net, mode, backend=backend))
+    fit = run.engine.fit
+    monkeypatch.setattr(run.engine, "fit", lambda *a, **k: backend.mark() or fit(*a, **k))
+    return backend
+
+
+# a shorter last window (99 targets a column in 16-token windows: 6 full and one of 3) and a
+# partial last test batch (24 images in 16s)
+STATIC_JOBS = {
+    "gpt": (["trainer.max_steps=8", "trainer.compile=default", "dataset.train_size=400",
+             "dataset.test_size=100"], GPT_JOB),
+    "image": (["trainer.max_steps=3", "trainer.compile=default", "dataset.test_size=24"], SMALL),
+}
+
+
+@pytest.mark.parametrize("kind", STATIC_JOBS)
+def test_the_timed_steps_and_evaluations_run_static_shape_graphs(tmp_path, monkeypatch, kind):
+    """Warming the shorter last window (or the partial last test batch) must not make dynamo
+    recompile with that dimension dynamic: that graph would then serve every full window of the run.
+    Each shape has its own static graph, and every graph called after the warm-up is static; the
+    GPT's full and last windows both train."""
+    torch._dynamo.reset()
+    backend = counted(monkeypatch)
+    overrides, base = STATIC_JOBS[kind]
+    s = run_tiny(tmp_path, *overrides, base=base)
+    assert s["status"] == "completed", s.get("error")
+    used = backend.after_warmup()
+    assert used and not [g["shapes"] for g in used if g["dynamic"]], backend.graphs
+    assert s["metrics"]["compiled_graphs"] == len(backend.graphs)
+    assert s["metrics"]["eager_calls"] == 0
+    if kind == "gpt":   # (window, columns) of the tokens
+        assert {(16, 4), (3, 4)} <= {g["shapes"][0] for g in used}, used
+
+
+def test_a_compiled_job_whose_calls_ran_eagerly_says_so(tmp_path, monkeypatch, caplog):
+    """With dynamo's recompile limit at 1 the evaluation shape is past it and its calls run eagerly:
+    the job records them (eager_calls), says so in one warning line, in its end-of-job block and in
+    the sweep table."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    counted(monkeypatch)
+    with caplog.at_level("WARNING"):
+        s = run_tiny(tmp_path, "trainer.max_steps=3", "trainer.compile=default",
+                     "dataset.test_size=24", base=SMALL)
+    assert s["status"] == "completed", s.get("error")
+    eager = s["metrics"]["eager_calls"]
+    assert eager > 0 and s["metrics"]["compiled_graphs"] == 1
+    lines = [r.message for r in caplog.records if "ran eagerly" in r.message]
+    assert lines == [f"mixprec: trainer.compile=default: {eager} calls of the compiled model "
+                     "after its warm-up ran eagerly (dynamo gave up on them; TORCH_LOGS=recompiles "
+                     "says why): this job's time is partly an eager time"]
+    assert f"(1 graphs; {eager} calls ran EAGERLY after the warm-up)" in job_block(s)
+    assert sweep_rows([s])[0]["compile"] == f"default, {eager} eager calls"
 
 
 def train_losses(path, *overrides, base):

@@ -1,35 +1,61 @@
 """trainer.compile: the training model through torch.compile, compiled and warmed up before the clock starts.
 
 `compile_model(net, mode)` wraps the module the loop trains (the DDP wrapper under several ranks) in
-torch.compile with the chosen mode: `default` (inductor), `max-autotune` (inductor, Triton kernels autotuned,
-CUDA graphs), `reduce-overhead` (inductor with CUDA graphs). The engine calls it inside the precision policy's
-autocast, so autocast is part of the compiled graph: dynamo traces the forward under the ambient autocast state
-and guards on it (a change of state recompiles). The compiled module shares its parameters and buffers with the
-model: optimizer, EMA, checkpoints and the saved weights use the plain model and see the same tensors. Image
-models and the GPT are compiled; precision=fp8 compiles the float8-converted model, as torchao intends (its
-Float8Linear casts fuse into the matmuls' neighbours under inductor). The RNN language models stay eager
+torch.compile with the chosen mode: `default` (inductor), `max-autotune` (inductor, Triton kernels
+autotuned, CUDA graphs), `reduce-overhead` (inductor with CUDA graphs), and static shapes
+(`dynamic=False`): each shape the warm-up compiles gets a graph of its own, so the shorter last
+window of a language model (or the last, partial, evaluation batch) does not make dynamo recompile
+with that dimension dynamic, a graph that would then serve every full window. The engine calls the
+model inside the precision policy's autocast, so autocast is part of the compiled graph: dynamo
+traces the forward under the ambient autocast state and guards on it (a change of state recompiles).
+The compiled module shares its parameters and buffers with the model: optimizer, EMA, checkpoints
+and the saved weights use the plain model and see the same tensors. Image models and the GPT are
+compiled; precision=fp8 compiles the float8-converted model, as torchao intends (its Float8Linear
+casts fuse into the matmuls' neighbours under inductor). The RNN language models stay eager
 (RNN_EAGER says why).
 
-CUDA graphs (`reduce-overhead`, `max-autotune`): a graph's outputs live in a memory pool that its next replay
-overwrites. The loop therefore calls `mark_step(mode)` (torch.compiler.cudagraph_mark_step_begin) at the start
-of every training step and before every evaluation call, and keeps no compiled output past it: the losses and
-counts it keeps for the log flush are computed from the outputs by eager ops, and an evaluation call whose output
-outlives the next call (flip TTA) goes through `GraphCalls`, which clones it.
+One process, many jobs (a Hydra sweep): dynamo's caches are per process and keyed by code objects
+that every job's model shares, so each compiled job would add its graphs to the earlier jobs' until
+dynamo's recompile limit, and from then on run eagerly. `reset_compile_state(device)` starts each
+job afresh (run.train_job calls it first; a script that compiles several models in one process
+should call it between them): dynamo's caches, the CUDA-graph trees and their memory pools, the device's cached
+blocks. `GraphWatch` records what a job's compilation did: the graphs dynamo compiled
+(`compiled_graphs`) and the calls of the compiled model after the warm-up that ran eagerly
+(`eager_calls`, said in one warning line and in the sweep table when not 0).
 
-`warm_compile(net, policy, mode, warmup)` compiles now, outside the training clock, and returns the seconds it
-took (recorded as `compile_time_s`, apart from `train_time_s`): for each shape the loop will see (`Warmup`: the
-training batch; the evaluation batch and the last, partial, evaluation batch; a language model's full and last
-window), forward and backward in training mode, and the no-grad forward in eval mode, each called
-`calls_per_shape(mode)` times: once for inductor, three times under CUDA graphs (cudagraph trees run a shape
-eagerly on its first call, record it on the second and replay from the third), so neither a compilation, an
-autotuning nor a graph recording falls in the timed steps. Under CUDA graphs every shape is warmed a second time
-after all: a second shape makes dynamo recompile the graph with that dimension dynamic (automatic dynamic shapes),
-and cudagraph trees record the new graph anew for each size, the first one included. Afterwards every parameter, buffer (BatchNorm
-statistics) and gradient is put back as it was and the torch RNGs are restored, so the run trains exactly as an
-uncompiled one would (within inductor's rounding).
+Stop signals: inductor compiles Triton kernels in a pool of worker processes, in the job's process
+group, and caches the pool: a SIGTERM sent to the group (`timeout`, scancel, a terminal) would kill
+it, and every later compile in the process fails ("Attempting to use a closed pool").
+`start_compile_workers()` starts the pool before the first compile with the stop signals blocked, a
+mask its processes inherit: they leave stopping to the job (as the DataLoader's workers do), which
+compiles on, trains a step and stops with its checkpoint.
+
+CUDA graphs (`reduce-overhead`, `max-autotune`): a graph's outputs live in a memory pool that its
+next replay overwrites. The loop therefore calls `mark_step(mode)`
+(torch.compiler.cudagraph_mark_step_begin) at the start of every training step and before every
+evaluation call, and keeps no compiled output past it: the losses and counts it keeps for the log
+flush are computed from the outputs by eager ops, and an evaluation call whose output outlives the
+next call (flip TTA) goes through `GraphCalls`, which clones it.
+
+`warm_compile(net, policy, mode, warmup)` compiles now, outside the training clock, and returns the
+seconds it took (recorded as `compile_time_s`, apart from `train_time_s`): for each shape the loop
+will see (`Warmup`: the training batch; the evaluation batch and the last, partial, evaluation
+batch; a language model's full and last window), forward and backward in training mode, and the
+no-grad forward in eval mode, each called `calls_per_shape(mode)` times: once for inductor, three
+times under CUDA graphs (cudagraph trees run a shape eagerly on its first call, record it on the
+second and replay from the third), so neither a compilation, an autotuning nor a graph recording
+falls in the timed steps. Under CUDA graphs every shape is warmed a second time after all: that pass
+was needed while a second shape made dynamo recompile with that dimension dynamic (cudagraph trees
+then recorded the new graph anew for each size, the first one included); with static shapes it
+should find nothing left to record, and it stays until a GPU run shows that. Afterwards every
+parameter, buffer (BatchNorm statistics) and gradient is put back as it was and the torch RNGs are
+restored, so the run trains exactly as an uncompiled one would (within inductor's rounding).
 """
 from __future__ import annotations
 
+import gc
+import logging
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,6 +64,9 @@ import torch
 from torch import nn
 
 from .hardware import synchronize
+from .signals import StopSignals
+
+log = logging.getLogger(__name__)
 
 GRAPH_MODES = ("reduce-overhead", "max-autotune")   # the modes that run CUDA graphs
 RNN_EAGER = ("the RNN language models run eagerly: torch.compile does not trace nn.LSTM/GRU/RNN (dynamo graph-breaks "
@@ -45,8 +74,89 @@ RNN_EAGER = ("the RNN language models run eagerly: torch.compile does not trace 
              "their hidden state carried from window to window would be a CUDA graph's output kept across steps")
 
 
-def compile_model(net: nn.Module, mode: str) -> nn.Module:
-    return net if mode == "none" else torch.compile(net, mode=mode)
+def compile_model(net: nn.Module, mode: str, backend="inductor") -> nn.Module:
+    """`net` through torch.compile in `mode` with static shapes (the module's note); `net` itself
+    under "none". backend: inductor, or a test's counting backend (a callable: `mode` is inductor's,
+    not passed)."""
+    if mode == "none":
+        return net
+    if backend != "inductor":
+        return torch.compile(net, backend=backend, dynamic=False)
+    return torch.compile(net, mode=mode, dynamic=False)
+
+
+def reset_compile_state(device: torch.device | None = None) -> None:
+    """Forget every earlier compilation of this process, as a new process would start: dynamo's code
+    caches and guards (torch._dynamo.reset, which also resets the CUDA-graph trees when CUDA is
+    initialised), then the objects they kept alive, then the device's cached blocks (the graphs'
+    memory pools among them)."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device is not None and device.type != "cpu":
+        torch.get_device_module(device).empty_cache()
+
+
+def start_compile_workers() -> None:
+    """Start inductor's compile-worker pool (the Triton backend's; nothing without Triton) with the
+    stop signals blocked in this thread while it starts: its processes inherit the mask, so a
+    SIGTERM sent to the job's process group leaves them running. Here the signals wait until the
+    mask is restored: none is lost. A pool started earlier in the process is kept as it is."""
+    if not hasattr(signal, "pthread_sigmask"):   # Windows: inductor compiles in the process there
+        return
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, StopSignals.SIGNALS)
+    try:
+        maybe_warm_pool()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process (one more at every compilation or
+    recompilation)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+class EagerCalls:
+    """A forward pre-hook counting the calls of a module that run outside a compiled graph: dynamo
+    traces it with torch.compiler.is_compiling() True (so it adds nothing to the graph), a graph's
+    call never runs it, and a call dynamo gave up on (the recompile limit, a frame it skipped) runs
+    it eagerly."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, module: nn.Module, args) -> None:
+        if not torch.compiler.is_compiling():
+            self.count += 1
+
+
+class GraphWatch:
+    """What a job's compiled model did: the graphs dynamo compiled from its creation (at the job's
+    start, after reset_compile_state) and the calls after the warm-up that ran eagerly. Nothing for
+    an eager job."""
+
+    def __init__(self, net: nn.Module, mode: str):
+        self.mode, self.graphs_at_start, self.eager_at_warm = mode, dynamo_graphs(), 0
+        self.eager = EagerCalls()
+        self.handle = None if mode == "none" else net.register_forward_pre_hook(self.eager)
+
+    def warmed(self) -> None:
+        self.eager_at_warm = self.eager.count
+
+    def finish(self) -> dict:
+        """The job's `compiled_graphs` and `eager_calls` (metrics); a warning line when calls ran
+        eagerly."""
+        if self.handle is None:
+            return {}
+        self.handle.remove()
+        eager = self.eager.count - self.eager_at_warm
+        if eager:
+            log.warning(f"mixprec: trainer.compile={self.mode}: {eager} calls of the compiled "
+                        "model after its warm-up ran eagerly (dynamo gave up on them; "
+                        "TORCH_LOGS=recompiles says why): this job's time is partly an eager time")
+        return {"compiled_graphs": dynamo_graphs() - self.graphs_at_start, "eager_calls": eager}
 
 
 def mark_step(mode: str) -> None:

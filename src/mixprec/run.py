@@ -22,7 +22,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from . import busy, checkpoint, dist, engine, hardware, logs, tricks
-from .compiled import RNN_EAGER, compile_model, image_warmup, warm_compile
+from .compiled import (RNN_EAGER, GraphWatch, compile_model, image_warmup, reset_compile_state,
+                       start_compile_workers, warm_compile)
 from .config import Config, ConfigError, plain_config, validate_job
 from .data import Resumable, build_image_data, image_loaders
 from .data.files import DataError
@@ -121,6 +122,11 @@ def end_job(summary: dict, job: JobDir, error: JobError | None = None) -> dict:
     completed job; any job of a sweep) or the process ended with the failure's exit status."""
     if error is None and summary["status"] not in checkpoint.FINAL:
         error = outcome(summary, job)
+    by = summary.get("stop_signal")
+    if error is None and job.sweep and by:   # it completed as the signal came
+        error = JobError(f"mixprec: {by} as the job ended ({summary['status']}): the sweep stops "
+                         f"here. To continue: {resume_hint(job.out, job.sweep)}",
+                         128 + signal.Signals[by].value, stops_sweep=True)
     if error is not None and not (job.sweep and error.code == 1):
         if job.ranks.main:
             log.error(str(error))
@@ -135,8 +141,11 @@ def end_job(summary: dict, job: JobDir, error: JobError | None = None) -> dict:
 def outcome(summary: dict, job: JobDir) -> JobError:
     """The JobError of a job that trained but did not complete (interrupted or failed)."""
     by = summary.get("interrupted_by")   # None on a rank that another rank's signal stopped
-    if summary["status"] == "interrupted":
-        return JobError(f"mixprec: {summary['reason']}; checkpoint saved. To continue: {resume_hint(job.out, job.sweep)}",
+    if summary["status"] == "interrupted":   # with an error (note_signal): no checkpoint was saved
+        saved = ("nothing saved since its last checkpoint" if summary.get("error")
+                 else "checkpoint saved")
+        return JobError(f"mixprec: {summary['reason']}; {saved}. To continue: "
+                        f"{resume_hint(job.out, job.sweep)}",
                         128 + signal.Signals[by].value if by else 1, stops_sweep=True)
     line = f"mixprec: the job failed: {summary.get('error')}"
     ckpt = job.out / checkpoint.CHECKPOINT
@@ -152,15 +161,18 @@ def train_and_record(config: Config, summary: dict, out_dir: Path, group: str | 
     dist.check(config.trainer.batch_size, config.trainer.sync_bn, device, ranks,
                config.trick.ghost_splits if config.trick.ghost_bn else 1)
     made = dist.init(ranks)   # joins the job's process group (torchrun's is joined already, in train.py)
-    try:
-        return record_training(config, summary, out_dir, group, name, device, ranks)
+    try:   # from here a SIGTERM/SIGINT stops the job (torchrun forwards a SIGTERM to every rank)
+        with StopSignals() as stop:
+            return record_training(config, summary, out_dir, group, name, device, ranks, stop)
     finally:
         dist.close(made)
 
 
 def record_training(config: Config, summary: dict, out_dir: Path, group: str | None, name: str,
-                    device: torch.device, ranks: dist.Ranks) -> dict:
-    """Set up the device and the job dir (resume, W&B), train under the stop signals, and complete the summary."""
+                    device: torch.device, ranks: dist.Ranks, stop: StopSignals) -> dict:
+    """Set up the device and the job dir (resume, W&B), train, and complete the summary. `stop`: the
+    job's stop signals, active since before the set-up: the loop stops after a step; note_signal
+    records them."""
     hardware.configure(device, config.trainer, config.precision, config.seed)
     env = hardware.describe(device)
     profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type != "cpu" else "cpu")
@@ -174,6 +186,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
         mirror = open_mirror(config, summary, out_dir, group, name, resume) if ranks.main else None
     except (checkpoint.CheckpointError, RuntimeError) as e:   # recorded as a failed job, in one line
         summary["error"] = str(e)
+        note_signal(summary, stop())
         if ranks.main:
             write_json_atomic(out_dir / SUMMARY, summary)
         return summary
@@ -182,13 +195,10 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
                                                    "wandb_run_id": mirror and mirror.run.id,
                                                    "resumes": summary.get("resumed", {}).get("history", [])}, ranks=ranks)
     recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
-    stop = StopSignals()
     try:
-        with stop, emulation.numerics(emulated):   # torchrun forwards a SIGTERM to every rank
+        with emulation.numerics(emulated):
             summary.update(train_job(config, device, recorder, saver, resume, ranks.agreed_stop(stop), ranks))
             summary.update(replay.explain(summary, config, device, out_dir, ranks.active, train_job))   # probe=none
-        if summary["status"] == "interrupted":
-            summary["interrupted_by"] = stop()
     except KeyboardInterrupt:
         summary.update(status="interrupted", error="interrupted by the user (KeyboardInterrupt)")
         raise
@@ -199,6 +209,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
         if not ranks.main:   # rank 0 records the job's error; a failure of this rank alone is said here
             log.error(f"mixprec: rank {ranks.rank}: {summary['error']}".splitlines()[0])
     finally:
+        note_signal(summary, stop())
         complete_summary(summary, config, device, saver, ranks.world)
         recorder.write_summary(summary)
         if summary["status"] in checkpoint.FINAL and ranks.main:
@@ -207,6 +218,23 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
             mirror.finish(ok=summary["status"] in ("completed", "diverged"))
         recorder.close()
     return summary
+
+
+def note_signal(summary: dict, by: str | None) -> None:
+    """The stop signal that reached the job (`by`; None: none) in its summary: `stop_signal`
+    whatever the job's status (a job that completed as it came stops a sweep all the same),
+    `interrupted_by` for a job it stopped. A job that failed after the signal ends `interrupted`:
+    the signal reached its helper processes too (inductor's compile workers, a C++ compiler, W&B's
+    service), and what failed next is its doing; the error stays recorded."""
+    if by is None:
+        return
+    summary["stop_signal"] = by
+    if summary["status"] == "failed":
+        first = (str(summary.get("error") or "").splitlines() or ["?"])[0]
+        summary.update(status="interrupted",
+                       reason=f"{by} received; the job then stopped on {first}")
+    if summary["status"] == "interrupted":
+        summary["interrupted_by"] = by
 
 
 def open_job_dir(config: Config, summary: dict, out_dir: Path, device_type: str, ranks: dist.Ranks) -> dict | None:
@@ -264,6 +292,7 @@ def train_job(config: Config, device: torch.device, recorder: Recorder, saver: c
         raise ConfigError("model=" + config.model.arch + ": language models train in one process here; "
                           "torchrun/DDP covers the image models")
     build = language_model_parts if config.model.is_language_model else image_parts
+    reset_compile_state(device)   # an earlier job of this process (a sweep's) leaves nothing
     steps, batches, policy, optimizer, info = build(config, device, ranks)
     try:
         return run_parts(config, device, steps, batches, policy, optimizer, info, saver, resume, stop, ranks, recorder)
@@ -296,7 +325,7 @@ def run_parts(config: Config, device: torch.device, steps, batches, policy, opti
         result["distributed"] = {"world_size": ranks.world, "per_rank_batch": tr.batch_size // ranks.world,
                                  "sync_bn": tr.sync_bn, "backend": dist.backend_for(device),
                                  "weight_spread": dist.spread(policy.stepped_params(), ranks)}
-    result["metrics"].update(info.pop("metrics"))
+    result["metrics"].update(info.pop("metrics"), **info.pop("compiled").finish())
     m = result["metrics"]
     if "preprocess_time_s" in m:   # an image job: its time on Page's clock, the one-off data preparation included
         m["page_clock_s"] = m["train_time_s"] + m["preprocess_time_s"]
@@ -348,13 +377,11 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_for(device.type), tr.batch_size // ranks.world,
                         train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
     refuse_emulated_compile(config, policy)
-    steps.model = compile_model(net, tr.compile)
-    compile_s = warm_compile(steps.model, policy, tr.compile, image_warmup(
+    compile_s, watch = compile_and_warm(steps, net, policy, tr.compile, image_warmup(
         min(tr.batch_size // ranks.world, len(data.train_y) // ranks.world), tr.eval_batch_size, len(data.test_y),
         train_batches.image_shape, data.num_classes, tr.channels_last, config.model.bn_eval))
-    reset_peak(device)   # prewarm's copies are gone: the peak is the run's own (prewarm.py)
     info = {"model": model, "parts": {} if ema is None else {"ema": ema}, "final": model if ema is None else ema.model,
-            "num_classes": data.num_classes, "optimizer": groups,
+            "num_classes": data.num_classes, "optimizer": groups, "compiled": watch,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "prewarm_time_s": prewarm_s,
                         "preprocess_time_s": preprocess_s,
                         "compile_time_s": compile_s,
@@ -362,6 +389,23 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
             "data": {**data.info, "train": len(data.train_y), "test": len(data.test_y), "mean": data.mean,
                      "std": data.std}}
     return steps, train_batches, policy, optimizer, info
+
+
+def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode: str,
+                     warmup) -> tuple:
+    """The loop's model (steps.model) compiled in `mode` and warmed for `warmup`'s shapes before the
+    clock, then the device's peak reset (prewarm's copies are gone: the peak is the run's own,
+    prewarm.py). Returns the warm-up's seconds and the GraphWatch that records the job's graphs and
+    eager calls. On an accelerator the compile workers start first, out of reach of the job's stop
+    signals (start_compile_workers)."""
+    steps.model = compile_model(net, mode)
+    watch = GraphWatch(net, mode)
+    if mode != "none" and policy.device.type != "cpu":
+        start_compile_workers()
+    seconds = warm_compile(steps.model, policy, mode, warmup)
+    watch.warmed()
+    reset_peak(policy.device)
+    return seconds, watch
 
 
 def refuse_emulated_compile(config: Config, policy: PrecisionPolicy) -> None:
@@ -394,13 +438,11 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     prewarm_s = prewarm_lm(model, policy, optimizer, tr.prewarm_for(device.type), bptt, tr.batch_size,
                            corpus.vocab_size, tr.grad_clip)
     refuse_emulated_compile(config, policy)
-    steps.model = compile_model(model, tr.compile)
-    compile_s = warm_compile(steps.model, policy, tr.compile, lm_warmup(
+    compile_s, watch = compile_and_warm(steps, model, policy, tr.compile, lm_warmup(
         len(train_source), tr.batch_size, [len(valid_source), len(test_source)], tr.eval_batch_size, bptt,
         corpus.vocab_size))
-    reset_peak(device)
     info = {"model": model, "parts": {"hidden": steps}, "final": model, "num_classes": corpus.vocab_size,
-            "optimizer": groups,
+            "optimizer": groups, "compiled": watch,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "train_flops_per_sample": 3 * flops,
                         "flops_per": "token", "prewarm_time_s": prewarm_s, "compile_time_s": compile_s},
             "data": {**corpus.info, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),

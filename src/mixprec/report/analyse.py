@@ -381,13 +381,21 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
             "mfu": m.get("mfu"),
             "peak_mem_mb": m.get("peak_memory_mb"),
             "batch": records.lookup(s, "trainer.batch_size"),
-            "compile": records.lookup(s, "trainer.compile"),
+            "compile": compile_cell(s),
             "busy": m.get("gpu_busy_fraction"),
             "note": column_note(s) + _case_note(s.get("case"))
             + "; ".join(filter(None, (records.verdict_short(s), records.reason(s),
                                       host_bound_note(m, f, fp32.get(records.baseline_key(s)) not in (None, s))))),
         })
     return rows
+
+
+def compile_cell(summary: dict) -> str | None:
+    """The job's compile mode, and how many calls after its warm-up ran eagerly when some did
+    (dynamo gave up on them: the job's time is partly an eager time; compiled.GraphWatch)."""
+    mode = records.lookup(summary, "trainer.compile")
+    eager = records.metrics(summary).get("eager_calls")
+    return f"{mode}, {eager} eager calls" if eager else mode
 
 
 def host_bound_note(m: dict, fp32: dict, compared: bool) -> str | None:

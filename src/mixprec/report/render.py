@@ -421,7 +421,7 @@ def job_block(summary: dict) -> str:
         f"training    {_fmt(m.get('epochs'), '.2f')} epochs, {m.get('steps')} steps, "
         f"{_fmt(m.get('train_time_s'), '.2f')} s (eval excluded), epochs {[round(t, 2) for t in m.get('epoch_times_s') or []]}"
         + (f"; compiled in {m['compile_time_s']:.2f} s and prewarmed {_fmt(m.get('prewarm_time_s'), '.2f')} s before the clock"
-           if m.get("compile_time_s") else ""),
+           if m.get("compile_time_s") else "") + compiled_note(m),
         f"throughput  {_fmt(m.get('throughput'), '.1f')} {m.get('throughput_unit', 'samples/s')} ({warm})",
         f"perplexity  valid final {_fmt(m.get('final_valid_ppl'), '.2f')}, best {_fmt(m.get('best_valid_ppl'), '.2f')} "
         f"(epoch {m.get('best_valid_epoch')}); test final {_fmt(m.get('final_test_ppl'), '.2f')}, at best valid "
@@ -455,6 +455,16 @@ def job_block(summary: dict) -> str:
     if m.get("mfu") is not None:
         lines.append(f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} peak")
     return "\n".join(lines)
+
+
+def compiled_note(m: dict) -> str:
+    """A compiled job's graphs, and its calls after the warm-up that ran eagerly if some did
+    (GraphWatch)."""
+    if m.get("compiled_graphs") is None:
+        return ""
+    eager = m.get("eager_calls")
+    return (f" ({m['compiled_graphs']} graphs"
+            + (f"; {eager} calls ran EAGERLY after the warm-up)" if eager else ")"))
 
 
 LADDER_COLUMNS = [("step", "step", "s"), ("variant", "variant", "s"), ("runs", "runs", "s"),
