@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gc
 import itertools
 import random
 import statistics
@@ -52,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from mixprec import busy, cli, engine, hardware  # noqa: E402
+from mixprec.compiled import reset_compile_state  # noqa: E402
 from mixprec.config import Config, ConfigError, plain_config, validate  # noqa: E402
 from mixprec.data import synthetic_images  # noqa: E402
 from mixprec.models import build_model  # noqa: E402
@@ -279,17 +279,6 @@ def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.de
             "peak_memory_mb": peak, "emulated": emulated}
 
 
-def reset_after_cell(device: torch.device) -> None:
-    """A clean start for the next cell: dynamo's graphs and guards (and CUDA graph pools) dropped,
-    the cell's tensors collected and the device's cached blocks freed (after an OOM, the next cell
-    starts from an empty cache)."""
-    torch._dynamo.reset()
-    gc.collect()
-    module = torch.get_device_module(device)
-    if hasattr(module, "empty_cache"):
-        module.empty_cache()
-
-
 def cell_error(error: BaseException) -> str:
     """The error of a failed cell in one line: its type and its message's first line."""
     lines = str(error).strip().splitlines()
@@ -310,7 +299,7 @@ def run_cell(cfg: Config, bases: dict, model: str, device: torch.device, args) -
             traceback.print_exc()
         return {"error": cell_error(e)}
     finally:
-        reset_after_cell(device)
+        reset_compile_state(device)   # a clean start for the next cell, after an OOM too
 
 
 def table_plan(args) -> list[tuple[str, str, int, str, Config]]:

@@ -92,8 +92,9 @@ def reset_compile_state(device: torch.device | None = None) -> None:
     memory pools among them)."""
     torch._dynamo.reset()
     gc.collect()
-    if device is not None and device.type != "cpu":
-        torch.get_device_module(device).empty_cache()
+    module = None if device is None else torch.get_device_module(device)
+    if hasattr(module, "empty_cache"):
+        module.empty_cache()
 
 
 def start_compile_workers() -> None:
