@@ -13,13 +13,13 @@ warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_\w+' is 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from mixprec.run import run_job
+    from mixprec.job import run_job
 
     run_job(cfg)
 
 
 if __name__ == "__main__":
-    from mixprec.dist import mute_other_ranks, share_run_time
+    from mixprec.runtime.dist import mute_other_ranks, share_run_time
 
     share_run_time()   # under torchrun: every rank takes rank 0's clock for Hydra's dir name (one output dir)
     mute_other_ranks()  # and rank 0 alone reports a bad override

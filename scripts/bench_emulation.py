@@ -22,16 +22,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec import cli
+from mixprec.train import lm as lm_engine
+from mixprec.config import validate
+from mixprec.models import build_model
+from mixprec.precision import emulation
+from mixprec.train.optim import build_optimizer
+from mixprec.precision.policy import PrecisionPolicy
+from mixprec.records import write_json_atomic
 
-from mixprec import cli, lm_engine  # noqa: E402
-from mixprec.config import validate  # noqa: E402
-from mixprec.models import build_model  # noqa: E402
-from mixprec.numerics import emulation  # noqa: E402
-from mixprec.optim import build_optimizer  # noqa: E402
-from mixprec.precision import PrecisionPolicy  # noqa: E402
-from mixprec.records import write_json_atomic  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 MODELS = {
     "resnet18": ["model=resnet18", "dataset.image_size=32", "trainer.batch_size=64"],

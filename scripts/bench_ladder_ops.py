@@ -29,13 +29,15 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec import cli, job as run
+from mixprec.runtime import dist
+from mixprec.train import loop as engine
+from mixprec.config import ConfigError, validate
+from mixprec.models.resnet9 import GhostBatchNorm
+from mixprec.precision import emulation
 
-from mixprec import cli, dist, engine, run  # noqa: E402
-from mixprec.config import ConfigError, validate  # noqa: E402
-from mixprec.models.resnet9 import GhostBatchNorm  # noqa: E402
-from mixprec.numerics import emulation  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 LADDER = ["page_01_baseline", "page_02_gpu_preproc", "page_03_maxpool_reorder", "page_04_label_smoothing",
           "page_05_celu", "page_06_ghost_bn", "page_07_frozen_bn_scale", "page_08_whitening", "page_09_ema",
@@ -44,16 +46,16 @@ LADDER = ["page_01_baseline", "page_02_gpu_preproc", "page_03_maxpool_reorder", 
 # (file suffix, function names or None for any, part): the innermost frame that matches names the part of an op
 RULES = [
     ("mixprec/data/pipelines.py", None, "data"),
-    ("mixprec/tricks.py", {"update"}, "ema"),
-    ("mixprec/tricks.py", {"cross_entropy"}, "loss"),
+    ("mixprec/train/tricks.py", {"update"}, "ema"),
+    ("mixprec/train/tricks.py", {"cross_entropy"}, "loss"),
     ("torch/optim/lr_scheduler.py", None, "schedule"),
-    ("mixprec/optim.py", None, "schedule"),
+    ("mixprec/train/optim.py", None, "schedule"),
     ("torch/optim/", None, "optimizer"),
-    ("mixprec/precision.py", {"backward"}, "backward"),
-    ("mixprec/precision.py", None, "precision"),
-    ("mixprec/engine.py", {"forward"}, "forward"),
-    ("mixprec/engine.py", {"flush", "check_window", "all_finite", "row"}, "flush"),
-    ("mixprec/engine.py", {"step"}, "bookkeeping"),
+    ("mixprec/precision/policy.py", {"backward"}, "backward"),
+    ("mixprec/precision/policy.py", None, "precision"),
+    ("mixprec/train/loop.py", {"forward"}, "forward"),
+    ("mixprec/train/loop.py", {"flush", "check_window", "all_finite", "row"}, "flush"),
+    ("mixprec/train/loop.py", {"step"}, "bookkeeping"),
 ]
 PARTS = ["data", "forward", "ghost_bn", "loss", "backward", "precision", "optimizer", "ema", "schedule",
          "bookkeeping", "flush", "other"]

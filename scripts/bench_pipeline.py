@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec import cli
+from mixprec.config import ConfigError, validate
+from mixprec.data import build_image_data, image_loaders
+from mixprec.data.files import DataError
+from mixprec.runtime.hardware import describe, select_device, synchronize
 
-from mixprec import cli  # noqa: E402
-from mixprec.config import ConfigError, validate  # noqa: E402
-from mixprec.data import build_image_data, image_loaders  # noqa: E402
-from mixprec.data.files import DataError  # noqa: E402
-from mixprec.hardware import describe, select_device, synchronize  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 CIFAR_SIZED = ["dataset=synthetic", "dataset.train_size=50000", "dataset.test_size=1000"]
 

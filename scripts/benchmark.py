@@ -1,7 +1,7 @@
 """Benchmarks of the harness itself and of models x precisions.
 
   python scripts/benchmark.py overhead [train.py overrides] [--compile MODE]   e.g. model=resnet18 precision=amp
-      mixprec's training loop (engine.fit through mixprec.run.train_and_record, records and all) against the loop a
+      mixprec's training loop (engine.fit through mixprec.job.train_and_record, records and all) against the loop a
       user would write by hand for the same job: same model, batch, data on the device, optimizer (class and
       optimizer.impl kernels), schedule, autocast/GradScaler, grad clipping, channels_last and compile mode; a job
       the hand loop cannot mirror (low-precision weights, master weights, a static loss scale, any trick, augmented
@@ -47,17 +47,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec.runtime import busy, hardware
+from mixprec import cli
+from mixprec.train import loop as engine
+from mixprec.train.compile import reset_compile_state
+from mixprec.config import Config, ConfigError, plain_config, validate
+from mixprec.data import synthetic_images
+from mixprec.models import build_model
+from mixprec.train.optim import build_optimizer, build_schedule
+from mixprec.precision.policy import DTYPES
+from mixprec.records import write_json_atomic, write_text_atomic
 
-from mixprec import busy, cli, engine, hardware  # noqa: E402
-from mixprec.compiled import reset_compile_state  # noqa: E402
-from mixprec.config import Config, ConfigError, plain_config, validate  # noqa: E402
-from mixprec.data import synthetic_images  # noqa: E402
-from mixprec.models import build_model  # noqa: E402
-from mixprec.optim import build_optimizer, build_schedule  # noqa: E402
-from mixprec.precision import DTYPES  # noqa: E402
-from mixprec.records import write_json_atomic, write_text_atomic  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose(overrides: list[str]) -> tuple[Config, dict]:
@@ -78,7 +79,7 @@ def sized(overrides: list[str], steps: int, warmup: int) -> list[str]:
 
 def mixprec_throughput(overrides: list[str]) -> dict:
     """Steady samples/s of a full mixprec job (records written to a temp dir)."""
-    from mixprec.run import train_and_record
+    from mixprec.job import train_and_record
 
     config, fields = compose(overrides)
     with tempfile.TemporaryDirectory() as out:
@@ -226,10 +227,10 @@ def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> t
     """What a job of this cell's config trains with (run.image_parts' policy, model preparation,
     channels_last, optimizer, compile mode and its refusal of an emulated compile; its busy meter),
     on a copy of the base model; returns the engine's steps and loop, and the loop's state."""
-    from mixprec.compiled import compile_model
-    from mixprec.optim import param_groups
-    from mixprec.precision import PrecisionPolicy
-    from mixprec.run import refuse_emulated_compile
+    from mixprec.train.compile import compile_model
+    from mixprec.train.optim import param_groups
+    from mixprec.precision.policy import PrecisionPolicy
+    from mixprec.job import refuse_emulated_compile
 
     tr = config.trainer
     hardware.configure(device, tr, config.precision, config.seed)
@@ -258,8 +259,8 @@ def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.de
     throughput; GPU busy: the job's (busy.py, CUDA only; the steady steps it samples:
     busy.SAMPLE_AT). Peak memory: the accelerator's over the cell (None on a CPU)."""
     from mixprec.data.pipelines import in_layout
-    from mixprec.numerics import emulation
-    from mixprec.precision import emulates
+    from mixprec.precision import emulation
+    from mixprec.precision.policy import emulates
 
     config = cell_config(config, warmup, steps)
     b, tr = config.trainer.batch_size, config.trainer

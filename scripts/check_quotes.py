@@ -19,11 +19,10 @@ import sys
 import unicodedata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec import cli
+from mixprec.report.published import PUBLISHED_DIR, SourceError, load_sources
 
-from mixprec import cli  # noqa: E402
-from mixprec.report.published import PUBLISHED_DIR, SourceError, load_sources  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def flat(text: str) -> str:

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec import cli
+from mixprec.config import ConfigError, validate
+from mixprec.data.files import DataError
 
-from mixprec import cli  # noqa: E402
-from mixprec.config import ConfigError, validate  # noqa: E402
-from mixprec.data.files import DataError  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def image_report(cfg) -> list[str]:

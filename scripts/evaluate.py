@@ -9,14 +9,13 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec import cli
+from mixprec.train.checkpoint import CheckpointError
+from mixprec.config import ConfigError
+from mixprec.data.files import DataError
+from mixprec.job import evaluate_saved
 
-from mixprec import cli  # noqa: E402
-from mixprec.checkpoint import CheckpointError  # noqa: E402
-from mixprec.config import ConfigError  # noqa: E402
-from mixprec.data.files import DataError  # noqa: E402
-from mixprec.run import evaluate_saved  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> int:

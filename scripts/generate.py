@@ -18,17 +18,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec import cli
+from mixprec.config import ConfigError, validate
+from mixprec.data.files import DataError
+from mixprec.models import build_model
+from mixprec.records import SUMMARY, read_summary
+from mixprec.train.checkpoint import WEIGHTS
+from mixprec import records
+from mixprec.data.wikitext import load_text_corpus
 
-from mixprec import cli  # noqa: E402
-from mixprec.config import ConfigError, validate  # noqa: E402
-from mixprec.data.files import DataError  # noqa: E402
-from mixprec.models import build_model  # noqa: E402
-from mixprec.records import SUMMARY, read_summary  # noqa: E402
-from mixprec.checkpoint import WEIGHTS  # noqa: E402
-from mixprec import records  # noqa: E402
-from mixprec.data.wikitext import load_text_corpus  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class RunError(Exception):
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RunError(f"--words {args.words}: must be at least 1")
         if not args.temperature >= 1e-3:
             raise RunError(f"--temperature {args.temperature}: must be at least 1e-3")
-        from mixprec.hardware import select_device
+        from mixprec.runtime.hardware import select_device
 
         device = select_device(args.device, option="--device")   # one that is not here: a ConfigError, one line
         model, vocab = load(args.run_dir, args.data_dir, device)

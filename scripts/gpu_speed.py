@@ -42,12 +42,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec import cli
+from mixprec.train.compile import split_shapes
+from mixprec.records import write_json_atomic, write_text_atomic
 
-from mixprec import cli  # noqa: E402
-from mixprec.compiled import split_shapes  # noqa: E402
-from mixprec.records import write_json_atomic, write_text_atomic  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 PY = [sys.executable]
 BUDGET_S = 480           # 8 minutes: the sum of the steps' budgets may not exceed it
@@ -437,7 +437,7 @@ def summary_markdown(out: Path, env: dict, steps: list[dict], budget_md: str,
 
 
 def environment(dry: bool) -> dict:
-    from mixprec import hardware
+    from mixprec.runtime import hardware
 
     device = hardware.select_device("cpu" if dry else "auto")
     env = hardware.describe(device)

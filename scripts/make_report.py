@@ -11,12 +11,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a checkout without installing
 
-from mixprec import cli  # noqa: E402
-from mixprec.report.load import ReportError  # noqa: E402
-from mixprec.report.make import make_report  # noqa: E402
-from mixprec.report.published import SourceError  # noqa: E402
+from mixprec import cli
+from mixprec.report.load import ReportError
+from mixprec.report.make import make_report
+from mixprec.report.published import SourceError
 
 
 def main(argv=None) -> int:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec import cli
+from mixprec.runtime import hardware
+from mixprec.records import write_json_atomic
+from mixprec.runtime.search import largest_fitting
 
-from mixprec import cli, hardware  # noqa: E402
-from mixprec.records import write_json_atomic  # noqa: E402
-from mixprec.search import largest_fitting  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose(overrides: list[str]):
@@ -51,8 +51,8 @@ def two_steps(config, device, batch: int) -> None:
     frame, so all of it is garbage once the call is over, even when it raised."""
     import torch.nn.functional as F
     from mixprec.models import build_model
-    from mixprec.optim import build_optimizer
-    from mixprec.precision import PrecisionPolicy
+    from mixprec.train.optim import build_optimizer
+    from mixprec.precision.policy import PrecisionPolicy
 
     ds = config.dataset
     policy = PrecisionPolicy(config.precision, device)
@@ -96,7 +96,7 @@ def write_record(job_dir: Path, overrides: list[str], device, best: int, probes:
     """A summary.json like a training job's, so the report pairs each precision's max batch with fp32's
     (`config.measure` keeps these records apart from training jobs of the same config)."""
     from mixprec.config import plain_config
-    from mixprec.hardware import describe
+    from mixprec.runtime.hardware import describe
     from mixprec.records import Recorder
 
     cfg = cli.compose(overrides, return_hydra_config=True)

@@ -28,16 +28,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec import cli
+from mixprec.train import loop as engine, lm as lm_engine
+from mixprec.runtime import hardware
+from mixprec.numerics import probe_stats as ps
+from mixprec.config import Config, ConfigError, validate
+from mixprec.models import build_model
+from mixprec.precision.policy import PrecisionPolicy
+from mixprec.numerics.probe import ForwardTrace, param_names
+from mixprec.records import write_text_atomic
 
-from mixprec import cli, engine, hardware, lm_engine  # noqa: E402
-from mixprec.numerics import probe_stats as ps  # noqa: E402
-from mixprec.config import Config, ConfigError, validate  # noqa: E402
-from mixprec.models import build_model  # noqa: E402
-from mixprec.precision import PrecisionPolicy  # noqa: E402
-from mixprec.numerics.probe import ForwardTrace, param_names  # noqa: E402
-from mixprec.records import write_text_atomic  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 CPU_IMAGES = {"trainer.batch_size": "8", "dataset.image_size": "8"}
 CPU_SYNTHETIC = {"dataset.train_size": "64", "dataset.test_size": "8"}

@@ -4,10 +4,10 @@
     python scripts/reproduce.py --plan --budget 30m          # calibrate, print the plan, run nothing
     python scripts/reproduce.py --only page_ladder,torch_amp  # some articles (or sweeps) only
     python scripts/reproduce.py --smoke                       # the whole plan at tiny sizes: a CPU proof
-    python scripts/reproduce.py --plan-file src/mixprec/plan_cpu.yaml --only torch_amp dataset.data_dir=/data
+    python scripts/reproduce.py --plan-file src/mixprec/tools/plan_cpu.yaml --only torch_amp dataset.data_dir=/data
                                                               # accuracy at CPU sizes, fp16/bf16 emulated
 
-The plan is src/mixprec/plan.yaml. First a calibration times a few steps of each sweep's jobs on this device
+The plan is src/mixprec/tools/plan.yaml. First a calibration times a few steps of each sweep's jobs on this device
 (warm-up excluded, synthetic stand-in data of the real shapes) and predicts each sweep's minutes; with --budget
 the plan is cut to fit (each sweep's `cuts`, the longest sweep first) and printed before anything runs. The
 sweeps run as `python train.py -m ... trainer.resume=auto` into <out>/runs/<sweep>: run the same command again
@@ -31,14 +31,14 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from mixprec import cli
+from mixprec.tools import plan as P
+from mixprec import records
+from mixprec.records import write_json_atomic, write_text_atomic
+from mixprec.report.load import sweep_jobs
 
-from mixprec import cli  # noqa: E402
-from mixprec import plan as P  # noqa: E402
-from mixprec import records  # noqa: E402
-from mixprec.records import write_json_atomic, write_text_atomic  # noqa: E402
-from mixprec.report.load import sweep_jobs  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 FINAL = ("completed", "diverged", "failed")
 STATE = "plan.json"
@@ -55,7 +55,7 @@ def log(msg: str) -> None:
 
 def environment() -> dict:
     import torch
-    from mixprec.hardware import describe, select_device
+    from mixprec.runtime.hardware import describe, select_device
 
     device = select_device("auto")   # the build's accelerator (torch.accelerator), else the CPU
     env = describe(device)
@@ -378,7 +378,7 @@ def estimate(plan, args, profiles: list[str]) -> int:
     """Minutes of the full-fidelity plan on named GPU profiles from FLOPs at MFU of each profile's dense peak
     for the job's precision: a rough figure, not a measurement (a GPU's --plan replaces it)."""
     from mixprec.config import validate
-    from mixprec.hardware import peak_kind
+    from mixprec.runtime.hardware import peak_kind
 
     known = sorted(f.stem for f in (ROOT / "conf" / "gpu").glob("*.yaml") if f.stem != "auto")
     for p in profiles:
@@ -486,7 +486,7 @@ def write_plan_md(out: Path, state: dict) -> None:
             + P.markdown_table(heads, rows) + "\n\nPredicted minutes come from the calibration (a few timed steps "
             "per job on this device, warm-up excluded); `>=` where the calibration was stopped as too slow, "
             "`(estimate)` where no step of the sweep could be timed. Cuts are applied in the order the plan lists "
-            "them (src/mixprec/plan.yaml).\n")
+            "them (src/mixprec/tools/plan.yaml).\n")
     write_text_atomic(out / "plan.md", text)
     write_json_atomic(out / STATE, state)
 
@@ -618,7 +618,7 @@ def parse(argv):
                     help="train.py overrides for every job, e.g. gpu=h100 dataset.data_dir=/data")
     ap.add_argument("--budget", help="time for the whole plan, e.g. 60m, 1h30m (default: full fidelity, uncut)")
     ap.add_argument("--plan", action="store_true", help="calibrate, print the plan and exit")
-    ap.add_argument("--only", help="comma-separated article ids or sweep names (see src/mixprec/plan.yaml)")
+    ap.add_argument("--only", help="comma-separated article ids or sweep names (see src/mixprec/tools/plan.yaml)")
     ap.add_argument("--smoke", action="store_true", help="every sweep at tiny sizes on the CPU (synthetic data)")
     ap.add_argument("--out", type=Path, help="the results folder (default outputs/reference/<gpu>-<date>)")
     ap.add_argument("--replan", action="store_true", help="plan again in a folder that holds a plan (sweeps whose "
@@ -629,8 +629,8 @@ def parse(argv):
                     help="seconds per calibration job before a sweep's calibration is stopped as too slow")
     ap.add_argument("--estimate", metavar="PROFILES",
                     help="print the full plan's minutes on these GPU profiles (e.g. h100,v100) from FLOPs, and exit")
-    ap.add_argument("--plan-file", type=Path, help="another plan (default src/mixprec/plan.yaml); "
-                    "src/mixprec/plan_cpu.yaml: the accuracy half of every article at CPU sizes, fp16/bf16 emulated")
+    ap.add_argument("--plan-file", type=Path, help="another plan (default src/mixprec/tools/plan.yaml); "
+                    "src/mixprec/tools/plan_cpu.yaml: the accuracy half of every article at CPU sizes, fp16/bf16 emulated")
     return ap.parse_args(argv)
 
 

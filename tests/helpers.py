@@ -35,9 +35,9 @@ def compose_config(*overrides, output_dir=None):
 
 
 def run_tiny(tmp_path, *overrides, base=TINY):
-    """Run one real job in this process through mixprec.run.run_job; returns its summary dict. base: the
+    """Run one real job in this process through mixprec.job.run_job; returns its summary dict. base: the
     overrides that make it tiny (TINY; tests of other models pass their own)."""
-    from mixprec.run import run_job
+    from mixprec.job import run_job
 
     cfg = compose_config(*base, *overrides, output_dir=tmp_path)
     HydraConfig.instance().set_config(cfg)

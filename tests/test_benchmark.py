@@ -138,7 +138,7 @@ def test_a_table_cell_samples_until_the_host_queued_a_step_ahead_and_reports_its
     sample, which the host waited in, gives no figure and a longer spin; the second does."""
     from test_busy import FakeTimer
 
-    from mixprec import busy
+    from mixprec.runtime import busy
 
     class OnceTimer(FakeTimer):   # the first sample: the host waited; the next: queued ahead
         queries = 0
@@ -193,7 +193,7 @@ def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides
     flushed as a job flushes it."""
     from test_speed import SyncCounter
 
-    import mixprec.engine as engine
+    import mixprec.train.loop as engine
     from mixprec.numerics.probe import Attribution
 
     counter = SyncCounter(monkeypatch)
@@ -210,7 +210,7 @@ def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides
 
 def layouts_seen(monkeypatch) -> list:
     """Records the memory layout of every batch the loop's forward gets (engine.forward)."""
-    import mixprec.engine as engine
+    import mixprec.train.loop as engine
 
     seen, forward = [], engine.forward
 
@@ -249,8 +249,8 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
     """An OOM in one cell's step and a compile error in others: each recorded with its error, dynamo
     reset and the device's cache emptied after each (the failed cell's model freed first), the other
     cells timed; table.json and table.md name every failed cell."""
-    import mixprec.compiled as compiled
-    import mixprec.engine as engine
+    import mixprec.train.compile as compiled
+    import mixprec.train.loop as engine
 
     forward, compile_model = engine.forward, compiled.compile_model
     resets, emptied, failed_models = [], [], []
@@ -306,7 +306,7 @@ def test_a_cuda_table_cell_makes_no_sync_in_an_amp_step_and_measures_gpu_busy(be
     reads found-inf at once gave '-'), its peak memory too."""
     import warnings
 
-    import mixprec.engine as engine
+    import mixprec.train.loop as engine
     step = engine.ImageSteps.step
 
     def watched(*args, **kwargs):

@@ -3,10 +3,10 @@ the host time a sampled step took, inside real tiny CPU jobs (tests/fakes.py's c
 steps), and the host-bound verdict the tables and the report show."""
 import pytest
 
-import mixprec.run
+import mixprec.job
 from fakes import with_clock
 from helpers import run_tiny
-from mixprec import busy
+from mixprec.runtime import busy
 
 CPU = ["trainer.device=cpu"]
 TEN_STEPS = ["dataset.train_size=160", "trainer.max_steps=null", "trainer.epochs=1", "trainer.warmup_steps=2"]
@@ -63,7 +63,7 @@ class FakeTimer:
 def run_busy(tmp_path, monkeypatch, fraction, host_waited=False):
     clock = with_clock(monkeypatch, cost=lambda k: 0.01)
     timer = FakeTimer(clock, fraction, host_waited)
-    monkeypatch.setattr(mixprec.run.busy, "meter_for", lambda device, world: busy.BusyMeter(timer, clock))
+    monkeypatch.setattr(mixprec.job.busy, "meter_for", lambda device, world: busy.BusyMeter(timer, clock))
     return run_tiny(tmp_path, *CPU, *TEN_STEPS), timer
 
 

@@ -181,7 +181,7 @@ SMALL = [o for o in TINY if not o.startswith("dataset.")]
 
 
 def run_job_with(tmp_path, *overrides):
-    from mixprec.run import run_job
+    from mixprec.job import run_job
     cfg = compose_config(*SMALL, *overrides, output_dir=tmp_path / "run")
     HydraConfig.instance().set_config(cfg)
     return run_job(cfg)

@@ -57,7 +57,7 @@ def test_bad_values_give_one_clear_line(tmp_path, args, expect):
     assert err == [f"mixprec: config error: {expect}" + err[0].split(expect, 1)[1]] and len(err) == 1
     assert "Traceback" not in r.stderr + r.stdout
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
-    assert f"[mixprec.run][ERROR] - mixprec: config error: {expect}" in (tmp_path / "train.log").read_text()
+    assert f"[mixprec.job][ERROR] - mixprec: config error: {expect}" in (tmp_path / "train.log").read_text()
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.compiled as compiled
-import mixprec.run as run
+import mixprec.train.compile as compiled
+import mixprec.job as run
 from helpers import run_tiny
 from mixprec.report.analyse import sweep_rows
 from mixprec.report.render import job_block

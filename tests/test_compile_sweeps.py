@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import mixprec.compiled as compiled
-import mixprec.run as run
+import mixprec.train.compile as compiled
+import mixprec.job as run
 from helpers import ROOT, run_cli, run_tiny
-from mixprec import dist
+from mixprec.runtime import dist
 from mixprec.records import SUMMARY
 from test_gpt import GPT_JOB
 from test_speed import SMALL
@@ -208,7 +208,7 @@ def test_sigterm_to_a_compiling_gpu_job_ends_it_interrupted_with_its_checkpoint(
     """On a GPU the compile workers start before the first compile with the stop signals blocked: a
     SIGTERM to the group while they compile leaves them working, the job trains a step and ends
     `interrupted` with its checkpoint."""
-    from mixprec.checkpoint import CHECKPOINT
+    from mixprec.train.checkpoint import CHECKPOINT
 
     gpu = [o for o in SMALL if o not in ("trainer.device=cpu", "trainer.deterministic=true")]
     run_dir = tmp_path / "run"

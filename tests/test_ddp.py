@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-import mixprec.run
+import mixprec.job
 from helpers import ROOT, TINY, run_tiny
-from mixprec import checkpoint, dist
+from mixprec.train import checkpoint
+from mixprec.runtime import dist
 from mixprec.data import pipelines
 from mixprec.config import ConfigError
-from mixprec.engine import LoopState
+from mixprec.train.loop import LoopState
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -105,14 +106,14 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path, monkeypatch):
 def initial_weights(run_dir, monkeypatch, *overrides):
     """The job's weights as built (before any step): the same job run in this process, its model recorded."""
     built = []
-    build = mixprec.run.build_model
+    build = mixprec.job.build_model
 
     def recording(cfg, n, **kw):
         model = build(cfg, n, **kw)
         built.append({k: v.clone() for k, v in model.state_dict().items()})
         return model
 
-    monkeypatch.setattr(mixprec.run, "build_model", recording)
+    monkeypatch.setattr(mixprec.job, "build_model", recording)
     run_tiny(run_dir, *overrides, base=[])
     return built[0]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT
-from mixprec.versions import read_constraints
+from mixprec.runtime.versions import read_constraints
 
 DOCS = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
 

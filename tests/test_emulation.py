@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.numerics import emulation
-from mixprec.numerics.emulation import Emulated
+from mixprec.precision import emulation
+from mixprec.precision.emulation import Emulated
 
 LOW = [torch.float16, torch.bfloat16]
 aten = torch.ops.aten
@@ -484,8 +484,8 @@ def train_losses(model_name: str, precision: str, emulate: bool, steps: int = 3,
 
     from mixprec.config import validate
     from mixprec.models import build_model
-    from mixprec.optim import build_optimizer
-    from mixprec.precision import PrecisionPolicy
+    from mixprec.train.optim import build_optimizer
+    from mixprec.precision.policy import PrecisionPolicy
 
     config = validate(compose_config(*MODELS[model_name], f"precision={precision}",
                                      f"precision.emulate={'auto' if device == 'cuda' else 'true'}",

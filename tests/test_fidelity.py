@@ -19,10 +19,10 @@ from torch import nn
 from helpers import ROOT, compose_config, load_script, run_cli
 from mixprec.config import ConfigError, plain_config, validate
 from mixprec.models import build_model
-from mixprec.optim import build_optimizer, build_schedule
-from mixprec.precision import PrecisionPolicy, StaticScaler
-from mixprec.numerics import emulation
-from mixprec.prewarm import prewarm
+from mixprec.train.optim import build_optimizer, build_schedule
+from mixprec.precision.policy import PrecisionPolicy, StaticScaler
+from mixprec.precision import emulation
+from mixprec.train.prewarm import prewarm
 from mixprec.report.published import PUBLISHED_DIR, load_source, load_sources, matches
 from mixprec.report.analyse import ladder_rows
 from mixprec.report.render import ladder_cells
@@ -441,7 +441,7 @@ def test_plateau_divides_on_like_apexs_lr_over_4_however_small_the_lr():
     """main.py@28bdc04e:226 and @254cad2d^:244: `lr /= 4.0` after every epoch without a better validation loss,
     with no floor; PyTorch's ReduceLROnPlateau skips a division smaller than its eps (1e-8 by default), which from
     lr 20 would hold the lr at 20 / 4^16 after the 16th."""
-    from mixprec.optim import build_schedule
+    from mixprec.train.optim import build_schedule
 
     c, _ = composed("experiment=apex_word_lm_readme", "precision=apex_fp16")
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=c.optimizer.lr)

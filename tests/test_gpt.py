@@ -17,7 +17,7 @@ from test_lm import one_thread  # noqa: F401  (autouse: tiny models on one threa
 from mixprec.config import ConfigError, validate
 from mixprec.models.gpt import GPT
 from mixprec.models import build_model
-from mixprec.precision import PrecisionPolicy
+from mixprec.precision.policy import PrecisionPolicy
 from mixprec.report.analyse import sweep_rows
 from mixprec.report.render import format_table, sweep_note
 

@@ -10,14 +10,17 @@ from hydra.core.global_hydra import GlobalHydra
 from torch import nn
 
 from helpers import TINY, compose_config, run_tiny, load_script
-from mixprec import checkpoint, data, hardware, precision, prewarm
+from mixprec.train import checkpoint, prewarm
+from mixprec import data
+from mixprec.runtime import hardware
+from mixprec.precision import policy as precision
 from mixprec.config import validate
-from mixprec.engine import LoopState, TrainClock
+from mixprec.train.loop import LoopState, TrainClock
 from mixprec.models import small_cnn
-from mixprec.optim import build_optimizer
+from mixprec.train.optim import build_optimizer
 from mixprec.models.resnet9 import GhostBatchNorm
 from mixprec.models.rnnlm import RNNModel
-from mixprec.numerics import emulation
+from mixprec.precision import emulation
 
 pytestmark = pytest.mark.gpu
 GPU_TINY = [o for o in TINY if not o.startswith("trainer.device")]   # trainer.device=auto: the GPU

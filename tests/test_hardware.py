@@ -5,11 +5,14 @@ import torch
 from torch import nn
 
 from helpers import ROOT, compose_config, load_script, run_tiny
-from mixprec import checkpoint, data, dist, hardware, precision
+from mixprec.train import checkpoint
+from mixprec import data
+from mixprec.runtime import dist, hardware
+from mixprec.precision import policy as precision
 from mixprec.config import ConfigError, PrecisionConfig, validate
-from mixprec.engine import LoopState
+from mixprec.train.loop import LoopState
 from mixprec.models import small_cnn
-from mixprec.optim import build_optimizer
+from mixprec.train.optim import build_optimizer
 from mixprec.models.resnet9 import GhostBatchNorm, ResNet9
 
 CUDA = torch.device("cuda")
@@ -123,7 +126,7 @@ def test_every_profile_names_only_cards_of_its_memory_and_no_card_has_two_profil
 
 
 def test_gpu_auto_on_an_unknown_card_logs_one_line_and_shows_no_mfu(caplog):
-    from mixprec import run
+    from mixprec import job as run
 
     config = validate(compose_config("gpu=auto", "trainer.device=cpu"))
     profile = hardware.gpu_profile(config.gpu, "NVIDIA L4")
@@ -298,7 +301,7 @@ def test_fp32_weights_are_cpu_copies():
 
 @pytest.mark.parametrize("cap, reason", [((9, 0), None), ((8, 0), "compute capability 8.0 < 8.9: no FP8 tensor cores")])
 def test_fp8_asks_the_jobs_device_for_its_capability(two_gpus, monkeypatch, cap, reason):
-    from mixprec.numerics import fp8
+    from mixprec.precision import fp8
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or cap)

@@ -1,11 +1,11 @@
-"""Sweep job folders named by long override lists: short, stable, unique names (mixprec.jobdirs), under the basic and
+"""Sweep job folders named by long override lists: short, stable, unique names (mixprec.runtime.jobdirs), under the basic and
 the submitit launchers, the full overrides in summary.json."""
 import json
 
 import pytest
 
 from helpers import TINY, compose_config, run_cli
-from mixprec.jobdirs import MAX_BYTES, job_dirname, shorten
+from mixprec.runtime.jobdirs import MAX_BYTES, job_dirname, shorten
 
 SIZES = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.batch_size", "dataset.train_size"))]
 SIZES += ["trainer.max_steps=1", "trainer.batch_size=16", "dataset.train_size=16", "dataset.image_size=8"]

@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 
-from mixprec.numerics import emulation
+from mixprec.precision import emulation
 from torch import nn
 
 from helpers import ROOT, compose_config, run_cli, run_tiny, load_script
-from mixprec import engine, lm_engine
+from mixprec.train import loop as engine, lm as lm_engine
 from mixprec.config import ConfigError, validate
-from mixprec.optim import build_schedule
-from mixprec.precision import PrecisionPolicy
+from mixprec.train.optim import build_schedule
+from mixprec.precision.policy import PrecisionPolicy
 from mixprec.models.rnnlm import RNNModel
-from mixprec.checkpoint import WEIGHTS
+from mixprec.train.checkpoint import WEIGHTS
 from mixprec.report.analyse import published_ppl, sweep_rows
 from mixprec.data.wikitext import TokenWindows, batchify
 
@@ -409,7 +409,7 @@ def test_rnn_weights_are_compacted_after_the_dtype_change_and_prewarms_copy(tmp_
 
 @pytest.mark.parametrize("emulate", [False, True])
 def test_rnn_weights_are_compacted_after_a_checkpoint_load(tmp_path, monkeypatch, emulate):
-    from mixprec.checkpoint import Checkpointer
+    from mixprec.train.checkpoint import Checkpointer
 
     with emulation.numerics(emulate):
         models = [RNNModel("lstm", 20, 8, 8, 2) for _ in range(2)]

@@ -5,7 +5,7 @@ import torch
 from helpers import TINY, compose_config, run_tiny
 from mixprec.config import ConfigError, ModelConfig, OptimizerConfig, validate
 from mixprec.models import build_model
-from mixprec.optim import build_optimizer, decay_mode, param_groups
+from mixprec.train.optim import build_optimizer, decay_mode, param_groups
 
 
 GPT_JOB = ["logger=none", "model=gpt", "dataset=synthetic_text", "dataset.vocab_size=64", "dataset.train_size=400",

@@ -11,8 +11,8 @@ import torch
 from helpers import ROOT, compose_config, run_cli
 from mixprec.config import validate
 from mixprec.models import set_bn_eval, small_cnn
-from mixprec.precision import PrecisionPolicy, hazards
-from mixprec.search import largest_fitting
+from mixprec.precision.policy import PrecisionPolicy, hazards
+from mixprec.runtime.search import largest_fitting
 
 SMALL = ["dataset.train_size=64", "dataset.test_size=16", "trainer.batch_size=8", "trainer.eval_batch_size=16",
          "dataset.image_size=8", "logger=none", "trainer.device=cpu"]
@@ -71,7 +71,7 @@ def test_fused_adam_on_fp16_weights_survives_eps_1e8(impl, finite):
     # torch's CPU fused Adam takes fp16 (as CUDA's does) and computes in fp32: sqrt(v) + eps is never 0 there,
     # where foreach and the for-loop add eps=1e-8 in fp16 (0) to a second moment that underflowed to 0.
     from mixprec.config import OptimizerConfig
-    from mixprec.optim import build_optimizer
+    from mixprec.train.optim import build_optimizer
 
     w = torch.nn.Parameter(torch.full((6,), 0.5, dtype=torch.float16))
     opt = build_optimizer(OptimizerConfig(name="adam", lr=1e-3, eps=1e-8, impl=impl), [w])

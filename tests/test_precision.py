@@ -8,8 +8,8 @@ from torch import nn
 from helpers import compose_config
 from mixprec.config import validate
 from mixprec.models import small_cnn
-from mixprec.optim import build_optimizer
-from mixprec.precision import PrecisionPolicy
+from mixprec.train.optim import build_optimizer
+from mixprec.precision.policy import PrecisionPolicy
 
 MODES = ["fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3"]
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from helpers import TINY
-from mixprec import engine
+from mixprec.train import loop as engine
 from mixprec.numerics import probe_stats as ps
 from mixprec.config import PrecisionConfig, ProbeConfig, TrainerConfig
-from mixprec.precision import PrecisionPolicy
+from mixprec.precision.policy import PrecisionPolicy
 from mixprec.numerics.probe import NUMERICS, build_probe
 
 CPU = torch.device("cpu")
@@ -402,7 +402,7 @@ def test_a_finished_job_frees_its_model_without_the_cycle_collector(tmp_path, mo
     import gc
     import weakref
 
-    import mixprec.run as run_module
+    import mixprec.job as run_module
 
     models = []
 

@@ -9,12 +9,12 @@ from torch import nn
 
 from helpers import TINY, compose_config, run_tiny
 from test_probe import Scale
-from mixprec import engine
+from mixprec.train import loop as engine
 from mixprec.config import ConfigError, PrecisionConfig, ProbeConfig, TrainerConfig, validate
 from mixprec.numerics import events as ev
 from mixprec.numerics import verdicts
 from mixprec.numerics.probe import NUMERICS, build_probe
-from mixprec.precision import PrecisionPolicy
+from mixprec.precision.policy import PrecisionPolicy
 
 CPU = torch.device("cpu")
 TINY8 = [*TINY, "dataset.image_size=8"]
@@ -237,7 +237,7 @@ def test_the_verdict_is_in_the_console_block_the_sweep_note_report_md_and_wandb(
 
 
 def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path):
-    from mixprec.numerics import replay
+    from mixprec.tools import replay
 
     cfg = validate(compose_config(*TINY8, "probe=none"))
     e = {**ev.event(2, "update", "0", "float16", None), "tensor": "weights"}

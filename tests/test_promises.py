@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.run
+import mixprec.job
 from helpers import TINY, compose_config, run_tiny
 from fakes import STEPS_PER_EPOCH, with_clock
-from mixprec import hardware
+from mixprec.runtime import hardware
 from mixprec.config import validate
 from mixprec.data import build_image_data
 from mixprec.models import small_cnn
@@ -123,14 +123,14 @@ def test_cpu_peak_memory_is_the_process_peak_rss(tmp_path, monkeypatch):
     """A job whose model holds an extra 256 MB buffer (touched, so resident) reports a peak at least the resident
     size before the job plus 256 MB, and no more than the process's peak read from `resource` after it."""
     extra = 256
-    build = mixprec.run.build_model
+    build = mixprec.job.build_model
 
     def with_buffer(cfg, n, **kw):
         model = build(cfg, n, **kw)
         model.register_buffer("ballast", torch.ones(extra * 2**20 // 4), persistent=False)
         return model
 
-    monkeypatch.setattr(mixprec.run, "build_model", with_buffer)
+    monkeypatch.setattr(mixprec.job, "build_model", with_buffer)
     before = rss_mb()
     s = run_tiny(tmp_path, *CPU)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

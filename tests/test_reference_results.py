@@ -1,16 +1,16 @@
-"""The CPU-emulated reference plan (src/mixprec/plan_cpu.yaml) and the report's seed-by-seed comparison with fp32."""
+"""The CPU-emulated reference plan (src/mixprec/tools/plan_cpu.yaml) and the report's seed-by-seed comparison with fp32."""
 import json
 import sys
 
 import pytest
 
 from helpers import ROOT, load_script
-from mixprec import plan as P
+from mixprec.tools import plan as P
 from mixprec.config import validate_job
 from mixprec.report.analyse import paired_difference, t975
 from mixprec.report.published import load_sources
 
-CPU_PLAN = ROOT / "src" / "mixprec" / "plan_cpu.yaml"
+CPU_PLAN = ROOT / "src" / "mixprec" / "tools" / "plan_cpu.yaml"
 
 
 def test_the_cpu_plan_composes_every_job_and_accounts_for_every_published_value():

@@ -43,7 +43,7 @@ values:
 
 def job(out_dir, *overrides):
     """One real job in this process (as helpers.run_tiny, with this file's sizes)."""
-    from mixprec.run import run_job
+    from mixprec.job import run_job
 
     cfg = compose_config(*SIZES, *overrides, output_dir=out_dir)
     HydraConfig.instance().set_config(cfg)
@@ -379,7 +379,7 @@ def test_a_source_with_no_matching_job_takes_one_line(tmp_path):
     and against a source that lists it but whose values match none of its jobs: each such source
     is one line naming the commands that run its jobs (the plan's sweeps), not a table of
     "missing" rows; in report.md and in the W&B Report's table alike."""
-    from mixprec import plan as P
+    from mixprec.tools import plan as P
     from mixprec.report.wandb_report import _comparison_markdown
 
     write_job(tmp_path / "runs", "fp32", "fp32", 10.0, emulated=False)

@@ -1,4 +1,4 @@
-"""scripts/reproduce.py and its plan (src/mixprec/plan.yaml): the plan agrees with the presets, the published
+"""scripts/reproduce.py and its plan (src/mixprec/tools/plan.yaml): the plan agrees with the presets, the published
 numbers and the README; cutting to a budget; and, as real runs on the CPU, resume after kill -9, a failing
 sweep, two results folders side by side, and the whole --smoke plan."""
 import itertools
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from helpers import ROOT, compose_config, load_script
-from mixprec import plan as P
+from mixprec.tools import plan as P
 from mixprec.report.published import load_sources
 
 SCRIPT = ROOT / "scripts" / "reproduce.py"
@@ -52,8 +52,8 @@ def test_plan_runs_every_preset_grid_and_covers_every_published_value():
 def test_readme_reproductions_table_is_the_plan():
     readme = (ROOT / "README.md").read_text()
     table = P.readme_table(P.load_plan())
-    assert table in readme, ("README's reproductions table differs from src/mixprec/plan.yaml; regenerate it with: "
-                             "python -c 'from mixprec.plan import *; print(readme_table(load_plan()))'")
+    assert table in readme, ("README's reproductions table differs from src/mixprec/tools/plan.yaml; regenerate it with: "
+                             "python -c 'from mixprec.tools.plan import *; print(readme_table(load_plan()))'")
     # every command the table lists is one of the plan's (a hand count of the plan file's sweeps)
     n_sweeps = sum(len(a["sweeps"]) for a in yaml.safe_load(P.PLAN_FILE.read_text())["articles"])
     assert table.count("`python ") == n_sweeps == 9

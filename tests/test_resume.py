@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.engine
-import mixprec.run
+import mixprec.train.loop
+import mixprec.job
 from helpers import ROOT, TINY, compose_config, run_tiny
-from mixprec.checkpoint import CHECKPOINT, WEIGHTS, load_fp32_model
+from mixprec.train.checkpoint import CHECKPOINT, WEIGHTS, load_fp32_model
 from mixprec.config import validate
 from mixprec.data import DeviceBatches, LoaderBatches, synthetic_images
 from mixprec.data.wikitext import TokenWindows, batchify
@@ -213,7 +213,7 @@ def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(
     for key in ("final_valid_ppl", "final_test_ppl", "best_valid_ppl", "test_ppl_at_best_valid", "final_lr", "tokens"):
         assert a["metrics"][key] == b["metrics"][key], key
     assert a["metrics"]["steps"] == 250 and a["resumed"]["mid_epoch"] and a["resumed"]["from_step"] == loop["step"]
-    assert f"[mixprec.run][INFO] - mixprec: resuming {run_dir} at step {loop['step']}" in (run_dir / "train.log").read_text()
+    assert f"[mixprec.job][INFO] - mixprec: resuming {run_dir} at step {loop['step']}" in (run_dir / "train.log").read_text()
 
 
 @pytest.mark.parametrize("kind", ["device", "dataloader", "windows"])
@@ -261,20 +261,20 @@ class SignalAt(nn.Module):
 
 @pytest.mark.slow
 def test_resume_restores_master_weights_loss_scaler_and_optimizer_exactly(tmp_path, monkeypatch):
-    build = mixprec.run.build_model
+    build = mixprec.job.build_model
     # fp16 weights with fp32 masters (apex O2) stepped by Adam, under a dynamic loss scale that grows every
     # 2 steps, overflows and backs off: each piece of state must come back exactly for the same result
     args = ["precision=o2", "precision.init_scale=524288", "precision.growth_interval=2", "optimizer=adam",
             "optimizer.lr=0.01", "trainer.max_steps=null", "trainer.epochs=2", "trainer.deterministic=true"]
-    monkeypatch.setattr(mixprec.run, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=0))
+    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=0))
     reference = run_tiny(tmp_path / "reference", *args)
 
-    monkeypatch.setattr(mixprec.run, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=6))   # epoch 2, step 2
+    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=6))   # epoch 2, step 2
     with pytest.raises(SystemExit) as e:
         run_tiny(tmp_path / "run", *args)
     assert e.value.code == 128 + signal.SIGTERM
     assert json.loads((tmp_path / "run" / SUMMARY).read_text())["status"] == "interrupted"
-    monkeypatch.setattr(mixprec.run, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=0))
+    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=0))
     resumed = run_tiny(tmp_path / "run", *args, "trainer.resume=auto")
     assert resumed["resumed"]["from_step"] == 6 and resumed["resumed"]["mid_epoch"]
     m, ref = resumed["metrics"], reference["metrics"]
@@ -333,7 +333,7 @@ def test_a_corrupt_summary_gives_one_line_naming_the_file(tmp_path, capsys):
 def fail_at_the_end(monkeypatch):
     def no_space(*a, **k):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(mixprec.run.checkpoint, "save_weights", no_space)
+    monkeypatch.setattr(mixprec.job.checkpoint, "save_weights", no_space)
 
 
 EPOCHS2 = ["trainer.max_steps=null", "trainer.epochs=2"]
@@ -380,7 +380,7 @@ def test_a_bad_checkpoint_gives_one_line_naming_the_file(tmp_path, failed_job, c
 def test_an_older_default_batch_resumes_with_its_batch_and_says_so(tmp_path, caplog):
     """The default batch moved (64 on CUDA, then 256; here the CPU default 16, then 64) between a
     run and its resume: a job that never set the batch resumes with its checkpoint's."""
-    from mixprec import defaults
+    from mixprec.runtime import defaults
 
     base = [o for o in TINY if not o.startswith(("trainer.batch_size", "trainer.max_steps"))]
     with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit):
@@ -428,12 +428,12 @@ def test_a_run_without_final_weights_is_refused_by_name(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_training_clock_syncs_the_device_at_every_reading(tiny, monkeypatch):
     calls = []
-    monkeypatch.setattr(mixprec.engine, "synchronize", lambda device: calls.append(device.type))
+    monkeypatch.setattr(mixprec.train.loop, "synchronize", lambda device: calls.append(device.type))
     s = tiny("trainer.max_steps=null", "trainer.epochs=2", "trainer.warmup_steps=2", "dataset.train_size=32")
     # start and stop of each epoch, and the end of the warm-up: no epoch time is read without a sync first
     assert calls == ["cpu"] * (2 * 2 + 1) and len(s["metrics"]["epoch_times_s"]) == 2
-    monkeypatch.setattr(mixprec.engine, "mark_steady", lambda device: None)   # its GPU memory stats: tests/test_gpu.py
-    clock = mixprec.engine.TrainClock(torch.device("cuda"))   # the clock itself, for a GPU device
+    monkeypatch.setattr(mixprec.train.loop, "mark_steady", lambda device: None)   # its GPU memory stats: tests/test_gpu.py
+    clock = mixprec.train.loop.TrainClock(torch.device("cuda"))   # the clock itself, for a GPU device
     calls.clear()
     clock.start(), clock.mark_warm(), clock.stop()
     assert calls == ["cuda"] * 3

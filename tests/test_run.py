@@ -1,10 +1,10 @@
-"""Real tiny jobs through mixprec.run.run_job on the CPU: records, learning, the non-finite policy, timing."""
+"""Real tiny jobs through mixprec.job.run_job on the CPU: records, learning, the non-finite policy, timing."""
 import json
 
 import pytest
 from torch import nn
 
-import mixprec.run
+import mixprec.job
 from mixprec.records import METRICS, SUMMARY
 from test_flops import small_cnn_flops
 
@@ -26,8 +26,8 @@ class NaNAt(nn.Module):
 
 
 def inject_nan(monkeypatch, at):
-    build = mixprec.run.build_model
-    monkeypatch.setattr(mixprec.run, "build_model", lambda cfg, n: NaNAt(build(cfg, n), at))
+    build = mixprec.job.build_model
+    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n: NaNAt(build(cfg, n), at))
 
 
 def read_rows(path):
@@ -107,7 +107,7 @@ def test_continue_policy_records_and_goes_on(tiny, monkeypatch):
 def test_a_failing_job_still_writes_its_summary(tiny, tmp_path, monkeypatch):
     def broken(cfg, n):
         raise RuntimeError("the model could not be built")
-    monkeypatch.setattr(mixprec.run, "build_model", broken)
+    monkeypatch.setattr(mixprec.job, "build_model", broken)
     with pytest.raises(SystemExit) as e:
         tiny()
     assert e.value.code == 1

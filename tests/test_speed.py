@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
-import mixprec.engine as engine
+import mixprec.train.loop as engine
 from helpers import compose_config, run_tiny
 from test_lm import LM
 from mixprec.config import ConfigError, validate
 from mixprec.models import small_cnn
-from mixprec.optim import build_optimizer
-from mixprec.precision import PrecisionPolicy
+from mixprec.train.optim import build_optimizer
+from mixprec.precision.policy import PrecisionPolicy
 from mixprec.numerics.probe import Attribution
 
 SMALL = ["model=small_cnn", "model.width=8", "dataset.image_size=8", "dataset.train_size=320",
@@ -64,8 +64,8 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
     import gc
     import weakref
 
-    import mixprec.prewarm as prewarm
-    import mixprec.run as run
+    import mixprec.train.prewarm as prewarm
+    import mixprec.job as run
     copies, events = [], []
     deepcopy = copy.deepcopy
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.run
-import mixprec.tricks
+import mixprec.job
+import mixprec.train.tricks
 from helpers import compose_config, run_tiny
 from fakes import with_clock
-from mixprec.checkpoint import WEIGHTS
+from mixprec.train.checkpoint import WEIGHTS
 from mixprec.config import validate
 from mixprec.data import build_image_data
 from test_resume import SignalAt
@@ -52,13 +52,13 @@ def test_the_page_10_job_trains_the_model_its_tricks_promise(tmp_path, monkeypat
     c = validate(compose_config(*LADDER, "trick=page_10_tta"))
     assert c.trick.ghost_bn and c.trick.celu and c.trick.frozen_bn_scale and c.trick.whitening
     clock = with_clock(monkeypatch, cost=lambda k: 1.0)
-    fit = mixprec.tricks.fit_patch_whitening
+    fit = mixprec.train.tricks.fit_patch_whitening
 
     def slow_fit(*args, **kwargs):   # the whitening fit takes 5 s of the fake clock: setup time, timed apart (Page)
         clock.now += 5.0
         return fit(*args, **kwargs)
 
-    monkeypatch.setattr(mixprec.tricks, "fit_patch_whitening", slow_fit)
+    monkeypatch.setattr(mixprec.train.tricks, "fit_patch_whitening", slow_fit)
     s = run_tiny(tmp_path, "trick=page_10_tta", base=LADDER)
     assert s["status"] == "completed"
     m = s["metrics"]
@@ -104,7 +104,7 @@ def test_an_ema_job_evaluates_and_saves_the_average_of_its_weights(tmp_path, mon
     """Momentum 0.5 every 2 steps (rho = 0.25), updated after steps 1 and 3, from the initial weights: the average
     is recomputed from the model's state after each step (read at the start of the next forward, and at the end)."""
     states, built = [], []
-    build = mixprec.run.build_model
+    build = mixprec.job.build_model
 
     def recording(cfg, n, **kw):
         model = build(cfg, n, **kw)
@@ -113,7 +113,7 @@ def test_an_ema_job_evaluates_and_saves_the_average_of_its_weights(tmp_path, mon
         built.append(model)
         return model
 
-    monkeypatch.setattr(mixprec.run, "build_model", recording)
+    monkeypatch.setattr(mixprec.job, "build_model", recording)
     s = run_tiny(tmp_path / "run", *EMA)
     assert s["status"] == "completed" and len(states) == 4
     after_step = states[1:] + [built[0].state_dict()]   # state after steps 1..4
@@ -131,10 +131,10 @@ def test_an_ema_job_evaluates_and_saves_the_average_of_its_weights(tmp_path, mon
     assert max((saved[k] - raw[k]).abs().max().item() for k in raw if raw[k].is_floating_point()) > 1e-3
 
     # the recorded test loss is that of the averaged weights, not of the raw ones
-    ema_eval = mixprec.run.evaluate_saved(tmp_path / "run", device="cpu")
+    ema_eval = mixprec.job.evaluate_saved(tmp_path / "run", device="cpu")
     shutil.copytree(tmp_path / "run", tmp_path / "raw")
     torch.save({k: v for k, v in raw.items()}, tmp_path / "raw" / WEIGHTS)
-    raw_eval = mixprec.run.evaluate_saved(tmp_path / "raw", device="cpu")
+    raw_eval = mixprec.job.evaluate_saved(tmp_path / "raw", device="cpu")
     assert s["metrics"]["final_test_loss"] == pytest.approx(ema_eval["test_loss"], rel=1e-5)
     assert abs(raw_eval["test_loss"] - ema_eval["test_loss"]) > 1e-3
 
@@ -144,14 +144,14 @@ def test_an_ema_job_evaluates_and_saves_the_average_of_its_weights(tmp_path, mon
 
 def interrupted_then_resumed(tmp_path, monkeypatch, *args):
     """(reference dir, resumed dir): the same job run through, and SIGTERMed at step 6 (epoch 2) then resumed."""
-    build = mixprec.run.build_model
-    monkeypatch.setattr(mixprec.run, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=0))
+    build = mixprec.job.build_model
+    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=0))
     assert run_tiny(tmp_path / "reference", *args)["status"] == "completed"
-    monkeypatch.setattr(mixprec.run, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=6))
+    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=6))
     with pytest.raises(SystemExit):
         run_tiny(tmp_path / "run", *args)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "interrupted"
-    monkeypatch.setattr(mixprec.run, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=0))
+    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=0))
     s = run_tiny(tmp_path / "run", *args, "trainer.resume=auto")
     assert s["status"] == "completed" and s["resumed"]["from_step"] == 6
     return tmp_path / "reference", tmp_path / "run"

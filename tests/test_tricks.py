@@ -8,15 +8,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import compose_config
-from mixprec import engine
+from mixprec.train import loop as engine
 from mixprec.config import ConfigError, validate
 from mixprec.data import DeviceBatches, synthetic_images
 from mixprec.models import small_cnn
-from mixprec.precision import PrecisionPolicy
+from mixprec.precision.policy import PrecisionPolicy
 from mixprec.models.resnet9 import GhostBatchNorm, ResNet9, conv_bn
 from mixprec.config import OptimizerConfig
-from mixprec.optim import param_groups
-from mixprec.tricks import EMA, cross_entropy, fit_patch_whitening, tta_logits
+from mixprec.train.optim import param_groups
+from mixprec.train.tricks import EMA, cross_entropy, fit_patch_whitening, tta_logits
 
 SMALL = (8, 16, 32, 64)
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec import hardware, versions
+from mixprec.runtime import hardware, versions
 from mixprec.report.analyse import _env_table
 from mixprec.report.load import Job
 from mixprec.report import render

@@ -69,7 +69,7 @@ def user_error(e: BaseException, known: tuple = ()) -> tuple[str, int] | None:
     """(the line, the exit status) of an exception that is the user's mistake; None for anything else (a bug)."""
     from hydra.errors import HydraException
 
-    from .checkpoint import CheckpointError
+    from .train.checkpoint import CheckpointError
     from .data.files import DataError
 
     if isinstance(e, ConfigError):

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from ..numerics import emulation
+from ..precision import emulation
 
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 log = logging.getLogger(__name__)

@@ -1,3 +1,3 @@
-"""What number formats do to training: the fp16/bf16 emulation at fp32 speed (emulation.py), FP8 through torchao
-(fp8.py), and the numerics probe that measures ranges, underflow and overflow layer by layer (probe.py, with its
-arithmetic in probe_stats.py)."""
+"""Diagnostics of what number formats do to training: the numerics probe that measures ranges, underflow and
+overflow layer by layer (probe.py, with its arithmetic in probe_stats.py), the first non-finite event in time
+order (events.py) and the rules that name the mechanism (verdicts.py)."""

@@ -15,9 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import busy, records
-from ..plan import PlanError, full_command, load_plan
-from ..versions import differences
+from ..runtime import busy
+from .. import records
+from ..tools.plan import PlanError, full_command, load_plan
+from ..runtime.versions import differences
 from .load import Job, number
 from .published import Published, Source, apex_ppl_values, matches, noise_verdict, page_ladder
 

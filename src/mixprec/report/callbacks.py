@@ -10,8 +10,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from .. import records
-from ..dist import from_env
-from ..signals import resume_hint
+from ..runtime.dist import from_env
+from ..runtime.signals import resume_hint
 from .analyse import by_experiment, ladder_rows
 from .load import sweep_jobs
 from .render import LADDER_COLUMNS, format_table, ladder_cells, sweep_note

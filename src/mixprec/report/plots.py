@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .. import records  # noqa: E402
-from ..jobdirs import shorten  # noqa: E402
+from ..runtime.jobdirs import shorten  # noqa: E402
 from ..records import atomic_file  # noqa: E402
 from ..records import metrics  # noqa: E402
 from .analyse import PRECISION_ORDER, Group, precision_key, stats  # noqa: E402

@@ -85,7 +85,7 @@ def section(root: Path, base: Path = ROOT) -> str:
     d.p(f"Measured on a {env['cpu_count']}-core CPU ({env['device_name']}, no GPU), torch {env['torch']}, with "
         "the GPU's fp16/bf16 rounding emulated on fp32 kernels (`precision.emulate=auto`, docs/numerics.md): "
         "accuracy, perplexity and divergence are as on a GPU; no time here is a GPU's, so no speed-up is reported. "
-        f"Sizes are cut to fit a CPU (src/mixprec/plan_cpu.yaml says each and why). Total CPU time {total:.0f} min.")
+        f"Sizes are cut to fit a CPU (src/mixprec/tools/plan_cpu.yaml says each and why). Total CPU time {total:.0f} min.")
     d.table(["folder (report)", "what ran", "jobs", "epochs", "status", "CPU min"], rows)
     for f, state, _, report in loaded:
         _article(d, f, state, report, base)

@@ -11,7 +11,8 @@ import os
 import re
 from pathlib import Path
 
-from .. import busy, records
+from ..runtime import busy
+from .. import records
 from ..config import RNN_KINDS
 from .published import DERIVED
 

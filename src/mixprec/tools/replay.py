@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import events as ev
+from ..numerics import events as ev
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def replay_config(config, step: int):
 def explain(summary: dict, config, device, out_dir: Path, several_ranks: bool, train) -> dict:
     """What the replay changes in the summary ({} when none is due): numerics.first_nonfinite, numerics.replay,
     the verdict, and the reason's first-event clause. `train(config, device, recorder, saver)` is run.train_job."""
-    from .. import checkpoint
+    from ..train import checkpoint
     from ..records import Recorder
 
     step = replay_step(summary, config.probe.name, several_ranks)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from .config import ConfigError
+from ..config import ConfigError
 
 RUN_TIME = "MIXPREC_RUN_TIME"
 TIMEOUT = datetime.timedelta(minutes=10)

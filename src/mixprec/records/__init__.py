@@ -16,7 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .config import LM_ARCHS
+from ..config import LM_ARCHS
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"

@@ -10,8 +10,8 @@ import os
 import time
 from pathlib import Path
 
-from . import records
-from .config import LoggerConfig
+from .. import records
+from ..config import LoggerConfig
 
 IN_USE_WAIT_S = 120.0   # how long a resumed job waits for a killed predecessor's W&B service to let go of the run id
 

@@ -63,8 +63,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .hardware import synchronize
-from .signals import StopSignals
+from ..runtime.hardware import synchronize
+from ..runtime.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ def warm_evaluation(net: nn.Module, policy, mode: str, warmup: Warmup, gen: torc
 
 def warm_training(net: nn.Module, policy, mode: str, warmup: Warmup, batch: tuple) -> None:
     """The training forward and backward of one batch shape, as many times as `mode` needs."""
-    from .models import set_bn_eval
+    from ..models import set_bn_eval
 
     net.train()
     if warmup.bn_eval:

@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .compiled import TokenBatch, Warmup, mark_step, split_shapes
-from .engine import Loop, LoopState, Window, train_step
-from .precision import PrecisionPolicy
-from .models.rnnlm import repackage_hidden
-from .data.wikitext import TokenWindows
+from .compile import TokenBatch, Warmup, mark_step, split_shapes
+from .loop import Loop, LoopState, Window, train_step
+from ..precision.policy import PrecisionPolicy
+from ..models.rnnlm import repackage_hidden
+from ..data.wikitext import TokenWindows
 
 
 def perplexity(loss: float) -> float:

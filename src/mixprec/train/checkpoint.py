@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .defaults import RESOLVER
-from .dist import SINGLE, Ranks
-from .models import flatten_rnns
-from .numerics import emulation
-from .records import METRICS, SUMMARY, atomic_file
+from ..runtime.defaults import RESOLVER
+from ..runtime.dist import SINGLE, Ranks
+from ..models import flatten_rnns
+from ..precision import emulation
+from ..records import METRICS, SUMMARY, atomic_file
 
 CHECKPOINT = "checkpoint.pt"
 WEIGHTS = "model_fp32.pt"
@@ -286,9 +286,9 @@ def save_weights(out_dir: Path, state_dict: dict, num_classes: int) -> dict:
 def load_fp32_model(run_dir: Path):
     """An fp32 model with a finished job's final weights, rebuilt from its summary.json config (for evaluation).
     Returns (model, config). CheckpointError, naming the file, when the run has no usable weights."""
-    from .config import validate
-    from .models import build_model
-    from .models.resnet9 import resnet9_options
+    from ..config import validate
+    from ..models import build_model
+    from ..models.resnet9 import resnet9_options
 
     run_dir = Path(run_dir)
     summary = prior_summary(run_dir)

@@ -10,7 +10,7 @@ import re
 from importlib import metadata
 from pathlib import Path
 
-CONSTRAINTS = Path(__file__).resolve().parents[2] / "constraints.txt"
+CONSTRAINTS = Path(__file__).resolve().parents[3] / "constraints.txt"
 # the packages whose versions a job's numbers depend on (the rest of constraints.txt is what they pull in)
 KEY_PACKAGES = ("torch", "torchvision", "torchao", "numpy", "hydra-core", "omegaconf", "wandb")
 

@@ -24,7 +24,7 @@ from . import emulation
 from torch import nn
 
 from ..config import require_torchao
-from ..hardware import capability
+from ..runtime.hardware import capability
 
 FP8_CAPABILITY = (8, 9)   # Ada / Hopper and later: FP8 tensor cores
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from . import records
+from .. import records
 
 PLAN_FILE = Path(__file__).parent / "plan.yaml"
 CUT_KINDS = ("epochs", "max_steps", "grid")

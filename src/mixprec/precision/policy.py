@@ -31,10 +31,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .numerics import emulation, fp8
-from .config import OptimizerConfig, PrecisionConfig
-from .models import flatten_rnns
-from .optim import resolve_impl
+from . import emulation, fp8
+from ..config import OptimizerConfig, PrecisionConfig
+from ..models import flatten_rnns
+from ..train.optim import resolve_impl
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -57,14 +57,14 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import busy
-from .compiled import GRAPH_MODES, GraphCalls, mark_step
-from .config import TrainerConfig
-from .dist import SINGLE, Ranks
-from .hardware import mark_steady, synchronize
-from .models import set_bn_eval
-from .precision import Deferred, PrecisionPolicy, by_dtype
-from .numerics.probe import Attribution
+from ..runtime import busy
+from .compile import GRAPH_MODES, GraphCalls, mark_step
+from ..config import TrainerConfig
+from ..runtime.dist import SINGLE, Ranks
+from ..runtime.hardware import mark_steady, synchronize
+from ..models import set_bn_eval
+from ..precision.policy import Deferred, PrecisionPolicy, by_dtype
+from ..numerics.probe import Attribution
 from .tricks import cross_entropy, tta_logits
 
 # GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the torch.amp

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, GpuConfig, PrecisionConfig, TrainerConfig
+from ..config import ConfigError, GpuConfig, PrecisionConfig, TrainerConfig
 from .versions import installed
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 
 
 JOBS_IN_PROCESS = 0   # a sweep's jobs share one process: the first pays lazy CUDA init and cold autotuning caches

@@ -21,23 +21,25 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from . import busy, checkpoint, dist, engine, hardware, logs, tricks
-from .compiled import (RNN_EAGER, GraphWatch, compile_model, image_warmup, reset_compile_state,
+from .runtime import busy, dist, hardware, logs
+from .train import checkpoint, loop as engine, tricks
+from .train.compile import (RNN_EAGER, GraphWatch, compile_model, image_warmup, reset_compile_state,
                        start_compile_workers, warm_compile)
 from .config import Config, ConfigError, plain_config, validate_job
 from .data import Resumable, build_image_data, image_loaders
 from .data.files import DataError
-from .lm_engine import LMSteps, lm_warmup
+from .train.lm import LMSteps, lm_warmup
 from .models import build_model, forward_flops
-from .optim import build_optimizer, build_schedule, param_groups
-from .numerics import emulation
-from .precision import PrecisionPolicy, emulates, hazards, low_dtype
-from .prewarm import prewarm, prewarm_lm, reset_peak
-from .numerics import replay, verdicts
+from .train.optim import build_optimizer, build_schedule, param_groups
+from .precision import emulation
+from .precision.policy import PrecisionPolicy, emulates, hazards, low_dtype
+from .train.prewarm import prewarm, prewarm_lm, reset_peak
+from .tools import replay
+from .numerics import verdicts
 from .numerics.probe import build_probe
 from .records import SUMMARY, Recorder, write_json_atomic
 from .models.resnet9 import resnet9_options
-from .signals import StopSignals, resume_hint
+from .runtime.signals import StopSignals, resume_hint
 from .report.render import job_block
 from .data.wikitext import TokenWindows, batchify, load_text_corpus
 
@@ -260,7 +262,7 @@ def open_mirror(config: Config, summary: dict, out_dir: Path, group: str | None,
     """The W&B run the records are mirrored to (None without W&B); a resumed job continues its run."""
     if config.logger.name != "wandb" or config.logger.mode == "disabled":
         return None
-    from .wandb_mirror import WandbMirror
+    from .records.wandb_mirror import WandbMirror
 
     mirror = WandbMirror(config.logger, out_dir, summary["config"], group=group, name=name, job_type=config.name,
                          run_id=resume.get("wandb_run_id") if resume else None)

@@ -27,7 +27,7 @@ def on_cuda(device: str) -> bool:
 
 
 def batch_default(device: str, arch: str) -> int:
-    from .config import LM_ARCHS
+    from ..config import LM_ARCHS
 
     return GPU_BATCH if on_cuda(device) and arch not in LM_ARCHS else CPU_BATCH
 

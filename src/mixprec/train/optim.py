@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .config import ConfigError, OptimizerConfig, ScheduleConfig
+from ..config import ConfigError, OptimizerConfig, ScheduleConfig
 
 
 def impl_kwargs(impl: str, params: list) -> dict:

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hardware import synchronize
-from .precision import by_dtype
+from ..runtime.hardware import synchronize
+from ..precision.policy import by_dtype
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor, label_smoothing: float = 0.0,

@@ -28,8 +28,8 @@ import time
 import numpy as np
 import torch
 
-from .hardware import synchronize
-from .models import flatten_rnns
+from ..runtime.hardware import synchronize
+from ..models import flatten_rnns
 from .tricks import cross_entropy
 
 
@@ -51,8 +51,8 @@ def prewarm(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, st
 def prewarm_lm(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, steps: int, bptt: int,
                columns: int, vocab_size: int, grad_clip: float | None = None) -> float:
     """A language model's prewarm: `steps` windows of random tokens, the hidden state from zeros."""
-    from .lm_engine import forward
-    from .data.wikitext import TokenWindows
+    from .lm import forward
+    from ..data.wikitext import TokenWindows
 
     def batch(gen, device):
         tokens = torch.randint(0, vocab_size, (bptt + 1, columns), device=device, generator=gen)
