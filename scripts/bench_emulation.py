@@ -23,12 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import cli
-from mixprec.train import lm as lm_engine
 from mixprec.config import validate
 from mixprec.models import build_model
 from mixprec.precision import emulation
-from mixprec.train.optim import build_optimizer
-from mixprec.precision.policy import PrecisionPolicy
+from mixprec.train.build import build_trained
 from mixprec.records import write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,11 +50,9 @@ class Job:
         self.emulated = emulate and precision != "fp32"
         torch.manual_seed(0)
         with emulation.numerics(self.emulated):
-            self.policy = PrecisionPolicy(config.precision, torch.device("cpu"))
-            self.model = self.policy.prepare_model(build_model(config.model, VOCAB if self.lm else 10))
-            if not self.lm and config.trainer.channels_last:
-                self.model = self.model.to(memory_format=torch.channels_last)
-            self.opt = build_optimizer(config.optimizer, self.policy.optimizer_params(self.model))
+            built = build_trained(build_model(config.model, VOCAB if self.lm else 10), config, torch.device("cpu"),
+                                  channels_last=not self.lm and config.trainer.channels_last)
+            self.policy, self.model, self.opt = built.policy, built.model, built.optimizer
         b = config.trainer.batch_size
         if self.lm:
             bptt = config.dataset.bptt
@@ -68,8 +64,8 @@ class Job:
 
     def step(self) -> None:
         with emulation.numerics(self.emulated):
-            if self.lm:   # as a job runs it: oneDNN's LSTM off under a CPU's autocast (lm_engine.autocast)
-                with lm_engine.autocast(self.policy):
+            if self.lm:   # as a job runs it: oneDNN's LSTM off under a CPU's autocast (PrecisionPolicy.recurrent_autocast)
+                with self.policy.recurrent_autocast():
                     out = self.model(self.x, tuple(h.detach() for h in self.hidden))[0]
             else:
                 with self.policy.autocast():

@@ -10,7 +10,7 @@ step is composed as `experiment=page_ladder trick=page_NN_*`, then made small wi
 synthetic CIFAR-shaped data, ResNet-9 at width 8 in every layer (the same layers), batch --batch (a multiple of the
 16 ghost-BN splits), native fp16 (precision.emulate=false), the device pipeline for every step (step 1's DataLoader
 pipeline prepares batches on the CPU, outside the device's op stream; counted here as the device pipeline's ops).
-The job's own parts (run.image_parts: loaders, model, policy, optimizer, schedule, EMA) are driven as engine.run_epoch
+The job's own parts (job.image_parts: loaders, model, policy, optimizer, schedule, EMA) are driven as loop.run_epoch
 drives them: the next batch, ImageSteps.step, and every trainer.log_every steps the flush (amortised per step).
 --warm steps run uncounted first (the optimizer's state is made at the first step). Parts: data (the batch's
 augmentation and normalisation), forward (of which ghost BN: GhostBatchNorm.forward), loss, backward, precision
@@ -53,9 +53,10 @@ RULES = [
     ("torch/optim/", None, "optimizer"),
     ("mixprec/precision/policy.py", {"backward"}, "backward"),
     ("mixprec/precision/policy.py", None, "precision"),
-    ("mixprec/train/loop.py", {"forward"}, "forward"),
+    ("mixprec/train/step.py", {"forward"}, "forward"),
     ("mixprec/train/loop.py", {"flush", "check_window", "all_finite", "row"}, "flush"),
-    ("mixprec/train/loop.py", {"step"}, "bookkeeping"),
+    ("mixprec/train/images.py", {"step"}, "bookkeeping"),
+    ("mixprec/train/step.py", None, "bookkeeping"),
 ]
 PARTS = ["data", "forward", "ghost_bn", "loss", "backward", "precision", "optimizer", "ema", "schedule",
          "bookkeeping", "flush", "other"]

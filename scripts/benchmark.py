@@ -55,8 +55,11 @@ from mixprec.config import Config, ConfigError, plain_config, validate
 from mixprec.data import synthetic_images
 from mixprec.models import build_model
 from mixprec.train.optim import build_optimizer, build_schedule
-from mixprec.precision.policy import DTYPES
+from mixprec.precision import modes
+from mixprec.precision.modes import DTYPES
 from mixprec.records import write_json_atomic, write_text_atomic
+from mixprec.train import images
+from mixprec.train.build import build_trained
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +121,7 @@ def hand_throughput(overrides: list[str]) -> dict:
     config, _ = compose(overrides)
     p, tr = config.precision, config.trainer
     device = hardware.select_device(tr.device)
-    hardware.configure(device, tr, p, config.seed)
+    modes.configure(device, tr, p, config.seed)
     data = synthetic_images(config.dataset)
     x_all, y_all = data.train_x.to(device), data.train_y.to(device)
     mean = torch.tensor(data.mean, device=device).view(1, -1, 1, 1) * 255
@@ -198,8 +201,8 @@ def overhead(args) -> dict:
 
 # -- the speed table: each model built once, each (model, precision, batch, compile) cell timed in seconds ------
 
-class CellSteps(engine.ImageSteps):
-    """A job's image steps (engine.ImageSteps: the same step), without evaluation: a cell times
+class CellSteps(images.ImageSteps):
+    """A job's image steps (images.ImageSteps: the same step), without evaluation: a cell times
     training only."""
 
     def evaluate(self, state: engine.LoopState, loop: engine.Loop, final: bool) -> dict:
@@ -228,21 +231,12 @@ def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> t
     channels_last, optimizer, compile mode and its refusal of an emulated compile; its busy meter),
     on a copy of the base model; returns the engine's steps and loop, and the loop's state."""
     from mixprec.train.compile import compile_model
-    from mixprec.train.optim import param_groups
-    from mixprec.precision.policy import PrecisionPolicy
-    from mixprec.job import refuse_emulated_compile
 
     tr = config.trainer
-    hardware.configure(device, tr, config.precision, config.seed)
-    policy = PrecisionPolicy(config.precision, device)
-    refuse_emulated_compile(config, policy)
-    model = policy.prepare_model(copy.deepcopy(base))
-    if tr.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    stepped = policy.optimizer_params(model)   # first: it sets policy.model_params
-    params, _ = param_groups(model, policy.model_params, stepped, config.optimizer,
-                             config.model.arch)
-    optimizer = build_optimizer(config.optimizer, params)
+    modes.configure(device, tr, config.precision, config.seed)
+    modes.refuse_emulated_compile(config.precision, tr.compile, modes.emulates(config.precision, device))
+    built = build_trained(copy.deepcopy(base), config, device, channels_last=tr.channels_last)
+    model, policy, optimizer = built.model, built.policy, built.optimizer
     schedule = build_schedule(config.schedule, optimizer, tr.max_steps)
     steps = CellSteps(compile_model(model, tr.compile), schedule, None)
     loop = engine.Loop(policy, optimizer, tr, tr.max_steps, progress=False,
@@ -260,7 +254,7 @@ def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.de
     busy.SAMPLE_AT). Peak memory: the accelerator's over the cell (None on a CPU)."""
     from mixprec.data.pipelines import in_layout
     from mixprec.precision import emulation
-    from mixprec.precision.policy import emulates
+    from mixprec.precision.modes import emulates
 
     config = cell_config(config, warmup, steps)
     b, tr = config.trainer.batch_size, config.trainer

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from mixprec import cli
-from mixprec.train.compile import split_shapes
+from mixprec.train.warmup import split_shapes
 from mixprec.records import write_json_atomic, write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,6 +25,7 @@ from mixprec import cli
 from mixprec.runtime import hardware
 from mixprec.records import write_json_atomic
 from mixprec.runtime.search import largest_fitting
+from mixprec.precision import modes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,15 +52,12 @@ def two_steps(config, device, batch: int) -> None:
     frame, so all of it is garbage once the call is over, even when it raised."""
     import torch.nn.functional as F
     from mixprec.models import build_model
-    from mixprec.train.optim import build_optimizer
-    from mixprec.precision.policy import PrecisionPolicy
+    from mixprec.train.build import build_trained
 
     ds = config.dataset
-    policy = PrecisionPolicy(config.precision, device)
-    model = policy.prepare_model(build_model(config.model, ds.num_classes))
-    if config.trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
+    built = build_trained(build_model(config.model, ds.num_classes), config, device,
+                          channels_last=config.trainer.channels_last)
+    model, policy, opt = built.model, built.policy, built.optimizer
     x = torch.randn(batch, 3, ds.image_size, ds.image_size, device=device)
     y = torch.randint(0, ds.num_classes, (batch,), device=device)
     for _ in range(2):
@@ -75,7 +73,7 @@ def make_probe(config, device):
     """fits(batch) -> True when two training steps at that batch size run without running out of memory. The
     job's hardware flags (cudnn.benchmark, TF32, determinism) are applied first, as train.py would. Memory is
     released after the exception is gone (its traceback holds the failed step's frames and tensors)."""
-    hardware.configure(device, config.trainer, config.precision, config.seed)
+    modes.configure(device, config.trainer, config.precision, config.seed)
 
     def fits(batch: int) -> bool:
         ok = True

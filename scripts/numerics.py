@@ -29,14 +29,15 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import cli
-from mixprec.train import loop as engine, lm as lm_engine
 from mixprec.runtime import hardware
 from mixprec.numerics import probe_stats as ps
 from mixprec.config import Config, ConfigError, validate
 from mixprec.models import build_model
-from mixprec.precision.policy import PrecisionPolicy
+from mixprec.train.build import build_trained
 from mixprec.numerics.probe import ForwardTrace, param_names
 from mixprec.records import write_text_atomic
+from mixprec.train import step
+from mixprec.precision import modes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,9 +90,8 @@ def run_precision(reference, config: Config, batch, device: torch.device) -> dic
     """Forward and backward of the batch under config.precision on a copy of `reference`; every module's first
     output and its activation gradient (unscaled, fp32), every parameter's unscaled gradient."""
     x, y, _ = batch
-    policy = PrecisionPolicy(config.precision, device)
-    model = policy.prepare_model(copy.deepcopy(reference))
-    policy.optimizer_params(model)
+    built = build_trained(copy.deepcopy(reference), config, device)
+    model, policy = built.model, built.policy
     model.train()
     scale = policy.scale_value or 1.0
     outs, grads, order = {}, {}, []
@@ -107,9 +107,9 @@ def run_precision(reference, config: Config, batch, device: torch.device) -> dic
     torch.manual_seed(config.seed)
     with ForwardTrace(model, seen):
         if config.model.is_language_model:
-            loss = lm_engine.forward(model, x, y, model.init_hidden(x.size(1)), policy)[0]
+            loss = step.lm_forward(model, x, y, model.init_hidden(x.size(1)), policy)[0]
         else:
-            loss = F.cross_entropy(engine.forward(model, x, policy).float(), y)
+            loss = F.cross_entropy(step.forward(model, x, policy).float(), y)
     policy.backward(loss)
     pgrads = {n: p.grad.float() / scale for n, p in zip(param_names(model), policy.model_params) if p.grad is not None}
     return {"order": order, "out": outs, "act_grad": grads, "grad": pgrads, "loss": loss.item(), "scale": scale,
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     from mixprec.report.probe_plots import advisor_figure
 
     device = hardware.select_device(ref_config.trainer.device)
-    hardware.configure(device, ref_config.trainer, ref_config.precision, ref_config.seed)
+    modes.configure(device, ref_config.trainer, ref_config.precision, ref_config.seed)
     batch = one_batch(ref_config, device)
     torch.manual_seed(ref_config.seed)
     reference = build_model(ref_config.model, batch[2])
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     ranges = {**reference_ranges(ref, args.tolerance), "loss": ref["loss"]}
     results, verdicts = {}, []
     for name, config in candidates.items():
-        hardware.configure(device, config.trainer, config.precision, config.seed)
+        modes.configure(device, config.trainer, config.precision, config.seed)
         run = run_precision(reference, config, batch, device)
         results[name] = (run, compare(ref, run))
         verdicts.append(verdict(name, config, ranges, run, results[name][1]))

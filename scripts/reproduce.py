@@ -378,7 +378,7 @@ def estimate(plan, args, profiles: list[str]) -> int:
     """Minutes of the full-fidelity plan on named GPU profiles from FLOPs at MFU of each profile's dense peak
     for the job's precision: a rough figure, not a measurement (a GPU's --plan replaces it)."""
     from mixprec.config import validate
-    from mixprec.runtime.hardware import peak_kind
+    from mixprec.precision.modes import peak_kind
 
     known = sorted(f.stem for f in (ROOT / "conf" / "gpu").glob("*.yaml") if f.stem != "auto")
     for p in profiles:

@@ -193,13 +193,14 @@ def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides
     flushed as a job flushes it."""
     from test_speed import SyncCounter
 
+    import mixprec.train.images as images
     import mixprec.train.loop as engine
     from mixprec.numerics.probe import Attribution
 
     counter = SyncCounter(monkeypatch)
     counter.off_during(monkeypatch, Attribution, "see_batch")   # step 1's input check, once a run
-    counter.on_during(monkeypatch, engine.ImageSteps, "step")
-    calls = counted_calls(monkeypatch, (engine.ImageSteps, "step"), (engine, "flush"))
+    counter.on_during(monkeypatch, images.ImageSteps, "step")
+    calls = counted_calls(monkeypatch, (images.ImageSteps, "step"), (engine, "flush"))
     cfg, _ = bench.compose([*TINY, "dataset.image_size=8", *overrides])
     base, shape, classes = bench.build_base(cfg, torch.device("cpu"))
     cell = bench.time_cell(cfg, base, shape, classes, torch.device("cpu"), 2, 4)
@@ -209,16 +210,16 @@ def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides
 
 
 def layouts_seen(monkeypatch) -> list:
-    """Records the memory layout of every batch the loop's forward gets (engine.forward)."""
-    import mixprec.train.loop as engine
+    """Records the memory layout of every batch the loop's forward gets (images.forward: the step's)."""
+    import mixprec.train.images as images
 
-    seen, forward = [], engine.forward
+    seen, forward = [], images.forward
 
     def recorded(model, x, policy):
         nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
         seen.append("channels_last" if nhwc else "nchw" if x.is_contiguous() else "other")
         return forward(model, x, policy)
-    monkeypatch.setattr(engine, "forward", recorded)
+    monkeypatch.setattr(images, "forward", recorded)
     return seen
 
 
@@ -250,9 +251,9 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
     reset and the device's cache emptied after each (the failed cell's model freed first), the other
     cells timed; table.json and table.md name every failed cell."""
     import mixprec.train.compile as compiled
-    import mixprec.train.loop as engine
+    import mixprec.train.images as images
 
-    forward, compile_model = engine.forward, compiled.compile_model
+    forward, compile_model = images.forward, compiled.compile_model
     resets, emptied, failed_models = [], [], []
 
     def oom_at_fp32_batch_4(model, x, policy):
@@ -265,7 +266,7 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
         if mode == "default":
             raise RuntimeError(COMPILE_ERROR)
         return compile_model(model, mode)
-    monkeypatch.setattr(engine, "forward", oom_at_fp32_batch_4)
+    monkeypatch.setattr(images, "forward", oom_at_fp32_batch_4)
     monkeypatch.setattr(compiled, "compile_model", compile_error)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
     monkeypatch.setattr(torch.cpu, "empty_cache",
@@ -292,7 +293,7 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
     md = (out / "table.md").read_text()
     assert md.count("| failed |") == 5 and "Failed cells (5)" in md
     assert f"- small_cnn fp32 batch 4 compile none: OutOfMemoryError: {OOM}" in md
-    monkeypatch.setattr(engine, "forward", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(images, "forward", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):   # a user's Ctrl-C still ends the table
         bench.main(["table", "--models", "small_cnn", "--precisions", "fp32", "--batches", "4",
                     *TINY, "dataset.image_size=8", "--steps", "1", "--warmup", "1"])
@@ -306,8 +307,8 @@ def test_a_cuda_table_cell_makes_no_sync_in_an_amp_step_and_measures_gpu_busy(be
     reads found-inf at once gave '-'), its peak memory too."""
     import warnings
 
-    import mixprec.train.loop as engine
-    step = engine.ImageSteps.step
+    import mixprec.train.images as images
+    step = images.ImageSteps.step
 
     def watched(*args, **kwargs):
         torch.cuda.set_sync_debug_mode("warn")
@@ -315,7 +316,7 @@ def test_a_cuda_table_cell_makes_no_sync_in_an_amp_step_and_measures_gpu_busy(be
             return step(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    monkeypatch.setattr(engine.ImageSteps, "step", watched)
+    monkeypatch.setattr(images.ImageSteps, "step", watched)
     device = torch.device("cuda")
     cfg, _ = bench.compose(["model=small_cnn", "model.width=8", "trainer.batch_size=16",
                             "dataset.image_size=8", "precision=amp", "trainer.device=cuda"])

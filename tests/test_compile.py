@@ -52,13 +52,13 @@ class FakeGraphs(nn.Module):
 def fake_graphs(monkeypatch) -> list:
     """run.compile_model makes FakeGraphs; each fit notes how many calls the warm-up made (fake.warmed)."""
     made = []
-    fit = run.engine.fit
+    fit = run.loop.fit
 
     def noted_fit(*args, **kwargs):
         if made and made[-1].warmed is None:   # the job that made it (a later eager job leaves it)
             made[-1].warmed = len(made[-1].seen)
         return fit(*args, **kwargs)
-    monkeypatch.setattr(run.engine, "fit", noted_fit)
+    monkeypatch.setattr(run.loop, "fit", noted_fit)
 
     def compile_model(net, mode):
         if mode == "none":
@@ -112,7 +112,7 @@ def traced_only(monkeypatch) -> list:
     inductor's minutes. Returns the graphs made during fit (training and evaluation)."""
     made = []
     monkeypatch.setattr(run, "compile_model", lambda net, mode: torch.compile(net, backend="eager"))
-    fit = run.engine.fit
+    fit = run.loop.fit
 
     def counted_fit(*args, **kwargs):
         before = compiled.dynamo_graphs()
@@ -120,7 +120,7 @@ def traced_only(monkeypatch) -> list:
             return fit(*args, **kwargs)
         finally:
             made.append(compiled.dynamo_graphs() - before)
-    monkeypatch.setattr(run.engine, "fit", counted_fit)
+    monkeypatch.setattr(run.loop, "fit", counted_fit)
     return made
 
 
@@ -187,8 +187,8 @@ def counted(monkeypatch) -> CountingBackend:
     backend = CountingBackend()
     monkeypatch.setattr(run, "compile_model",
                         lambda net, mode: compiled.compile_model(net, mode, backend=backend))
-    fit = run.engine.fit
-    monkeypatch.setattr(run.engine, "fit", lambda *a, **k: backend.mark() or fit(*a, **k))
+    fit = run.loop.fit
+    monkeypatch.setattr(run.loop, "fit", lambda *a, **k: backend.mark() or fit(*a, **k))
     return backend
 
 

@@ -12,7 +12,6 @@ from torch import nn
 from helpers import TINY, compose_config, run_tiny, load_script
 from mixprec.train import checkpoint, prewarm
 from mixprec import data
-from mixprec.runtime import hardware
 from mixprec.precision import policy as precision
 from mixprec.config import validate
 from mixprec.train.loop import LoopState, TrainClock
@@ -21,6 +20,7 @@ from mixprec.train.optim import build_optimizer
 from mixprec.models.resnet9 import GhostBatchNorm
 from mixprec.models.rnnlm import RNNModel
 from mixprec.precision import emulation
+from mixprec.precision import modes
 
 pytestmark = pytest.mark.gpu
 GPU_TINY = [o for o in TINY if not o.startswith("trainer.device")]   # trainer.device=auto: the GPU
@@ -156,7 +156,7 @@ def test_determinism_after_cuda_init_is_reported_not_assumed(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     config = validate(compose_config("trainer.deterministic=true"))
     try:
-        notes = hardware.configure(CUDA0, config.trainer, config.precision, config.seed)
+        notes = modes.configure(CUDA0, config.trainer, config.precision, config.seed)
     finally:
         torch.use_deterministic_algorithms(False)
     assert any("CUBLAS_WORKSPACE_CONFIG=:4096:8" in n for n in notes)
@@ -189,7 +189,7 @@ def test_an_lstm_checkpoint_loads_on_the_gpu_into_flat_cudnn_weights(emulate):
 @pytest.mark.parametrize("mode", ["fp32", "amp", "half", "bf16", "amp_bf16"])
 def test_an_rnn_job_never_runs_uncompacted_weights(mode):
     """After the dtype change (prepare_model), prewarm's deepcopy and a checkpoint load, every RNN's weights are
-    cuDNN's one chunk (models.flatten_rnns): no step warns that cuDNN compacts them at every call. bf16 weights too:
+    cuDNN's one chunk (hardware.flatten_rnns): no step warns that cuDNN compacts them at every call. bf16 weights too:
     flatten_parameters refuses bf16 (CUDNN_TENSOR_DTYPES) where ATen's RNN runs it on cuDNN (the H200 warning)."""
     config = validate(compose_config(f"precision={mode}", "model=lstm", "optimizer.momentum=0"))
     policy = precision.PrecisionPolicy(config.precision, CUDA0)

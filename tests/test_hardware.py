@@ -14,6 +14,7 @@ from mixprec.train.loop import LoopState
 from mixprec.models import small_cnn
 from mixprec.train.optim import build_optimizer
 from mixprec.models.resnet9 import GhostBatchNorm, ResNet9
+from mixprec.precision import modes
 
 CUDA = torch.device("cuda")
 
@@ -45,8 +46,8 @@ def test_the_default_device_has_an_index_that_set_device_accepts(two_gpus):
     with pytest.raises(ConfigError, match=r"trainer.device=cuda:2: only 2 cuda device\(s\) visible"):
         hardware.select_device("cuda:2")
     config = validate(compose_config("precision=fp32"))
-    hardware.configure(hardware.select_device("auto"), config.trainer, config.precision, config.seed)
-    hardware.configure(hardware.select_device("cuda:1"), config.trainer, config.precision, config.seed)
+    modes.configure(hardware.select_device("auto"), config.trainer, config.precision, config.seed)
+    modes.configure(hardware.select_device("cuda:1"), config.trainer, config.precision, config.seed)
     assert two_gpus == [0, 1]   # the real torch.accelerator.set_device_index ran, with validated indices
 
 
@@ -150,11 +151,11 @@ def test_the_h200_profile_has_the_h100_sxm_compute_and_its_own_memory():
 def test_pre_ampere_gpus_get_a_note_for_bf16_and_tf32():
     prec = {n: validate(compose_config(f"precision={n}")).precision for n in ("amp_bf16", "bf16", "tf32", "amp")}
     assert "bfloat16 has no tensor-core support below compute capability 8.0 (this GPU: 7.0)" in \
-        hardware.precision_notes(prec["amp_bf16"], (7, 0))[0]
-    assert len(hardware.precision_notes(prec["bf16"], (6, 1))) == 1
-    assert "TF32 needs compute capability 8.0" in hardware.precision_notes(prec["tf32"], (7, 5))[0]
-    assert hardware.precision_notes(prec["amp"], (7, 0)) == []
-    assert all(hardware.precision_notes(p, (8, 0)) == [] and hardware.precision_notes(p, None) == [] for p in prec.values())
+        modes.precision_notes(prec["amp_bf16"], (7, 0))[0]
+    assert len(modes.precision_notes(prec["bf16"], (6, 1))) == 1
+    assert "TF32 needs compute capability 8.0" in modes.precision_notes(prec["tf32"], (7, 5))[0]
+    assert modes.precision_notes(prec["amp"], (7, 0)) == []
+    assert all(modes.precision_notes(p, (8, 0)) == [] and modes.precision_notes(p, None) == [] for p in prec.values())
 
 
 def test_o2_copies_masters_back_one_dtype_per_foreach_call(monkeypatch):

@@ -92,3 +92,56 @@ def test_the_checker_finds_a_cycle_and_follows_function_level_imports(tmp_path):
 def test_mixprec_has_no_import_cycle():
     found = cycles(import_graph())
     assert not found, "import cycles in src/mixprec: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+# The rooms of src/mixprec from the lowest layer to the highest: a module imports only from its own room
+# or a lower layer's (rooms in one layer may import each other). The package root's __init__ registers
+# the resolvers and belongs to no room.
+LAYERS = (("config",), ("runtime",), ("records",), ("precision",), ("models", "data"), ("numerics",),
+          ("train",), ("tools",), ("report",), ("job", "cli"))
+
+
+def room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Every import (top-level or inside a function) from a room to a higher layer's, as 'a -> b'."""
+    rank = {name: i for i, rooms in enumerate(layers) for name in rooms}
+    found = []
+    for mod, targets in graph.items():
+        here = room(mod)
+        for target in targets:
+            there = room(target)
+            if here is not None and there is not None and rank[there] > rank[here]:
+                found.append(f"{mod} -> {target}")
+    return sorted(found)
+
+
+def test_the_layer_checker_finds_an_import_upward_even_inside_a_function(tmp_path):
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "high" / "a.py").write_text("from ..low import b\n")
+    (pkg / "low" / "b.py").write_text("def f():\n    from ..high import a\n")
+    layers = (("low",), ("high",))
+    assert upward_imports(import_graph(tmp_path, "pkg"), layers) == ["pkg.low.b -> pkg.high", "pkg.low.b -> pkg.high.a"]
+    (pkg / "low" / "b.py").write_text("x = 1\n")
+    assert upward_imports(import_graph(tmp_path, "pkg"), layers) == []
+
+
+def test_mixprec_imports_only_downward_in_its_layers():
+    graph = import_graph()
+    rooms = {room(m) for m in graph} - {None}
+    assert rooms == {name for layer in LAYERS for name in layer}, "a room missing from LAYERS (or gone)"
+    found = upward_imports(graph)
+    assert not found, "imports from a lower layer to a higher one: " + "; ".join(found)
+
+
+def test_the_package_root_holds_at_most_8_modules():
+    root = SRC / "mixprec"
+    modules = sorted(p.name for p in root.glob("*.py"))
+    assert len(modules) <= 8, modules

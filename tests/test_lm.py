@@ -19,6 +19,7 @@ from mixprec.models.rnnlm import RNNModel
 from mixprec.train.checkpoint import WEIGHTS
 from mixprec.report.analyse import published_ppl, sweep_rows
 from mixprec.data.wikitext import TokenWindows, batchify
+from mixprec.train import step
 
 CPU = torch.device("cpu")
 # Tiny but real, as helpers.TINY for images: a 2-layer LSTM of 8 units on a synthetic corpus of 40 words,
@@ -94,8 +95,8 @@ def test_the_hidden_state_is_cut_between_windows():
         assert all(h.grad_fn is not None for h in hx_out)
     # and, directly: window 2's backward leaves window 1's graph alone (it can still be backpropagated once)
     x, y = next(iter(TokenWindows(source, 7)))
-    loss1, _, hidden = lm_engine.forward(model, x, y, model.init_hidden(4), policy)
-    loss2, _, _ = lm_engine.forward(model, x, y, hidden, policy)
+    loss1, _, hidden = step.lm_forward(model, x, y, model.init_hidden(4), policy)
+    loss2, _, _ = step.lm_forward(model, x, y, hidden, policy)
     loss2.backward()
     loss1.backward()   # raises if loss2's backward had run through (and freed) window 1's graph
 
@@ -189,7 +190,7 @@ def dtypes_seen(model, policy) -> tuple[dict, torch.Tensor]:
         getattr(model, part).register_forward_hook(
             lambda m, args, out, part=part: seen.__setitem__(part, (out[0] if part == "rnn" else out).dtype))
     x = torch.randint(20, (5, 3))
-    loss, _, _ = lm_engine.forward(model, x, x, model.init_hidden(3), policy)
+    loss, _, _ = step.lm_forward(model, x, x, model.init_hidden(3), policy)
     loss.backward()
     return seen, loss
 

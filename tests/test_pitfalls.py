@@ -11,7 +11,8 @@ import torch
 from helpers import ROOT, compose_config, run_cli
 from mixprec.config import validate
 from mixprec.models import set_bn_eval, small_cnn
-from mixprec.precision.policy import PrecisionPolicy, hazards
+from mixprec.precision.modes import hazards
+from mixprec.precision.policy import PrecisionPolicy
 from mixprec.runtime.search import largest_fitting
 
 SMALL = ["dataset.train_size=64", "dataset.test_size=16", "trainer.batch_size=8", "trainer.eval_batch_size=16",

@@ -13,6 +13,7 @@ from mixprec.numerics import probe_stats as ps
 from mixprec.config import PrecisionConfig, ProbeConfig, TrainerConfig
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.numerics.probe import NUMERICS, build_probe
+from mixprec.train import images
 
 CPU = torch.device("cpu")
 TINY8 = [*TINY, "dataset.image_size=8", "trainer.device=cpu"]
@@ -260,7 +261,7 @@ def train_constructed(model, precision: PrecisionConfig, probe_cfg: ProbeConfig,
     tr = TrainerConfig(epochs=1, warmup_steps=0, channels_last=False, **trainer)
     probe = build_probe(probe_cfg, model, tmp_path)
     loop = engine.Loop(policy, opt, tr, engine.total_steps(tr, len(batches)), progress=False, probe=probe)
-    result = engine.fit(engine.ImageSteps(model, sched, batches[:1]), batches, loop, engine.LoopState())
+    result = engine.fit(images.ImageSteps(model, sched, batches[:1]), batches, loop, engine.LoopState())
     probe.close()
     return result, probe.summary()
 

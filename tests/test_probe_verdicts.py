@@ -15,6 +15,7 @@ from mixprec.numerics import events as ev
 from mixprec.numerics import verdicts
 from mixprec.numerics.probe import NUMERICS, build_probe
 from mixprec.precision.policy import PrecisionPolicy
+from mixprec.train import images
 
 CPU = torch.device("cpu")
 TINY8 = [*TINY, "dataset.image_size=8"]
@@ -43,7 +44,7 @@ def fit(model, precision: PrecisionConfig, tmp_path, probe="ranges", steps=3, x_
     tr = TrainerConfig(epochs=1, warmup_steps=0, channels_last=False, log_every=1)
     p = build_probe(ProbeConfig(name=probe, every=1), model, tmp_path)
     loop = engine.Loop(policy, opt, tr, engine.total_steps(tr, len(batches)), progress=False, probe=p)
-    steps_ = engine.ImageSteps(model, sched, batches[:1], bn_eval=bn_eval)
+    steps_ = images.ImageSteps(model, sched, batches[:1], bn_eval=bn_eval)
     result = engine.fit(steps_, batches, loop, engine.LoopState())
     rows = p.rows()
     p.close()

@@ -11,10 +11,10 @@ from torch import nn
 import mixprec.job
 from helpers import TINY, compose_config, run_tiny
 from fakes import STEPS_PER_EPOCH, with_clock
-from mixprec.runtime import hardware
 from mixprec.config import validate
 from mixprec.data import build_image_data
 from mixprec.models import small_cnn
+from mixprec.precision import modes
 
 CPU = ["trainer.device=cpu"]
 
@@ -94,7 +94,7 @@ def test_configure_sets_tf32_for_matmul_and_cudnn(precision, restore_math_flags)
     want = TF32_ON[precision]
     c = validate(compose_config(f"precision={precision}", *CPU))
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not want   # the opposite beforehand
-    hardware.configure(torch.device("cpu"), c.trainer, c.precision, c.seed)
+    modes.configure(torch.device("cpu"), c.trainer, c.precision, c.seed)
     assert torch.backends.cuda.matmul.allow_tf32 is want
     assert torch.backends.cudnn.allow_tf32 is want
 

@@ -63,7 +63,7 @@ class TrainerConfig:
     sync_bn: bool = False   # under DDP (torchrun): BatchNorm statistics over the global batch (SyncBatchNorm, GPUs)
     # untimed steps on a throwaway copy before the clock (prewarm.py); auto: 3 on a GPU, 0 on a CPU
     prewarm_steps: Union[int, Literal["auto"]] = "auto"
-    compile: Literal["none", "default", "max-autotune", "reduce-overhead"] = "none"   # torch.compile mode (compiled.py)
+    compile: Literal["none", "default", "max-autotune", "reduce-overhead"] = "none"   # torch.compile mode (train/compile.py)
 
     def prewarm_for(self, device_type: str) -> int:
         """prewarm_steps, with auto resolved: 3 on an accelerator (autotuning, lazy init), 0 on a CPU."""
@@ -228,7 +228,7 @@ class PrecisionConfig:
     growth_interval: int = 2000
     tf32: bool = False
     fp8_recipe: Optional[Literal["tensorwise", "rowwise"]] = None   # precision=fp8: torchao float8 Linear layers
-    # fp16/bf16 rounding emulated on fp32 kernels (numerics/emulation.py): auto = wherever the device is not CUDA
+    # fp16/bf16 rounding emulated on fp32 kernels (precision/emulation.py): auto = wherever the device is not CUDA
     emulate: Union[bool, Literal["auto"]] = "auto"
     # clip the model's gradients as backward left them (scaled, in the model's dtype) before they are copied to the
     # masters and unscaled, the threshold applying to the scaled norm: apex word_language_model main.py@28bdc04e:180

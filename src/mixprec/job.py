@@ -21,27 +21,31 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from .runtime import busy, dist, hardware, logs
-from .train import checkpoint, loop as engine, tricks
-from .train.compile import (RNN_EAGER, GraphWatch, compile_model, image_warmup, reset_compile_state,
-                       start_compile_workers, warm_compile)
 from .config import Config, ConfigError, plain_config, validate_job
 from .data import Resumable, build_image_data, image_loaders
 from .data.files import DataError
-from .train.lm import LMSteps, lm_warmup
+from .data.wikitext import TokenWindows, batchify, load_text_corpus
 from .models import build_model, forward_flops
-from .train.optim import build_optimizer, build_schedule, param_groups
-from .precision import emulation
-from .precision.policy import PrecisionPolicy, emulates, hazards, low_dtype
-from .train.prewarm import prewarm, prewarm_lm, reset_peak
-from .tools import replay
+from .models.resnet9 import resnet9_options
 from .numerics import verdicts
 from .numerics.probe import build_probe
+from .precision import emulation, modes
+from .precision.modes import emulates, hazards
+from .precision.policy import PrecisionPolicy
+from .precision.state import PolicyState
 from .records import SUMMARY, Recorder, write_json_atomic
-from .models.resnet9 import resnet9_options
-from .runtime.signals import StopSignals, resume_hint
 from .report.render import job_block
-from .data.wikitext import TokenWindows, batchify, load_text_corpus
+from .runtime import busy, dist, hardware, logs
+from .runtime.signals import StopSignals, resume_hint
+from .tools import replay
+from .train import checkpoint, images, loop, tricks
+from .train.build import build_trained
+from .train.compile import (RNN_EAGER, GraphWatch, compile_model, reset_compile_state, start_compile_workers,
+                            warm_compile)
+from .train.lm import LMSteps
+from .train.optim import build_schedule
+from .train.prewarm import prewarm, prewarm_lm, reset_peak
+from .train.warmup import image_warmup, lm_warmup
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +179,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     """Set up the device and the job dir (resume, W&B), train, and complete the summary. `stop`: the
     job's stop signals, active since before the set-up: the loop stops after a step; note_signal
     records them."""
-    hardware.configure(device, config.trainer, config.precision, config.seed)
+    modes.configure(device, config.trainer, config.precision, config.seed)
     env = hardware.describe(device)
     profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type != "cpu" else "cpu")
     emulated = emulates(config.precision, device)
@@ -276,7 +280,7 @@ def complete_summary(summary: dict, config: Config, device: torch.device, saver:
     time, the case's verdict, the end time and the peak memory."""
     m = summary.setdefault("metrics", {})
     if "throughput" in m:
-        m["mfu"] = hardware.mfu(m, summary["gpu_profile"], hardware.peak_kind(config.precision), world)
+        m["mfu"] = hardware.mfu(m, summary["gpu_profile"], modes.peak_kind(config.precision), world)
         m["checkpoint_time_s"] = saver.seconds
     if summary["status"] == "diverged" and summary["hazards"]:
         summary["reason"] += f"; likely cause: {summary['hazards'][0]}"
@@ -310,16 +314,16 @@ def run_parts(config: Config, device: torch.device, steps, batches, policy, opti
     tr = config.trainer
     model = info.pop("model")
     saver.parts.update(model=model, optimizer=optimizer, schedule=steps.schedule,
-                       precision=checkpoint.PolicyState(policy), data=batches, **info.pop("parts"))
-    state = engine.LoopState()   # setup (the whitening fit) is timed apart, as Page timed it
+                       precision=PolicyState(policy), data=batches, **info.pop("parts"))
+    state = loop.LoopState()   # setup (the whitening fit) is timed apart, as Page timed it
     if resume is not None:
         saver.restore(resume, state)   # last before training: it sets the RNG states
     with probed(config, model, recorder, ranks) as probe:
-        loop = engine.Loop(policy, optimizer, tr, engine.total_steps(tr, len(batches)), log=recorder.log,
+        run = loop.Loop(policy, optimizer, tr, loop.total_steps(tr, len(batches)), log=recorder.log,
                            checkpoint=saver.save, stop=stop, ranks=ranks,
                            progress=sys.stderr.isatty() and ranks.main, probe=probe,
                            busy=busy.meter_for(device, ranks.world))
-        result = engine.fit(steps, batches, loop, state)
+        result = loop.fit(steps, batches, run, state)
         result["numerics"] = probe.summary()
         result["verdict"] = verdicts.judge(result["numerics"], probe.rows(),
                                            verdicts.context(config, result["status"], result["metrics"].get("steps")))
@@ -362,23 +366,18 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     model = build_model(config.model, data.num_classes, **(resnet9_options(t, whitening) if resnet9 else {}))
     flops = forward_flops(model, torch.zeros(1, *train_batches.image_shape))
     n_params = sum(p.numel() for p in model.parameters())
-    policy = PrecisionPolicy(config.precision, device)
-    model = policy.prepare_model(model)
-    if tr.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    net = dist.wrap(model, device, tr.sync_bn, ranks)   # what the loop trains: DDP under several ranks, else model
-    stepped = policy.optimizer_params(model)
-    params, groups = param_groups(model, policy.model_params, stepped, config.optimizer, config.model.arch, t.bn_bias_lr)
-    optimizer = build_optimizer(config.optimizer, params)
-    schedule = build_schedule(config.schedule, optimizer, engine.total_steps(tr, len(train_batches)))
+    built = build_trained(model, config, device, t.bn_bias_lr, tr.channels_last,
+                          wrap=lambda m: dist.wrap(m, device, tr.sync_bn, ranks))   # DDP under several ranks
+    model, net, policy, optimizer, groups = built.model, built.net, built.policy, built.optimizer, built.groups
+    schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(train_batches)))
     ema = tricks.EMA(model, t.ema_momentum, t.ema_every) if t.ema else None
-    steps = engine.ImageSteps(net, schedule, test_batches, label_smoothing=t.label_smoothing, loss_sum=t.loss_sum,
+    steps = images.ImageSteps(net, schedule, test_batches, label_smoothing=t.label_smoothing, loss_sum=t.loss_sum,
                               ema=ema, tta=t.tta, bn_eval=config.model.bn_eval, setup_time_s=setup_s)
     # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py), then the
-    # compilation of the model the loop trains, also before the clock (compiled.py)
+    # compilation of the model the loop trains, also before the clock (train/compile.py)
     prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_for(device.type), tr.batch_size // ranks.world,
                         train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
-    refuse_emulated_compile(config, policy)
+    modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
     compile_s, watch = compile_and_warm(steps, net, policy, tr.compile, image_warmup(
         min(tr.batch_size // ranks.world, len(data.train_y) // ranks.world), tr.eval_batch_size, len(data.test_y),
         train_batches.image_shape, data.num_classes, tr.channels_last, config.model.bn_eval))
@@ -410,15 +409,8 @@ def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode:
     return seconds, watch
 
 
-def refuse_emulated_compile(config: Config, policy: PrecisionPolicy) -> None:
-    if policy.emulated and config.trainer.compile != "none":
-        raise ConfigError(f"trainer.compile={config.trainer.compile}: emulated {low_dtype(config.precision)} "
-                          "(precision.emulate) runs eagerly; use trainer.compile=none, or precision.emulate=false "
-                          "for the native kernels")
-
-
 def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks):
-    """A word-level language model on a text corpus (see lm_engine.py); throughput and FLOPs are per token."""
+    """A word-level language model on a text corpus (see train/lm.py); throughput and FLOPs are per token."""
     tr, bptt = config.trainer, config.dataset.bptt
     if tr.compile != "none" and config.model.arch != "gpt":
         raise ConfigError(f"trainer.compile={tr.compile} with model={config.model.arch}: {RNN_EAGER}; use "
@@ -430,16 +422,13 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     model = build_model(config.model, corpus.vocab_size)
     flops = model.flops_per_token(bptt)
     n_params = sum(p.numel() for p in model.parameters())
-    policy = PrecisionPolicy(config.precision, device)
-    model = policy.prepare_model(model)
-    stepped = policy.optimizer_params(model)
-    params, groups = param_groups(model, policy.model_params, stepped, config.optimizer, config.model.arch)
-    optimizer = build_optimizer(config.optimizer, params)
-    schedule = build_schedule(config.schedule, optimizer, engine.total_steps(tr, len(windows)))
+    built = build_trained(model, config, device)
+    model, policy, optimizer, groups = built.model, built.policy, built.optimizer, built.groups
+    schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(windows)))
     steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=tr.batch_size)
     prewarm_s = prewarm_lm(model, policy, optimizer, tr.prewarm_for(device.type), bptt, tr.batch_size,
                            corpus.vocab_size, tr.grad_clip)
-    refuse_emulated_compile(config, policy)
+    modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
     compile_s, watch = compile_and_warm(steps, model, policy, tr.compile, lm_warmup(
         len(train_source), tr.batch_size, [len(valid_source), len(test_source)], tr.eval_batch_size, bptt,
         corpus.vocab_size))
@@ -460,14 +449,14 @@ def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
     model, config = checkpoint.load_fp32_model(run_dir)
     fp32 = PrecisionConfig(name="fp32")
     device = hardware.select_device(device)
-    hardware.configure(device, config.trainer, fp32, config.seed)
+    modes.configure(device, config.trainer, fp32, config.seed)
     data = build_image_data(config.dataset)
     _, test_batches = image_loaders(data, config.dataset, config.trainer, device, seed=config.seed)
     policy = PrecisionPolicy(fp32, device)
     model = policy.prepare_model(model)
     if config.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    loss, acc, _ = engine.evaluate(model, test_batches, policy)
+    loss, acc, _ = images.evaluate(model, test_batches, policy)
     recorded = checkpoint.prior_summary(Path(run_dir))["metrics"]
     return {"test_acc": acc, "test_loss": loss, "recorded_test_acc": recorded.get("final_test_acc"),
             "recorded_test_loss": recorded.get("final_test_loss"), "precision": config.precision.name}
@@ -476,10 +465,4 @@ def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
 def warn_if_slow(config: Config, device: torch.device, profile: dict, emulated: bool = False) -> None:
     if profile.get("note") and profile.get("matched") is False:
         log.info(f"mixprec: note: {profile['note']}")
-    low = low_dtype(config.precision)
-    if emulated:
-        log.info(f"mixprec: note: {low} emulated on fp32 kernels with CUDA's rounding and autocast policy "
-                 "(precision.emulate): its losses and accuracies are a GPU's, its timings are fp32 timings")
-    elif device.type == "cpu" and low in ("float16", "bfloat16"):
-        log.info(f"mixprec: note: {low} on a CPU without native support (AVX512-FP16/AMX) runs PyTorch's slow "
-                 "reference kernels, often 10-50x slower than fp32: CPU timings say nothing about GPUs")
+    modes.say_notes(config.precision, device, emulated)

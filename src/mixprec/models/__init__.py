@@ -10,9 +10,9 @@ from ..config import ModelConfig
 from .gpt import GPT
 from .resnet9 import ResNet9
 from .resnets import fastai_cnn, resnet, small_cnn
-from .rnnlm import RNNModel, flatten_rnns
+from .rnnlm import RNNModel
 
-__all__ = ["build_model", "fastai_cnn", "flatten_rnns", "forward_flops", "resnet", "set_bn_eval", "small_cnn"]
+__all__ = ["build_model", "fastai_cnn", "forward_flops", "resnet", "set_bn_eval", "small_cnn"]
 
 
 def build_model(cfg: ModelConfig, num_classes: int, **resnet9_options) -> nn.Module:

@@ -17,8 +17,6 @@ the RNN then runs PyTorch's own per-step kernels, in bf16 but slowly; `rnn_cudnn
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 
 import torch
@@ -27,7 +25,6 @@ from torch import nn
 from ..precision import emulation
 
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
-log = logging.getLogger(__name__)
 
 
 class RNNModel(nn.Module):
@@ -95,33 +92,3 @@ def repackage_hidden(hidden):
     return tuple(repackage_hidden(h) for h in hidden)
 
 
-def flatten_rnns(module: nn.Module) -> int:
-    """Compact the weights of every nn.RNNBase in `module` into the one chunk cuDNN takes (flatten_parameters; a
-    no-op off CUDA). A copy (prewarm's deepcopy), a checkpoint load that swaps the parameters (emulation) or a dtype
-    change can leave them apart, and cuDNN then compacts them again at every call ("RNN module weights are not part
-    of single contiguous chunk of memory"). Called after each of those; returns how many RNNs it saw."""
-    rnns = [m for m in module.modules() if isinstance(m, nn.RNNBase)]
-    for m in rnns:
-        with _cudnn_dtype_accepted(m.all_weights[0][0]):
-            m.flatten_parameters()
-    return len(rnns)
-
-
-@contextlib.contextmanager
-def _cudnn_dtype_accepted(weight: torch.Tensor):
-    """flatten_parameters takes only torch.backends.cudnn.CUDNN_TENSOR_DTYPES (fp32, fp16, fp64) while ATen's own
-    test (torch.cudnn_is_acceptable, which decides whether the RNN runs cuDNN) may take bf16 too (no dtype test in
-    recent torch): bf16 weights then ran cuDNN uncompacted. The weight's dtype is accepted for the call in that case
-    only; if cuDNN cannot flatten it, a warning says so and the weights stay as they were."""
-    dtypes = torch.backends.cudnn.CUDNN_TENSOR_DTYPES
-    extra = (weight.is_cuda and weight.dtype not in dtypes and torch.cudnn_is_acceptable(weight))
-    if extra:
-        dtypes.add(weight.dtype)
-    try:
-        yield
-    except RuntimeError as e:
-        log.warning(f"mixprec: cuDNN could not compact the {weight.dtype} RNN weights ({str(e).splitlines()[0]}); "
-                    "it copies them at every call")
-    finally:
-        if extra:
-            dtypes.discard(weight.dtype)

@@ -18,7 +18,7 @@ under forward hooks, with no gradient and the BatchNorm statistics restored afte
 forward order whose weights or output are non-finite is named ("first non-finite: step 3 forward, layer3.1.bn2
 output: NaN"). The name is exact when the weights the bad forward used are still there (a skipped step under a
 dynamic scale; trainer.on_nonfinite=skip); otherwise the update of the bad step has already spread NaN: the event is
-"optimizer update by step N, <module> weights" (for Adam, its state says whether that update was 0/0), and run.py
+"optimizer update by step N, <module> weights" (for Adam, its state says whether that update was 0/0), and job.py
 replays the run under probe=ranges (replay.py).
 `Ranges` (probe=ranges) checks the loss of every step before the update (one host sync per step: a
 diagnostic mode), and its first event is read from the rows in time order (events.first_in_rows): a step's forward
@@ -131,7 +131,7 @@ class Attribution:
         self.skipped_total = 0
         self.first_nonfinite: dict | None = None   # the first non-finite event in time order (events.py)
         self.inputs: list[dict] | None = None      # what is wrong with step 1's batch (events.batch_findings)
-        self.optimizer = None                      # set by engine.Loop: Adam's state, read at an event only
+        self.optimizer = None                      # set by loop.Loop: Adam's state, read at an event only
 
     def before_step(self, step: int, policy) -> None:
         self.scale = policy.scale_value or 1.0   # the scale this step's backward uses (its update may change it)

@@ -6,9 +6,9 @@ A mode is four decisions, each made once here:
   3. whether the optimizer steps fp32 master copies (apex O2) that are copied back into the low-precision model;
   4. how the loss is scaled: torch.amp.GradScaler (dynamic), a static factor (apex --loss-scale N), or none.
 With precision.fp8_recipe (precision=fp8) prepare_model also swaps the Linear layers for torchao's float8 ones
-(numerics/fp8.py); what it converted is self.fp8, for the job's summary.
-The engine calls: prepare_model -> optimizer_params -> [autocast(), cast_input, backward, step] per step.
-Where the device is not CUDA (precision.emulate=auto), an fp16/bf16 mode runs emulated (numerics/emulation.py):
+(precision/fp8.py); what it converted is self.fp8, for the job's summary.
+The job calls: prepare_model -> optimizer_params -> [autocast(), cast_input, backward, step] per step.
+Where the device is not CUDA (precision.emulate=auto), an fp16/bf16 mode runs emulated (precision/emulation.py):
 the job runs under emulation.numerics(), so the same four decisions make Emulated tensors that round as a GPU's
 kernels store, and autocast() applies CUDA autocast's policy instead of the device's.
 
@@ -16,7 +16,7 @@ Host syncs: `step` adds none to GradScaler's own (the found-inf check before the
 torch/amp/grad_scaler.py:371). A fused optimizer (optimizer.impl=fused; auto on CUDA) takes the scale and the
 found-inf flag on the device and skips itself there, so GradScaler makes no sync; `step(defer=True)` then leaves
 the flag on the device too: it returns it, with a copy of the scale after the update, as `Deferred`, and the loop
-reads both at its log flush with the losses (engine.flush: one sync), where `settle_scale` gives the host its copy.
+reads both at its log flush with the losses (loop.flush: one sync), where `settle_scale` gives the host its copy.
 So a steady fused amp step makes no sync; a non-fused one makes GradScaler's. With defer=False (the probe's ranges
 mode, which attributes each skipped step as it happens) the flag is read at once. Whether a non-fused check
 skipped the step is seen by an optimizer step hook, and the scale after update() is followed on the host by the
@@ -25,6 +25,7 @@ the device's scale (GradScaler.get_scale() syncs).
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -32,11 +33,10 @@ import torch
 from torch import nn
 
 from . import emulation, fp8
-from ..config import OptimizerConfig, PrecisionConfig
-from ..models import flatten_rnns
-from ..train.optim import resolve_impl
+from ..config import PrecisionConfig
+from ..runtime.hardware import flatten_rnns
+from .modes import DTYPES, emulates
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Deferred(NamedTuple):
@@ -105,20 +105,6 @@ def by_dtype(*lists: list[torch.Tensor]) -> list[list[list[torch.Tensor]]]:
     return list(groups.values())
 
 
-def low_dtype(cfg: PrecisionConfig) -> str | None:
-    """The mode's fp16/bf16 dtype (its autocast dtype, else its weights'), None for fp32 and tf32."""
-    return cfg.autocast_dtype or (cfg.param_dtype if cfg.param_dtype != "float32" else None)
-
-
-def emulates(cfg: PrecisionConfig, device: torch.device) -> bool:
-    """Whether the job's fp16/bf16 arithmetic is emulated on fp32 kernels (precision.emulate; auto: wherever the
-    device is not CUDA, whose kernels the emulation reproduces). Under precision=fp8 it is the bf16 part that is
-    emulated; the float8 matmuls are torchao's (its own emulation without FP8 tensor cores)."""
-    if low_dtype(cfg) is None:
-        return False
-    return device.type != "cuda" if cfg.emulate == "auto" else bool(cfg.emulate)
-
-
 class PrecisionPolicy:
     def __init__(self, cfg: PrecisionConfig, device: torch.device):
         self.cfg = cfg
@@ -152,7 +138,7 @@ class PrecisionPolicy:
         return None if self._host is None else self._host[0].item()
 
     @scale_value.setter
-    def scale_value(self, value: float | None) -> None:   # at start, and on resume (checkpoint.PolicyState)
+    def scale_value(self, value: float | None) -> None:   # at start, and on resume (precision/state.py)
         self._host = None if value is None else self._shadow(value)
 
     def _shadow(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +157,7 @@ class PrecisionPolicy:
                         m.float()
         if self.cfg.fp8_recipe is not None:
             self.fp8 = fp8.convert(model, self.cfg.fp8_recipe, self.device)
-        flatten_rnns(model)   # cuDNN's one chunk, whatever the dtype change left (models/rnnlm.py)
+        flatten_rnns(model)   # cuDNN's one chunk, whatever the dtype change left (runtime/hardware.py)
         return model
 
     # -- 3. what the optimizer steps ----------------------------------------------------------------------
@@ -188,6 +174,27 @@ class PrecisionPolicy:
             return emulation.autocast(self.autocast_dtype)
         return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
                               enabled=self.autocast_dtype is not None)
+
+    @contextlib.contextmanager
+    def recurrent_autocast(self):
+        """autocast() for a recurrent model, with oneDNN off under CPU autocast. On CUDA, autocast runs
+        cuDNN's RNN (every kind) in fp16 (aten/src/ATen/cudnn/AutocastRNN.cpp casts input, hidden state
+        and flat weights). On a CPU it sends nn.LSTM to oneDNN's fp16/bf16 LSTM, which fails on CPUs
+        without AVX512-BF16/AMX ("could not create a primitive descriptor for the LSTM forward
+        propagation primitive"); with oneDNN off nn.LSTM runs PyTorch's own kernel in fp32 (autocast
+        leaves it there), nn.GRU is not on CPU autocast's list (fp32) and nn.RNN runs in the autocast
+        dtype. Low-precision weights (half, o2, bf16) need none of this: the RNN runs in their dtype."""
+        if self.device.type != "cpu" or self.autocast_dtype is None:
+            with self.autocast():
+                yield
+            return
+        was = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = False
+        try:
+            with self.autocast():
+                yield
+        finally:
+            torch.backends.mkldnn.enabled = was
 
     def cast_input(self, x: torch.Tensor) -> torch.Tensor:
         """Inputs of a low-precision model must match its weights (autocast modes take fp32 inputs)."""
@@ -262,20 +269,3 @@ class PrecisionPolicy:
                 for n in names[id(p)]:
                     state[n] = master.detach().to(cpu, copy=True)
         return state
-
-def hazards(precision: PrecisionConfig, optimizer: OptimizerConfig, device_type: str = "cpu") -> list[str]:
-    """Known ways a precision + optimizer combination breaks, found from the config before training. Adam's eps:
-    foreach and for-loop Adam add it in the stepped dtype; fused Adam (optimizer.impl=fused, auto on CUDA) computes
-    in fp32 and rounds once, so the hazard is not one there."""
-    found = []
-    stepped = "float32" if precision.master_weights else precision.param_dtype
-    fused = resolve_impl(optimizer.impl, device_type == "cuda") == "fused"
-    if optimizer.name in ("adam", "adamw") and stepped != "float32" and not fused:
-        dt = DTYPES[stepped]
-        if torch.tensor(optimizer.eps, dtype=dt).item() == 0.0:
-            tiniest = torch.finfo(dt).tiny * torch.finfo(dt).eps   # the smallest subnormal: 2^-24 for fp16
-            found.append(f"optimizer.eps={optimizer.eps:g} rounds to 0 in {stepped} (smallest subnormal "
-                         f"{tiniest:.3g}): where Adam's second moment underflows to 0 its update is 0/0 = NaN "
-                         f"(foreach and for-loop Adam add eps in {stepped}; fused Adam computes in fp32); "
-                         "keep the optimizer state in fp32 (amp, o2) or raise eps (1e-4 works in fp16)")
-    return found

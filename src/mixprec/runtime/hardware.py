@@ -2,19 +2,23 @@
 and match the chosen GPU profile against the GPU that is really there."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import platform
 import random
 import re
 import resource
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from ..config import ConfigError, GpuConfig, PrecisionConfig, TrainerConfig
+from ..config import ConfigError, GpuConfig, TrainerConfig
 from .versions import installed
+
+log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 
@@ -50,9 +54,10 @@ def select_device(name: str, option: str = "trainer.device") -> torch.device:
     return torch.device(device.type, index)
 
 
-def configure(device: torch.device, trainer: TrainerConfig, precision: PrecisionConfig, seed: int) -> list[str]:
-    """Seed every RNG and set the global math flags this job's precision and trainer config ask for; make `device`
-    the current device and start its memory peak. Returns (and prints) notes on what this GPU cannot honour."""
+def configure(device: torch.device, trainer: TrainerConfig, seed: int) -> list[str]:
+    """Seed every RNG and set the global math flags the trainer config asks for (the precision's are
+    precision.modes.configure's); make `device` the current device and start its memory peak. Returns notes
+    on what this device cannot honour."""
     global JOBS_IN_PROCESS
     JOBS_IN_PROCESS += 1
     notes = []
@@ -63,17 +68,12 @@ def configure(device: torch.device, trainer: TrainerConfig, precision: Precision
         torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.benchmark = trainer.cudnn_benchmark and not trainer.deterministic
     torch.backends.cudnn.deterministic = trainer.deterministic
-    torch.backends.cuda.matmul.allow_tf32 = precision.tf32
-    torch.backends.cudnn.allow_tf32 = precision.tf32
     random.seed(seed)
     torch.manual_seed(seed)   # every device's generator (torch/random.py manual_seed seeds cuda too)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device)
         torch.accelerator.reset_peak_memory_stats(device)
         _MEMORY[device] = None
-        notes += precision_notes(precision, capability(device))
-    for note in notes:
-        print(f"mixprec: note: {note}", file=sys.stderr)
     return notes
 
 
@@ -131,21 +131,6 @@ def has_kernels_for(arch_list: list[str], cap: tuple[int, int]) -> bool:
     """Whether a wheel's arch list (torch.cuda.get_arch_list()) has code a GPU of compute
     capability `cap` can run (runs_on: cubins of its major version, PTX up to its number)."""
     return any(runs_on(*arch, cap) for arch in filter(None, map(parse_arch, arch_list)))
-
-
-def precision_notes(precision: PrecisionConfig, cap: tuple[int, int] | None) -> list[str]:
-    """What a pre-Ampere NVIDIA GPU (capability < 8.0) does not give this precision: no bf16 tensor cores
-    (torch/cuda/__init__.py:244, is_bf16_supported: major >= 8, else emulation), no TF32."""
-    if cap is None or cap >= (8, 0):
-        return []
-    notes = []
-    if "bfloat16" in (precision.autocast_dtype, precision.param_dtype):
-        notes.append(f"precision={precision.name}: bfloat16 has no tensor-core support below compute capability 8.0 "
-                     f"(this GPU: {cap[0]}.{cap[1]}); it runs emulated, slower than fp32: use amp (fp16) here")
-    if precision.tf32:
-        notes.append(f"precision={precision.name}: TF32 needs compute capability 8.0 or newer (this GPU: "
-                     f"{cap[0]}.{cap[1]}): the math is plain fp32")
-    return notes
 
 
 def synchronize(device: torch.device) -> None:
@@ -257,7 +242,7 @@ def known_profiles() -> list[GpuConfig]:
 
 def auto_profile(device_name: str) -> dict:
     """gpu=auto: the named profile whose `match` holds this device's name (chosen_by: auto), or, for a GPU no
-    profile knows, no peaks and a note saying how to add one (run.warn_if_slow logs it, one line)."""
+    profile knows, no peaks and a note saying how to add one (job.warn_if_slow logs it, one line)."""
     if device_name == "cpu":
         return {"name": "auto", "matched": None, "peak_tflops": None,
                 "note": "a CPU job: no GPU profile, no MFU"}
@@ -279,11 +264,33 @@ def mfu(metrics: dict, profile: dict, peak_kind: str, world: int = 1) -> float |
     return flops * metrics["throughput"] / (world * peak * 1e12)
 
 
-def peak_kind(precision: PrecisionConfig) -> str:
-    """Which peak a precision's main math runs at: the tensor-core dtype, or fp32/tf32."""
-    low = precision.autocast_dtype or (precision.param_dtype if precision.param_dtype != "float32" else None)
-    if low == "float16":
-        return "fp16"
-    if low == "bfloat16":
-        return "bf16"
-    return "tf32" if precision.tf32 else "fp32"
+def flatten_rnns(module: nn.Module) -> int:
+    """Compact the weights of every nn.RNNBase in `module` into the one chunk cuDNN takes (flatten_parameters; a
+    no-op off CUDA). A copy (prewarm's deepcopy), a checkpoint load that swaps the parameters (emulation) or a dtype
+    change can leave them apart, and cuDNN then compacts them again at every call ("RNN module weights are not part
+    of single contiguous chunk of memory"). Called after each of those; returns how many RNNs it saw."""
+    rnns = [m for m in module.modules() if isinstance(m, nn.RNNBase)]
+    for m in rnns:
+        with _cudnn_dtype_accepted(m.all_weights[0][0]):
+            m.flatten_parameters()
+    return len(rnns)
+
+
+@contextlib.contextmanager
+def _cudnn_dtype_accepted(weight: torch.Tensor):
+    """flatten_parameters takes only torch.backends.cudnn.CUDNN_TENSOR_DTYPES (fp32, fp16, fp64) while ATen's own
+    test (torch.cudnn_is_acceptable, which decides whether the RNN runs cuDNN) may take bf16 too (no dtype test in
+    recent torch): bf16 weights then ran cuDNN uncompacted. The weight's dtype is accepted for the call in that case
+    only; if cuDNN cannot flatten it, a warning says so and the weights stay as they were."""
+    dtypes = torch.backends.cudnn.CUDNN_TENSOR_DTYPES
+    extra = (weight.is_cuda and weight.dtype not in dtypes and torch.cudnn_is_acceptable(weight))
+    if extra:
+        dtypes.add(weight.dtype)
+    try:
+        yield
+    except RuntimeError as e:
+        log.warning(f"mixprec: cuDNN could not compact the {weight.dtype} RNN weights ({str(e).splitlines()[0]}); "
+                    "it copies them at every call")
+    finally:
+        if extra:
+            dtypes.discard(weight.dtype)

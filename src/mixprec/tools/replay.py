@@ -45,7 +45,7 @@ def replay_config(config, step: int):
 
 def explain(summary: dict, config, device, out_dir: Path, several_ranks: bool, train) -> dict:
     """What the replay changes in the summary ({} when none is due): numerics.first_nonfinite, numerics.replay,
-    the verdict, and the reason's first-event clause. `train(config, device, recorder, saver)` is run.train_job."""
+    the verdict, and the reason's first-event clause. `train(config, device, recorder, saver)` is job.train_job."""
     from ..train import checkpoint
     from ..records import Recorder
 

@@ -34,13 +34,13 @@ import torch
 
 from ..runtime.defaults import RESOLVER
 from ..runtime.dist import SINGLE, Ranks
-from ..models import flatten_rnns
+from ..runtime.hardware import flatten_rnns
 from ..precision import emulation
 from ..records import METRICS, SUMMARY, atomic_file
 
 CHECKPOINT = "checkpoint.pt"
 WEIGHTS = "model_fp32.pt"
-FORMAT = 3   # 2: the loop state is engine.LoopState.state_dict(); the loader's place is the part "data";
+FORMAT = 3   # 2: the loop state is loop.LoopState.state_dict(); the loader's place is the part "data";
              # 3: "rng" is a list, one entry per rank
 FINAL = ("completed", "diverged")        # a job in these states is done: resume=auto skips it
 VOLATILE = ("trainer.resume", "trainer.device", "logger")   # config that may differ between a run and its resume
@@ -176,27 +176,6 @@ def resumed_info(ckpt: dict, prior: dict | None) -> dict:
 
 
 # -- saving and restoring ----------------------------------------------------------------------------------------
-class PolicyState:
-    """The precision policy's state: the loss scaler (GradScaler or static) and the fp32 master weights (o2)."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def state_dict(self) -> dict:
-        p = self.policy
-        return {"scaler": p.scaler.state_dict(), "scale_value": p.scale_value,
-                "master_params": None if p.master_params is None else [m.detach() for m in p.master_params]}
-
-    def load_state_dict(self, state: dict) -> None:
-        p = self.policy
-        p.scaler.load_state_dict(state["scaler"])
-        p.scale_value = state["scale_value"]
-        if p.master_params is not None:
-            with torch.no_grad():
-                for master, saved in zip(p.master_params, state["master_params"], strict=True):
-                    master.copy_(saved)
-
-
 def _job_accelerator(device_type: str | None = None) -> torch.device | None:
     """The device this job's accelerator RNG lives on: the current one (hardware.configure makes the job's device
     current), None when no accelerator is visible or the job runs on another device type (`device_type`, e.g. a
@@ -241,7 +220,7 @@ class Checkpointer:
         self.seconds = 0.0        # time spent writing checkpoints (never inside the training clock)
 
     def save(self, loop) -> None:
-        """Write the checkpoint: the loop state (engine.LoopState), every part's state and every rank's RNG states.
+        """Write the checkpoint: the loop state (loop.LoopState), every part's state and every rank's RNG states.
         Every rank calls it (the RNG states are gathered, a collective); rank 0 writes the file."""
         t0 = time.perf_counter()
         rngs = self.ranks.gather(rng_state(self.meta.get("device_type")))
@@ -255,7 +234,7 @@ class Checkpointer:
         self.seconds += time.perf_counter() - t0
 
     def restore(self, ckpt: dict, loop) -> None:
-        """Load the loop state (an engine.LoopState), every part (the loader its place in the epoch) and the RNG
+        """Load the loop state (an loop.LoopState), every part (the loader its place in the epoch) and the RNG
         states: call it last, just before training."""
         missing = sorted(set(self.parts) - set(ckpt["parts"]))
         if missing:

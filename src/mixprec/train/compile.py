@@ -5,7 +5,7 @@ torch.compile with the chosen mode: `default` (inductor), `max-autotune` (induct
 autotuned, CUDA graphs), `reduce-overhead` (inductor with CUDA graphs), and static shapes
 (`dynamic=False`): each shape the warm-up compiles gets a graph of its own, so the shorter last
 window of a language model (or the last, partial, evaluation batch) does not make dynamo recompile
-with that dimension dynamic, a graph that would then serve every full window. The engine calls the
+with that dimension dynamic, a graph that would then serve every full window. The step calls the
 model inside the precision policy's autocast, so autocast is part of the compiled graph: dynamo
 traces the forward under the ambient autocast state and guards on it (a change of state recompiles).
 The compiled module shares its parameters and buffers with the model: optimizer, EMA, checkpoints
@@ -17,7 +17,7 @@ casts fuse into the matmuls' neighbours under inductor). The RNN language models
 One process, many jobs (a Hydra sweep): dynamo's caches are per process and keyed by code objects
 that every job's model shares, so each compiled job would add its graphs to the earlier jobs' until
 dynamo's recompile limit, and from then on run eagerly. `reset_compile_state(device)` starts each
-job afresh (run.train_job calls it first; a script that compiles several models in one process
+job afresh (job.train_job calls it first; a script that compiles several models in one process
 should call it between them): dynamo's caches, the CUDA-graph trees and their memory pools, the device's cached
 blocks. `GraphWatch` records what a job's compilation did: the graphs dynamo compiled
 (`compiled_graphs`) and the calls of the compiled model after the warm-up that ran eagerly
@@ -57,14 +57,14 @@ import gc
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
 
 from ..runtime.hardware import synchronize
 from ..runtime.signals import StopSignals
+from ..models import set_bn_eval
+from .warmup import Warmup
 
 log = logging.getLogger(__name__)
 
@@ -189,20 +189,6 @@ class GraphCalls:
         return self.model.eval()
 
 
-@dataclass
-class Warmup:
-    """The shapes a run's compiled model will see and how to make a batch of each. `batch(shape, generator,
-    device)` -> (x, y); `loss(net, policy, x, y)` -> the training loss; `infer(net, policy, x, y)` the evaluation
-    forward (run under no_grad in eval mode). bn_eval: BatchNorm stays in eval mode while training."""
-    train_shapes: list
-    eval_shapes: list
-    batch: Callable
-    loss: Callable
-    infer: Callable
-    bn_eval: bool = False
-    shapes: list = field(default_factory=list)   # filled by warm_compile: (training?, shape) in the order warmed
-
-
 def warm_compile(net: nn.Module, policy, mode: str, warmup: Warmup) -> float:
     """Compile and warm `net` for every shape of `warmup`, training and evaluation; leave its state as it was."""
     if mode == "none":
@@ -243,8 +229,6 @@ def warm_evaluation(net: nn.Module, policy, mode: str, warmup: Warmup, gen: torc
 
 def warm_training(net: nn.Module, policy, mode: str, warmup: Warmup, batch: tuple) -> None:
     """The training forward and backward of one batch shape, as many times as `mode` needs."""
-    from ..models import set_bn_eval
-
     net.train()
     if warmup.bn_eval:
         set_bn_eval(net)
@@ -253,52 +237,3 @@ def warm_training(net: nn.Module, policy, mode: str, warmup: Warmup, batch: tupl
         warmup.loss(net, policy, *batch).float().backward()
         for p in net.parameters():
             p.grad = None
-
-
-@dataclass
-class ImageBatch:
-    """Random images of the training layout and labels, `size` of them."""
-    image_shape: tuple
-    num_classes: int
-    channels_last: bool = False
-
-    def __call__(self, size: int, gen: torch.Generator, device: torch.device) -> tuple:
-        x = torch.rand(size, *self.image_shape, device=device, generator=gen)
-        x = x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
-        return x, torch.randint(0, self.num_classes, (size,), device=device, generator=gen)
-
-
-@dataclass
-class TokenBatch:
-    """A window of random tokens, shape (rows, columns), and its targets."""
-    vocab_size: int
-
-    def __call__(self, shape: tuple, gen: torch.Generator, device: torch.device) -> tuple:
-        rows, columns = shape
-        x = torch.randint(0, self.vocab_size, (rows + 1, columns), device=device, generator=gen)
-        return x[:-1], x[1:]
-
-
-def image_loss(net, policy, x, y):
-    from .tricks import cross_entropy
-    with policy.autocast():
-        out = net(policy.cast_input(x))
-    return cross_entropy(out, y)
-
-
-def image_infer(net, policy, x, y):
-    with policy.autocast():
-        return net(policy.cast_input(x))
-
-
-def image_warmup(batch: int, eval_batch: int, test_size: int, image_shape: tuple, num_classes: int,
-                 channels_last: bool = False, bn_eval: bool = False) -> Warmup:
-    """An image job's shapes: the training batch (the training loaders drop a last partial batch), the evaluation
-    batch and the test set's last, partial, one."""
-    return Warmup([batch], split_shapes(test_size, eval_batch), ImageBatch(image_shape, num_classes, channels_last),
-                  image_loss, image_infer, bn_eval)
-
-
-def split_shapes(n: int, size: int) -> list[int]:
-    """The lengths of the slices of n things cut into `size`s: `size` (or n if fewer), then any remainder."""
-    return [min(n, size)] + ([n % size] if n > size and n % size else [])

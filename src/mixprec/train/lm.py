@@ -1,9 +1,9 @@
-"""The language model's part of the shared training loop (engine.fit): truncated BPTT over a batchified token
+"""The language model's part of the shared training loop (loop.fit): truncated BPTT over a batchified token
 stream, as PyTorch's word_language_model.
 
 Each epoch walks the training stream (batchify: [nbatch, batch] on the device) in bptt windows (TokenWindows),
 the hidden state starting at zeros and carried from window to window, cut from the previous window's graph
-(repackage_hidden) so that backward stops at the window's start. A step is engine.train_step: backward of the
+(repackage_hidden) so that backward stops at the window's start. A step is step.train_step: backward of the
 (scaled) loss, then PrecisionPolicy.step: unscale, clip the global norm to trainer.grad_clip (the fp32 master
 gradients under master weights), step. After each epoch the validation and test splits are scored in
 perplexity, exp(mean cross-entropy per token), with the hidden state carried across their windows too; a
@@ -16,28 +16,21 @@ excluded), throughput in tokens/s without the first trainer.warmup_steps windows
 trainer.log_every windows; a checkpoint holds the hidden state and the windows' position, so a run stopped in
 the middle of an epoch continues exactly.
 
-Autocast and the recurrent layers: on CUDA, autocast runs cuDNN's RNN (every kind) in fp16: its autocast
-wrapper (aten/src/ATen/cudnn/AutocastRNN.cpp) casts input, hidden state and the flat weights to fp16. The
-embedding is not on autocast's lists (its output stays fp32) and the decoder (linear) runs in fp16. On a CPU,
-autocast sends nn.LSTM to oneDNN's fp16/bf16 LSTM, which fails on CPUs without AVX512-BF16/AMX ("could not
-create a primitive descriptor for the LSTM forward propagation primitive"); this loop therefore turns oneDNN
-off inside CPU autocast, and nn.LSTM then runs PyTorch's own kernel in fp32 (autocast leaves it there); nn.GRU
-is not on CPU autocast's list (fp32) while nn.RNN runs in the autocast dtype. Low-precision weights (half, o2,
-bf16) need none of this: the RNN runs in the weights' dtype on both devices.
+The forward of a window is step.lm_forward, under the policy's recurrent_autocast (oneDNN's LSTM off
+under a CPU's autocast: precision/policy.py says why).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .compile import TokenBatch, Warmup, mark_step, split_shapes
-from .loop import Loop, LoopState, Window, train_step
+from .compile import mark_step
+from .loop import Loop, LoopState, Window
+from .step import lm_forward, train_step
 from ..precision.policy import PrecisionPolicy
 from ..models.rnnlm import repackage_hidden
 from ..data.wikitext import TokenWindows
@@ -46,32 +39,6 @@ from ..data.wikitext import TokenWindows
 def perplexity(loss: float) -> float:
     """exp(loss); inf where exp overflows (a diverged model), nan stays nan."""
     return math.inf if loss > 709.0 else math.exp(loss)
-
-
-@contextlib.contextmanager
-def autocast(policy: PrecisionPolicy):
-    """The policy's autocast, with oneDNN off under CPU autocast (see the module docstring)."""
-    if policy.device.type != "cpu" or policy.autocast_dtype is None:
-        with policy.autocast():
-            yield
-        return
-    was = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        with policy.autocast():
-            yield
-    finally:
-        torch.backends.mkldnn.enabled = was
-
-
-def forward(model, x: torch.Tensor, y: torch.Tensor, hidden, policy: PrecisionPolicy):
-    """One window: the hidden state detached from the previous window, the forward under the policy, and the
-    mean cross-entropy per token (computed in fp32). Returns (loss, logits, next hidden state)."""
-    hidden = repackage_hidden(hidden)
-    with autocast(policy):
-        out, hidden = model(x, hidden)
-    loss = F.cross_entropy(out.float().view(-1, out.size(-1)), y.reshape(-1))
-    return loss, out, hidden
 
 
 def evaluate(model, source: torch.Tensor, bptt: int, policy: PrecisionPolicy, compile_mode: str = "none") -> float:
@@ -83,7 +50,7 @@ def evaluate(model, source: torch.Tensor, bptt: int, policy: PrecisionPolicy, co
     with torch.no_grad():
         for x, y in TokenWindows(source, bptt):
             mark_step(compile_mode)
-            loss, _, hidden = forward(model, x, y, hidden, policy)
+            loss, _, hidden = lm_forward(model, x, y, hidden, policy)
             total += loss.double() * y.numel()
     model.train()
     return total.item() / ((len(source) - 1) * source.size(1))
@@ -97,7 +64,7 @@ def carried(hidden, device: torch.device):
 
 @dataclass
 class LMSteps:
-    """A language model's part of the shared loop (engine.fit): a step is one bptt window, the hidden state
+    """A language model's part of the shared loop (loop.fit): a step is one bptt window, the hidden state
     carried from window to window (from zeros at each epoch's start; a checkpoint holds it, so a run stopped
     mid-epoch continues with it); after each epoch the validation and test perplexity and the plateau rule."""
     model: nn.Module
@@ -122,8 +89,8 @@ class LMSteps:
     def step(self, x, y, loop: Loop, state: LoopState):
         mark_step(loop.trainer.compile)   # CUDA graphs: a new step (the GPT, compiled, carries no hidden state)
         loop.probe.before_step(state.step + 1, loop.policy)
-        start, (loss, _, self.hidden) = self.hidden, forward(self.model, x, y, self.hidden, loop.policy)
-        train_step(loss, loop, state, replay=functools.partial(forward, self.model, x, y, start, loop.policy))
+        start, (loss, _, self.hidden) = self.hidden, lm_forward(self.model, x, y, self.hidden, loop.policy)
+        train_step(loss, loop, state, replay=functools.partial(lm_forward, self.model, x, y, start, loop.policy))
         if not self.plateau:
             self.schedule.step()
         return loss.detach(), None, y.numel()
@@ -166,17 +133,3 @@ class LMSteps:
     def load_state_dict(self, state: dict) -> None:
         device = next(self.model.parameters()).device
         self.hidden = None if state["hidden"] is None else carried(state["hidden"], device)
-
-
-def lm_loss(net, policy, x, y):
-    """A window's loss from a fresh hidden state: what compile's warm-up runs (compiled.warm_compile)."""
-    return forward(net, x, y, net.init_hidden(x.size(1)), policy)[0]
-
-
-def lm_warmup(train_rows: int, columns: int, eval_rows: list[int], eval_columns: int, bptt: int,
-              vocab_size: int) -> Warmup:
-    """A language model's windows: bptt rows and the last window's (a batchified stream of `rows` rows has
-    rows - 1 targets per column), in training (train_rows x columns) and in evaluation (each split's rows)."""
-    train = [(r, columns) for r in split_shapes(train_rows - 1, bptt)]
-    evals = sorted({(r, eval_columns) for rows in eval_rows for r in split_shapes(rows - 1, bptt)}, reverse=True)
-    return Warmup(train, evals, TokenBatch(vocab_size), lm_loss, lm_loss)

@@ -1,10 +1,10 @@
-"""Engine: the one training loop every job runs (image and language model), the training clock, evaluation and
-the non-finite policy.
+"""The one training loop every job runs (image and language model), the training clock and the non-finite
+policy; the step itself is step.py's.
 
 The loop: `fit(steps, batches, loop, state)` runs epochs (`run_epoch`: the training steps; `end_epoch`: the
 record, evaluation, checkpoint and stop check) from where `state` (LoopState: counters, accumulators, clock
-totals, place in the epoch, open log window) is. `steps` supplies the job kind's part: `ImageSteps` here,
-`lm_engine.LMSteps` for language models (hidden state, truncated BPTT, perplexity); each gives start_epoch,
+totals, place in the epoch, open log window) is. `steps` supplies the job kind's part: `images.ImageSteps`,
+`lm.LMSteps` for language models (hidden state, truncated BPTT, perplexity); each gives start_epoch,
 step (one batch: forward, loss, train_step, schedule), row, evaluate and metrics. `loop` (Loop) holds what the
 run trains with: policy, optimizer, trainer config, total steps, log, checkpoint writer, stop check, ranks.
 
@@ -35,7 +35,7 @@ Resuming happens before `fit` is called: the checkpoint restores the LoopState a
 loader included, which continues the epoch at its next batch (data.Resumable): the loop never skips batches.
 After a resume the first `warmup_steps` steps are excluded from throughput again.
 
-Under DDP (`ranks`, src/mixprec/dist.py) each rank trains on its slice of every global batch: the logged loss and
+Under DDP (`ranks`, src/mixprec/runtime/dist.py) each rank trains on its slice of every global batch: the logged loss and
 accuracy are summed over the ranks at each host sync (so every rank takes the same stop decision), samples are
 counted for the global batch (throughput = global samples/s), and the clock waits for every rank (a barrier
 after each device sync). Evaluation: every rank evaluates the whole test set (the weights are the same on all
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
 import time
 import warnings
@@ -53,19 +52,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from tqdm.auto import tqdm
 
 from ..runtime import busy
-from .compile import GRAPH_MODES, GraphCalls, mark_step
 from ..config import TrainerConfig
 from ..runtime.dist import SINGLE, Ranks
 from ..runtime.hardware import mark_steady, synchronize
-from ..models import set_bn_eval
 from ..precision.policy import Deferred, PrecisionPolicy, by_dtype
 from ..numerics.probe import Attribution
-from .tricks import cross_entropy, tta_logits
 
 # GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the torch.amp
 # recipe); PyTorch's warning about a scheduler step before an optimizer step says nothing useful then.
@@ -205,61 +199,6 @@ class Loop:
 def total_steps(trainer: TrainerConfig, steps_per_epoch: int) -> int:
     """The run's optimizer steps: every epoch's, or trainer.max_steps if fewer."""
     return min(trainer.epochs * steps_per_epoch, trainer.max_steps or trainer.epochs * steps_per_epoch)
-
-
-def evaluate(model, batches, policy: PrecisionPolicy, tta: bool = False,
-             compile_mode: str = "none") -> tuple[float, float, float | None]:
-    """Mean cross-entropy and accuracy over every sample of `batches` (no label smoothing), and with tta the
-    accuracy of the mean logits of each image and its mirror (None without). Under CUDA graphs (compile_mode)
-    each call of the model is a graph step of its own, its output cloned out of the graph's pool (GraphCalls)."""
-    model = GraphCalls(model, compile_mode) if compile_mode in GRAPH_MODES else model
-    model.eval()
-    loss_sum = torch.zeros((), device=policy.device, dtype=torch.float64)
-    correct = torch.zeros((), device=policy.device, dtype=torch.int64)
-    correct_tta = torch.zeros_like(correct)
-    n = 0
-    with torch.no_grad(), policy.autocast():
-        for x, y in batches:
-            x = policy.cast_input(x)
-            out, out_tta = tta_logits(model, x) if tta else (model(x).float(), None)
-            loss_sum += F.cross_entropy(out, y, reduction="sum")
-            correct += (out.argmax(1) == y).sum()
-            if tta:
-                correct_tta += (out_tta.argmax(1) == y).sum()
-            n += len(y)
-    model.train()
-    return loss_sum.item() / n, correct.item() / n, correct_tta.item() / n if tta else None
-
-
-def forward(model: nn.Module, x: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
-    with policy.autocast():
-        return model(policy.cast_input(x))
-
-
-def train_step(loss: torch.Tensor, loop: Loop, state: LoopState, replay=None) -> None:
-    """Backward and optimizer step (unscale, clip, step: PrecisionPolicy.step) for one batch's loss, then
-    zero_grad. Under on_nonfinite=skip a non-finite loss skips backward and update (the window check counts it);
-    under several ranks, all skip alike. Under a dynamic loss scale that check is GradScaler's own (a non-finite
-    loss makes non-finite gradients: the step is skipped and the scale backs off), so no second sync is made.
-    replay: the step's forward again, for the probe's attribution of a non-finite value (loop.probe, numerics/probe.py)."""
-    policy, tr, probe, step = loop.policy, loop.trainer, loop.probe, state.step + 1
-    if tr.on_nonfinite == "skip" and not policy.skips_overflow and loop.ranks.any(not torch.isfinite(loss)):
-        if state.nonfinite is None:
-            what = "; ".join(filter(None, (f"loss {loss.item()} (step skipped)", probe.on_nonfinite(step, replay))))
-            state.nonfinite = {"step": step, "what": what, "policy": "skip"}
-    else:
-        policy.backward(loss)
-        probe.after_backward(step, loss, policy, replay)
-        skipped = policy.step(loop.optimizer, tr.grad_clip, defer=probe.defers_skips and loop.window is not None)
-        if isinstance(skipped, Deferred):   # a fused step: its flag and scale stay on the device until the flush
-            loop.window.deferred.append((step, skipped))
-        else:
-            probe.after_step(step, policy, skipped)
-            state.skipped += skipped
-        if policy.scale_value is not None and not isinstance(skipped, Deferred):
-            state.scale_min = min(state.scale_min, policy.scale_value)
-            state.scale_max = max(state.scale_max, policy.scale_value)
-    loop.optimizer.zero_grad(set_to_none=True)
 
 
 def to_host(vector: torch.Tensor) -> list:
@@ -458,66 +397,3 @@ def loop_metrics(state: LoopState, loop: Loop) -> dict:
         {"min": state.scale_min, "max": state.scale_max, "final": loop.policy.scale_value},
         **(busy.no_metrics() if loop.busy is None else loop.busy.metrics(clock.steady)),
     }
-
-
-@dataclass
-class ImageSteps:
-    """An image classifier's part of the loop: its training step, its evaluation, its final metrics.
-    ema: a tricks.EMA, updated after every optimizer step and evaluated instead of the model. tta: test accuracy
-    (and time to target) from flip test-time augmentation; the final evaluation reports both. setup_time_s:
-    preparation timed apart from training (the whitening fit), reported beside train_time_s. bn_eval: BatchNorm stays in eval."""
-    model: nn.Module
-    schedule: object
-    test_batches: object
-    label_smoothing: float = 0.0
-    loss_sum: bool = False
-    ema: object = None
-    tta: bool = False
-    bn_eval: bool = False
-    setup_time_s: float = 0.0
-    rate = "samples_per_s"
-
-    def start_epoch(self, batch: int) -> None:
-        self.model.train()
-        if self.bn_eval:
-            set_bn_eval(self.model)
-
-    def step(self, x, y, loop: Loop, state: LoopState):
-        """One batch trained; returns (its mean loss, its correct count, its size) on the device."""
-        mark_step(loop.trainer.compile)   # CUDA graphs: a new step (nothing compiled is kept past it)
-        loop.probe.before_step(state.step + 1, loop.policy)
-        loop.probe.see_batch(state.step + 1, x, y, loop.policy)   # step 1 only: a blank batch, one label
-        out = forward(self.model, x, loop.policy)
-        loss = cross_entropy(out, y, self.label_smoothing, summed=self.loss_sum)
-        correct = (out.detach().argmax(1) == y).sum()   # eager ops on the step's output, before the next step
-        inner = getattr(self.model, "module", self.model)   # the probe replays a batch on one rank: not through DDP
-        train_step(loss, loop, state, replay=functools.partial(forward, inner, x, loop.policy))   # no closure
-        if self.ema is not None:
-            self.ema.update(self.model)
-        self.schedule.step()
-        return loss.detach() / len(y) if self.loss_sum else loss.detach(), correct, len(y)
-
-    def row(self, loss: float, window: Window, loop: Loop) -> dict:
-        return {"acc": window.correct_total / max(window.samples, 1)}
-
-    def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
-        b = state.best
-        loss, plain, tta = evaluate(self.model if self.ema is None else self.ema.model, self.test_batches,
-                                    loop.policy, tta=self.tta or final, compile_mode=loop.trainer.compile)
-        acc = tta if self.tta else plain
-        b.update(test_loss=loss, test_acc=acc, acc_plain=plain, acc_tta=tta,
-                 best_acc=acc if b.get("best_acc") is None else max(b["best_acc"], acc))
-        target = loop.trainer.target_acc
-        if target is not None and b.get("time_to_target") is None and acc >= target:
-            b.update(time_to_target=loop.clock.total, epochs_to_target=state.epoch + 1)
-        return {"test_loss": loss, "test_acc": acc, "test_acc_no_tta": plain, "test_acc_tta": tta}
-
-    def metrics(self, state: LoopState, loop: Loop) -> dict:
-        b, done = state.best, loop.status == "completed"
-        return {"final_test_acc": b.get("test_acc") if done else None,
-                "final_test_loss": b.get("test_loss") if done else None,
-                "final_test_acc_no_tta": b.get("acc_plain") if done else None,
-                "final_test_acc_tta": b.get("acc_tta") if done else None,
-                "best_test_acc": b.get("best_acc"), "setup_time_s": self.setup_time_s,
-                "time_to_target_s": b.get("time_to_target"), "epochs_to_target": b.get("epochs_to_target"),
-                "target_acc": loop.trainer.target_acc}

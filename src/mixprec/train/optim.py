@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, OptimizerConfig, ScheduleConfig
+from ..precision.modes import resolve_impl
 
 
 def impl_kwargs(impl: str, params: list) -> dict:
@@ -16,11 +17,6 @@ def impl_kwargs(impl: str, params: list) -> dict:
     tensors = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else list(params)
     impl = resolve_impl(impl, bool(tensors) and all(p.is_cuda and p.is_floating_point() for p in tensors))
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
-
-
-def resolve_impl(impl: str, on_cuda: bool) -> str:
-    """optimizer.impl with auto resolved: fused when the stepped tensors are floating-point CUDA tensors."""
-    return ("fused" if on_cuda else "foreach") if impl == "auto" else impl
 
 
 # optimizer.decay=auto: what each model family's own recipe decays. The GPT decays its matmul and embedding weights

@@ -12,16 +12,17 @@ and backward only, on the real model (so his BatchNorm running statistics saw th
 warms the optimizer step and leaves the real model untouched. `prewarm_lm` does the same for a language model (a
 window of random tokens, the hidden state from zeros). `trainer.prewarm_steps: auto` is 3 on an accelerator and 0 on
 a CPU (TrainerConfig.prewarm_for). Compilation (trainer.compile) is warmed separately, on the real compiled module
-(compiled.py), and timed as compile_time_s.
+(train/compile.py), and timed as compile_time_s.
 
 Memory: the copies are freed when `run_prewarm` returns, and the job then calls `reset_peak` once prewarm and the
-compile warm-up are done (run.py), so that the device's peak (peak_memory_mb, hardware.memory_metrics) counts the
+compile warm-up are done (job.py), so that the device's peak (peak_memory_mb, hardware.memory_metrics) counts the
 run's own tensors, not the throwaway copy of model, optimizer and master weights (nor the warm-up's batches).
 On a CPU the peak is the process's maximum RSS, which cannot be reset: a CPU job's peak includes them.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import time
 
@@ -29,38 +30,23 @@ import numpy as np
 import torch
 
 from ..runtime.hardware import synchronize
-from ..models import flatten_rnns
-from .tricks import cross_entropy
+from ..runtime.hardware import flatten_rnns
+from .step import backward_and_step, image_loss, lm_loss
+from .warmup import ImageBatch, TokenBatch
 
 
 def prewarm(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, steps: int, batch_size: int,
             image_shape: tuple, num_classes: int, channels_last: bool = False, grad_clip: float | None = None) -> float:
     """An image job's prewarm: `steps` untimed training steps on copies; the seconds they took (0.0 when steps == 0)."""
-    def batch(gen, device):
-        x = torch.rand(batch_size, *image_shape, device=device, generator=gen)
-        x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
-        return x, torch.randint(0, num_classes, (batch_size,), device=device, generator=gen)
-
-    def loss(net, pol, x, y):
-        with pol.autocast():
-            out = net(pol.cast_input(x))
-        return cross_entropy(out, y)
-    return run_prewarm(model, policy, optimizer, steps, batch, loss, grad_clip)
+    batch = functools.partial(ImageBatch(image_shape, num_classes, channels_last), batch_size)
+    return run_prewarm(model, policy, optimizer, steps, batch, image_loss, grad_clip)
 
 
 def prewarm_lm(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, steps: int, bptt: int,
                columns: int, vocab_size: int, grad_clip: float | None = None) -> float:
     """A language model's prewarm: `steps` windows of random tokens, the hidden state from zeros."""
-    from .lm import forward
-    from ..data.wikitext import TokenWindows
-
-    def batch(gen, device):
-        tokens = torch.randint(0, vocab_size, (bptt + 1, columns), device=device, generator=gen)
-        return next(iter(TokenWindows(tokens, bptt)))
-
-    def loss(net, pol, x, y):
-        return forward(net, x, y, net.init_hidden(columns), pol)[0]
-    return run_prewarm(model, policy, optimizer, steps, batch, loss, grad_clip)
+    batch = functools.partial(TokenBatch(vocab_size), (bptt, columns))
+    return run_prewarm(model, policy, optimizer, steps, batch, lm_loss, grad_clip)
 
 
 def run_prewarm(model, policy, optimizer, steps: int, batch, loss, grad_clip: float | None) -> float:
@@ -82,8 +68,7 @@ def run_prewarm(model, policy, optimizer, steps: int, batch, loss, grad_clip: fl
         x, y = batch(torch.Generator(device=device).manual_seed(0), device)
         net.train()
         for _ in range(steps):
-            pol.backward(loss(net, pol, x, y))
-            pol.step(opt, grad_clip)
+            backward_and_step(loss(net, pol, x, y), pol, opt, grad_clip)
             opt.zero_grad(set_to_none=True)
         synchronize(device)
         del net, pol, opt, groups, memo, x, y   # the copies go now (reset_peak then forgets their memory)

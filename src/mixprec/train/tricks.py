@@ -1,6 +1,6 @@
 """Training tricks of Page's bag-of-tricks ladder that are not layers (those are in models/resnet9.py), each a few plain lines.
 
-run.py maps the `trick` flags onto these; the engine calls `cross_entropy`, `EMA.update` and `tta_logits`.
+job.py maps the `trick` flags onto these; the step calls `cross_entropy`, `EMA.update` and `tta_logits`.
 """
 from __future__ import annotations
 
