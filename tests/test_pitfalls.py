@@ -19,7 +19,6 @@ SMALL = ["dataset.train_size=64", "dataset.test_size=16", "trainer.batch_size=8"
          "dataset.image_size=8", "logger=none", "trainer.device=cpu"]
 
 
-@pytest.mark.slow
 def test_adam_in_pure_fp16_diverges_for_real_and_says_why(tiny, tmp_path):
     s = tiny("pitfall=adam_fp16", "trainer.max_steps=6", "trainer.log_every=1")
     on_disk = json.loads((tmp_path / "summary.json").read_text())

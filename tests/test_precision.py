@@ -78,7 +78,6 @@ def test_two_steps_with_promised_dtypes(mode, optimizer):
     assert isinstance(policy.scaler, torch.amp.GradScaler) and policy.scaler.is_enabled() == dynamic
 
 
-@pytest.mark.slow
 def test_dynamic_scale_grows_after_clean_steps_and_halves_on_overflow():
     model, policy, opt = policy_for("amp", "precision.init_scale=1024", "precision.growth_interval=2")
     x, y = batch()
@@ -147,7 +146,6 @@ def test_fp32_state_dict_from_half_training():
     copy.deepcopy(fresh)
 
 
-@pytest.mark.slow
 def test_pure_fp16_adam_with_default_eps_goes_nonfinite():
     """The pitfall: eps=1e-8 is 0 in fp16, so an fp16 Adam divides 0 by 0 where a second moment underflows."""
     assert torch.tensor(1e-8, dtype=F16).item() == 0.0

@@ -40,6 +40,18 @@ def test_throughput_leaves_out_exactly_the_warmup_steps(tmp_path, monkeypatch):
     assert m["epoch_times_s"] == pytest.approx([3 * 10.0 + 1.0, 4 * 1.0], rel=1e-9)
 
 
+def test_throughput_leaves_out_exactly_the_warmup_steps_in_one_epoch(tmp_path, monkeypatch):
+    # the quick loop's guard of the promise above: 4 steps of 16 samples; the 2 warm-up steps take 10 s each,
+    # the 2 others 1 s each: steady throughput = 2 * 16 / 2 s = 16 samples/s (warm-up counted: 64 / 22 s = 2.9;
+    # one step too few left out: 48 / 12 s = 4; one too many: 16 / 1 s = 16 as well, but 1 s is not 2 s)
+    with_clock(monkeypatch, cost=lambda k: 10.0 if k <= 2 else 1.0)
+    s = run_tiny(tmp_path, *CPU, "trainer.max_steps=null", "trainer.epochs=1", "trainer.warmup_steps=2")
+    m = s["metrics"]
+    assert m["steps"] == 4 and m["warmup_steps"] == 2 and not m["throughput_includes_warmup"]
+    assert m["throughput"] == pytest.approx(16.0, rel=1e-9)
+    assert m["train_time_s"] == pytest.approx(2 * 10.0 + 2 * 1.0, rel=1e-9)
+
+
 def test_too_few_steps_for_a_warmup_count_every_sample(tmp_path, monkeypatch):
     with_clock(monkeypatch, cost=lambda k: 2.0)
     s = run_tiny(tmp_path, *CPU, "trainer.max_steps=3", "trainer.warmup_steps=5")
@@ -75,6 +87,27 @@ def test_time_to_target_sums_the_epochs_until_the_target_is_first_reached(tmp_pa
     assert m["best_test_acc"] == pytest.approx(share) and m["final_test_acc"] == pytest.approx(share)
 
 
+def test_time_to_target_is_the_time_of_the_epochs_until_it_is_reached(tmp_path, monkeypatch):
+    """The quick loop's guard of the promise above: 2 epochs of 4 and 8 s; accuracy 0 after epoch 1 (class 10,
+    which no label has), then the test set's most common class: target 0.05 first reached after epoch 2, at 12 s."""
+    cfg = validate(compose_config(*TINY, *CPU))
+    labels = build_image_data(cfg.dataset).test_y
+    top = int(torch.bincount(labels, minlength=10).argmax())
+    share = (labels == top).float().mean().item()
+    assert share > 0.05
+
+    def answer(x, trained_steps):
+        out = torch.zeros(len(x), 11)
+        out[:, 10 if trained_steps < STEPS_PER_EPOCH + 1 else top] = 1.0
+        return out
+
+    with_clock(monkeypatch, cost=lambda k: float((k - 1) // STEPS_PER_EPOCH + 1), eval_out=answer)
+    s = run_tiny(tmp_path, *CPU, "trainer.max_steps=null", "trainer.epochs=2", "trainer.target_acc=0.05")
+    m = s["metrics"]
+    assert [r["test_acc"] for r in rows(tmp_path, "epoch")] == pytest.approx([0.0, share])
+    assert m["epochs_to_target"] == 2 and m["time_to_target_s"] == pytest.approx(4.0 + 8.0, rel=1e-9)
+
+
 # ---------------------------------------------------------------------------------------------------- TF32
 
 
@@ -100,7 +133,6 @@ def test_configure_sets_tf32_for_matmul_and_cudnn(precision, restore_math_flags)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
-@pytest.mark.slow
 def test_the_job_records_the_tf32_flags_it_ran_with(tmp_path, precision, restore_math_flags):
     want = TF32_ON[precision]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not want
@@ -118,7 +150,6 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-@pytest.mark.slow
 def test_cpu_peak_memory_is_the_process_peak_rss(tmp_path, monkeypatch):
     """A job whose model holds an extra 256 MB buffer (touched, so resident) reports a peak at least the resident
     size before the job plus 256 MB, and no more than the process's peak read from `resource` after it."""
@@ -142,8 +173,7 @@ def test_cpu_peak_memory_is_the_process_peak_rss(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------------- pitfalls
 
 
-@pytest.mark.parametrize("case", ["adam_fp16_eps1e4", "adam_amp"])
-@pytest.mark.slow
+@pytest.mark.parametrize("case", ["adam_fp16_eps1e4", pytest.param("adam_amp", marks=pytest.mark.slow)])
 def test_the_fixes_loss_falls(tmp_path, case):
     """The fixed Adam cases train: the mean loss of the last 4 of 12 logged steps is below that of the first 4."""
     s = run_tiny(tmp_path, *CPU, f"pitfall={case}", "trainer.max_steps=12", "trainer.epochs=3", "trainer.log_every=1",
@@ -170,7 +200,6 @@ def first_nonfinite_step_by_hand(lr: float, steps: int = 6) -> int | None:
     return None
 
 
-@pytest.mark.slow
 def test_the_diverged_pitfall_names_the_step_it_diverged_at(tmp_path):
     c = validate(compose_config(*TINY, *CPU, "pitfall=adam_fp16"))
     expected = first_nonfinite_step_by_hand(c.optimizer.lr)
