@@ -5,10 +5,12 @@ import warnings
 import hydra
 from omegaconf import DictConfig
 
-# conf/hydra/launcher/submitit_*.yaml are complete launcher configs that keep the plugin's names (so that
-# `hydra/launcher=submitit_slurm` uses our defaults); Hydra validates them against the plugin's schema of the same
-# name and warns that this matching is deprecated: the files do not depend on it.
-warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_\w+' is validated against ConfigStore schema")
+# conf/hydra/launcher/submitit_*.yaml are complete launcher configs that keep the plugin's names (so
+# that `hydra/launcher=submitit_slurm` uses our defaults); Hydra validates them against the plugin's
+# schema of the same name and warns that this matching is deprecated: the files do not depend on it.
+warnings.filterwarnings(
+    "ignore", message=r"\s*'hydra/launcher/submitit_\w+' is validated against ConfigStore schema"
+)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -21,6 +23,7 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     from mixprec.runtime.dist import mute_other_ranks, share_run_time
 
-    share_run_time()   # under torchrun: every rank takes rank 0's clock for Hydra's dir name (one output dir)
+    # under torchrun: every rank takes rank 0's clock for Hydra's dir name (one output dir)
+    share_run_time()
     mute_other_ranks()  # and rank 0 alone reports a bad override
     main()

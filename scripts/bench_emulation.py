@@ -1,14 +1,17 @@
-"""Emulated fp16/bf16 (precision.emulate, numerics/emulation.py) against fp32 on this device: training step time.
+"""Emulated fp16/bf16 (precision.emulate, numerics/emulation.py) against fp32 on this device:
+training step time.
 
-  python scripts/bench_emulation.py [--models resnet18,lstm] [--precisions amp,half,amp_bf16] [--steps 10]
+  python scripts/bench_emulation.py [--models resnet18,lstm] [--precisions amp,half,amp_bf16]
+  [--steps 10]
                                     [--native-steps 0] [--out FILE]
 
-What is timed: training steps only (forward under the precision's policy, fp32 cross-entropy, backward, optimizer
-step, loss-scale update), on fixed synthetic batches already in memory, after --warmup untimed steps; each round
-times every precision once, in a random order, --repeats rounds; the median step time per precision and its
-ratio to fp32's median. Sizes: ResNet-18 (CIFAR stem) at 32 px, batch 64; the LSTM of PyTorch's word_language_model
-example (emsize 200, nhid 200, 2 layers, vocabulary 33,278 as Wikitext-2), bptt 35, batch 20. --native-steps N
-also times N steps of the CPU's own fp16/bf16 kernels (precision.emulate=false; slow: ~150x fp32 for ResNet-18).
+What is timed: training steps only (forward under the precision's policy, fp32 cross-entropy,
+backward, optimizer step, loss-scale update), on fixed synthetic batches already in memory, after
+--warmup untimed steps; each round times every precision once, in a random order, --repeats rounds;
+the median step time per precision and its ratio to fp32's median. Sizes: ResNet-18 (CIFAR stem) at
+32 px, batch 64; the LSTM of PyTorch's word_language_model example (emsize 200, nhid 200, 2 layers,
+vocabulary 33,278 as Wikitext-2), bptt 35, batch 20. --native-steps N also times N steps of the
+CPU's own fp16/bf16 kernels (precision.emulate=false; slow: ~150x fp32 for ResNet-18).
 """
 from __future__ import annotations
 
@@ -43,15 +46,28 @@ class Job:
     """One model under one precision, built as a job builds it, ready to take timed steps."""
 
     def __init__(self, model: str, precision: str, emulate: bool):
-        config = validate(cli.compose([*MODELS[model], f"precision={precision}", f"precision.emulate={emulate}",
-                                       "trainer.device=cpu", "logger=none"]))
+        config = validate(
+            cli.compose(
+                [
+                    *MODELS[model],
+                    f"precision={precision}",
+                    f"precision.emulate={emulate}",
+                    "trainer.device=cpu",
+                    "logger=none",
+                ]
+            )
+        )
         kind = "" if precision == "fp32" else " (emulated)" if emulate else " (native)"
         self.name, self.lm = f"{precision}{kind}", model == "lstm"
         self.emulated = emulate and precision != "fp32"
         torch.manual_seed(0)
         with emulation.numerics(self.emulated):
-            built = build_trained(build_model(config.model, VOCAB if self.lm else 10), config, torch.device("cpu"),
-                                  channels_last=not self.lm and config.trainer.channels_last)
+            built = build_trained(
+                build_model(config.model, VOCAB if self.lm else 10),
+                config,
+                torch.device("cpu"),
+                channels_last=not self.lm and config.trainer.channels_last,
+            )
             self.policy, self.model, self.opt = built.policy, built.model, built.optimizer
         b = config.trainer.batch_size
         if self.lm:
@@ -64,7 +80,9 @@ class Job:
 
     def step(self) -> None:
         with emulation.numerics(self.emulated):
-            if self.lm:   # as a job runs it: oneDNN's LSTM off under a CPU's autocast (PrecisionPolicy.recurrent_autocast)
+            # as a job runs it: oneDNN's LSTM off under a CPU's autocast
+            # (PrecisionPolicy.recurrent_autocast)
+            if self.lm:
                 with self.policy.recurrent_autocast():
                     out = self.model(self.x, tuple(h.detach() for h in self.hidden))[0]
             else:
@@ -97,21 +115,40 @@ def bench(model: str, precisions: list[str], args) -> dict:
             job = Job(model, p, False)
             times[job.name] = [job.time(args.native_steps)]
     base = statistics.median(times[jobs[0].name])
-    return {name: {"median_step_s": statistics.median(t), "steps_timed": len(t) * (args.steps if "native" not in name
-                                                                                    else args.native_steps),
-                   "rounds": [round(v, 4) for v in t], "vs_fp32": statistics.median(t) / base}
-            for name, t in times.items()}
+    return {
+        name: {
+            "median_step_s": statistics.median(t),
+            "steps_timed": len(t) * (args.steps if "native" not in name else args.native_steps),
+            "rounds": [round(v, 4) for v in t],
+            "vs_fp32": statistics.median(t) / base,
+        }
+        for name, t in times.items()
+    }
 
 
 def main(argv=None) -> int:
-    parser = cli.ArgumentParser(prog="bench_emulation.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = cli.ArgumentParser(
+        prog="bench_emulation.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("--models", default="resnet18,lstm")
     parser.add_argument("--precisions", default="amp,half,amp_bf16")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per precision per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds, each timing every precision in a random order")
-    parser.add_argument("--native-steps", type=int, default=0, help="also time N steps of the native fp16/bf16 kernels")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds, each timing every precision in a random order",
+    )
+    parser.add_argument(
+        "--native-steps",
+        type=int,
+        default=0,
+        help="also time N steps of the native fp16/bf16 kernels",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_intermixed_args(argv)
@@ -121,13 +158,20 @@ def main(argv=None) -> int:
             parser.error(f"--models: {m!r} is not one of {', '.join(MODELS)}")
     if min(args.steps, args.warmup, args.repeats) < 1 or args.native_steps < 0:
         parser.error("--steps, --warmup and --repeats must be >= 1, --native-steps >= 0")
-    result = {"device": "cpu", "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "command": " ".join(["python scripts/bench_emulation.py", *sys.argv[1:]]), "models": {}}
+    result = {
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "command": " ".join(["python scripts/bench_emulation.py", *sys.argv[1:]]),
+        "models": {},
+    }
     for m in models:
         result["models"][m] = r = bench(m, precisions, args)
         print(f"{m} ({' '.join(MODELS[m])}), {torch.get_num_threads()} threads:")
         for name, v in r.items():
-            print(f"  {name:22s} {1000 * v['median_step_s']:9.1f} ms/step  {v['vs_fp32']:6.2f}x fp32")
+            print(
+                f"  {name:22s} {1000 * v['median_step_s']:9.1f} ms/step  {v['vs_fp32']:6.2f}x fp32"
+            )
     if args.out:
         write_json_atomic(args.out, result)
     return 0

@@ -1,21 +1,23 @@
-"""ATen ops dispatched per steady training step of each step of Page's ladder, counted on the CPU and attributed to
-the part of the step that dispatched them.
+"""ATen ops dispatched per steady training step of each step of Page's ladder, counted on the CPU
+and attributed to the part of the step that dispatched them.
 
-  python scripts/bench_ladder_ops.py [--steps 1-10] [--batch 32] [--measure 10] [--warm 2] [--json PATH] [overrides]
-  e.g. python scripts/bench_ladder_ops.py --steps 6,10 trainer.channels_last=false
+  python scripts/bench_ladder_ops.py [--steps 1-10] [--batch 32] [--measure 10] [--warm 2] [--json
+  PATH] [overrides] e.g. python scripts/bench_ladder_ops.py --steps 6,10 trainer.channels_last=false
 
-No GPU is needed: on an accelerator each dispatched op is host-side work and, unless a view, a kernel launch, so
-the count tracks what a host-bound eager step costs (docs/sources/page.md has the figures). Each ladder
-step is composed as `experiment=page_ladder trick=page_NN_*`, then made small without changing what is dispatched:
-synthetic CIFAR-shaped data, ResNet-9 at width 8 in every layer (the same layers), batch --batch (a multiple of the
-16 ghost-BN splits), native fp16 (precision.emulate=false), the device pipeline for every step (step 1's DataLoader
-pipeline prepares batches on the CPU, outside the device's op stream; counted here as the device pipeline's ops).
-The job's own parts (job.image_parts: loaders, model, policy, optimizer, schedule, EMA) are driven as loop.run_epoch
-drives them: the next batch, ImageSteps.step, and every trainer.log_every steps the flush (amortised per step).
---warm steps run uncounted first (the optimizer's state is made at the first step). Parts: data (the batch's
-augmentation and normalisation), forward (of which ghost BN: GhostBatchNorm.forward), loss, backward, precision
-(the policy's step: casts, loss scaling), optimizer, ema, schedule, bookkeeping (the step's detached loss and
-correct count), flush (the log window's checks, per step), other.
+No GPU is needed: on an accelerator each dispatched op is host-side work and, unless a view, a
+kernel launch, so the count tracks what a host-bound eager step costs (docs/sources/page.md has the
+figures). Each ladder step is composed as `experiment=page_ladder trick=page_NN_*`, then made small
+without changing what is dispatched: synthetic CIFAR-shaped data, ResNet-9 at width 8 in every layer
+(the same layers), batch --batch (a multiple of the 16 ghost-BN splits), native fp16
+(precision.emulate=false), the device pipeline for every step (step 1's DataLoader pipeline prepares
+batches on the CPU, outside the device's op stream; counted here as the device pipeline's ops). The
+job's own parts (job.image_parts: loaders, model, policy, optimizer, schedule, EMA) are driven as
+loop.run_epoch drives them: the next batch, ImageSteps.step, and every trainer.log_every steps the
+flush (amortised per step). --warm steps run uncounted first (the optimizer's state is made at the
+first step). Parts: data (the batch's augmentation and normalisation), forward (of which ghost BN:
+GhostBatchNorm.forward), loss, backward, precision (the policy's step: casts, loss scaling),
+optimizer, ema, schedule, bookkeeping (the step's detached loss and correct count), flush (the log
+window's checks, per step), other.
 """
 from __future__ import annotations
 
@@ -39,11 +41,21 @@ from mixprec.precision import emulation
 ROOT = Path(__file__).resolve().parents[1]
 
 
-LADDER = ["page_01_baseline", "page_02_gpu_preproc", "page_03_maxpool_reorder", "page_04_label_smoothing",
-          "page_05_celu", "page_06_ghost_bn", "page_07_frozen_bn_scale", "page_08_whitening", "page_09_ema",
-          "page_10_tta"]
+LADDER = [
+    "page_01_baseline",
+    "page_02_gpu_preproc",
+    "page_03_maxpool_reorder",
+    "page_04_label_smoothing",
+    "page_05_celu",
+    "page_06_ghost_bn",
+    "page_07_frozen_bn_scale",
+    "page_08_whitening",
+    "page_09_ema",
+    "page_10_tta",
+]
 
-# (file suffix, function names or None for any, part): the innermost frame that matches names the part of an op
+# (file suffix, function names or None for any, part): the innermost frame that matches names the
+# part of an op
 RULES = [
     ("mixprec/data/pipelines.py", None, "data"),
     ("mixprec/train/tricks.py", {"update"}, "ema"),
@@ -58,8 +70,20 @@ RULES = [
     ("mixprec/train/images.py", {"step"}, "bookkeeping"),
     ("mixprec/train/step.py", None, "bookkeeping"),
 ]
-PARTS = ["data", "forward", "ghost_bn", "loss", "backward", "precision", "optimizer", "ema", "schedule",
-         "bookkeeping", "flush", "other"]
+PARTS = [
+    "data",
+    "forward",
+    "ghost_bn",
+    "loss",
+    "backward",
+    "precision",
+    "optimizer",
+    "ema",
+    "schedule",
+    "bookkeeping",
+    "flush",
+    "other",
+]
 
 
 def part_of_stack() -> str:
@@ -68,7 +92,9 @@ def part_of_stack() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         name, func = frame.f_code.co_filename.replace("\\", "/"), frame.f_code.co_name
-        if name.endswith("mixprec/models/resnet9.py") and isinstance(frame.f_locals.get("self"), GhostBatchNorm):
+        if name.endswith("mixprec/models/resnet9.py") and isinstance(
+            frame.f_locals.get("self"), GhostBatchNorm
+        ):
             return "ghost_bn"
         for suffix, funcs, part in RULES:
             if suffix in name and (funcs is None or func in funcs):
@@ -95,22 +121,45 @@ class OpCounter(TorchDispatchMode):
 
 
 def ladder_config(trick: str, batch: int, measure: int, warm: int, overrides: list[str]):
-    return validate(cli.compose([
-        "logger=none", "experiment=page_ladder", f"trick={trick}", "dataset=synthetic", "dataset.pipeline=device",
-        f"dataset.train_size={batch * (warm + measure)}", f"dataset.test_size={batch}", "model.channels=[8,8,8,8]",
-        f"trainer.batch_size={batch}", f"trainer.eval_batch_size={batch}", "trainer.device=cpu",
-        "precision.emulate=false", "trainer.prewarm_steps=0", "trick.whitening_images=64", *overrides]))
+    return validate(
+        cli.compose(
+            [
+                "logger=none",
+                "experiment=page_ladder",
+                f"trick={trick}",
+                "dataset=synthetic",
+                "dataset.pipeline=device",
+                f"dataset.train_size={batch * (warm + measure)}",
+                f"dataset.test_size={batch}",
+                "model.channels=[8,8,8,8]",
+                f"trainer.batch_size={batch}",
+                f"trainer.eval_batch_size={batch}",
+                "trainer.device=cpu",
+                "precision.emulate=false",
+                "trainer.prewarm_steps=0",
+                "trick.whitening_images=64",
+                *overrides,
+            ]
+        )
+    )
 
 
-def count_step_ops(trick: str, batch: int = 32, measure: int = 10, warm: int = 2, overrides=()) -> dict:
+def count_step_ops(
+    trick: str, batch: int = 32, measure: int = 10, warm: int = 2, overrides=()
+) -> dict:
     """Ops per steady step of ladder step `trick`, by part (with 'total')."""
     config = ladder_config(trick, batch, measure, warm, list(overrides))
     torch.manual_seed(config.seed)
     device = torch.device("cpu")
     with emulation.numerics(False):
         steps, batches, policy, optimizer, _ = run.image_parts(config, device, dist.SINGLE)
-        loop = engine.Loop(policy, optimizer, config.trainer, engine.total_steps(config.trainer, len(batches)),
-                           progress=False)
+        loop = engine.Loop(
+            policy,
+            optimizer,
+            config.trainer,
+            engine.total_steps(config.trainer, len(batches)),
+            progress=False,
+        )
         state, counter = engine.LoopState(steps_per_epoch=len(batches)), OpCounter()
         steps.start_epoch(0)
         window, it = engine.Window(), iter(batches)
@@ -127,7 +176,8 @@ def count_step_ops(trick: str, batch: int = 32, measure: int = 10, warm: int = 2
     per_step = {p: counter.parts.get(p, 0) / measure for p in PARTS if p != "flush"}
     per_step["flush"] = flush_ops / config.trainer.log_every
     per_step["total"] = sum(per_step.values())
-    per_step["views"] = views / measure   # of the total: views (no kernel launched), the flush's left out
+    # of the total: views (no kernel launched), the flush's left out
+    per_step["views"] = views / measure
     return per_step
 
 
@@ -145,7 +195,11 @@ def table(rows: dict) -> str:
     head = "| step | " + " | ".join(PARTS) + " | total | of which views |"
     lines = [head, "|" + "---|" * (len(PARTS) + 3)]
     for name, r in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r[p]:g}" for p in PARTS) + f" | {r['total']:g} | {r['views']:g} |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{r[p]:g}" for p in PARTS)
+            + f" | {r['total']:g} | {r['views']:g} |"
+        )
     return "\n".join(lines)
 
 
@@ -158,11 +212,17 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write the rows here")
     args, overrides = p.parse_known_args(argv)
     try:
-        rows = {t: count_step_ops(t, args.batch, args.measure, args.warm, overrides) for t in parse_steps(args.steps)}
-    except ConfigError as e:   # e.g. a --batch the 16 ghost-BN splits do not divide
+        rows = {
+            t: count_step_ops(t, args.batch, args.measure, args.warm, overrides)
+            for t in parse_steps(args.steps)
+        }
+    except ConfigError as e:  # e.g. a --batch the 16 ghost-BN splits do not divide
         raise SystemExit(f"bench_ladder_ops: {e}") from None
-    print(f"ATen ops per steady training step (CPU, batch {args.batch}, {args.measure} steps after {args.warm}; "
-          f"overrides: {' '.join(overrides) or 'none'})")
+    print(
+        f"ATen ops per steady training step (CPU, batch {args.batch}, {args.measure} steps after "
+        f"{args.warm}; "
+        f"overrides: {' '.join(overrides) or 'none'})"
+    )
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -1,16 +1,18 @@
 #!/usr/bin/env python
-"""Samples/s of the two image pipelines over one training epoch: the device-resident one (dataset.pipeline=device)
-against the classic DataLoader (dataset.pipeline=dataloader) with 0, 2, ... worker processes.
+"""Samples/s of the two image pipelines over one training epoch: the device-resident one
+(dataset.pipeline=device) against the classic DataLoader (dataset.pipeline=dataloader) with 0, 2,
+... worker processes.
 
-    python scripts/bench_pipeline.py                                 # CIFAR-sized synthetic data (50,000 images)
-    python scripts/bench_pipeline.py --device cuda --workers 0,4,8
+    python scripts/bench_pipeline.py                                 # CIFAR-sized synthetic data
+    (50,000 images) python scripts/bench_pipeline.py --device cuda --workers 0,4,8
     python scripts/bench_pipeline.py dataset=cifar10 dataset.data_dir=/data dataset.cutout=8
 
-Anything that is not an option is a Hydra override of conf/ (as train.py takes them). Each pipeline serves the
-same augmented, normalised batches (crop, flip, cutout, resize as configured). What is timed: building the
-loaders (moving the split to the device) and iterating whole epochs with the device synchronized at the end of
-each (the model is left out: this is the input pipeline alone). The first epoch includes worker start-up and
-allocator warm-up; with --epochs 2 or more, the last epoch's rate is reported as the steady one.
+Anything that is not an option is a Hydra override of conf/ (as train.py takes them). Each pipeline
+serves the same augmented, normalised batches (crop, flip, cutout, resize as configured). What is
+timed: building the loaders (moving the split to the device) and iterating whole epochs with the
+device synchronized at the end of each (the model is left out: this is the input pipeline alone).
+The first epoch includes worker start-up and allocator warm-up; with --epochs 2 or more, the last
+epoch's rate is reported as the steady one.
 """
 from __future__ import annotations
 
@@ -54,16 +56,27 @@ def bench(data, dataset_cfg, trainer, device, epochs: int) -> dict:
 def main() -> int:
     ap = cli.ArgumentParser(prog="bench_pipeline.py", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, auto")
-    ap.add_argument("--workers", default="0,2", help="DataLoader worker counts to try, comma-separated")
+    ap.add_argument(
+        "--workers", default="0,2", help="DataLoader worker counts to try, comma-separated"
+    )
     ap.add_argument("--batch-size", type=int, default=512)
     ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads of the main process (default: torch's)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the main process (default: torch's)",
+    )
     args, overrides = ap.parse_known_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         given = {o.split("=", 1)[0] for o in overrides}
-        base = [o for o in CIFAR_SIZED if o.split("=", 1)[0] not in given] if "dataset" not in given else []
+        base = (
+            [o for o in CIFAR_SIZED if o.split("=", 1)[0] not in given]
+            if "dataset" not in given
+            else []
+        )
         config = validate(cli.compose([*base, *overrides, f"trainer.batch_size={args.batch_size}"]))
         device = select_device(args.device, option="--device")
         data = build_image_data(config.dataset)
@@ -71,18 +84,33 @@ def main() -> int:
         print(f"bench_pipeline: {e}", file=sys.stderr)
         return 2
     cfg = config.dataset
-    aug = (f"crop (pad {cfg.crop_padding}) + flip" + (f" + cutout {cfg.cutout}" if cfg.cutout else "")
-           if cfg.augment else "none")
+    aug = (
+        f"crop (pad {cfg.crop_padding}) + flip" + (f" + cutout {cfg.cutout}" if cfg.cutout else "")
+        if cfg.augment
+        else "none"
+    )
     name = (describe(device)["device_name"] if device.type != "cpu"
             else f"{os.cpu_count()} CPU cores, torch threads: {torch.get_num_threads()}")
-    print(f"data      {cfg.name}: {len(data.train_y):,} train images, uint8 {'x'.join(map(str, data.train_x.shape[1:]))}"
-          f" -> {cfg.image_size}x{cfg.image_size}, augment {aug}, normalised")
-    print(f"batches   {args.batch_size} per step, {args.epochs} epoch(s), channels_last={config.trainer.channels_last}")
+    print(
+        f"data      {cfg.name}: {len(data.train_y):,} train images, uint8 "
+        f"{'x'.join(map(str, data.train_x.shape[1:]))}"
+        f" -> {cfg.image_size}x{cfg.image_size}, augment {aug}, normalised"
+    )
+    print(
+        f"batches   {args.batch_size} per step, {args.epochs} epoch(s), "
+        f"channels_last={config.trainer.channels_last}"
+    )
     print(f"device    {device} ({name}), torch {torch.__version__}")
     runs = [("device", dataclasses.replace(cfg, pipeline="device"))]
-    runs += [(f"dataloader workers={w}", dataclasses.replace(cfg, pipeline="dataloader", workers=int(w)))
-             for w in args.workers.split(",") if w != ""]
-    print(f"{'pipeline':<22} {'setup s':>8} {'epoch s':>16} {'samples/s':>10}" + ("  (last epoch)" if args.epochs > 1 else ""))
+    runs += [
+        (f"dataloader workers={w}", dataclasses.replace(cfg, pipeline="dataloader", workers=int(w)))
+        for w in args.workers.split(",")
+        if w != ""
+    ]
+    print(
+        f"{'pipeline':<22} {'setup s':>8} {'epoch s':>16} {'samples/s':>10}"
+        + ("  (last epoch)" if args.epochs > 1 else "")
+    )
     results = {}
     for label, dcfg in runs:
         r = results[label] = bench(data, dcfg, config.trainer, device, args.epochs)

@@ -1,15 +1,19 @@
 """Benchmarks of the harness itself and of models x precisions.
 
-  python scripts/benchmark.py overhead [train.py overrides] [--compile MODE]   e.g. model=resnet18 precision=amp
-      mixprec's training loop (engine.fit through mixprec.job.train_and_record, records and all) against the loop a
-      user would write by hand for the same job: same model, batch, data on the device, optimizer (class and
-      optimizer.impl kernels), schedule, autocast/GradScaler, grad clipping, channels_last and compile mode; a job
-      the hand loop cannot mirror (low-precision weights, master weights, a static loss scale, any trick, augmented
-      or non-synthetic data, on_nonfinite=skip) is refused with the reason. --steps timed steps (300) after
-      --warmup; one discarded round, then --repeats rounds, each running both loops in a random order (--seed);
-      reports each loop's median, the ratio mixprec / hand of the medians, and the spread (min..max) of the
-      per-round ratios. --compile MODE compiles both (trainer.compile=MODE; compilation is untimed in both).
-  python scripts/benchmark.py table --models resnet18,resnet50 --precisions fp32,tf32,amp,amp_bf16,half,bf16
+  python scripts/benchmark.py overhead [train.py overrides] [--compile MODE]   e.g. model=resnet18
+  precision=amp
+      mixprec's training loop (engine.fit through mixprec.job.train_and_record, records and all)
+      against the loop a user would write by hand for the same job: same model, batch, data on the
+      device, optimizer (class and optimizer.impl kernels), schedule, autocast/GradScaler, grad
+      clipping, channels_last and compile mode; a job the hand loop cannot mirror (low-precision
+      weights, master weights, a static loss scale, any trick, augmented or non-synthetic data,
+      on_nonfinite=skip) is refused with the reason. --steps timed steps (300) after --warmup; one
+      discarded round, then --repeats rounds, each running both loops in a random order (--seed);
+      reports each loop's median, the ratio mixprec / hand of the medians, and the spread (min..max)
+      of the per-round ratios. --compile MODE compiles both (trainer.compile=MODE; compilation is
+      untimed in both).
+  python scripts/benchmark.py table --models resnet18,resnet50 --precisions
+  fp32,tf32,amp,amp_bf16,half,bf16
           --batches 64,256 --compiles none,default [overrides] --out DIR
       the speed table, one cell per (image model, precision, batch, compile mode): each model
       is built once, each cell trains a copy of it the way a job does (the precision policy,
@@ -23,12 +27,14 @@
       (max allocated on the accelerator; '-' on a CPU) and the cell's own seconds. A cell that
       fails (an OOM, a compile error) is recorded with its error, dynamo and the device's cache
       are reset, and the table goes on. --out DIR: table.json and
-      table.md. Language models are not in it (their speed: train.py experiment=transformer_precision).
+      table.md. Language models are not in it (their speed: train.py
+      experiment=transformer_precision).
 
-Both run on the CPU too (use small sizes there: model=small_cnn trainer.batch_size=32 dataset.image_size=16). What
-overhead times: the same thing for both loops: training steps only (batch slicing and normalisation on the
-device, forward, loss, backward, optimizer step, loss-scale update), after --warmup steps, with the device
-synchronized before each clock reading; no evaluation, no data generation.
+Both run on the CPU too (use small sizes there: model=small_cnn trainer.batch_size=32
+dataset.image_size=16). What overhead times: the same thing for both loops: training steps only
+(batch slicing and normalisation on the device, forward, loss, backward, optimizer step, loss-scale
+update), after --warmup steps, with the device synchronized before each clock reading; no
+evaluation, no data generation.
 """
 from __future__ import annotations
 
@@ -65,7 +71,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose(overrides: list[str]) -> tuple[Config, dict]:
-    """The validated config, and the summary fields a job gets from Hydra (choices, overrides, config)."""
+    """The validated config, and the summary fields a job gets from Hydra (choices, overrides,
+    config)."""
     cfg = cli.compose(["logger=none", *overrides], return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
     return validate(cfg), {"choices": choices, "overrides": overrides, "config": plain_config(cfg)}
@@ -88,36 +95,57 @@ def mixprec_throughput(overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as out:
         summary = train_and_record(config, {"status": "failed", **fields}, Path(out))
     if summary["status"] != "completed":
-        raise SystemExit(f"benchmark: the mixprec job did not complete: {summary.get('error') or summary.get('reason')}")
+        raise SystemExit(
+            "benchmark: the mixprec job did not complete: "
+            f"{summary.get('error') or summary.get('reason')}"
+        )
     m = summary["metrics"]
     if m["throughput_includes_warmup"]:
         raise SystemExit("benchmark: too few steps for a steady-state measurement; raise --steps")
-    return {"samples_per_s": m["throughput"], "mfu": m.get("mfu"), "device": summary["env"]["device_name"],
-            "peak_memory_mb": m["peak_memory_mb"]}
+    return {
+        "samples_per_s": m["throughput"],
+        "mfu": m.get("mfu"),
+        "device": summary["env"]["device_name"],
+        "peak_memory_mb": m["peak_memory_mb"],
+    }
 
 
 def refusal(config: Config) -> str | None:
     """Why the hand-written loop cannot mirror this job (None when it can)."""
     p, tr, t = config.precision, config.trainer, config.trick
     if p.param_dtype != "float32" or p.master_weights or p.loss_scale not in ("dynamic", "none"):
-        return (f"the hand-written loop covers the autocast family (fp32, tf32, amp, amp_bf16, o0, o1), not "
-                f"precision={p.name} (low-precision weights, master weights or a static loss scale)")
+        return (
+            "the hand-written loop covers the autocast family (fp32, tf32, amp, amp_bf16, o0, "
+            "o1), not "
+            f"precision={p.name} (low-precision weights, master weights or a static loss scale)"
+        )
     if t != type(t)():
-        return f"the hand-written loop has no tricks; trick={t.name} changes the step (use trick=none)"
+        return (
+            f"the hand-written loop has no tricks; trick={t.name} changes the step (use trick=none)"
+        )
     if config.model.bn_eval or config.model.arch == "resnet9":
-        return "the hand-written loop trains a plain model; resnet9 and bn_eval are tricks of Page's ladder"
+        return ("the hand-written loop trains a plain model; resnet9 and bn_eval are tricks of "
+                "Page's ladder")
     if tr.on_nonfinite == "skip":
-        return "the hand-written loop has no loss check before backward; use trainer.on_nonfinite=stop"
-    if config.dataset.name != "synthetic" or config.dataset.augment or config.dataset.pipeline != "device":
-        return "the hand-written loop reads synthetic images from the device, unaugmented (dataset=synthetic)"
+        return (
+            "the hand-written loop has no loss check before backward; use trainer.on_nonfinite=stop"
+        )
+    if (
+        config.dataset.name != "synthetic"
+        or config.dataset.augment
+        or config.dataset.pipeline != "device"
+    ):
+        return ("the hand-written loop reads synthetic images from the device, unaugmented "
+                "(dataset=synthetic)")
     return None
 
 
 def hand_throughput(overrides: list[str]) -> dict:
-    """The loop a user would write by hand for the same job: the same model, optimizer (torch.optim class and
-    kernels, optimizer.impl), schedule, autocast and GradScaler, gradient clipping, channels_last, resize and
-    compile mode; no mixprec code in the timed part (build_optimizer/build_schedule are a torch.optim constructor
-    and a LambdaLR, made before the clock)."""
+    """The loop a user would write by hand for the same job: the same model, optimizer (torch.optim
+    class and kernels, optimizer.impl), schedule, autocast and GradScaler, gradient clipping,
+    channels_last, resize and compile mode; no mixprec code in the timed part
+    (build_optimizer/build_schedule are a torch.optim constructor and a LambdaLR, made before the
+    clock)."""
     config, _ = compose(overrides)
     p, tr = config.precision, config.trainer
     device = hardware.select_device(tr.device)
@@ -146,11 +174,19 @@ def hand_throughput(overrides: list[str]) -> dict:
         idx = perm[i * b:(i + 1) * b]
         x = x_all[idx].float()
         if size != x.shape[-1]:
-            x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=size < x.shape[-1])
+            x = F.interpolate(
+                x,
+                size=(size, size),
+                mode="bilinear",
+                align_corners=False,
+                antialias=size < x.shape[-1],
+            )
         x = (x - mean) / std
         if tr.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        with torch.autocast(
+            device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+        ):
             out = net(x)
         loss = F.cross_entropy(out.float(), y_all[idx])
         scaler.scale(loss).backward()
@@ -166,8 +202,9 @@ def hand_throughput(overrides: list[str]) -> dict:
 
 
 def overhead(args) -> dict:
-    """Both loops, --repeats rounds after one discarded round, each round's two runs in a random order; the
-    median of each loop, the ratio of the medians and the spread of the per-round ratios."""
+    """Both loops, --repeats rounds after one discarded round, each round's two runs in a random
+    order; the median of each loop, the ratio of the medians and the spread of the per-round
+    ratios."""
     extra = [f"trainer.compile={args.compile}"] if args.compile != "none" else []
     overrides = sized([*args.overrides, *extra], args.steps, args.warmup)
     why = refusal(compose(overrides)[0])
@@ -176,7 +213,8 @@ def overhead(args) -> dict:
     loops = {"mixprec": mixprec_throughput, "hand": hand_throughput}
     runs = {"mixprec": [], "hand": []}
     order = random.Random(args.seed)
-    for r in range(args.repeats + 1):   # round 0 is discarded: process-level first-use costs (and compilation caches)
+    # round 0 is discarded: process-level first-use costs (and compilation caches)
+    for r in range(args.repeats + 1):
         names = list(loops)
         order.shuffle(names)
         for name in names:
@@ -186,20 +224,35 @@ def overhead(args) -> dict:
     ours, hand = runs["mixprec"], runs["hand"]
     ratios = sorted(m / h for m, h in zip(ours, hand))
     m, h = statistics.median(ours), statistics.median(hand)
-    result = {"overrides": args.overrides, "compile": args.compile, "steps": args.steps, "warmup": args.warmup,
-              "repeats": args.repeats, "seed": args.seed, "mixprec_samples_per_s": ours, "hand_samples_per_s": hand,
-              "median_mixprec": m, "median_hand": h, "ratio": m / h, "overhead": h / m - 1,
-              "round_ratios": ratios, "spread": [ratios[0], ratios[-1]]}
+    result = {
+        "overrides": args.overrides,
+        "compile": args.compile,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "mixprec_samples_per_s": ours,
+        "hand_samples_per_s": hand,
+        "median_mixprec": m,
+        "median_hand": h,
+        "ratio": m / h,
+        "overhead": h / m - 1,
+        "round_ratios": ratios,
+        "spread": [ratios[0], ratios[-1]],
+    }
     print(f"{'loop':10s} {'samples/s (median of ' + str(args.repeats) + ')':>28s}  runs")
     print(f"{'mixprec':10s} {m:>28.1f}  {', '.join(f'{v:.1f}' for v in ours)}")
     print(f"{'hand':10s} {h:>28.1f}  {', '.join(f'{v:.1f}' for v in hand)}")
-    print(f"ratio mixprec / hand: {m / h:.3f} (per-round ratios {ratios[0]:.3f} .. {ratios[-1]:.3f}; "
-          f"compile={args.compile}, {args.steps} timed steps after {args.warmup})")
+    print(
+        f"ratio mixprec / hand: {m / h:.3f} (per-round ratios {ratios[0]:.3f} .. {ratios[-1]:.3f}; "
+        f"compile={args.compile}, {args.steps} timed steps after {args.warmup})"
+    )
     print(f"harness overhead: {100 * result['overhead']:+.2f}% (hand / mixprec - 1)")
     return result
 
 
-# -- the speed table: each model built once, each (model, precision, batch, compile) cell timed in seconds ------
+# -- the speed table: each model built once, each (model, precision, batch, compile) cell timed in
+# seconds ----
 
 class CellSteps(images.ImageSteps):
     """A job's image steps (images.ImageSteps: the same step), without evaluation: a cell times
@@ -210,8 +263,8 @@ class CellSteps(images.ImageSteps):
 
 
 def build_base(config: Config, device: torch.device) -> tuple[torch.nn.Module, tuple, int]:
-    """The model in fp32 on the device (built once per model; each cell trains a copy), its image shape and
-    number of classes."""
+    """The model in fp32 on the device (built once per model; each cell trains a copy), its image
+    shape and number of classes."""
     shape = (3, config.dataset.image_size, config.dataset.image_size)
     classes = 100 if "100" in config.dataset.name else 10
     torch.manual_seed(config.seed)
@@ -234,7 +287,9 @@ def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> t
 
     tr = config.trainer
     modes.configure(device, tr, config.precision, config.seed)
-    modes.refuse_emulated_compile(config.precision, tr.compile, modes.emulates(config.precision, device))
+    modes.refuse_emulated_compile(
+        config.precision, tr.compile, modes.emulates(config.precision, device)
+    )
     built = build_trained(copy.deepcopy(base), config, device, channels_last=tr.channels_last)
     model, policy, optimizer = built.model, built.policy, built.optimizer
     schedule = build_schedule(config.schedule, optimizer, tr.max_steps)
@@ -347,8 +402,18 @@ def benchmark_fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-TABLE_HEADS = ["model", "precision", "batch", "compile", "samples/s", "vs fp32", "step ms", "GPU busy", "peak MB",
-               "note"]
+TABLE_HEADS = [
+    "model",
+    "precision",
+    "batch",
+    "compile",
+    "samples/s",
+    "vs fp32",
+    "step ms",
+    "GPU busy",
+    "peak MB",
+    "note",
+]
 CELL_KEYS = ("model", "precision", "batch", "compile")
 
 
@@ -401,8 +466,14 @@ class TableFile:
 
     def __init__(self, args):
         self.out, self.t0 = args.out, time.perf_counter()
-        self.result = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
-                       "batches": args.batches, "compiles": args.compiles, "torch": torch.__version__}
+        self.result = {
+            "overrides": args.overrides,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "batches": args.batches,
+            "compiles": args.compiles,
+            "torch": torch.__version__,
+        }
 
     def save(self, rows: list, device: torch.device, done: bool = False) -> None:
         if "device" not in self.result:
@@ -422,23 +493,53 @@ def table(args) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = cli.ArgumentParser(prog="benchmark.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = cli.ArgumentParser(
+        prog="benchmark.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("what", choices=["overhead", "table"])
     parser.add_argument("overrides", nargs="*", help="train.py overrides")
-    parser.add_argument("--steps", type=int, help="timed steps per measurement (overhead 300, table 30)")
+    parser.add_argument(
+        "--steps", type=int, help="timed steps per measurement (overhead 300, table 30)"
+    )
     parser.add_argument("--warmup", type=int, help="untimed steps first (overhead 10, table 10)")
-    parser.add_argument("--repeats", type=int, default=5, help="overhead: rounds (each runs both loops, in random order)")
-    parser.add_argument("--seed", type=int, default=0, help="overhead: seed of the rounds' random order")
-    parser.add_argument("--compile", default="none", choices=["none", "default", "max-autotune", "reduce-overhead"],
-                        help="overhead: compile both loops' models in this torch.compile mode (trainer.compile)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="overhead: rounds (each runs both loops, in random order)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="overhead: seed of the rounds' random order"
+    )
+    parser.add_argument(
+        "--compile",
+        default="none",
+        choices=["none", "default", "max-autotune", "reduce-overhead"],
+        help="overhead: compile both loops' models in this torch.compile mode (trainer.compile)",
+    )
     parser.add_argument("--models", default="resnet18,resnet50")
     parser.add_argument("--precisions", default="fp32,tf32,amp,amp_bf16")
-    parser.add_argument("--batches", type=int_list, default=[64, 256], help="table: batch sizes (trainer.batch_size)")
-    parser.add_argument("--compiles", type=lambda s: s.split(","), default=["none"],
-                        help="table: compile modes, e.g. none,default,reduce-overhead (trainer.compile)")
-    parser.add_argument("--out", type=Path, help="overhead: write the results as JSON to this file; table: the folder "
-                        "that gets table.json and table.md")
+    parser.add_argument(
+        "--batches",
+        type=int_list,
+        default=[64, 256],
+        help="table: batch sizes (trainer.batch_size)",
+    )
+    parser.add_argument(
+        "--compiles",
+        type=lambda s: s.split(","),
+        default=["none"],
+        help="table: compile modes, e.g. none,default,reduce-overhead (trainer.compile)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="overhead: write the results as JSON to this file; table: the folder "
+        "that gets table.json and table.md",
+    )
     args = parser.parse_intermixed_args(argv)
     args.steps = (300 if args.what == "overhead" else 30) if args.steps is None else args.steps
     args.warmup = 10 if args.warmup is None else args.warmup
@@ -449,7 +550,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"benchmark: config error: {e}", file=sys.stderr)
         return 2
-    result.update(torch=torch.__version__, command=" ".join(["python scripts/benchmark.py", *sys.argv[1:]]))
+    result.update(
+        torch=torch.__version__, command=" ".join(["python scripts/benchmark.py", *sys.argv[1:]])
+    )
     if args.out and args.what == "overhead":
         write_json_atomic(args.out, result)
     return 0
@@ -459,7 +562,9 @@ def int_list(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. 64,256") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give comma-separated integers, e.g. 64,256"
+        ) from None
 
 
 if __name__ == "__main__":

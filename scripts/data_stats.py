@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""What data you have: counts per split and per class, channel mean/std, or token and vocabulary counts.
+"""What data you have: counts per split and per class, channel mean/std, or token and vocabulary
+counts.
 
-    python scripts/data_stats.py dataset=cifar10                       # any dataset option, any overrides
-    python scripts/data_stats.py dataset=cifar100 dataset.data_dir=/data
+    python scripts/data_stats.py dataset=cifar10                       # any dataset option, any
+    overrides python scripts/data_stats.py dataset=cifar100 dataset.data_dir=/data
     python scripts/data_stats.py dataset=wikitext2
 
-The dataset is composed from conf/ exactly as train.py composes it (and downloaded if missing and allowed).
-A missing or unreadable dataset: one line on stderr and exit status 1; a bad value: exit status 2.
+The dataset is composed from conf/ exactly as train.py composes it (and downloaded if missing and
+allowed). A missing or unreadable dataset: one line on stderr and exit status 1; a bad value: exit
+status 2.
 """
 from __future__ import annotations
 
@@ -31,16 +33,29 @@ def image_report(cfg) -> list[str]:
         from mixprec.data.cifar import official_md5
         ok = official_md5(cfg.name, cfg.data_dir)
         bad = [f for f, good in ok.items() if not good]
-        lines.append("files       " + ("the published files (md5 matches)" if not bad else
-                                      f"md5 differs from the published one for {', '.join(bad)} (not the official "
-                                      "files: e.g. a re-encoded copy; accuracies may not compare)"))
+        lines.append(
+            "files       "
+            + (
+                "the published files (md5 matches)"
+                if not bad
+                else f"md5 differs from the published one for {', '.join(bad)} (not the official "
+                "files: e.g. a re-encoded copy; accuracies may not compare)"
+            )
+        )
         lines.append(f"cache       {data.info['cache']}  ({data.info['cache_dir']})")
     shape = "x".join(map(str, data.train_x.shape[1:]))
-    lines.append(f"images      train {len(data.train_y):,}, test {len(data.test_y):,}  (uint8 {shape}, "
-                 f"{data.num_classes} classes)")
+    lines.append(
+        f"images      train {len(data.train_y):,}, test {len(data.test_y):,}  (uint8 {shape}, "
+        f"{data.num_classes} classes)"
+    )
     lines.append("channel     mean " + " ".join(f"{v:.4f}" for v in data.mean) + "   std "
                  + " ".join(f"{v:.4f}" for v in data.std) + "   (train, in [0, 1])")
-    lines += class_table("class", data.classes or [str(i) for i in range(data.num_classes)], data.train_y, data.test_y)
+    lines += class_table(
+        "class",
+        data.classes or [str(i) for i in range(data.num_classes)],
+        data.train_y,
+        data.test_y,
+    )
     if data.train_coarse is not None:
         lines += class_table("superclass", data.coarse_classes, data.train_coarse, data.test_coarse)
     return lines
@@ -63,8 +78,14 @@ def text_report(cfg) -> list[str]:
     lines = [f"dataset     {cfg.name}  ({info.get('source', 'generated from dataset.seed')})"]
     if "official" in info:
         bad = [s for s, good in info["official"].items() if not good]
-        lines.append("files       " + ("the published files (sha256 matches)" if not bad else
-                                      f"sha256 differs from the published one for {', '.join(bad)}"))
+        lines.append(
+            "files       "
+            + (
+                "the published files (sha256 matches)"
+                if not bad
+                else f"sha256 differs from the published one for {', '.join(bad)}"
+            )
+        )
         lines.append(f"cache       {info['cache']}  ({info['cache_dir']})")
     lines.append(f"vocabulary  {corpus.vocab_size:,} words (train, valid, test in that order)")
     vocab = corpus.vocab

@@ -2,8 +2,9 @@
 
     python scripts/evaluate.py outputs/runs/<time>      [--device cpu]
 
-Whatever precision the job trained in (half, o2, amp ...), it saved model_fp32.pt; this loads it into a fresh fp32
-model rebuilt from the job's summary.json and prints the accuracy beside the one the job recorded.
+Whatever precision the job trained in (half, o2, amp ...), it saved model_fp32.pt; this loads it
+into a fresh fp32 model rebuilt from the job's summary.json and prints the accuracy beside the one
+the job recorded.
 """
 import json
 import sys
@@ -24,17 +25,24 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
     if not (args.run_dir / "summary.json").is_file():
-        print(f"evaluate: {args.run_dir}: no summary.json there; give the folder of a finished train.py job "
-              "(outputs/runs/<time>, or a job folder of a sweep)", file=sys.stderr)
+        print(
+            f"evaluate: {args.run_dir}: no summary.json there; give the folder of a finished "
+            "train.py job "
+            "(outputs/runs/<time>, or a job folder of a sweep)",
+            file=sys.stderr,
+        )
         return 2
     try:
         r = evaluate_saved(args.run_dir, args.device)
     except (CheckpointError, ConfigError, DataError) as e:
         print(f"evaluate: {e}".replace("trainer.device", "--device"), file=sys.stderr)
         return 2
-    print(f"trained in {r['precision']}; fp32 evaluation of model_fp32.pt: test acc {r['test_acc']:.4f} "
-          f"(the job recorded {r['recorded_test_acc']:.4f}), test loss {r['test_loss']:.4f} "
-          f"(recorded {r['recorded_test_loss']:.4f})")
+    print(
+        f"trained in {r['precision']}; fp32 evaluation of model_fp32.pt: test acc "
+        f"{r['test_acc']:.4f} "
+        f"(the job recorded {r['recorded_test_acc']:.4f}), test loss {r['test_loss']:.4f} "
+        f"(recorded {r['recorded_test_loss']:.4f})"
+    )
     print(json.dumps(r))
     return 0
 

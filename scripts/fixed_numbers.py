@@ -1,14 +1,16 @@
-"""The numbers a refactor must not move: a fixed set of fixed-seed CPU jobs, their losses, accuracies,
-perplexities, skip counts and verdicts, recorded once and checked after any move.
+"""The numbers a refactor must not move: a fixed set of fixed-seed CPU jobs, their losses,
+accuracies, perplexities, skip counts and verdicts, recorded once and checked after any move.
 
     python scripts/fixed_numbers.py record outputs/reference/fixed_numbers/numbers.json
-    python scripts/fixed_numbers.py check outputs/reference/fixed_numbers/numbers.json [--only NAME ...]
+    python scripts/fixed_numbers.py check outputs/reference/fixed_numbers/numbers.json [--only NAME
+    ...]
 
-Each job runs `train.py` in a subprocess on the CPU (fp16/bf16 emulated, as a CPU job always is), so the check
-goes through the same entry point a user runs, whatever the modules behind it are called. What is compared:
-every value of summary.json's metrics, nonfinite, verdict, numerics, fp8 and status, and every row of
-metrics.jsonl, less the keys that measure time, speed or memory (they differ run to run). Values must be
-identical: a move changes no arithmetic. Exit status 1 when any value differs, with one line per difference.
+Each job runs `train.py` in a subprocess on the CPU (fp16/bf16 emulated, as a CPU job always is), so
+the check goes through the same entry point a user runs, whatever the modules behind it are called.
+What is compared: every value of summary.json's metrics, nonfinite, verdict, numerics, fp8 and
+status, and every row of metrics.jsonl, less the keys that measure time, speed or memory (they
+differ run to run). Values must be identical: a move changes no arithmetic. Exit status 1 when any
+value differs, with one line per difference.
 """
 from __future__ import annotations
 
@@ -26,10 +28,21 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL_CNN = ["model=small_cnn", "model.width=8", "dataset.train_size=128", "dataset.test_size=64",
              "trainer.batch_size=16", "trainer.eval_batch_size=32", "trainer.max_steps=12",
              "trainer.log_every=4"]
-LSTM = ["experiment=apex_word_lm", "hydra.mode=RUN", "dataset=synthetic_text", "dataset.vocab_size=40",
-        "dataset.train_size=1200", "dataset.test_size=200", "model.emsize=8", "model.nhid=8",
-        "trainer.batch_size=4", "trainer.eval_batch_size=5", "dataset.bptt=6", "trainer.max_steps=12",
-        "trainer.log_every=4"]
+LSTM = [
+    "experiment=apex_word_lm",
+    "hydra.mode=RUN",
+    "dataset=synthetic_text",
+    "dataset.vocab_size=40",
+    "dataset.train_size=1200",
+    "dataset.test_size=200",
+    "model.emsize=8",
+    "model.nhid=8",
+    "trainer.batch_size=4",
+    "trainer.eval_batch_size=5",
+    "dataset.bptt=6",
+    "trainer.max_steps=12",
+    "trainer.log_every=4",
+]
 GPT = ["model=gpt", "dataset=synthetic_text", "dataset.vocab_size=64", "dataset.train_size=4000",
        "dataset.test_size=400", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
        "model.block_size=16", "dataset.bptt=16", "model.dropout=0", "model.vocab_multiple=1",
@@ -58,7 +71,9 @@ CASES = {
 COMMON = ["logger=none", "trainer.device=cpu", "seed=0", "trainer.deterministic=true"]
 
 # Keys that measure time, speed or memory: they differ run to run, and a move may change them.
-VOLATILE = re.compile(r"time|_s$|throughput|samples_per_s|memory|_mb$|mfu|busy|host_bound|rate|rss|peak")
+VOLATILE = re.compile(
+    r"time|_s$|throughput|samples_per_s|memory|_mb$|mfu|busy|host_bound|rate|rss|peak"
+)
 
 
 def stable(value):
@@ -77,8 +92,10 @@ def run_case(name: str, out: Path) -> dict:
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     summary_file = out / "summary.json"
     if not summary_file.exists():
-        raise SystemExit(f"fixed_numbers: case {name} wrote no summary.json (exit {r.returncode}):\n"
-                         f"{r.stderr[-2000:]}")
+        raise SystemExit(
+            f"fixed_numbers: case {name} wrote no summary.json (exit {r.returncode}):\n"
+            f"{r.stderr[-2000:]}"
+        )
     summary = json.loads(summary_file.read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     keep = ("status", "nonfinite", "metrics", "verdict", "numerics", "fp8")
@@ -96,7 +113,9 @@ def differences(old, new, path: str = "") -> list[str]:
                 out += differences(old[k], new[k], f"{path}.{k}")
         return out
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return [d for i, (a, b) in enumerate(zip(old, new)) for d in differences(a, b, f"{path}[{i}]")]
+        return [
+            d for i, (a, b) in enumerate(zip(old, new)) for d in differences(a, b, f"{path}[{i}]")
+        ]
     return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
 
 
@@ -118,9 +137,13 @@ def main(argv=None) -> int:
     names = args.only or list(CASES)
     if args.action == "record":
         import torch
-        record = {"command": f"python scripts/fixed_numbers.py record {args.file}",
-                  "device": "cpu (fp16/bf16 emulated)", "torch": torch.__version__,
-                  "cases": {name: CASES[name] + COMMON for name in names}, "numbers": run_all(names)}
+        record = {
+            "command": f"python scripts/fixed_numbers.py record {args.file}",
+            "device": "cpu (fp16/bf16 emulated)",
+            "torch": torch.__version__,
+            "cases": {name: CASES[name] + COMMON for name in names},
+            "numbers": run_all(names),
+        }
         args.file.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.file.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1) + "\n")
@@ -134,7 +157,9 @@ def main(argv=None) -> int:
     old = json.loads(args.file.read_text())["numbers"]
     new = run_all(names)
     diffs = [d for name in names for d in differences(old.get(name), new[name], name)]
-    print("\n".join(diffs) if diffs else f"fixed_numbers: {len(names)} cases, every number identical")
+    print(
+        "\n".join(diffs) if diffs else f"fixed_numbers: {len(names)} cases, every number identical"
+    )
     return 1 if diffs else 0
 
 

@@ -1,10 +1,12 @@
 """Make the reproduction report from jobs' records (summary.json + metrics.jsonl; never W&B).
 
-    python scripts/make_report.py outputs/sweeps/<time>                  # -> outputs/sweeps/<time>/report/
-    python scripts/make_report.py 'outputs/sweeps/*' --out outputs/report
-    python scripts/make_report.py outputs/sweeps/<time> --wandb          # also a W&B Report, when online
+    python scripts/make_report.py outputs/sweeps/<time>                  # ->
+    outputs/sweeps/<time>/report/ python scripts/make_report.py 'outputs/sweeps/*' --out
+    outputs/report python scripts/make_report.py outputs/sweeps/<time> --wandb          # also a W&B
+    Report, when online
 
-Writes report.md, report.html (self-contained: plots embedded), report.json and plots/*.png into --out.
+Writes report.md, report.html (self-contained: plots embedded), report.json and plots/*.png into
+--out.
 """
 from __future__ import annotations
 
@@ -20,10 +22,27 @@ from mixprec.report.published import SourceError
 
 def main(argv=None) -> int:
     ap = cli.ArgumentParser(prog="make_report.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", metavar="RUN_DIRS", help="sweep or job folders, summary.json files, or globs")
-    ap.add_argument("--out", type=Path, help="output folder (default: RUN_DIR/report for one folder, else outputs/report)")
-    ap.add_argument("--published", type=Path, help="folder of published-number YAMLs (default: src/mixprec/published)")
-    ap.add_argument("--wandb", action="store_true", help="also build the report as a W&B Report in the runs' project")
+    ap.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIRS",
+        help="sweep or job folders, summary.json files, or globs",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default: RUN_DIR/report for one folder, else outputs/report)",
+    )
+    ap.add_argument(
+        "--published",
+        type=Path,
+        help="folder of published-number YAMLs (default: src/mixprec/published)",
+    )
+    ap.add_argument(
+        "--wandb",
+        action="store_true",
+        help="also build the report as a W&B Report in the runs' project",
+    )
     args = ap.parse_args(argv)
     try:
         data = make_report(args.runs, out=args.out, published=args.published)
@@ -31,9 +50,18 @@ def main(argv=None) -> int:
         print(f"make_report: {e}", file=sys.stderr)
         return 2
     n_exp = len(data["experiments"])
-    missing = sum(1 for e in data["experiments"] for c in e["comparisons"] for r in c["rows"] if r["group"] is None)
-    print(f"report: {data['jobs']} jobs in {n_exp} experiment(s); {missing} published value(s) without a run"
-          + (f"; {len(data['problems'])} unreadable summary file(s)" if data["problems"] else ""))
+    missing = sum(
+        1
+        for e in data["experiments"]
+        for c in e["comparisons"]
+        for r in c["rows"]
+        if r["group"] is None
+    )
+    print(
+        f"report: {data['jobs']} jobs in {n_exp} experiment(s); {missing} published value(s) "
+        "without a run"
+        + (f"; {len(data['problems'])} unreadable summary file(s)" if data["problems"] else "")
+    )
     print(f"report: {Path(data['out']) / 'report.html'}")
     print(f"report: {Path(data['out']) / 'report.md'}")
     if args.wandb:

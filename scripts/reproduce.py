@@ -1,19 +1,22 @@
 """Reproduce every article on this machine's GPU within a time budget, into one folder to share.
 
-    python scripts/reproduce.py [train.py overrides, e.g. gpu=h100 dataset.data_dir=/data] [--budget 60m]
-    python scripts/reproduce.py --plan --budget 30m          # calibrate, print the plan, run nothing
-    python scripts/reproduce.py --only page_ladder,torch_amp  # some articles (or sweeps) only
-    python scripts/reproduce.py --smoke                       # the whole plan at tiny sizes: a CPU proof
-    python scripts/reproduce.py --plan-file src/mixprec/tools/plan_cpu.yaml --only torch_amp dataset.data_dir=/data
-                                                              # accuracy at CPU sizes, fp16/bf16 emulated
+    python scripts/reproduce.py [train.py overrides, e.g. gpu=h100 dataset.data_dir=/data] [--budget
+    60m] python scripts/reproduce.py --plan --budget 30m          # calibrate, print the plan, run
+    nothing python scripts/reproduce.py --only page_ladder,torch_amp  # some articles (or sweeps)
+    only python scripts/reproduce.py --smoke                       # the whole plan at tiny sizes: a
+    CPU proof python scripts/reproduce.py --plan-file src/mixprec/tools/plan_cpu.yaml --only
+    torch_amp dataset.data_dir=/data
+                                                              # accuracy at CPU sizes, fp16/bf16
+                                                              emulated
 
-The plan is src/mixprec/tools/plan.yaml. First a calibration times a few steps of each sweep's jobs on this device
-(warm-up excluded, synthetic stand-in data of the real shapes) and predicts each sweep's minutes; with --budget
-the plan is cut to fit (each sweep's `cuts`, the longest sweep first) and printed before anything runs. The
-sweeps run as `python train.py -m ... trainer.resume=auto` into <out>/runs/<sweep>: run the same command again
-after a crash, Ctrl-C or kill -9 and finished jobs are skipped, interrupted ones resume from their checkpoints; a
-calibration stopped part-way continues likewise (<out>/calibration.json, its jobs also with trainer.resume=auto).
-A failing sweep is recorded and the next one runs. <out> (default outputs/reference/<gpu>-<date>/) ends with
+The plan is src/mixprec/tools/plan.yaml. First a calibration times a few steps of each sweep's jobs
+on this device (warm-up excluded, synthetic stand-in data of the real shapes) and predicts each
+sweep's minutes; with --budget the plan is cut to fit (each sweep's `cuts`, the longest sweep first)
+and printed before anything runs. The sweeps run as `python train.py -m ... trainer.resume=auto`
+into <out>/runs/<sweep>: run the same command again after a crash, Ctrl-C or kill -9 and finished
+jobs are skipped, interrupted ones resume from their checkpoints; a calibration stopped part-way
+continues likewise (<out>/calibration.json, its jobs also with trainer.resume=auto). A failing sweep
+is recorded and the next one runs. <out> (default outputs/reference/<gpu>-<date>/) ends with
 report/, ENVIRONMENT.md, COMMANDS.md and plan.md (predicted against actual minutes).
 """
 from __future__ import annotations
@@ -43,14 +46,15 @@ ROOT = Path(__file__).resolve().parents[1]
 FINAL = ("completed", "diverged", "failed")
 STATE = "plan.json"
 CALIBRATION = "calibration.json"   # the calibration so far (calibrate): a killed one continues
-FIXED = ["hydra.callbacks.sweep_table.report=false"]   # the folder's report is made once, at the end
+# the folder's report is made once, at the end
+FIXED = ["hydra.callbacks.sweep_table.report=false"]
 
 
 def log(msg: str) -> None:
     print(f"reproduce: {msg}", flush=True)
 
 
-# ---------------------------------------------------------------------------------------------------- the folder
+# --------------------------------------------------------------------------------------- the folder
 
 
 def environment() -> dict:
@@ -59,19 +63,31 @@ def environment() -> dict:
 
     device = select_device("auto")   # the build's accelerator (torch.accelerator), else the CPU
     env = describe(device)
-    env["gpus"] = ([] if device.type == "cpu" else
-                   [torch.get_device_module(device).get_device_name(i) for i in range(torch.accelerator.device_count())])
+    env["gpus"] = (
+        []
+        if device.type == "cpu"
+        else [
+            torch.get_device_module(device).get_device_name(i)
+            for i in range(torch.accelerator.device_count())
+        ]
+    )
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)
-        env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+        env["driver"] = (
+            out.stdout.strip().splitlines()[0]
+            if out.returncode == 0 and out.stdout.strip()
+            else None
+        )
     except (OSError, subprocess.SubprocessError):
         env["driver"] = None
     return env
 
 
 def default_out(env: dict, args) -> Path:
-    name = "cpu" if not env["gpus"] else re.sub(r"[^a-z0-9]+", "-", env["gpus"][0].lower()).strip("-")
+    name = (
+        "cpu" if not env["gpus"] else re.sub(r"[^a-z0-9]+", "-", env["gpus"][0].lower()).strip("-")
+    )
     profile = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("gpu=")), None)
     if profile and profile != "auto":
         name += f"-{profile}"
@@ -80,27 +96,42 @@ def default_out(env: dict, args) -> Path:
 
 
 def write_environment(out: Path, env: dict, args) -> None:
-    rows = [("GPU", ", ".join(env["gpus"]) or "none (CPU)"), ("driver", env.get("driver") or "-"),
-            ("torch", env["torch"]), ("CUDA", env["cuda"] or "-"), ("cuDNN", env["cudnn"] or "-"),
-            ("commit", f"{env['git_commit']}" + (" (with uncommitted changes)" if env.get("git_dirty") else "")),
-            ("python", env["python"]), ("platform", env["platform"]), ("host", env["hostname"]),
-            ("CPU cores", env["cpu_count"]), ("GPU memory (GB)", env.get("gpu_memory_gb") or "-"),
-            ("capability", env.get("capability") or "-"), ("overrides", " ".join(args.overrides) or "-"),
-            ("written", time.strftime("%Y-%m-%d %H:%M:%S %z"))]
+    rows = [
+        ("GPU", ", ".join(env["gpus"]) or "none (CPU)"),
+        ("driver", env.get("driver") or "-"),
+        ("torch", env["torch"]),
+        ("CUDA", env["cuda"] or "-"),
+        ("cuDNN", env["cudnn"] or "-"),
+        (
+            "commit",
+            f"{env['git_commit']}"
+            + (" (with uncommitted changes)" if env.get("git_dirty") else ""),
+        ),
+        ("python", env["python"]),
+        ("platform", env["platform"]),
+        ("host", env["hostname"]),
+        ("CPU cores", env["cpu_count"]),
+        ("GPU memory (GB)", env.get("gpu_memory_gb") or "-"),
+        ("capability", env.get("capability") or "-"),
+        ("overrides", " ".join(args.overrides) or "-"),
+        ("written", time.strftime("%Y-%m-%d %H:%M:%S %z")),
+    ]
     text = "# Environment\n\n" + P.markdown_table(["", ""], [[k, v] for k, v in rows]) + "\n"
     write_text_atomic(out / "ENVIRONMENT.md", text)
     write_json_atomic(out / "environment.json", env)
 
 
 GITIGNORE_UNFINISHED = """\
-# Written by scripts/reproduce.py: this results folder is not complete (a --plan, or a run still going or stopped),
-# so git leaves all of it out. The run that completes it (its report made) replaces this file with one that keeps
-# the results and leaves out only the weights, checkpoints, W&B files and the calibration's jobs.
+# Written by scripts/reproduce.py: this results folder is not complete (a --plan, or a run still
+# going or stopped), so git leaves all of it out. The run that completes it (its report made)
+# replaces this file with one that keeps the results and leaves out only the weights, checkpoints,
+# W&B files and the calibration's jobs.
 *
 """
 GITIGNORE_FINISHED = """\
-# Written by scripts/reproduce.py when this folder's run completed: commit the folder (runs/*/*/summary.json and
-# metrics.jsonl, report/, ENVIRONMENT.md, COMMANDS.md, plan.md, plan.json, calibration.json, logs/); git leaves out:
+# Written by scripts/reproduce.py when this folder's run completed: commit the folder
+# (runs/*/*/summary.json and metrics.jsonl, report/, ENVIRONMENT.md, COMMANDS.md, plan.md,
+# plan.json, calibration.json, logs/); git leaves out:
 *.pt
 wandb/
 .submitit/
@@ -110,21 +141,30 @@ replaced/
 
 
 def write_gitignore(out: Path, finished: bool) -> None:
-    """<out>/.gitignore (for a folder inside the repository): everything until the run is complete, then the
-    heavy files only."""
+    """<out>/.gitignore (for a folder inside the repository): everything until the run is complete,
+    then the heavy files only."""
     if out.resolve().is_relative_to(ROOT):
-        write_text_atomic(out / ".gitignore", GITIGNORE_FINISHED if finished else GITIGNORE_UNFINISHED)
+        write_text_atomic(
+            out / ".gitignore", GITIGNORE_FINISHED if finished else GITIGNORE_UNFINISHED
+        )
 
 
 def record_command(out: Path, what: str, cmd: list[str]) -> None:
-    """COMMANDS.md gets the command as it starts (a killed session's command is listed too), record_exit its end."""
+    """COMMANDS.md gets the command as it starts (a killed session's command is listed too),
+    record_exit its end."""
     path = out / "COMMANDS.md"
     if not path.exists():
-        path.write_text("# Commands run\n\nEvery command this folder's results came from, in order (run from the "
-                        "repository root; the commands of a resumed plan are listed again, a command with no exit "
-                        "line was stopped).\n")
+        path.write_text(
+            "# Commands run\n\nEvery command this folder's results came from, in order (run from "
+            "the "
+            "repository root; the commands of a resumed plan are listed again, a command with no "
+            "exit "
+            "line was stopped).\n"
+        )
     with path.open("a") as f:
-        f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M:%S')} {what}\n\n```bash\n{shlex.join(cmd)}\n```\n")
+        f.write(
+            f"\n## {time.strftime('%Y-%m-%d %H:%M:%S')} {what}\n\n```bash\n{shlex.join(cmd)}\n```\n"
+        )
 
 
 def record_exit(out: Path, rc, wall: float) -> None:
@@ -132,11 +172,12 @@ def record_exit(out: Path, rc, wall: float) -> None:
         f.write(f"exit code {rc}, {wall / 60:.1f} min\n")
 
 
-# ---------------------------------------------------------------------------------------------------- commands
+# ----------------------------------------------------------------------------------------- commands
 
 
 def exclude_keys(overrides: list[str], grid: dict) -> str:
-    """Job dir names carry only the grid's values (every other override is the same for all the sweep's jobs)."""
+    """Job dir names carry only the grid's values (every other override is the same for all the
+    sweep's jobs)."""
     keys = ["logger.mode", "trainer.device", "trainer.resume"]
     keys += [k for k in P.override_keys(overrides) if k not in grid]
     return "hydra.job.config.override_dirname.exclude_keys=[" + ",".join(dict.fromkeys(keys)) + "]"
@@ -170,34 +211,53 @@ def run_command(plan, sweep, args, out: Path) -> list[str]:
     over = sweep_overrides(plan, sweep, args)
     if sweep.command == "max_batch":
         precisions = ",".join(sweep.grid.get("precision", ("fp32", "amp")))
-        return [sys.executable, str(ROOT / "scripts" / "max_batch.py"), *over, f"precision={precisions}",
-                "--records", str(runs), *script_options(sweep, args)]
+        return [
+            sys.executable,
+            str(ROOT / "scripts" / "max_batch.py"),
+            *over,
+            f"precision={precisions}",
+            "--records",
+            str(runs),
+            *script_options(sweep, args),
+        ]
     return train_command(over, sweep.grid, runs, ["trainer.resume=auto"])
 
 
 @lru_cache(maxsize=None)
 def compose(overrides: tuple) -> dict:
-    """A job's resolved config (Hydra's compose API; hydra.* overrides left out); a bad override: ConfigError."""
+    """A job's resolved config (Hydra's compose API; hydra.* overrides left out); a bad override:
+    ConfigError."""
     from mixprec.config import plain_config
 
-    return plain_config(cli.compose([o for o in overrides if not o.lstrip("+~").startswith("hydra")]))
+    return plain_config(
+        cli.compose([o for o in overrides if not o.lstrip("+~").startswith("hydra")])
+    )
 
 
 def check_overrides(plan, args) -> None:
-    """The user's overrides composed with the first job of each sweep before anything runs: an unknown option or
-    key is one line now (ConfigError), not a failed calibration later. Values are checked by each job, which
-    records a bad one as a failed job and the plan goes on."""
+    """The user's overrides composed with the first job of each sweep before anything runs: an
+    unknown option or key is one line now (ConfigError), not a failed calibration later. Values are
+    checked by each job, which records a bad one as a failed job and the plan goes on."""
     for s in plan.sweeps:
         if s.command == "train" and s.jobs:
-            compose(tuple(P.merge_overrides(sweep_overrides(plan, s, args), [f"{k}={v}" for k, v in s.jobs[0].items()])))
+            compose(
+                tuple(
+                    P.merge_overrides(
+                        sweep_overrides(plan, s, args), [f"{k}={v}" for k, v in s.jobs[0].items()]
+                    )
+                )
+            )
 
 
 def job_configs(plan, sweep, args) -> list[dict]:
     over = sweep_overrides(plan, sweep, args)
-    return [compose(tuple(P.merge_overrides(over, [f"{k}={v}" for k, v in job.items()]))) for job in sweep.jobs]
+    return [
+        compose(tuple(P.merge_overrides(over, [f"{k}={v}" for k, v in job.items()])))
+        for job in sweep.jobs
+    ]
 
 
-# ---------------------------------------------------------------------------------------------------- processes
+# ---------------------------------------------------------------------------------------- processes
 
 
 def _die_with_parent():   # a kill -9 of reproduce.py takes its running sweep with it (Linux)
@@ -209,12 +269,17 @@ def _die_with_parent():   # a kill -9 of reproduce.py takes its running sweep wi
         pass
 
 
-def spawn(cmd: list[str], out: Path, name: str, timeout_s=None, tick=None) -> tuple[int | str, float]:
+def spawn(
+    cmd: list[str], out: Path, name: str, timeout_s=None, tick=None
+) -> tuple[int | str, float]:
     """Run one command, its output appended to <out>/logs/<name>.log; tick() is called every second.
     Returns (exit code or 'timeout', wall seconds)."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
-               PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("WANDB_SERVICE", None)
     t0 = time.monotonic()
     with (out / "logs" / f"{name}.log").open("a") as logf:
@@ -245,7 +310,7 @@ def summaries(folder: Path) -> list[dict]:
     return [j.summary for j in sweep_jobs(folder)[0]]
 
 
-# ---------------------------------------------------------------------------------------------------- calibration
+# -------------------------------------------------------------------------------------- calibration
 
 
 def _job_key(summary: dict, keys: list[str]) -> tuple:
@@ -253,7 +318,8 @@ def _job_key(summary: dict, keys: list[str]) -> tuple:
 
 
 def calibration_key(args) -> dict:
-    """What a calibration depends on: the plan's options except the budget (a new budget re-cuts the same timings)."""
+    """What a calibration depends on: the plan's options except the budget (a new budget re-cuts the
+    same timings)."""
     return {k: v for k, v in state_key(args).items() if k != "budget"}
 
 
@@ -261,10 +327,11 @@ def calibrate(plan, args, out: Path) -> dict:
     """Time each train sweep's jobs ('first': one job per sweep) for a few steps on this device.
     Returns {sweep: {"costs": {job key: cost}, "wall_s", "status"}}.
 
-    Resumable as the sweeps are: each sweep's timings go to <out>/calibration.json as soon as it is calibrated, and
-    its jobs run with trainer.resume=auto, so after a crash, Ctrl-C or kill -9 the same command keeps the sweeps
-    calibrated before and the jobs finished before, and times the rest. A calibration made with other options is
-    moved to <out>/replaced/ first (its job folders would be taken for finished jobs of this one)."""
+    Resumable as the sweeps are: each sweep's timings go to <out>/calibration.json as soon as it is
+    calibrated, and its jobs run with trainer.resume=auto, so after a crash, Ctrl-C or kill -9 the
+    same command keeps the sweeps calibrated before and the jobs finished before, and times the
+    rest. A calibration made with other options is moved to <out>/replaced/ first (its job folders
+    would be taken for finished jobs of this one)."""
     cal = dict(plan.calibration)
     if args.smoke:
         cal = {"warmup_steps": 1, "timed_steps": 1}
@@ -272,26 +339,44 @@ def calibrate(plan, args, out: Path) -> dict:
     path, key = out / CALIBRATION, calibration_key(args)
     saved = json.loads(path.read_text()) if path.exists() else None
     if saved is None or saved.get("key") != key:
-        set_aside(out, "calibration", "it was made with other options" if saved else "no calibration.json says how "
-                  "it was made")
+        set_aside(
+            out,
+            "calibration",
+            "it was made with other options"
+            if saved
+            else "no calibration.json says how it was made",
+        )
         saved = {"key": key, "sweeps": {}, "seconds": 0.0}
-        write_json_atomic(path, saved)   # before the first job: a kill from now on leaves a calibration to continue
+        # before the first job: a kill from now on leaves a calibration to continue
+        write_json_atomic(path, saved)
     result, before, t_start = dict(saved["sweeps"]), saved["seconds"], time.monotonic()
     if result:
-        log(f"continuing the calibration in {out / 'calibration'}: {len(result)} sweep(s) calibrated before, kept")
+        log(
+            f"continuing the calibration in {out / 'calibration'}: {len(result)} sweep(s) "
+            "calibrated before, kept"
+        )
     for s in plan.sweeps:
         if s.command != "train" or s.name in result:
             continue
         grid = s.grid if args.calibrate == "all" else {k: v[:1] for k, v in s.grid.items()}
         data = (list(plan.smoke_common) + smoke_parts(s)[0]) if args.smoke else list(s.stand_in)
-        user = [o for o in args.overrides if P.override_keys([o])[0] != "dataset.data_dir"]   # synthetic: no files
-        over = P.merge_overrides(s.overrides, user, data,
-                                 [f"trainer.max_steps={steps}", f"trainer.warmup_steps={cal['warmup_steps']}",
-                                  "logger=none"])
+        # synthetic: no files
+        user = [o for o in args.overrides if P.override_keys([o])[0] != "dataset.data_dir"]
+        over = P.merge_overrides(
+            s.overrides,
+            user,
+            data,
+            [
+                f"trainer.max_steps={steps}",
+                f"trainer.warmup_steps={cal['warmup_steps']}",
+                "logger=none",
+            ],
+        )
         folder = out / "calibration" / s.name
         cmd = train_command(over, grid, folder, ["trainer.resume=auto"])
         n = math.prod(len(v) for v in grid.values())
-        limit = None if args.smoke else args.calibrate_timeout * n + 60   # smoke jobs are tiny: never stopped
+        # smoke jobs are tiny: never stopped
+        limit = None if args.smoke else args.calibrate_timeout * n + 60
         record_command(out, f"calibration of {s.name}", cmd)
         started = time.time()
         rc, wall = spawn(cmd, out, f"calibration_{s.name}", timeout_s=limit)
@@ -301,14 +386,29 @@ def calibrate(plan, args, out: Path) -> dict:
             cost = P.cost_from_summary(summ)
             if cost is not None:
                 costs["|".join(_job_key(summ, list(s.grid)))] = cost.__dict__
-        ran = [j.summary for j in jobs if (j.dir / records.SUMMARY).stat().st_mtime >= started]   # not skipped
-        startup = max(0.0, wall - sum(P.job_wall_s(x) or 0.0 for x in ran))   # the process, once per sweep
-        result[s.name] = {"costs": costs, "wall_s": wall, "status": "timeout" if rc == "timeout" else rc,
-                          "jobs": n, "timeout_s": args.calibrate_timeout, "steps": steps, "startup_s": startup}
-        write_json_atomic(path, {"key": key, "sweeps": result, "seconds": before + time.monotonic() - t_start})
+        # not skipped
+        ran = [j.summary for j in jobs if (j.dir / records.SUMMARY).stat().st_mtime >= started]
+        # the process, once per sweep
+        startup = max(0.0, wall - sum(P.job_wall_s(x) or 0.0 for x in ran))
+        result[s.name] = {
+            "costs": costs,
+            "wall_s": wall,
+            "status": "timeout" if rc == "timeout" else rc,
+            "jobs": n,
+            "timeout_s": args.calibrate_timeout,
+            "steps": steps,
+            "startup_s": startup,
+        }
+        write_json_atomic(
+            path, {"key": key, "sweeps": result, "seconds": before + time.monotonic() - t_start}
+        )
         log(f"calibrated {s.name}: {len(costs)}/{n} job(s) timed in {wall:.0f} s"
             + (" (stopped: too slow here)" if rc == "timeout" else ""))
-    return {"sweeps": result, "seconds": before + time.monotonic() - t_start, "mode": args.calibrate}
+    return {
+        "sweeps": result,
+        "seconds": before + time.monotonic() - t_start,
+        "mode": args.calibrate,
+    }
 
 
 def set_aside(out: Path, name: str, why: str) -> None:
@@ -322,8 +422,11 @@ def set_aside(out: Path, name: str, why: str) -> None:
 
 
 def predictor(plan, args, calibration: dict):
-    """predict(sweep) -> (seconds, job configs, how: 'calibrated' | 'estimate' | '>='), cached per sweep state."""
-    all_costs = [P.JobCost(**c) for v in calibration["sweeps"].values() for c in v["costs"].values()]
+    """predict(sweep) -> (seconds, job configs, how: 'calibrated' | 'estimate' | '>='), cached per
+    sweep state."""
+    all_costs = [
+        P.JobCost(**c) for v in calibration["sweeps"].values() for c in v["costs"].values()
+    ]
 
     cache = {}
 
@@ -353,7 +456,7 @@ def predictor(plan, args, calibration: dict):
     return predict
 
 
-# ---------------------------------------------------------------------------------------------------- FLOP estimate
+# ------------------------------------------------------------------------------------ FLOP estimate
 
 MFU = 0.3   # the model FLOP utilisation assumed by --estimate (small CIFAR models often reach less)
 
@@ -366,7 +469,8 @@ def _flops(model_json: str, num_classes: int, image_size: int | None) -> float:
     from mixprec.models import build_model, forward_flops
 
     fields = json.loads(model_json)
-    if "pretrained" in fields:   # FLOPs do not depend on the weights: no ImageNet download to count them
+    # FLOPs do not depend on the weights: no ImageNet download to count them
+    if "pretrained" in fields:
         fields.update(pretrained=False, freeze_body=False)
     model = build_model(ModelConfig(**fields), num_classes)
     if image_size is None:
@@ -375,17 +479,24 @@ def _flops(model_json: str, num_classes: int, image_size: int | None) -> float:
 
 
 def estimate(plan, args, profiles: list[str]) -> int:
-    """Minutes of the full-fidelity plan on named GPU profiles from FLOPs at MFU of each profile's dense peak
-    for the job's precision: a rough figure, not a measurement (a GPU's --plan replaces it)."""
+    """Minutes of the full-fidelity plan on named GPU profiles from FLOPs at MFU of each profile's
+    dense peak for the job's precision: a rough figure, not a measurement (a GPU's --plan replaces
+    it)."""
     from mixprec.config import validate
     from mixprec.precision.modes import peak_kind
 
     known = sorted(f.stem for f in (ROOT / "conf" / "gpu").glob("*.yaml") if f.stem != "auto")
     for p in profiles:
         if p not in known:
-            raise P.PlanError(f"--estimate {p}: no GPU profile of that name (conf/gpu/); choose from: {', '.join(known)}")
+            raise P.PlanError(
+                f"--estimate {p}: no GPU profile of that name (conf/gpu/); choose from: "
+                f"{', '.join(known)}"
+            )
     if not profiles:
-        raise P.PlanError(f"--estimate: name one or more GPU profiles, e.g. --estimate h100,v100 ({', '.join(known)})")
+        raise P.PlanError(
+            "--estimate: name one or more GPU profiles, e.g. --estimate h100,v100 "
+            f"({', '.join(known)})"
+        )
     peaks = {p: yaml_load(ROOT / "conf" / "gpu" / f"{p}.yaml")["peak_tflops"] for p in profiles}
     rows, totals = [], {p: 0.0 for p in profiles}
     for s in plan.sweeps:
@@ -395,12 +506,27 @@ def estimate(plan, args, profiles: list[str]) -> int:
         for job in s.jobs if s.command == "train" else []:
             from omegaconf import OmegaConf
 
-            c = validate(OmegaConf.create(compose(tuple(P.merge_overrides(s.overrides, args.overrides,
-                                                                            [f"{k}={v}" for k, v in job.items()])))))
+            c = validate(
+                OmegaConf.create(
+                    compose(
+                        tuple(
+                            P.merge_overrides(
+                                s.overrides, args.overrides, [f"{k}={v}" for k, v in job.items()]
+                            )
+                        )
+                    )
+                )
+            )
             text = c.dataset.name in ("wikitext2", "synthetic_text")
-            sizes = plan.datasets.get(c.dataset.name) or {"train": c.dataset.train_size, "test": c.dataset.test_size}
-            f = _flops(json.dumps(c.model.__dict__, default=list), 33278 if text else c.dataset.num_classes,
-                       None if text else c.dataset.image_size)
+            sizes = plan.datasets.get(c.dataset.name) or {
+                "train": c.dataset.train_size,
+                "test": c.dataset.test_size,
+            }
+            f = _flops(
+                json.dumps(c.model.__dict__, default=list),
+                33278 if text else c.dataset.num_classes,
+                None if text else c.dataset.image_size,
+            )
             work = c.trainer.epochs * (sizes["train"] * 3 * f + sizes["test"] * f)
             for p in profiles:
                 peak = peaks[p].get(peak_kind(c.precision)) or peaks[p]["fp32"]
@@ -408,10 +534,17 @@ def estimate(plan, args, profiles: list[str]) -> int:
         rows.append([s.article, s.name, len(s.jobs)] + [P.minutes(secs[p]) for p in profiles])
         for p in profiles:
             totals[p] += secs[p]
-    rows.append(["total", "", sum(len(s.jobs) for s in plan.sweeps)] + [P.minutes(totals[p]) for p in profiles])
-    print(f"FLOP estimate (not measured): minutes of the full-fidelity plan at {MFU:.0%} of each profile's dense "
-          "peak for the job's precision (fp32 where the profile has no peak for it); training and evaluation "
-          "FLOPs only (no data loading, start-up, launch overhead)\n")
+    rows.append(
+        ["total", "", sum(len(s.jobs) for s in plan.sweeps)]
+        + [P.minutes(totals[p]) for p in profiles]
+    )
+    print(
+        f"FLOP estimate (not measured): minutes of the full-fidelity plan at {MFU:.0%} of each "
+        "profile's dense "
+        "peak for the job's precision (fp32 where the profile has no peak for it); training and "
+        "evaluation "
+        "FLOPs only (no data loading, start-up, launch overhead)\n"
+    )
     print(P.table(["article", "sweep", "jobs", *[f"{p} min" for p in profiles]], rows))
     return 0
 
@@ -422,7 +555,7 @@ def yaml_load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-# ---------------------------------------------------------------------------------------------------- the plan
+# ----------------------------------------------------------------------------------------- the plan
 
 
 def make_state(plan, args, calibration: dict, budget_s) -> dict:
@@ -435,24 +568,57 @@ def make_state(plan, args, calibration: dict, budget_s) -> dict:
         secs, configs, how = predict(s)
         epochs = sorted({c["trainer"]["epochs"] for c in configs})
         steps = sorted({c["trainer"]["max_steps"] for c in configs} - {None})
-        entries.append({
-            "article": s.article, "name": s.name,
-            "command": None if s.dropped else run_command(plan, s, args, args.out),
-            "jobs": 0 if s.dropped else len(s.jobs), "planned_jobs": len(s.jobs),
-            "grid": {k: list(v) for k, v in s.grid.items()},
-            "epochs": "/".join(map(str, epochs)) + (f" (<= {steps[0]} steps)" if steps else "") if configs else "-",
-            "predicted_s": 0.0 if s.dropped else secs, "prediction": how, "cuts": list(s.applied),
-            "dropped": s.dropped, "status": "dropped" if s.dropped else "planned", "actual_s": 0.0, "rc": None})
-    return {"key": state_key(args), "created": time.strftime("%Y-%m-%d %H:%M:%S %z"), "budget_s": budget_s,
-            "smoke": args.smoke, "calibration": calibration, "report_s": report_s, "sweeps": entries,
-            "articles": [{"id": a.id, "title": a.title, "not_reproduced": a.not_reproduced, "stand_ins": a.stand_ins,
-                          "sweeps": [s.name for s in a.sweeps]} for a in plan.articles],
-            "elapsed_s": calibration["seconds"]}
+        entries.append(
+            {
+                "article": s.article,
+                "name": s.name,
+                "command": None if s.dropped else run_command(plan, s, args, args.out),
+                "jobs": 0 if s.dropped else len(s.jobs),
+                "planned_jobs": len(s.jobs),
+                "grid": {k: list(v) for k, v in s.grid.items()},
+                "epochs": "/".join(map(str, epochs)) + (f" (<= {steps[0]} steps)" if steps else "")
+                if configs
+                else "-",
+                "predicted_s": 0.0 if s.dropped else secs,
+                "prediction": how,
+                "cuts": list(s.applied),
+                "dropped": s.dropped,
+                "status": "dropped" if s.dropped else "planned",
+                "actual_s": 0.0,
+                "rc": None,
+            }
+        )
+    return {
+        "key": state_key(args),
+        "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "budget_s": budget_s,
+        "smoke": args.smoke,
+        "calibration": calibration,
+        "report_s": report_s,
+        "sweeps": entries,
+        "articles": [
+            {
+                "id": a.id,
+                "title": a.title,
+                "not_reproduced": a.not_reproduced,
+                "stand_ins": a.stand_ins,
+                "sweeps": [s.name for s in a.sweeps],
+            }
+            for a in plan.articles
+        ],
+        "elapsed_s": calibration["seconds"],
+    }
 
 
 def state_key(args) -> dict:
-    return {"smoke": args.smoke, "budget": args.budget, "only": args.only, "overrides": list(args.overrides),
-            "calibrate": args.calibrate, "plan_file": str(args.plan_file or P.PLAN_FILE)}
+    return {
+        "smoke": args.smoke,
+        "budget": args.budget,
+        "only": args.only,
+        "overrides": list(args.overrides),
+        "calibrate": args.calibrate,
+        "plan_file": str(args.plan_file or P.PLAN_FILE),
+    }
 
 
 def plan_rows(state: dict, actual: bool) -> tuple[list[str], list[list]]:
@@ -462,31 +628,51 @@ def plan_rows(state: dict, actual: bool) -> tuple[list[str], list[list]]:
     for e in state["sweeps"]:
         pred = "-" if e["dropped"] else P.minutes(e["predicted_s"], e["prediction"] == ">=") + \
             (" (estimate)" if e["prediction"] == "estimate" else "")
-        jobs = f"{e['jobs']}" + (f" of {e['planned_jobs']}" if e["jobs"] != e["planned_jobs"] else "")
-        rows.append([e["article"], e["name"], jobs, e["epochs"], pred]
-                    + ([P.minutes(e["actual_s"]) if e["actual_s"] else "-", e["status"]] if actual else [])
-                    + ["; ".join(e["cuts"]) or "none (full fidelity)"])
+        jobs = f"{e['jobs']}" + (
+            f" of {e['planned_jobs']}" if e["jobs"] != e["planned_jobs"] else ""
+        )
+        rows.append(
+            [e["article"], e["name"], jobs, e["epochs"], pred]
+            + ([P.minutes(e["actual_s"]) if e["actual_s"] else "-", e["status"]] if actual else [])
+            + ["; ".join(e["cuts"]) or "none (full fidelity)"]
+        )
     return heads, rows
 
 
 def plan_summary(state: dict) -> str:
     total = sum(e["predicted_s"] for e in state["sweeps"])
     cal = state["calibration"]
-    budget = "none (full fidelity)" if state["budget_s"] is None else f"{state['budget_s'] / 60:.0f} min"
+    budget = (
+        "none (full fidelity)" if state["budget_s"] is None else f"{state['budget_s'] / 60:.0f} min"
+    )
     over = state["budget_s"] is not None and total > state["budget_s"]
-    return (f"budget {budget}; calibration {cal['seconds'] / 60:.1f} min ({cal['mode']} jobs timed); "
-            f"sweeps predicted {total / 60:.1f} min + report ~{state['report_s'] / 60:.0f} min; "
-            f"{sum(e['jobs'] for e in state['sweeps'])} jobs"
-            + ("; OVER BUDGET: every cut the plan allows is made (sweeps without a `drop` cut are kept)" if over else ""))
+    return (
+        f"budget {budget}; calibration {cal['seconds'] / 60:.1f} min ({cal['mode']} jobs timed); "
+        f"sweeps predicted {total / 60:.1f} min + report ~{state['report_s'] / 60:.0f} min; "
+        f"{sum(e['jobs'] for e in state['sweeps'])} jobs"
+        + (
+            "; OVER BUDGET: every cut the plan allows is made (sweeps without a `drop` cut are "
+            "kept)"
+            if over
+            else ""
+        )
+    )
 
 
 def write_plan_md(out: Path, state: dict) -> None:
     heads, rows = plan_rows(state, actual=True)
-    text = ("# Plan: predicted against actual minutes\n\n" + plan_summary(state) + "\n\n"
-            + P.markdown_table(heads, rows) + "\n\nPredicted minutes come from the calibration (a few timed steps "
-            "per job on this device, warm-up excluded); `>=` where the calibration was stopped as too slow, "
-            "`(estimate)` where no step of the sweep could be timed. Cuts are applied in the order the plan lists "
-            "them (src/mixprec/tools/plan.yaml).\n")
+    text = (
+        "# Plan: predicted against actual minutes\n\n"
+        + plan_summary(state)
+        + "\n\n"
+        + P.markdown_table(heads, rows)
+        + "\n\nPredicted minutes come from the calibration (a few timed steps "
+        "per job on this device, warm-up excluded); `>=` where the calibration was stopped as too "
+        "slow, "
+        "`(estimate)` where no step of the sweep could be timed. Cuts are applied in the order the "
+        "plan lists "
+        "them (src/mixprec/tools/plan.yaml).\n"
+    )
     write_text_atomic(out / "plan.md", text)
     write_json_atomic(out / STATE, state)
 
@@ -498,23 +684,29 @@ def load_or_plan(plan, args, env) -> dict:
         log(f"continuing the plan in {args.out} (made {old['created']})")
         return old
     if old is not None and not args.replan:
-        raise P.PlanError(f"{args.out} holds a plan made with other options ({old['key']}); run the same command "
-                          "to continue it, add --replan to plan again there, or give --out for a new folder")
+        raise P.PlanError(
+            f"{args.out} holds a plan made with other options ({old['key']}); run the same command "
+            "to continue it, add --replan to plan again there, or give --out for a new folder"
+        )
     same_cal = old is not None and {k: v for k, v in old["key"].items() if k != "budget"} == \
         {k: v for k, v in state_key(args).items() if k != "budget"}
     calibration = old["calibration"] if same_cal else calibrate(plan, args, args.out)
     budget_s = P.parse_duration(args.budget) if args.budget else None
     state = make_state(plan, args, calibration, budget_s)
-    if old is not None:   # the time spent there still counts, less the runs (and calibration) set aside
+    # the time spent there still counts, less the runs (and calibration) set aside
+    if old is not None:
         kept = old["elapsed_s"] - keep_or_set_aside(args.out, old, state)
-        state["elapsed_s"] = kept if same_cal else kept - old["calibration"]["seconds"] + calibration["seconds"]
+        state["elapsed_s"] = (
+            kept if same_cal else kept - old["calibration"]["seconds"] + calibration["seconds"]
+        )
     return state
 
 
 def keep_or_set_aside(out: Path, old: dict, state: dict) -> float:
-    """After --replan: a sweep whose command is unchanged keeps its progress; one whose command changed has its
-    earlier runs moved to <out>/replaced/ (a job dir is named by its grid values only, so they would be taken
-    for finished jobs of the new command). Returns the seconds the sweeps set aside had run."""
+    """After --replan: a sweep whose command is unchanged keeps its progress; one whose command
+    changed has its earlier runs moved to <out>/replaced/ (a job dir is named by its grid values
+    only, so they would be taken for finished jobs of the new command). Returns the seconds the
+    sweeps set aside had run."""
     before, aside = {e["name"]: e for e in old["sweeps"]}, 0.0
     for e in state["sweeps"]:
         prev = before.get(e["name"])
@@ -523,7 +715,8 @@ def keep_or_set_aside(out: Path, old: dict, state: dict) -> float:
         if prev["command"] == e["command"]:
             e.update(status=prev["status"], actual_s=prev["actual_s"], rc=prev["rc"])
             continue
-        aside += prev["actual_s"]   # the sweep starts over: its earlier time is not this folder's any more
+        # the sweep starts over: its earlier time is not this folder's any more
+        aside += prev["actual_s"]
         if (out / "runs" / e["name"]).exists():
             dest = out / "replaced" / f"{e['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
             dest.parent.mkdir(exist_ok=True)
@@ -532,12 +725,18 @@ def keep_or_set_aside(out: Path, old: dict, state: dict) -> float:
     return aside
 
 
-# ---------------------------------------------------------------------------------------------------- running
+# ------------------------------------------------------------------------------------------ running
 
 
 def jobs_done(out: Path, state: dict) -> int:
-    return sum(min(e["jobs"], sum(1 for s in summaries(out / "runs" / e["name"]) if records.status(s) in FINAL))
-               for e in state["sweeps"] if not e["dropped"])
+    return sum(
+        min(
+            e["jobs"],
+            sum(1 for s in summaries(out / "runs" / e["name"]) if records.status(s) in FINAL),
+        )
+        for e in state["sweeps"]
+        if not e["dropped"]
+    )
 
 
 class Progress:
@@ -557,7 +756,8 @@ class Progress:
         width = 30
         bar = "#" * (width * done // max(1, self.planned))
         budget = f" of {self.state['budget_s'] / 60:.0f}" if self.state["budget_s"] else ""
-        line = (f"[{bar:<{width}}] {done}/{self.planned} jobs | {self.elapsed() / 60:.1f}{budget} min | {sweep}")
+        minutes = f"{self.elapsed() / 60:.1f}{budget} min"
+        line = f"[{bar:<{width}}] {done}/{self.planned} jobs | {minutes} | {sweep}"
         if self.tty:
             print("\r" + line.ljust(100), end="", flush=True)
         elif (done, sweep) != self.last:
@@ -591,14 +791,23 @@ def run_sweeps(out: Path, state: dict, progress: Progress) -> list[str]:
         if rc != 0:
             failed.append(e["name"])
             print()
-            log(f"{e['name']} failed (exit {rc}); its log: {out / 'logs' / (e['name'] + '.log')}; going on")
+            log(
+                f"{e['name']} failed (exit {rc}); its log: {out / 'logs' / (e['name'] + '.log')}; "
+                "going on"
+            )
     if progress.tty:
         print()
     return failed
 
 
 def make_report(out: Path) -> int:
-    cmd = [sys.executable, str(ROOT / "scripts" / "make_report.py"), str(out), "--out", str(out / "report")]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "make_report.py"),
+        str(out),
+        "--out",
+        str(out / "report"),
+    ]
     record_command(out, "report", cmd)
     rc, wall = spawn(cmd, out, "report")
     record_exit(out, rc, wall)
@@ -609,28 +818,58 @@ def make_report(out: Path) -> int:
     return rc
 
 
-# ---------------------------------------------------------------------------------------------------- entry
+# -------------------------------------------------------------------------------------------- entry
 
 
 def parse(argv):
     ap = cli.ArgumentParser(description=__doc__.split("\n\n")[0], prog="reproduce.py")
     ap.add_argument("overrides", nargs="*",
                     help="train.py overrides for every job, e.g. gpu=h100 dataset.data_dir=/data")
-    ap.add_argument("--budget", help="time for the whole plan, e.g. 60m, 1h30m (default: full fidelity, uncut)")
+    ap.add_argument(
+        "--budget", help="time for the whole plan, e.g. 60m, 1h30m (default: full fidelity, uncut)"
+    )
     ap.add_argument("--plan", action="store_true", help="calibrate, print the plan and exit")
-    ap.add_argument("--only", help="comma-separated article ids or sweep names (see src/mixprec/tools/plan.yaml)")
-    ap.add_argument("--smoke", action="store_true", help="every sweep at tiny sizes on the CPU (synthetic data)")
-    ap.add_argument("--out", type=Path, help="the results folder (default outputs/reference/<gpu>-<date>)")
-    ap.add_argument("--replan", action="store_true", help="plan again in a folder that holds a plan (sweeps whose "
-                    "command changed start over; their earlier runs go to replaced/)")
-    ap.add_argument("--calibrate", choices=("all", "first"),
-                    help="time every job, or the first job of each sweep (default: all on a GPU, first on a CPU)")
-    ap.add_argument("--calibrate-timeout", type=float, default=30.0,
-                    help="seconds per calibration job before a sweep's calibration is stopped as too slow")
-    ap.add_argument("--estimate", metavar="PROFILES",
-                    help="print the full plan's minutes on these GPU profiles (e.g. h100,v100) from FLOPs, and exit")
-    ap.add_argument("--plan-file", type=Path, help="another plan (default src/mixprec/tools/plan.yaml); "
-                    "src/mixprec/tools/plan_cpu.yaml: the accuracy half of every article at CPU sizes, fp16/bf16 emulated")
+    ap.add_argument(
+        "--only",
+        help="comma-separated article ids or sweep names (see src/mixprec/tools/plan.yaml)",
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help="every sweep at tiny sizes on the CPU (synthetic data)"
+    )
+    ap.add_argument(
+        "--out", type=Path, help="the results folder (default outputs/reference/<gpu>-<date>)"
+    )
+    ap.add_argument(
+        "--replan",
+        action="store_true",
+        help="plan again in a folder that holds a plan (sweeps whose "
+        "command changed start over; their earlier runs go to replaced/)",
+    )
+    ap.add_argument(
+        "--calibrate",
+        choices=("all", "first"),
+        help="time every job, or the first job of each sweep (default: all on a GPU, first on a "
+             "CPU)",
+    )
+    ap.add_argument(
+        "--calibrate-timeout",
+        type=float,
+        default=30.0,
+        help="seconds per calibration job before a sweep's calibration is stopped as too slow",
+    )
+    ap.add_argument(
+        "--estimate",
+        metavar="PROFILES",
+        help="print the full plan's minutes on these GPU profiles (e.g. h100,v100) from FLOPs, and "
+             "exit",
+    )
+    ap.add_argument(
+        "--plan-file",
+        type=Path,
+        help="another plan (default src/mixprec/tools/plan.yaml); "
+        "src/mixprec/tools/plan_cpu.yaml: the accuracy half of every article at CPU sizes, "
+        "fp16/bf16 emulated",
+    )
     return ap.parse_args(argv)
 
 
@@ -652,7 +891,11 @@ def main(argv=None) -> int:
         print(f"reproduce: {cli.one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\nreproduce: interrupted; run the same command to continue (finished jobs are skipped)", file=sys.stderr)
+        print(
+            "\nreproduce: interrupted; run the same command to continue "
+            "(finished jobs are skipped)",
+            file=sys.stderr,
+        )
         return 130
 
 
@@ -663,17 +906,25 @@ def reproduce(plan, args, argv: list[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_gitignore(args.out, finished=False)
     if not env["gpus"] and not args.smoke:
-        log("no GPU here: the plan runs on the CPU, fp16/bf16 emulated on fp32 kernels (precision.emulate=auto): "
-            "accuracy as on a GPU, times are CPU times")
+        log(
+            "no GPU here: the plan runs on the CPU, fp16/bf16 emulated on fp32 kernels "
+            "(precision.emulate=auto): "
+            "accuracy as on a GPU, times are CPU times"
+        )
     write_environment(args.out, env, args)
     state = load_or_plan(plan, args, env)
     write_plan_md(args.out, state)
     heads, rows = plan_rows(state, actual=False)
     print(f"\nplan for {args.out}\n{plan_summary(state)}\n{P.table(heads, rows)}\n", flush=True)
     if args.plan:
-        log(f"plan only: written to {args.out / 'plan.md'}; run the same command without --plan to run it")
+        log(
+            f"plan only: written to {args.out / 'plan.md'}; run the same command without --plan to "
+            "run it"
+        )
         return 0
-    again = [a for a in argv if a != "--plan"] + ([] if "--out" in argv else ["--out", str(args.out)])
+    again = [a for a in argv if a != "--plan"] + (
+        [] if "--out" in argv else ["--out", str(args.out)]
+    )
     resume = "python scripts/reproduce.py " + shlex.join(again)
     progress = Progress(args.out, state)
     try:
@@ -684,18 +935,27 @@ def reproduce(plan, args, argv: list[str]) -> int:
             if e["status"] == "running":
                 e["status"] = "interrupted"
         write_plan_md(args.out, state)
-        print(f"\nreproduce: interrupted; to continue (finished jobs are skipped): {resume}", file=sys.stderr)
+        print(
+            f"\nreproduce: interrupted; to continue (finished jobs are skipped): {resume}",
+            file=sys.stderr,
+        )
         return 130
     ran = any(not e["dropped"] for e in state["sweeps"])
     rc = make_report(args.out) if ran else 0
     write_gitignore(args.out, finished=ran and rc == 0)
     if not ran:
-        log("every sweep was cut to fit the budget: nothing ran (see plan.md); give a larger --budget")
+        log(
+            "every sweep was cut to fit the budget: nothing ran (see plan.md); give a larger "
+            "--budget"
+        )
     state["elapsed_s"] = progress.elapsed()
     write_plan_md(args.out, state)
-    log(f"{sum(1 for e in state['sweeps'] if e['status'] == 'done')} sweep(s) done, {len(failed)} failed"
+    log(
+        f"{sum(1 for e in state['sweeps'] if e['status'] == 'done')} sweep(s) done, {len(failed)} "
+        "failed"
         + (f" ({', '.join(failed)}); to retry them: {resume}" if failed else "")
-        + f"; {state['elapsed_s'] / 60:.1f} min in all; folder to share: {args.out}")
+        + f"; {state['elapsed_s'] / 60:.1f} min in all; folder to share: {args.out}"
+    )
     return 1 if failed or rc else 0
 
 

@@ -5,12 +5,15 @@ from helpers import run_tiny
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu need a CUDA GPU (tests/test_gpu.py): skipped, with the reason, where there is none."""
+    """Tests marked gpu need a CUDA GPU (tests/test_gpu.py): skipped, with the reason, where there
+    is none."""
     import torch
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu on a GPU machine; see docs/gpus.md)")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU (pytest -m gpu on a GPU machine; see docs/gpus.md)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

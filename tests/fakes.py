@@ -1,5 +1,5 @@
-"""Test doubles shared by the test files: a fake clock that only training steps move, and a model wrapper that moves
-it (and can answer evaluations with controlled logits)."""
+"""Test doubles shared by the test files: a fake clock that only training steps move, and a model
+wrapper that moves it (and can answer evaluations with controlled logits)."""
 import time
 
 from torch import nn
@@ -10,7 +10,8 @@ STEPS_PER_EPOCH = 64 // 16   # helpers.TINY: 64 training images, batches of 16
 
 
 class FakeClock:
-    """time.perf_counter that moves only when a training step says so: every timed interval is known exactly."""
+    """time.perf_counter that moves only when a training step says so: every timed interval is known
+    exactly."""
 
     def __init__(self):
         self.now = 1000.0
@@ -24,12 +25,19 @@ class FakeClock:
 
 
 class Timed(nn.Module):
-    """Wraps a model; its k-th training forward advances the fake clock by cost(k) seconds. In eval mode it answers
-    eval_out(x, training forwards so far) when given (a controlled test accuracy), else the wrapped model's output."""
+    """Wraps a model; its k-th training forward advances the fake clock by cost(k) seconds. In eval
+    mode it answers eval_out(x, training forwards so far) when given (a controlled test accuracy),
+    else the wrapped model's output."""
 
     def __init__(self, inner, clock, cost, eval_out=None):
         super().__init__()
-        self.inner, self.clock, self.cost, self.eval_out, self.calls = inner, clock, cost, eval_out, 0
+        self.inner, self.clock, self.cost, self.eval_out, self.calls = (
+            inner,
+            clock,
+            cost,
+            eval_out,
+            0,
+        )
 
     def forward(self, x):
         if self.training:

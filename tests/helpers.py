@@ -1,5 +1,5 @@
-"""Helpers shared by the tests: compose a config as a job sees it, run a tiny job in this process, run train.py in a
-subprocess, load a script of scripts/ as a module."""
+"""Helpers shared by the tests: compose a config as a job sees it, run a tiny job in this process,
+run train.py in a subprocess, load a script of scripts/ as a module."""
 import importlib.util
 import os
 import subprocess
@@ -14,15 +14,17 @@ from omegaconf import open_dict
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
-# Tiny but real: a small CNN on a few synthetic images, 2 optimizer steps, no W&B, on the CPU (what the tests
-# assert is CPU behaviour; on a GPU machine trainer.device=auto would pick the GPU: tests/test_gpu.py covers that).
+# Tiny but real: a small CNN on a few synthetic images, 2 optimizer steps, no W&B, on the CPU (what
+# the tests assert is CPU behaviour; on a GPU machine trainer.device=auto would pick the GPU:
+# tests/test_gpu.py covers that).
 TINY = ["model=small_cnn", "model.width=8", "dataset.train_size=64", "dataset.test_size=32",
         "trainer.batch_size=16", "trainer.eval_batch_size=32", "trainer.max_steps=2", "logger=none",
         "trainer.device=cpu"]
 
 
 def compose_config(*overrides, output_dir=None):
-    """Compose conf/config.yaml with Hydra's compose API (hydra node included), as a job would see it."""
+    """Compose conf/config.yaml with Hydra's compose API (hydra node included), as a job would see
+    it."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
@@ -35,8 +37,8 @@ def compose_config(*overrides, output_dir=None):
 
 
 def run_tiny(tmp_path, *overrides, base=TINY):
-    """Run one real job in this process through mixprec.job.run_job; returns its summary dict. base: the
-    overrides that make it tiny (TINY; tests of other models pass their own)."""
+    """Run one real job in this process through mixprec.job.run_job; returns its summary dict. base:
+    the overrides that make it tiny (TINY; tests of other models pass their own)."""
     from mixprec.job import run_job
 
     cfg = compose_config(*base, *overrides, output_dir=tmp_path)
@@ -46,9 +48,16 @@ def run_tiny(tmp_path, *overrides, base=TINY):
 
 def run_cli(*args, cwd=ROOT, timeout=600):
     env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1")
-    env.pop("WANDB_SERVICE", None)   # an in-process W&B run of an earlier test sets it: a job starts its own service
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    # an in-process W&B run of an earlier test sets it: a job starts its own service
+    env.pop("WANDB_SERVICE", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def load_script(name: str):

@@ -1,10 +1,12 @@
-"""Tiny datasets written in the exact official on-disk formats, for the loader tests (never real data).
+"""Tiny datasets written in the exact official on-disk formats, for the loader tests (never real
+data).
 
-CIFAR "python version": Python 2 pickles (protocol 2, str written as BINSTRING so they load as bytes with
-encoding='bytes' and as str with 'latin1'; numpy arrays through numpy.core.multiarray._reconstruct, as the
-published files were written with numpy 1.x), dict keys as bytes, 'data' uint8 [N, 3072] channel-major rows.
-The .tar.gz holds the folder, as cifar-10-python.tar.gz / cifar-100-python.tar.gz do (readme.html included).
-Wikitext-2: UTF-8 text files, one line per paragraph.
+CIFAR "python version": Python 2 pickles (protocol 2, str written as BINSTRING so they load as bytes
+with encoding='bytes' and as str with 'latin1'; numpy arrays through
+numpy.core.multiarray._reconstruct, as the published files were written with numpy 1.x), dict keys
+as bytes, 'data' uint8 [N, 3072] channel-major rows. The .tar.gz holds the folder, as
+cifar-10-python.tar.gz / cifar-100-python.tar.gz do (readme.html included). Wikitext-2: UTF-8 text
+files, one line per paragraph.
 """
 from __future__ import annotations
 
@@ -18,7 +20,18 @@ from pathlib import Path
 
 import numpy as np
 
-CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+CIFAR10_NAMES = [
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+]
 
 
 class _Py2Pickler(pickle._Pickler):
@@ -26,7 +39,14 @@ class _Py2Pickler(pickle._Pickler):
 
     def save_bytes(self, obj):
         n = len(obj)
-        self.write((pickle.SHORT_BINSTRING + bytes([n]) if n < 256 else pickle.BINSTRING + n.to_bytes(4, "little")) + obj)
+        self.write(
+            (
+                pickle.SHORT_BINSTRING + bytes([n])
+                if n < 256
+                else pickle.BINSTRING + n.to_bytes(4, "little")
+            )
+            + obj
+        )
         self.memoize(obj)
 
     dispatch[bytes] = save_bytes
@@ -43,19 +63,35 @@ def _rows(x: np.ndarray) -> np.ndarray:
 
 
 def cifar_files(name: str, seed: int = 0, sizes=None) -> tuple[dict, dict]:
-    """({file name: bytes}, expected arrays) for a tiny CIFAR-10 or CIFAR-100 in the official format."""
+    """({file name: bytes}, expected arrays) for a tiny CIFAR-10 or CIFAR-100 in the official
+    format."""
     rng = np.random.default_rng(seed)
     files, expect = {}, {}
     if name == "cifar10":
-        sizes = sizes or {"data_batch_1": 3, "data_batch_2": 2, "data_batch_3": 4, "data_batch_4": 1,
-                          "data_batch_5": 2, "test_batch": 5}
-        for split, names in (("train", [f"data_batch_{i}" for i in range(1, 6)]), ("test", ["test_batch"])):
+        sizes = sizes or {
+            "data_batch_1": 3,
+            "data_batch_2": 2,
+            "data_batch_3": 4,
+            "data_batch_4": 1,
+            "data_batch_5": 2,
+            "test_batch": 5,
+        }
+        for split, names in (
+            ("train", [f"data_batch_{i}" for i in range(1, 6)]),
+            ("test", ["test_batch"]),
+        ):
             xs, ys = [], []
             for f in names:
                 x = rng.integers(0, 256, (sizes[f], 3, 32, 32), dtype=np.uint8)
                 y = rng.integers(0, 10, sizes[f])
-                files[f] = py2_pickle({b"batch_label": f.encode(), b"labels": [int(v) for v in y], b"data": _rows(x),
-                                       b"filenames": [f"img_{i}.png".encode() for i in range(len(y))]})
+                files[f] = py2_pickle(
+                    {
+                        b"batch_label": f.encode(),
+                        b"labels": [int(v) for v in y],
+                        b"data": _rows(x),
+                        b"filenames": [f"img_{i}.png".encode() for i in range(len(y))],
+                    }
+                )
                 xs.append(x)
                 ys.append(y)
             expect[f"{split}_x"], expect[f"{split}_y"] = np.concatenate(xs), np.concatenate(ys)
@@ -68,15 +104,24 @@ def cifar_files(name: str, seed: int = 0, sizes=None) -> tuple[dict, dict]:
             x = rng.integers(0, 256, (sizes[split], 3, 32, 32), dtype=np.uint8)
             coarse = rng.integers(0, 20, sizes[split])
             fine = coarse * 5 + rng.integers(0, 5, sizes[split])
-            files[split] = py2_pickle({b"filenames": [f"img_{i}.png".encode() for i in range(len(x))],
-                                       b"batch_label": f"{split}ing batch 1 of 1".encode(),
-                                       b"fine_labels": [int(v) for v in fine], b"coarse_labels": [int(v) for v in coarse],
-                                       b"data": _rows(x)})
+            files[split] = py2_pickle(
+                {
+                    b"filenames": [f"img_{i}.png".encode() for i in range(len(x))],
+                    b"batch_label": f"{split}ing batch 1 of 1".encode(),
+                    b"fine_labels": [int(v) for v in fine],
+                    b"coarse_labels": [int(v) for v in coarse],
+                    b"data": _rows(x),
+                }
+            )
             expect[f"{split}_x"], expect[f"{split}_y"], expect[f"{split}_coarse"] = x, fine, coarse
         expect["classes"] = [f"fine_{i}" for i in range(100)]
         expect["coarse_classes"] = [f"coarse_{i}" for i in range(20)]
-        files["meta"] = py2_pickle({b"fine_label_names": [n.encode() for n in expect["classes"]],
-                                    b"coarse_label_names": [n.encode() for n in expect["coarse_classes"]]})
+        files["meta"] = py2_pickle(
+            {
+                b"fine_label_names": [n.encode() for n in expect["classes"]],
+                b"coarse_label_names": [n.encode() for n in expect["coarse_classes"]],
+            }
+        )
     return files, expect
 
 
@@ -84,8 +129,11 @@ FOLDERS = {"cifar10": ("cifar-10-batches-py", "cifar-10-python.tar.gz"),
            "cifar100": ("cifar-100-python", "cifar-100-python.tar.gz")}
 
 
-def write_cifar(root: Path, name: str, form: str = "folder", seed: int = 0, files: dict | None = None) -> dict:
-    """Write a tiny CIFAR under root as the extracted folder or the .tar.gz; returns the expected arrays."""
+def write_cifar(
+    root: Path, name: str, form: str = "folder", seed: int = 0, files: dict | None = None
+) -> dict:
+    """Write a tiny CIFAR under root as the extracted folder or the .tar.gz; returns the expected
+    arrays."""
     made, expect = cifar_files(name, seed)
     files = {**made, **(files or {})}
     folder, archive = FOLDERS[name]
@@ -111,7 +159,8 @@ WIKI = {
 
 
 def wiki_expected(texts: dict = WIKI) -> tuple[dict, list]:
-    """Token ids per split and the vocabulary, worked out the PyTorch example's way (independently here)."""
+    """Token ids per split and the vocabulary, worked out the PyTorch example's way (independently
+    here)."""
     vocab, ids = [], {}
     for split in ("train", "valid", "test"):
         out = []
@@ -128,12 +177,15 @@ def write_wikitext(root: Path, texts: dict = WIKI) -> Path:
     folder = root / "wikitext-2"
     folder.mkdir(parents=True, exist_ok=True)
     for split, text in texts.items():
-        (folder / f"{split}.txt").write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
+        (folder / f"{split}.txt").write_bytes(
+            text.encode("utf-8") if isinstance(text, str) else text
+        )
     return folder
 
 
 class Serve:
-    """A local HTTP server for a folder (download tests without the internet): `with Serve(dir) as url: ...`."""
+    """A local HTTP server for a folder (download tests without the internet): `with Serve(dir) as
+    url: ...`."""
 
     def __init__(self, folder: Path):
         handler = functools.partial(_QuietHandler, directory=str(folder))
@@ -153,4 +205,5 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-UNREACHABLE = "http://127.0.0.1:9/"   # the discard port: refused at once, so no test ever reaches the internet
+# the discard port: refused at once, so no test ever reaches the internet
+UNREACHABLE = "http://127.0.0.1:9/"

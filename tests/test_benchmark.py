@@ -1,5 +1,6 @@
-"""scripts/benchmark.py: what each loop times (a fake clock that only moves in backward), the statistics over rounds
-(known throughputs in, hand-computed medians, ratio and spread out), speed-ups against fp32, and the CLI on the CPU."""
+"""scripts/benchmark.py: what each loop times (a fake clock that only moves in backward), the
+statistics over rounds (known throughputs in, hand-computed medians, ratio and spread out),
+speed-ups against fp32, and the CLI on the CPU."""
 import json
 import statistics
 import subprocess
@@ -26,9 +27,9 @@ def bench():
 
 @pytest.fixture
 def step_clock(monkeypatch):
-    """time.perf_counter frozen except in Tensor.backward, which advances it by STEP_S: a loop that times exactly
-    its steady steps of batch b measures b / STEP_S samples/s; one that counts a warm-up step, or times one step
-    too many or too few, measures something else."""
+    """time.perf_counter frozen except in Tensor.backward, which advances it by STEP_S: a loop that
+    times exactly its steady steps of batch b measures b / STEP_S samples/s; one that counts a
+    warm-up step, or times one step too many or too few, measures something else."""
     now = [1000.0]
     backward = torch.Tensor.backward
 
@@ -43,63 +44,134 @@ def step_clock(monkeypatch):
 @pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
 @pytest.mark.slow
 def test_both_loops_time_exactly_their_steps_after_warmup(bench, step_clock, precision):
-    overrides = bench.sized([*TINY, "model.width=4", "dataset.image_size=8", f"precision={precision}"], steps=4, warmup=3)
+    overrides = bench.sized(
+        [*TINY, "model.width=4", "dataset.image_size=8", f"precision={precision}"],
+        steps=4,
+        warmup=3,
+    )
     expected = 16 / STEP_S   # batch 16, one fake step each
     assert bench.hand_throughput(overrides)["samples_per_s"] == pytest.approx(expected)
     assert bench.mixprec_throughput(overrides)["samples_per_s"] == pytest.approx(expected)
 
 
 def test_overhead_discards_round_0_and_reports_medians_ratio_and_spread(bench, monkeypatch):
-    """Known throughputs per call: round 0 (5 and 7) is discarded; the medians, their ratio and the spread of the
-    per-round ratios are the hand-computed ones; each round runs the two loops in a seeded random order."""
+    """Known throughputs per call: round 0 (5 and 7) is discarded; the medians, their ratio and the
+    spread of the per-round ratios are the hand-computed ones; each round runs the two loops in a
+    seeded random order."""
     values = {"mixprec": [5.0, 90.0, 96.0, 120.0], "hand": [7.0, 100.0, 100.0, 100.0]}
     calls = []
 
     def fake(name):
-        return lambda overrides: calls.append(name) or {"samples_per_s": values[name][calls.count(name) - 1]}
+        return lambda overrides: (
+            calls.append(name) or {"samples_per_s": values[name][calls.count(name) - 1]}
+        )
 
     monkeypatch.setattr(bench, "mixprec_throughput", fake("mixprec"))
     monkeypatch.setattr(bench, "hand_throughput", fake("hand"))
-    args = Namespace(overrides=[*TINY, "dataset.image_size=8"], compile="none", steps=2, warmup=1, repeats=3, seed=0)
+    args = Namespace(
+        overrides=[*TINY, "dataset.image_size=8"],
+        compile="none",
+        steps=2,
+        warmup=1,
+        repeats=3,
+        seed=0,
+    )
     res = bench.overhead(args)
-    assert res["mixprec_samples_per_s"] == [90.0, 96.0, 120.0] and res["hand_samples_per_s"] == [100.0] * 3
+    assert (
+        res["mixprec_samples_per_s"] == [90.0, 96.0, 120.0]
+        and res["hand_samples_per_s"] == [100.0] * 3
+    )
     assert res["median_mixprec"] == 96.0 and res["median_hand"] == 100.0
     assert res["ratio"] == pytest.approx(0.96) and res["overhead"] == pytest.approx(100 / 96 - 1)
     assert res["spread"] == pytest.approx([0.9, 1.2])
     rounds = [tuple(calls[i:i + 2]) for i in range(0, len(calls), 2)]
-    assert all(sorted(r) == ["hand", "mixprec"] for r in rounds) and len(set(rounds)) == 2   # both orders occur
+    # both orders occur
+    assert all(sorted(r) == ["hand", "mixprec"] for r in rounds) and len(set(rounds)) == 2
 
 
-def test_table_builds_each_model_once_and_speedups_are_against_fp32_of_the_same_batch_and_compile(bench, monkeypatch):
-    speed = {("fp32", 4): 100.0, ("amp", 4): 250.0, ("amp_bf16", 4): 180.0, ("fp32", 8): 200.0, ("amp", 8): 300.0,
-             ("amp_bf16", 8): 500.0}
+def test_table_builds_each_model_once_and_speedups_are_against_fp32_of_the_same_batch_and_compile(
+    bench, monkeypatch
+):
+    speed = {
+        ("fp32", 4): 100.0,
+        ("amp", 4): 250.0,
+        ("amp_bf16", 4): 180.0,
+        ("fp32", 8): 200.0,
+        ("amp", 8): 300.0,
+        ("amp_bf16", 8): 500.0,
+    }
     built = []
     real_build = bench.build_base
-    monkeypatch.setattr(bench, "build_base", lambda *a: built.append(a[0].model.arch) or real_build(*a))
-    monkeypatch.setattr(bench, "time_cell", lambda cfg, *a: {
-        "samples_per_s": speed[cfg.precision.name, cfg.trainer.batch_size], "emulated": False, "step_ms": 1.0,
-        "gpu_busy_fraction": None, "peak_memory_mb": None})
-    args = Namespace(models="small_cnn", precisions="fp32,amp,amp_bf16", overrides=[*TINY, "dataset.image_size=8"],
-                     steps=2, warmup=1, batches=[4, 8], compiles=["none"])
+    monkeypatch.setattr(
+        bench, "build_base", lambda *a: built.append(a[0].model.arch) or real_build(*a)
+    )
+    monkeypatch.setattr(
+        bench,
+        "time_cell",
+        lambda cfg, *a: {
+            "samples_per_s": speed[cfg.precision.name, cfg.trainer.batch_size],
+            "emulated": False,
+            "step_ms": 1.0,
+            "gpu_busy_fraction": None,
+            "peak_memory_mb": None,
+        },
+    )
+    args = Namespace(
+        models="small_cnn",
+        precisions="fp32,amp,amp_bf16",
+        overrides=[*TINY, "dataset.image_size=8"],
+        steps=2,
+        warmup=1,
+        batches=[4, 8],
+        compiles=["none"],
+    )
     rows, _ = bench.table_cells(args)
     assert built == ["small_cnn"]
     assert [(r["batch"], r["precision"], r["speedup"]) for r in rows] == [
-        (4, "fp32", 1.0), (4, "amp", 2.5), (4, "amp_bf16", 1.8), (8, "fp32", 1.0), (8, "amp", 1.5), (8, "amp_bf16", 2.5)]
+        (4, "fp32", 1.0),
+        (4, "amp", 2.5),
+        (4, "amp_bf16", 1.8),
+        (8, "fp32", 1.0),
+        (8, "amp", 1.5),
+        (8, "amp_bf16", 2.5),
+    ]
 
 
 def test_the_speed_table_times_every_cell_in_seconds_and_writes_json_and_markdown(bench, tmp_path):
     out = tmp_path / "table"
     t0 = time.perf_counter()
-    assert bench.main(["table", "--models", "small_cnn", "--precisions", "fp32,amp_bf16", "--batches", "4,8",
-                       *TINY, "dataset.image_size=8", "--steps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "table",
+                "--models",
+                "small_cnn",
+                "--precisions",
+                "fp32,amp_bf16",
+                "--batches",
+                "4,8",
+                *TINY,
+                "dataset.image_size=8",
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert time.perf_counter() - t0 < 60
     res = json.loads((out / "table.json").read_text())
     assert [(r["model"], r["precision"], r["batch"], r["compile"]) for r in res["rows"]] == [
         ("small_cnn", p, b, "none") for b in (4, 8) for p in ("fp32", "amp_bf16")]
     for r in res["rows"]:
         assert r["samples_per_s"] > 0 and r["step_ms"] > 0 and r["cell_s"] < 30
-        assert r["gpu_busy_fraction"] is None and r["peak_memory_mb"] is None   # a CPU: not measured, no fake number
-        assert r["speedup"] == (1.0 if r["precision"] == "fp32" else None)   # amp_bf16 is emulated here: no speed-up
+        # a CPU: not measured, no fake number
+        assert r["gpu_busy_fraction"] is None and r["peak_memory_mb"] is None
+        # amp_bf16 is emulated here: no speed-up
+        assert r["speedup"] == (1.0 if r["precision"] == "fp32" else None)
     md = (out / "table.md").read_text().splitlines()
     rows = [line for line in md if line.startswith("| small_cnn")]
     assert len(rows) == 4 and rows[1].endswith("| - | - | emulated: an fp32 time |")
@@ -109,31 +181,80 @@ def test_the_speed_table_times_every_cell_in_seconds_and_writes_json_and_markdow
 @pytest.mark.slow
 def test_the_cli_writes_both_loops_and_the_table(tmp_path):
     out = tmp_path / "overhead.json"
-    r = subprocess.run([*BENCH, "overhead", *TINY, "dataset.image_size=8", "precision=amp_bf16", "--steps", "3",
-                        "--warmup", "2", "--repeats", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            *BENCH,
+            "overhead",
+            *TINY,
+            "dataset.image_size=8",
+            "precision=amp_bf16",
+            "--steps",
+            "3",
+            "--warmup",
+            "2",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert len(res["mixprec_samples_per_s"]) == len(res["hand_samples_per_s"]) == 2
     assert res["median_hand"] == statistics.median(res["hand_samples_per_s"])
-    assert f"ratio mixprec / hand: {res['ratio']:.3f}" in r.stdout and "harness overhead:" in r.stdout
-    r = subprocess.run([*BENCH, "table", "--models", "small_cnn", "--precisions", "fp32,amp", "model.width=8",
-                        "dataset.image_size=8", "--batches", "16", "--steps", "2", "--warmup", "1",
-                        "--out", str(tmp_path / "table")], capture_output=True, text=True, timeout=300)
+    assert (
+        f"ratio mixprec / hand: {res['ratio']:.3f}" in r.stdout and "harness overhead:" in r.stdout
+    )
+    r = subprocess.run(
+        [
+            *BENCH,
+            "table",
+            "--models",
+            "small_cnn",
+            "--precisions",
+            "fp32,amp",
+            "model.width=8",
+            "dataset.image_size=8",
+            "--batches",
+            "16",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path / "table"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "table" / "table.json").read_text())["rows"]
-    assert [(x["model"], x["precision"], x["batch"]) for x in rows] == [("small_cnn", "fp32", 16), ("small_cnn", "amp", 16)]
+    assert [(x["model"], x["precision"], x["batch"]) for x in rows] == [
+        ("small_cnn", "fp32", 16),
+        ("small_cnn", "amp", 16),
+    ]
 
 
 def test_bad_input_is_one_line(bench, capsys):
-    with pytest.raises(SystemExit, match=r"^benchmark: the hand-written loop covers the autocast family"):
+    with pytest.raises(
+        SystemExit, match=r"^benchmark: the hand-written loop covers the autocast family"
+    ):
         bench.main(["overhead", "precision=half"])
     with pytest.raises(SystemExit, match=r"^benchmark: the hand-written loop has no tricks"):
         bench.main(["overhead", "trick.label_smoothing=0.1"])
     assert bench.main(["overhead", "trainer.batch_size=0"]) == 2
-    assert capsys.readouterr().err.strip().startswith("benchmark: config error: trainer.batch_size=0")
+    assert (
+        capsys.readouterr().err.strip().startswith("benchmark: config error: trainer.batch_size=0")
+    )
 
 
-def test_a_table_cell_samples_until_the_host_queued_a_step_ahead_and_reports_its_busy_fraction(bench, monkeypatch):
+def test_a_table_cell_samples_until_the_host_queued_a_step_ahead_and_reports_its_busy_fraction(
+    bench, monkeypatch
+):
     """A cell samples a job's steady steps (busy.SAMPLE_AT) with the job's meter: the first
     sample, which the host waited in, gives no figure and a longer spin; the second does."""
     from test_busy import FakeTimer
@@ -210,7 +331,8 @@ def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides
 
 
 def layouts_seen(monkeypatch) -> list:
-    """Records the memory layout of every batch the loop's forward gets (images.forward: the step's)."""
+    """Records the memory layout of every batch the loop's forward gets (images.forward: the
+    step's)."""
     import mixprec.train.images as images
 
     seen, forward = [], images.forward

@@ -1,6 +1,6 @@
-"""The GPU busy fraction (src/mixprec/busy.py) on faked clocks: a fake GPU whose events report a known share of
-the host time a sampled step took, inside real tiny CPU jobs (tests/fakes.py's clock moves only with training
-steps), and the host-bound verdict the tables and the report show."""
+"""The GPU busy fraction (src/mixprec/busy.py) on faked clocks: a fake GPU whose events report a
+known share of the host time a sampled step took, inside real tiny CPU jobs (tests/fakes.py's clock
+moves only with training steps), and the host-bound verdict the tables and the report show."""
 import pytest
 
 import mixprec.job
@@ -9,7 +9,12 @@ from helpers import run_tiny
 from mixprec.runtime import busy
 
 CPU = ["trainer.device=cpu"]
-TEN_STEPS = ["dataset.train_size=160", "trainer.max_steps=null", "trainer.epochs=1", "trainer.warmup_steps=2"]
+TEN_STEPS = [
+    "dataset.train_size=160",
+    "trainer.max_steps=null",
+    "trainer.epochs=1",
+    "trainer.warmup_steps=2",
+]
 
 
 class FakeEvent:
@@ -63,22 +68,30 @@ class FakeTimer:
 def run_busy(tmp_path, monkeypatch, fraction, host_waited=False):
     clock = with_clock(monkeypatch, cost=lambda k: 0.01)
     timer = FakeTimer(clock, fraction, host_waited)
-    monkeypatch.setattr(mixprec.job.busy, "meter_for", lambda device, world: busy.BusyMeter(timer, clock))
+    monkeypatch.setattr(
+        mixprec.job.busy, "meter_for", lambda device, world: busy.BusyMeter(timer, clock)
+    )
     return run_tiny(tmp_path, *CPU, *TEN_STEPS), timer
 
 
 @pytest.mark.parametrize("fraction, verdict", [(0.3, True), (0.95, False)])
-def test_busy_fraction_on_faked_clocks_says_host_bound_or_not(tmp_path, monkeypatch, fraction, verdict):
+def test_busy_fraction_on_faked_clocks_says_host_bound_or_not(
+    tmp_path, monkeypatch, fraction, verdict
+):
     s, timer = run_busy(tmp_path, monkeypatch, fraction)
     m = s["metrics"]
-    assert m["gpu_busy_fraction"] == pytest.approx(fraction, rel=1e-6) and m["host_bound"] is verdict
+    assert (
+        m["gpu_busy_fraction"] == pytest.approx(fraction, rel=1e-6) and m["host_bound"] is verdict
+    )
     assert m["busy_samples"] == 2 and m["gpu_step_ms"] == pytest.approx(10 * fraction, rel=1e-6)
     # 10 steps of 10 ms of host time: the host queues a sampled step during its spin (the GPU's
     # share of it runs after the spin), and only the spin and its wait are out of the clock:
     # 10 steps' time, 8 steady ones of 10 ms
     assert m["train_time_s"] == pytest.approx(10 * 0.01, rel=1e-6)
     assert m["wall_step_ms"] == pytest.approx(10.0, rel=1e-6)
-    assert m["throughput"] == pytest.approx(16 / 0.01, rel=1e-6) and timer.spins == [busy.SPIN_S] * 2
+    assert (
+        m["throughput"] == pytest.approx(16 / 0.01, rel=1e-6) and timer.spins == [busy.SPIN_S] * 2
+    )
     assert s["epochs"][0]["epoch_time_s"] == pytest.approx(10 * 0.01, rel=1e-6)
     assert s["epochs"][0]["gpu_busy_fraction"] == pytest.approx(fraction, rel=1e-6)
     assert (busy.note(m["gpu_busy_fraction"]) is not None) is verdict
@@ -87,7 +100,11 @@ def test_busy_fraction_on_faked_clocks_says_host_bound_or_not(tmp_path, monkeypa
 def test_a_step_the_host_waited_in_gives_no_figure_and_a_longer_spin(tmp_path, monkeypatch):
     s, timer = run_busy(tmp_path, monkeypatch, 0.5, host_waited=True)
     m = s["metrics"]
-    assert m["gpu_busy_fraction"] is None and m["host_bound"] is None and m["busy_samples_invalid"] == 2
+    assert (
+        m["gpu_busy_fraction"] is None
+        and m["host_bound"] is None
+        and m["busy_samples_invalid"] == 2
+    )
     assert timer.spins == [busy.SPIN_S, 2 * busy.SPIN_S]
     # the host waited out the spin before the step: only the spin is out of the clock
     assert m["train_time_s"] == pytest.approx(10 * 0.01, rel=1e-6)
@@ -117,20 +134,40 @@ def test_tables_and_report_say_batch_compile_and_host_bound(tmp_path):
     jobs = []
     for i, (precision, b) in enumerate([("fp32", 0.3), ("tf32", 0.95)]):
         s = run_tiny(tmp_path / str(i), *CPU, f"precision={precision}")
-        s["metrics"].update(gpu_busy_fraction=b, gpu_step_ms=10 * b, wall_step_ms=10.0, host_bound=b < 0.8)
+        s["metrics"].update(
+            gpu_busy_fraction=b, gpu_step_ms=10 * b, wall_step_ms=10.0, host_bound=b < 0.8
+        )
         (tmp_path / str(i) / "summary.json").write_text(json.dumps(records.jsonable(s)))
         jobs.append(s)
     rows = sweep_rows(jobs)
-    assert [(r["batch"], r["compile"], r["busy"]) for r in rows] == [(16, "none", 0.3), (16, "none", 0.95)]
-    assert rows[1]["speedup"] is not None and "host-bound: GPU busy 95%, fp32 30%" in rows[1]["note"]
+    assert [(r["batch"], r["compile"], r["busy"]) for r in rows] == [
+        (16, "none", 0.3),
+        (16, "none", 0.95),
+    ]
+    assert (
+        rows[1]["speedup"] is not None and "host-bound: GPU busy 95%, fp32 30%" in rows[1]["note"]
+    )
     table = format_table(rows)
-    assert "GPU busy" in table.splitlines()[0] and "compile" in table.splitlines()[0] and " 0.30 " in table
-    assert "host-bound" in sweep_note(jobs) and "trainer.compile=reduce-overhead" in sweep_note(jobs)
-    assert "GPU busy    30% of a steady step (3.00 of 10.00 ms; batch 16, compile none): host-bound" in job_block(jobs[0])
+    assert (
+        "GPU busy" in table.splitlines()[0]
+        and "compile" in table.splitlines()[0]
+        and " 0.30 " in table
+    )
+    assert "host-bound" in sweep_note(jobs) and "trainer.compile=reduce-overhead" in sweep_note(
+        jobs
+    )
+    assert (
+        "GPU busy    30% of a steady step (3.00 of 10.00 ms; batch 16, compile none): host-bound"
+        in job_block(jobs[0])
+    )
     make_report([str(tmp_path / "0"), str(tmp_path / "1")], out=tmp_path / "report")
     report = tmp_path / "report" / "report.md"
     text = report.read_text()
-    assert "| batch | compile | GPU busy (%) |" in text and "**Host-bound:**" in text and "| 16 | none | 30 |" in text
+    assert (
+        "| batch | compile | GPU busy (%) |" in text
+        and "**Host-bound:**" in text
+        and "| 16 | none | 30 |" in text
+    )
     cpu = sweep_rows([run_tiny(tmp_path / "cpu", *CPU)])   # a CPU job: no figure, "-" in the table
     assert cpu[0]["busy"] is None and format_table(cpu).splitlines()[2].split()[9] == "-"
 
@@ -169,7 +206,8 @@ def test_after_a_step_the_host_took_long_to_queue_the_spin_covers_twice_its_queu
     clock = FakeClock()
     timer = FakeTimer(clock, 0.5, host_waited=True)
     meter = busy.BusyMeter(timer, clock)
-    meter.sample(lambda: setattr(clock, "now", clock.now + 0.3), (), Clock())   # 0.3 s of queuing: an eager fp8 GPT
+    # 0.3 s of queuing: an eager fp8 GPT
+    meter.sample(lambda: setattr(clock, "now", clock.now + 0.3), (), Clock())
     timer.host_waited = False
     meter.sample(lambda: setattr(clock, "now", clock.now + 0.3), (), Clock())
     assert timer.spins == [busy.SPIN_S, pytest.approx(0.6)] and meter.gpu_s == [pytest.approx(0.15)]
@@ -202,8 +240,9 @@ class HostClock:
 
 @pytest.mark.gpu
 def test_the_cuda_timer_times_a_step_queued_behind_its_spin():
-    """busy.CudaTimer on the GPU (the spin, CUDA events, the queued-ahead check): a few large matmuls keep the GPU
-    busy for most of their wall time; hundreds of one-element adds are the host's launch time, not the GPU's."""
+    """busy.CudaTimer on the GPU (the spin, CUDA events, the queued-ahead check): a few large
+    matmuls keep the GPU busy for most of their wall time; hundreds of one-element adds are the
+    host's launch time, not the GPU's."""
     import time
 
     import torch
@@ -227,7 +266,9 @@ def test_the_cuda_timer_times_a_step_queued_behind_its_spin():
             kept = time.perf_counter() - t0 - (clock.excluded - excluded)
             if len(meter.gpu_s) > len(fractions):
                 break
-        assert len(meter.gpu_s) == len(fractions) + 1, "no valid sample: the host waited on the GPU every time"
+        assert len(meter.gpu_s) == len(fractions) + 1, (
+            "no valid sample: the host waited on the GPU every time"
+        )
         fractions.append(busy.busy_fraction(meter.gpu_s[-1], wall))
         # the clock keeps a sampled step's own time, near an unsampled one's: no spin in it
         assert 0.5 * wall < kept < 2 * wall, (kept, wall)
@@ -242,5 +283,9 @@ def test_a_cuda_job_records_its_busy_fraction(tmp_path):
     s = run_tiny(tmp_path, *TEN_STEPS, base=[o for o in TINY if not o.startswith("trainer.device")])
     m = s["metrics"]
     assert s["env"]["device"].startswith("cuda"), s["env"]
-    assert m["busy_samples"] >= 1 and 0 < m["gpu_busy_fraction"] <= 1 and m["host_bound"] in (True, False)
+    assert (
+        m["busy_samples"] >= 1
+        and 0 < m["gpu_busy_fraction"] <= 1
+        and m["host_bound"] in (True, False)
+    )
     assert s["epochs"][0]["gpu_busy_fraction"] is not None

@@ -1,4 +1,5 @@
-"""CIFAR-10/100 from tiny files in the official formats: folder and .tar.gz, cache, download, errors."""
+"""CIFAR-10/100 from tiny files in the official formats: folder and .tar.gz, cache, download,
+errors."""
 import dataclasses
 import json
 
@@ -47,11 +48,17 @@ def test_official_format_loads_exactly(tmp_path, name, form):
     else:
         assert data.train_coarse is None
     mean, std = float_stats(expect["train_x"])
-    assert data.mean == pytest.approx(tuple(mean), abs=1e-12) and data.std == pytest.approx(tuple(std), abs=1e-12)
+    assert data.mean == pytest.approx(tuple(mean), abs=1e-12) and data.std == pytest.approx(
+        tuple(std), abs=1e-12
+    )
     assert data.info["cache"] == "written"
     again = load(name, tmp_path)   # the second run reads the .npy cache: the same arrays
     assert again.info["cache"] == "hit" and torch.equal(again.train_x, data.train_x)
-    assert torch.equal(again.test_y, data.test_y) and again.mean == data.mean and again.classes == data.classes
+    assert (
+        torch.equal(again.test_y, data.test_y)
+        and again.mean == data.mean
+        and again.classes == data.classes
+    )
 
 
 def test_one_pixel_lands_where_the_format_says(tmp_path):
@@ -59,7 +66,9 @@ def test_one_pixel_lands_where_the_format_says(tmp_path):
     row = np.zeros((1, 3072), np.uint8)
     row[0, 1024 + 32 * 5 + 7] = 200            # green, y=5, x=7
     files, _ = cifar_files("cifar10")
-    files["data_batch_1"] = py2_pickle({b"batch_label": b"b", b"labels": [3], b"data": row, b"filenames": [b"a"]})
+    files["data_batch_1"] = py2_pickle(
+        {b"batch_label": b"b", b"labels": [3], b"data": row, b"filenames": [b"a"]}
+    )
     write_cifar(tmp_path, "cifar10", files=files)
     x = load("cifar10", tmp_path).train_x[0]
     assert x[1, 5, 7] == 200 and int(x.sum()) == 200
@@ -70,11 +79,14 @@ def test_the_cache_follows_its_sources(tmp_path):
     first = load("cifar10", tmp_path)
     expect = write_cifar(tmp_path, "cifar10", seed=1)     # new files in place of the old ones
     second = load("cifar10", tmp_path)
-    assert second.info["cache"] == "written" and np.array_equal(second.train_x.numpy(), expect["train_x"])
+    assert second.info["cache"] == "written" and np.array_equal(
+        second.train_x.numpy(), expect["train_x"]
+    )
     assert not torch.equal(first.train_x, second.train_x)
     manifest = json.loads((tmp_path / "mixprec-cache" / "cifar10" / "manifest.json").read_text())
     assert sorted(manifest["arrays"]) == ["test_x", "test_y", "train_x", "train_y"]
-    assert not list((tmp_path / "mixprec-cache" / "cifar10").glob(".*"))      # no temporary files left
+    # no temporary files left
+    assert not list((tmp_path / "mixprec-cache" / "cifar10").glob(".*"))
 
 
 def test_a_truncated_archive_names_the_file_and_leaves_no_cache(tmp_path):
@@ -83,7 +95,11 @@ def test_a_truncated_archive_names_the_file_and_leaves_no_cache(tmp_path):
     archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
     with pytest.raises(DataError) as e:
         load("cifar10", tmp_path)
-    assert str(archive) in str(e.value) and "truncated or corrupt" in str(e.value) and "\n" not in str(e.value)
+    assert (
+        str(archive) in str(e.value)
+        and "truncated or corrupt" in str(e.value)
+        and "\n" not in str(e.value)
+    )
     cache = tmp_path / "mixprec-cache"
     assert not cache.exists() or not any(cache.rglob("*"))
 
@@ -97,12 +113,25 @@ def test_a_corrupt_file_in_the_folder_names_that_file(tmp_path):
     assert not (tmp_path / "mixprec-cache").exists()
 
 
-@pytest.mark.parametrize("name,file,entry,msg", [
-    ("cifar10", "data_batch_2", {b"labels": [0, 10]}, "'labels' must be in 0..9, found 0..10"),
-    ("cifar10", "test_batch", {b"data": np.zeros((2, 3000), np.uint8)}, r"'data' must be uint8 \[N, 3072\]"),
-    ("cifar10", "data_batch_1", {b"labels": [1]}, "'labels' must be 2 integer labels"),
-    ("cifar100", "train", {b"coarse_labels": [20, 0]}, "'coarse_labels' must be in 0..19, found 0..20"),
-])
+@pytest.mark.parametrize(
+    "name,file,entry,msg",
+    [
+        ("cifar10", "data_batch_2", {b"labels": [0, 10]}, "'labels' must be in 0..9, found 0..10"),
+        (
+            "cifar10",
+            "test_batch",
+            {b"data": np.zeros((2, 3000), np.uint8)},
+            r"'data' must be uint8 \[N, 3072\]",
+        ),
+        ("cifar10", "data_batch_1", {b"labels": [1]}, "'labels' must be 2 integer labels"),
+        (
+            "cifar100",
+            "train",
+            {b"coarse_labels": [20, 0]},
+            "'coarse_labels' must be in 0..19, found 0..20",
+        ),
+    ],
+)
 def test_wrong_labels_or_shapes_are_named(tmp_path, name, file, entry, msg):
     base = {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"fine_labels": [0, 1],
             b"coarse_labels": [0, 1], b"batch_label": b"x", b"filenames": [b"a", b"b"]}
@@ -126,14 +155,19 @@ def test_offline_and_missing_says_where_what_and_how(tmp_path, name):
         build_image_data(dataset(name, tmp_path, f"dataset.urls=[{UNREACHABLE}{FOLDERS[name][1]}]"))
     msg = str(e.value)
     folder, archive = FOLDERS[name]
-    assert msg.startswith(f"{title} not found in {tmp_path}: expected {folder}/ with ") and "\n" not in msg
+    assert (
+        msg.startswith(f"{title} not found in {tmp_path}: expected {folder}/ with ")
+        and "\n" not in msg
+    )
     assert all(f in msg for f in cifar.SPECS[name].files) and archive in msg
     assert cifar.SPECS[name].url in msg and "dataset=synthetic" in msg and "MIXPREC_DATA_DIR" in msg
     assert "the download failed" in msg and "Connection refused" in msg
     assert [p.name for p in tmp_path.iterdir()] == []     # no partial download left behind
     (tmp_path / folder).mkdir()
     (tmp_path / folder / cifar.SPECS[name].test_files[0]).write_bytes(b"")
-    with pytest.raises(DataError, match=f"{folder}/ is there but lacks .*; dataset.download=false. Get "):
+    with pytest.raises(
+        DataError, match=f"{folder}/ is there but lacks .*; dataset.download=false. Get "
+    ):
         load(name, tmp_path)
 
 
@@ -144,24 +178,39 @@ def test_download_checks_the_md5_then_extracts(tmp_path, monkeypatch):
     root = tmp_path / "data"
     with Serve(served) as url:
         # the published md5 is not this tiny archive's: refused, nothing kept
-        with pytest.raises(DataError, match=f"{url}{archive}: ValueError: md5 [0-9a-f]+ is not the published "
-                                            f"{cifar.SPECS['cifar100'].md5}"):
+        with pytest.raises(
+            DataError,
+            match=f"{url}{archive}: ValueError: md5 [0-9a-f]+ is not the published "
+            f"{cifar.SPECS['cifar100'].md5}",
+        ):
             build_image_data(dataset("cifar100", root, f"dataset.urls=[{url}{archive}]"))
         assert not root.exists() or list(root.iterdir()) == []
-        # with its own md5 published, the first URL that works is used, checked, extracted and loaded
+        # with its own md5 published, the first URL that works is used, checked, extracted and
+        # loaded
         from mixprec.data.files import md5sum
         spec = dataclasses.replace(cifar.SPECS["cifar100"], md5=md5sum(served / archive))
         monkeypatch.setitem(cifar.SPECS, "cifar100", spec)
-        data = build_image_data(dataset("cifar100", root, f"dataset.urls=[{UNREACHABLE}x,{url}{archive}]"))
+        data = build_image_data(
+            dataset("cifar100", root, f"dataset.urls=[{UNREACHABLE}x,{url}{archive}]")
+        )
     assert (root / archive).read_bytes() == (served / archive).read_bytes()
-    assert sorted(p.name for p in (root / "cifar-100-python").iterdir()) == ["meta", "readme.html", "test", "train"]
-    assert np.array_equal(data.train_x.numpy(), expect["train_x"]) and data.info["source"].endswith("cifar-100-python")
+    assert sorted(p.name for p in (root / "cifar-100-python").iterdir()) == [
+        "meta",
+        "readme.html",
+        "test",
+        "train",
+    ]
+    assert np.array_equal(data.train_x.numpy(), expect["train_x"]) and data.info["source"].endswith(
+        "cifar-100-python"
+    )
 
 
 def test_data_dir_comes_from_the_environment_when_not_set(tmp_path, monkeypatch):
     expect = write_cifar(tmp_path, "cifar10")
     monkeypatch.setenv("MIXPREC_DATA_DIR", str(tmp_path))
-    data = build_image_data(validate(compose_config("dataset=cifar10", "dataset.download=false")).dataset)
+    data = build_image_data(
+        validate(compose_config("dataset=cifar10", "dataset.download=false")).dataset
+    )
     assert data.info["source"] == str(tmp_path / "cifar-10-batches-py")
     assert np.array_equal(data.test_y.numpy(), expect["test_y"])
 
@@ -190,13 +239,24 @@ def run_job_with(tmp_path, *overrides):
 @pytest.mark.parametrize("pipeline", ["device", "dataloader"])
 def test_a_job_trains_on_cifar_files(tmp_path, pipeline):
     write_cifar(tmp_path / "data", "cifar100", form="tar")
-    s = run_job_with(tmp_path, "dataset=cifar100", f"dataset.data_dir={tmp_path / 'data'}", "trainer.batch_size=4",
-                     "trainer.max_steps=null", "trainer.epochs=2", f"dataset.pipeline={pipeline}", "dataset.workers=0",
-                     "dataset.image_size=16", "dataset.cutout=4")
+    s = run_job_with(
+        tmp_path,
+        "dataset=cifar100",
+        f"dataset.data_dir={tmp_path / 'data'}",
+        "trainer.batch_size=4",
+        "trainer.max_steps=null",
+        "trainer.epochs=2",
+        f"dataset.pipeline={pipeline}",
+        "dataset.workers=0",
+        "dataset.image_size=16",
+        "dataset.cutout=4",
+    )
     assert s["status"] == "completed" and s["metrics"]["steps"] == 2 * (7 // 4)
     assert s["data"]["train"] == 7 and s["data"]["test"] == 4 and s["data"]["cache"] == "written"
     assert s["data"]["source"] == str(tmp_path / "data" / "cifar-100-python.tar.gz")
-    assert s["metrics"]["forward_flops_per_sample"] == pytest.approx(small_cnn_flops(8, classes=100, side=16), rel=0.01)
+    assert s["metrics"]["forward_flops_per_sample"] == pytest.approx(
+        small_cnn_flops(8, classes=100, side=16), rel=0.01
+    )
 
 
 def test_text_data_in_train_py_is_a_clear_config_error(tmp_path):
@@ -204,16 +264,32 @@ def test_text_data_in_train_py_is_a_clear_config_error(tmp_path):
         run_job_with(tmp_path, "dataset=synthetic_text")
     assert e.value.code == 2   # a config error, as every other one (tests/test_cli.py)
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert s["error"].startswith("config error: dataset=synthetic_text is a text corpus: it trains a language "
-                                 "model (model=lstm") and "traceback" not in s
+    assert (
+        s["error"].startswith(
+            "config error: dataset=synthetic_text is a text corpus: it trains a language "
+            "model (model=lstm"
+        )
+        and "traceback" not in s
+    )
 
 
 @pytest.mark.slow
 def test_cli_offline_and_missing_is_one_line_and_a_non_zero_exit(tmp_path):
-    r = run_cli("dataset=cifar10", f"dataset.data_dir={tmp_path / 'data'}", f"dataset.urls=[{UNREACHABLE}a.tar.gz]",
-                "model=small_cnn", "logger=none", f"hydra.run.dir={tmp_path / 'run'}")
+    r = run_cli(
+        "dataset=cifar10",
+        f"dataset.data_dir={tmp_path / 'data'}",
+        f"dataset.urls=[{UNREACHABLE}a.tar.gz]",
+        "model=small_cnn",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("mixprec: the job failed")]
-    assert len(errors) == 1 and errors[0].startswith("mixprec: the job failed: data error: CIFAR-10 not found in ")
-    assert "dataset=synthetic" in errors[0] and "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz" in errors[0]
+    assert len(errors) == 1 and errors[0].startswith(
+        "mixprec: the job failed: data error: CIFAR-10 not found in "
+    )
+    assert (
+        "dataset=synthetic" in errors[0]
+        and "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz" in errors[0]
+    )
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"

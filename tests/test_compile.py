@@ -1,6 +1,6 @@
-"""trainer.compile: every model kind compiled gives the eager losses (CPU inductor), CUDA graphs' rules kept by the
-loop (a step mark before every compiled call, no compiled output kept past the next call), and the warm-up
-covering every shape the clock would otherwise pay for."""
+"""trainer.compile: every model kind compiled gives the eager losses (CPU inductor), CUDA graphs'
+rules kept by the loop (a step mark before every compiled call, no compiled output kept past the
+next call), and the warm-up covering every shape the clock would otherwise pay for."""
 import json
 
 import pytest
@@ -17,9 +17,10 @@ from test_speed import SMALL
 
 
 class FakeGraphs(nn.Module):
-    """What CUDA graphs do to a compiled module's outputs, on a CPU: each call overwrites (with NaN) the output of
-    the previous call, as a graph's replay overwrites its output pool; a call not preceded by
-    torch.compiler.cudagraph_mark_step_begin() since the previous one is counted in `unmarked`."""
+    """What CUDA graphs do to a compiled module's outputs, on a CPU: each call overwrites (with NaN)
+    the output of the previous call, as a graph's replay overwrites its output pool; a call not
+    preceded by torch.compiler.cudagraph_mark_step_begin() since the previous one is counted in
+    `unmarked`."""
 
     def __init__(self, net: nn.Module):
         super().__init__()
@@ -30,7 +31,8 @@ class FakeGraphs(nn.Module):
         self.seen = []   # (training?, input shape) of every call
         self.warmed = None   # calls made before fit
 
-    def init_hidden(self, batch_size: int):   # torch.compile's module reaches the model's attributes likewise
+    # torch.compile's module reaches the model's attributes likewise
+    def init_hidden(self, batch_size: int):
         return self.net.init_hidden(batch_size)
 
     def mark(self):
@@ -50,7 +52,8 @@ class FakeGraphs(nn.Module):
 
 
 def fake_graphs(monkeypatch) -> list:
-    """run.compile_model makes FakeGraphs; each fit notes how many calls the warm-up made (fake.warmed)."""
+    """run.compile_model makes FakeGraphs; each fit notes how many calls the warm-up made
+    (fake.warmed)."""
     made = []
     fit = run.loop.fit
 
@@ -77,39 +80,58 @@ def train_rows(path):
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_cuda_graph_modes_mark_each_step_and_keep_no_graph_output(tmp_path, monkeypatch, mode):
-    """Under the fake graphs, every call (warm-up, training, evaluation with flip TTA) is marked, and the job's
-    losses and accuracies (TTA's too) are those of the eager run: nothing read a graph output after the next call."""
+    """Under the fake graphs, every call (warm-up, training, evaluation with flip TTA) is marked,
+    and the job's losses and accuracies (TTA's too) are those of the eager run: nothing read a graph
+    output after the next call."""
     made = fake_graphs(monkeypatch)
     common = ["trainer.max_steps=4", "trainer.log_every=1", "trick.tta=true"]
-    s = run_tiny(tmp_path / "graphs", *common, f"trainer.compile={mode}", "dataset.test_size=24", base=SMALL)
+    s = run_tiny(
+        tmp_path / "graphs", *common, f"trainer.compile={mode}", "dataset.test_size=24", base=SMALL
+    )
     eager = run_tiny(tmp_path / "eager", *common, "dataset.test_size=24", base=SMALL)
     assert s["status"] == eager["status"] == "completed", s.get("error")
     fake = made[0]
-    assert fake.calls > 4 + 2 and fake.unmarked == 0   # warm-up, 4 steps, evaluation (two calls a batch)
+    # warm-up, 4 steps, evaluation (two calls a batch)
+    assert fake.calls > 4 + 2 and fake.unmarked == 0
     warm, timed = fake.seen[:fake.warmed], fake.seen[fake.warmed:]
-    assert {(False, (8, 3, 8, 8)), (False, (16, 3, 8, 8)), (True, (16, 3, 8, 8))} == set(timed)   # a partial test batch
-    assert all(warm.count(key) >= 3 for key in set(timed)), warm   # CUDA graphs record on a shape's 2nd call
-    assert [r["loss"] for r in train_rows(tmp_path / "graphs")] == [r["loss"] for r in train_rows(tmp_path / "eager")]
-    assert [r["acc"] for r in train_rows(tmp_path / "graphs")] == [r["acc"] for r in train_rows(tmp_path / "eager")]
+    # a partial test batch
+    assert {(False, (8, 3, 8, 8)), (False, (16, 3, 8, 8)), (True, (16, 3, 8, 8))} == set(timed)
+    # CUDA graphs record on a shape's 2nd call
+    assert all(warm.count(key) >= 3 for key in set(timed)), warm
+    assert [r["loss"] for r in train_rows(tmp_path / "graphs")] == [
+        r["loss"] for r in train_rows(tmp_path / "eager")
+    ]
+    assert [r["acc"] for r in train_rows(tmp_path / "graphs")] == [
+        r["acc"] for r in train_rows(tmp_path / "eager")
+    ]
     for key in ("final_test_acc", "final_test_loss", "final_test_acc_tta", "final_test_acc_no_tta"):
         assert s["metrics"][key] == eager["metrics"][key], key
 
 
 def test_a_compiled_gpt_under_cuda_graphs_marks_each_window(tmp_path, monkeypatch):
     made = fake_graphs(monkeypatch)
-    s = run_tiny(tmp_path, "trainer.max_steps=3", "trainer.compile=reduce-overhead", "dataset.train_size=400",
-                 "dataset.test_size=100", base=GPT_JOB)
+    s = run_tiny(
+        tmp_path,
+        "trainer.max_steps=3",
+        "trainer.compile=reduce-overhead",
+        "dataset.train_size=400",
+        "dataset.test_size=100",
+        base=GPT_JOB,
+    )
     assert s["status"] == "completed", s.get("error")
     fake = made[0]
     assert fake.calls > 3 and fake.unmarked == 0
     warm, timed = fake.seen[:fake.warmed], fake.seen[fake.warmed:]
-    assert len(set(timed)) >= 2 and all(warm.count(key) >= 3 for key in set(timed)), (set(timed), warm)
+    assert len(set(timed)) >= 2 and all(warm.count(key) >= 3 for key in set(timed)), (
+        set(timed),
+        warm,
+    )
     assert all(r["loss"] == r["loss"] for r in train_rows(tmp_path))   # not NaN
 
 
 def traced_only(monkeypatch) -> list:
-    """trainer.compile through dynamo with the eager backend: every (re)compilation counted, seconds instead of
-    inductor's minutes. Returns the graphs made during fit (training and evaluation)."""
+    """trainer.compile through dynamo with the eager backend: every (re)compilation counted, seconds
+    instead of inductor's minutes. Returns the graphs made during fit (training and evaluation)."""
     made = []
     monkeypatch.setattr(run, "compile_model", lambda net, mode: torch.compile(net, backend="eager"))
     fit = run.loop.fit
@@ -126,21 +148,35 @@ def traced_only(monkeypatch) -> list:
 
 @pytest.mark.parametrize("mode", ["default", "max-autotune"])
 def test_the_compile_warmup_leaves_no_compilation_to_the_run(tmp_path, monkeypatch, mode):
-    """Every shape an image job's model sees (the training batch; the evaluation batch and the test set's last,
-    partial, one, in eval mode) is compiled before the clock: nothing compiles during training or evaluation."""
+    """Every shape an image job's model sees (the training batch; the evaluation batch and the test
+    set's last, partial, one, in eval mode) is compiled before the clock: nothing compiles during
+    training or evaluation."""
     torch._dynamo.reset()
     made = traced_only(monkeypatch)
-    s = run_tiny(tmp_path, "trainer.max_steps=3", "dataset.test_size=24", f"trainer.compile={mode}", base=SMALL)
+    s = run_tiny(
+        tmp_path,
+        "trainer.max_steps=3",
+        "dataset.test_size=24",
+        f"trainer.compile={mode}",
+        base=SMALL,
+    )
     assert s["status"] == "completed", s.get("error")
     assert s["metrics"]["compile_time_s"] > 0 and made == [0]
 
 
 def test_a_gpt_compile_warmup_covers_its_windows(tmp_path, monkeypatch):
-    """The GPT's windows: full and last (shorter) ones, in training and in both evaluation splits."""
+    """The GPT's windows: full and last (shorter) ones, in training and in both evaluation
+    splits."""
     torch._dynamo.reset()
     made = traced_only(monkeypatch)
-    s = run_tiny(tmp_path, "trainer.max_steps=60", "trainer.compile=default", "dataset.train_size=400",
-                 "dataset.test_size=100", base=GPT_JOB)
+    s = run_tiny(
+        tmp_path,
+        "trainer.max_steps=60",
+        "trainer.compile=default",
+        "dataset.train_size=400",
+        "dataset.test_size=100",
+        base=GPT_JOB,
+    )
     assert s["status"] == "completed", s.get("error")
     assert s["metrics"]["compile_time_s"] > 0 and made == [0]
 
@@ -246,19 +282,44 @@ def train_losses(path, *overrides, base):
     return [r["loss"] for r in train_rows(path)], s
 
 
-# Compiled (CPU inductor) against eager, the losses of the first `compared` steps, measured largest relative gaps:
-# resnet18 7.3e-5 over 3 steps (at 8x8 pixels and batch 16 its last BatchNorms normalise 16 values each, which
-# amplifies inductor's rounding about 10x a step: 3.5e-3 at step 4, 1.6e-2 at step 5), the GPT 1.2e-7 over 10 (fp32:
-# inductor's fused kernels reassociate sums), the GPT under precision=fp8 1.2e-4 over 6 (float8 quantisation and
-# bf16 roundings fused differently; precision.emulate=false: torchao's own float8 emulation, CPU bf16 autocast).
-# Bounds: about 10x those. (small_cnn: tests/test_speed.py, 1e-4 over 20 steps.)
+# Compiled (CPU inductor) against eager, the losses of the first `compared` steps, measured largest
+# relative gaps: resnet18 7.3e-5 over 3 steps (at 8x8 pixels and batch 16 its last BatchNorms
+# normalise 16 values each, which amplifies inductor's rounding about 10x a step: 3.5e-3 at step 4,
+# 1.6e-2 at step 5), the GPT 1.2e-7 over 10 (fp32: inductor's fused kernels reassociate sums), the
+# GPT under precision=fp8 1.2e-4 over 6 (float8 quantisation and bf16 roundings fused differently;
+# precision.emulate=false: torchao's own float8 emulation, CPU bf16 autocast). Bounds: about 10x
+# those. (small_cnn: tests/test_speed.py, 1e-4 over 20 steps.)
 KINDS = {
-    "resnet18": (["model=resnet18", "trainer.max_steps=5", "optimizer.lr=0.01"],
-                 [o for o in SMALL if not o.startswith("model")], 1e-3, 3),
-    "gpt": (["trainer.max_steps=10", "dataset.train_size=800", "dataset.test_size=200", "trainer.device=cpu"],
-            GPT_JOB, 1e-5, 10),
-    "fp8": (["trainer.max_steps=6", "dataset.train_size=1000", "dataset.test_size=256", "trainer.device=cpu",
-             "precision=fp8", "precision.emulate=false"], GPT_JOB, 2e-3, 6),
+    "resnet18": (
+        ["model=resnet18", "trainer.max_steps=5", "optimizer.lr=0.01"],
+        [o for o in SMALL if not o.startswith("model")],
+        1e-3,
+        3,
+    ),
+    "gpt": (
+        [
+            "trainer.max_steps=10",
+            "dataset.train_size=800",
+            "dataset.test_size=200",
+            "trainer.device=cpu",
+        ],
+        GPT_JOB,
+        1e-5,
+        10,
+    ),
+    "fp8": (
+        [
+            "trainer.max_steps=6",
+            "dataset.train_size=1000",
+            "dataset.test_size=256",
+            "trainer.device=cpu",
+            "precision=fp8",
+            "precision.emulate=false",
+        ],
+        GPT_JOB,
+        2e-3,
+        6,
+    ),
 }
 
 
@@ -268,7 +329,9 @@ def test_compiled_models_give_the_eager_losses(tmp_path, kind):
     """Every model kind that compiles, step by step against its eager run."""
     overrides, base, rel, compared = KINDS[kind]
     eager, _ = train_losses(tmp_path / "eager", *overrides, base=base)
-    compiled, s = train_losses(tmp_path / "compiled", *overrides, "trainer.compile=default", base=base)
+    compiled, s = train_losses(
+        tmp_path / "compiled", *overrides, "trainer.compile=default", base=base
+    )
     assert len(compiled) == len(eager) >= compared
     assert compiled[:compared] == pytest.approx(eager[:compared], rel=rel)
     assert s["metrics"]["compile_time_s"] > 0 and s["config"]["trainer"]["compile"] == "default"
@@ -277,16 +340,24 @@ def test_compiled_models_give_the_eager_losses(tmp_path, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
 def test_each_compile_mode_trains_on_a_gpu(tmp_path, mode):
-    """The H200 run's failure at the first step ("accessing tensor output of CUDAGraphs that has been overwritten"):
-    an image job (amp, fused steps, flip TTA, a partial test batch) and the GPT (amp_bf16) train a few steps in
-    each mode, and the image job's losses follow its eager run's."""
+    """The H200 run's failure at the first step ("accessing tensor output of CUDAGraphs that has
+    been overwritten"): an image job (amp, fused steps, flip TTA, a partial test batch) and the GPT
+    (amp_bf16) train a few steps in each mode, and the image job's losses follow its eager run's."""
     gpu = [o for o in SMALL if o not in ("trainer.device=cpu", "trainer.deterministic=true")]
     common = ["trainer.max_steps=6", "precision=amp", "trick.tta=true", "dataset.test_size=24"]
     eager, _ = train_losses(tmp_path / "eager", *common, base=gpu)
     compiled, s = train_losses(tmp_path / "compiled", *common, f"trainer.compile={mode}", base=gpu)
     assert s["env"]["device"].startswith("cuda") and s["metrics"]["compile_time_s"] > 0
-    assert compiled == pytest.approx(eager, rel=1e-2)   # fp16 autocast: inductor's fusions round differently
+    # fp16 autocast: inductor's fusions round differently
+    assert compiled == pytest.approx(eager, rel=1e-2)
     gpt = [o for o in GPT_JOB if o != "trainer.deterministic=true"]
-    losses, _ = train_losses(tmp_path / "gpt", "trainer.max_steps=4", "precision=amp_bf16", "dataset.train_size=800",
-                             "dataset.test_size=200", f"trainer.compile={mode}", base=gpt)
+    losses, _ = train_losses(
+        tmp_path / "gpt",
+        "trainer.max_steps=4",
+        "precision=amp_bf16",
+        "dataset.train_size=800",
+        "dataset.test_size=200",
+        f"trainer.compile={mode}",
+        base=gpt,
+    )
     assert len(losses) == 4 and all(v == v for v in losses)

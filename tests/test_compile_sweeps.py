@@ -47,7 +47,8 @@ def test_each_job_of_a_compiled_sweep_compiles_its_own_graphs(tmp_path, monkeypa
     the real compile_model with the eager backend: the same graphs and recompilations, without
     inductor's C++ compiles). Without a reset between jobs, each added its graphs to the earlier
     jobs' until dynamo's recompile limit (8), and from then on jobs ran eagerly while their summary
-    said trainer.compile=default (from the 5th job with dynamic shapes, the 3rd with static ones)."""
+    said trainer.compile=default (from the 5th job with dynamic shapes, the 3rd with static
+    ones)."""
     eager_backend(monkeypatch)
     for p in PRECISIONS:
         assert_compiled(run_tiny(tmp_path / p, f"precision={p}", base=SWEEP))

@@ -1,4 +1,5 @@
-"""Every option of every group composes and validates; bad values fail with one line naming the field."""
+"""Every option of every group composes and validates; bad values fail with one line naming the
+field."""
 import pytest
 
 from helpers import CONF, compose_config
@@ -14,8 +15,22 @@ def options(group):
 def test_groups_are_the_designed_ones():
     assert {"model", "dataset", "precision", "gpu", "optimizer", "schedule", "trick", "logger",
             "experiment"} <= set(GROUPS)
-    assert set(options("precision")) == {"fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3",
-                                         "fastai_fp16", "apex_fp16", "apex_fp16_2018", "fp8"}
+    assert set(options("precision")) == {
+        "fp32",
+        "tf32",
+        "amp",
+        "amp_bf16",
+        "half",
+        "bf16",
+        "o0",
+        "o1",
+        "o2",
+        "o3",
+        "fastai_fp16",
+        "apex_fp16",
+        "apex_fp16_2018",
+        "fp8",
+    }
     assert {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152"} <= set(options("model"))
     assert {"auto", "h100", "a100", "v100", "rtx2080ti", "gtx1080ti"} <= set(options("gpu"))
 
@@ -25,7 +40,8 @@ def test_every_option_composes_and_validates(group, option):
     cfg = compose_config(f"{group}={option}")
     assert cfg.hydra.runtime.choices[group] == option
     config = validate(cfg)
-    if hasattr(config, group):   # experiment and pitfall options are global presets, not a config section
+    # experiment and pitfall options are global presets, not a config section
+    if hasattr(config, group):
         section = getattr(config, group)
         assert getattr(section, "name", getattr(section, "arch", None)) is not None
 
@@ -36,10 +52,18 @@ def test_precision_table_semantics():
     assert not p["fp32"].tf32 and p["tf32"].tf32
     assert p["amp"].autocast_dtype == "float16" and p["amp"].loss_scale == "dynamic"
     assert p["amp_bf16"].autocast_dtype == "bfloat16" and p["amp_bf16"].loss_scale == "none"
-    assert p["half"].param_dtype == "float16" and not p["half"].keep_bn_fp32 and not p["half"].master_weights
+    assert (
+        p["half"].param_dtype == "float16"
+        and not p["half"].keep_bn_fp32
+        and not p["half"].master_weights
+    )
     assert p["o2"].param_dtype == "float16" and p["o2"].keep_bn_fp32 and p["o2"].master_weights
     assert p["o2"].loss_scale == "dynamic"
-    assert p["fp8"].fp8_recipe == "tensorwise" and p["fp8"].autocast_dtype == "bfloat16" and p["fp8"].loss_scale == "none"
+    assert (
+        p["fp8"].fp8_recipe == "tensorwise"
+        and p["fp8"].autocast_dtype == "bfloat16"
+        and p["fp8"].loss_scale == "none"
+    )
     assert all(p[o].fp8_recipe is None for o in p if o != "fp8")
     assert p["o1"].autocast_dtype == "float16" and p["o0"].param_dtype == "float32"
     assert p["o3"].param_dtype == "float16" and not p["o3"].master_weights
@@ -71,11 +95,15 @@ def test_half_with_adam_is_allowed_it_is_a_pitfall_not_an_error():
 def test_dynamic_scale_needs_fp32_gradients():
     with pytest.raises(ConfigError, match="master_weights"):
         validate(compose_config("precision=half", "precision.loss_scale=dynamic"))
-    assert validate(compose_config("precision=half", "precision.loss_scale=128")).precision.loss_scale == 128.0
+    assert (
+        validate(compose_config("precision=half", "precision.loss_scale=128")).precision.loss_scale
+        == 128.0
+    )
 
 
 def test_a_data_folder_does_not_name_the_job_dir():
-    """`dataset.data_dir=/data` (the docs' commands) stays out of the sweep's job dir names: its '/' would nest
-    each job's dir under folders named after the path, where the end-of-sweep table does not look."""
+    """`dataset.data_dir=/data` (the docs' commands) stays out of the sweep's job dir names: its '/'
+    would nest each job's dir under folders named after the path, where the end-of-sweep table does
+    not look."""
     hydra = compose_config("dataset=cifar10", "dataset.data_dir=/data/cifar", "precision=amp").hydra
     assert hydra.job.override_dirname == "dataset=cifar10,precision=amp"

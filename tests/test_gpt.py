@@ -1,6 +1,7 @@
-"""model=gpt and precision=fp8: the Transformer's parameter count and FLOPs against closed forms, causality, the
-float8 conversion (which Linear layers, which are left in bf16), 50 deterministic fp8 steps, fp8 (emulated on the
-CPU) against amp_bf16 from the same seed, and the one line said when torchao is missing."""
+"""model=gpt and precision=fp8: the Transformer's parameter count and FLOPs against closed forms,
+causality, the float8 conversion (which Linear layers, which are left in bf16), 50 deterministic fp8
+steps, fp8 (emulated on the CPU) against amp_bf16 from the same seed, and the one line said when
+torchao is missing."""
 import json
 import math
 import os
@@ -22,39 +23,78 @@ from mixprec.report.analyse import sweep_rows
 from mixprec.report.render import format_table, sweep_note
 
 CPU = torch.device("cpu")
-# Tiny but real: a 1-layer GPT of width 32 on a synthetic corpus of 64 words, AdamW, deterministic, 50 steps.
-GPT_JOB = ["logger=none", "model=gpt", "dataset=synthetic_text", "dataset.vocab_size=64", "dataset.train_size=4000",
-           "dataset.test_size=400", "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-           "dataset.bptt=16", "model.dropout=0", "model.vocab_multiple=1", "trainer.batch_size=4",
-           "trainer.eval_batch_size=8", "optimizer=adamw", "optimizer.lr=3e-3", "schedule=constant",
-           "trainer.deterministic=true", "trainer.max_steps=50", "trainer.log_every=10", "trainer.warmup_steps=0",
-           "trainer.device=cpu"]   # FP8 emulated, as asserted: on a GPU machine auto would pick the GPU
-# fp8 (emulated) against amp_bf16 after the 50 steps above, final validation loss: measured |gap| 0.0028, 0.0032,
-# 0.0019 for seeds 0, 1, 2 (the loss falls from 4.0 to 2.6 meanwhile; amp_bf16 - fp32: 0.0007 or less). Bound:
-# 3x the largest; and fp8 must differ from bf16 at all (its float8 rounding took effect).
+# Tiny but real: a 1-layer GPT of width 32 on a synthetic corpus of 64 words, AdamW, deterministic,
+# 50 steps.
+GPT_JOB = [
+    "logger=none",
+    "model=gpt",
+    "dataset=synthetic_text",
+    "dataset.vocab_size=64",
+    "dataset.train_size=4000",
+    "dataset.test_size=400",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=16",
+    "dataset.bptt=16",
+    "model.dropout=0",
+    "model.vocab_multiple=1",
+    "trainer.batch_size=4",
+    "trainer.eval_batch_size=8",
+    "optimizer=adamw",
+    "optimizer.lr=3e-3",
+    "schedule=constant",
+    "trainer.deterministic=true",
+    "trainer.max_steps=50",
+    "trainer.log_every=10",
+    "trainer.warmup_steps=0",
+    # FP8 emulated, as asserted: on a GPU machine auto would pick the GPU
+    "trainer.device=cpu",
+]
+# fp8 (emulated) against amp_bf16 after the 50 steps above, final validation loss: measured |gap|
+# 0.0028, 0.0032, 0.0019 for seeds 0, 1, 2 (the loss falls from 4.0 to 2.6 meanwhile; amp_bf16 -
+# fp32: 0.0007 or less). Bound: 3x the largest; and fp8 must differ from bf16 at all (its float8
+# rounding took effect).
 FP8_VS_BF16_TOL = 0.01
 FP8_DIFFERS = 1e-4
 
 
 def closed_form_params(vocab: int, n_layer: int, d: int, block: int) -> int:
-    """Token and position embeddings (the head is the token embedding), per layer two LayerNorms (2d each), the
-    attention's d x 3d and d x d Linear layers and the MLP's d x 4d and 4d x d, with biases; the final LayerNorm."""
-    per_layer = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    """Token and position embeddings (the head is the token embedding), per layer two LayerNorms (2d
+    each), the attention's d x 3d and d x d Linear layers and the MLP's d x 4d and 4d x d, with
+    biases; the final LayerNorm."""
+    per_layer = (
+        2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    )
     return vocab * d + block * d + n_layer * per_layer + 2 * d
 
 
 def test_parameter_count_matches_the_closed_form():
-    cfg = validate(compose_config("model=gpt", "dataset=synthetic_text", "model.n_layer=3", "model.n_head=4",
-                                  "model.n_embd=32", "model.block_size=40", "dataset.bptt=40",
-                                  "model.vocab_multiple=8")).model
-    model = build_model(cfg, 100)   # 100 words padded to 104
-    assert sum(p.numel() for p in model.parameters()) == closed_form_params(104, 3, 32, 40) == 4_672 + 3 * 12_704
+    cfg = validate(
+        compose_config(
+            "model=gpt",
+            "dataset=synthetic_text",
+            "model.n_layer=3",
+            "model.n_head=4",
+            "model.n_embd=32",
+            "model.block_size=40",
+            "dataset.bptt=40",
+            "model.vocab_multiple=8",
+        )
+    ).model
+    model = build_model(cfg, 100)  # 100 words padded to 104
+    assert (
+        sum(p.numel() for p in model.parameters())
+        == closed_form_params(104, 3, 32, 40)
+        == 4_672 + 3 * 12_704
+    )
     assert model.lm_head.weight is model.wte.weight
 
 
 def test_flops_per_token_match_the_flop_counter():
     """The closed form (4 Linear layers, attention's QK^T and AV over the window, the head) against
-    torch.utils.flop_counter on a real forward, attention through the math kernel so that its matmuls count."""
+    torch.utils.flop_counter on a real forward, attention through the math kernel so that its
+    matmuls count."""
     model = GPT(100, 3, 4, 32, 16, vocab_multiple=8).eval()
     x = torch.randint(0, 100, (12, 2))
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
@@ -72,28 +112,46 @@ def test_forward_is_causal_and_time_major():
         a, hidden = model(x, None)
         b, _ = model(y, None)
     assert a.shape == (10, 3, 50) and hidden is None and model.init_hidden(3) is None
-    assert torch.equal(a[:6], b[:6]) and torch.equal(a[:, [0, 2]], b[:, [0, 2]])   # earlier steps, other columns
+    # earlier steps, other columns
+    assert torch.equal(a[:6], b[:6]) and torch.equal(a[:, [0, 2]], b[:, [0, 2]])
     assert not torch.equal(a[6:, 1], b[6:, 1])
 
 
 def test_a_window_longer_than_the_context_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"dataset.bptt=65: a gpt window must fit its context, model.block_size=64"):
-        validate(compose_config("model=gpt", "dataset=synthetic_text", "model.block_size=64", "dataset.bptt=65"))
+    with pytest.raises(
+        ConfigError,
+        match=r"dataset.bptt=65: a gpt window must fit its context, model.block_size=64",
+    ):
+        validate(
+            compose_config(
+                "model=gpt", "dataset=synthetic_text", "model.block_size=64", "dataset.bptt=65"
+            )
+        )
 
 
 @pytest.mark.parametrize("n_embd,float8", [(48, True), (40, False)])
 def test_fp8_makes_the_linear_layers_float8_and_lists_those_left_in_bf16(n_embd, float8):
-    """48: every block Linear (48x144, 48x48, 48x192, 192x48) is float8, the tied head stays bf16; 40: no Linear
-    has both dimensions divisible by 16, all stay bf16 with that reason."""
+    """48: every block Linear (48x144, 48x48, 48x192, 192x48) is float8, the tied head stays bf16;
+    40: no Linear has both dimensions divisible by 16, all stay bf16 with that reason."""
     pytest.importorskip("torchao")
     from torchao.float8.float8_linear import Float8Linear
 
     policy = PrecisionPolicy(validate(compose_config("precision=fp8")).precision, CPU)
     model = policy.prepare_model(GPT(64, 2, 4, n_embd, 16))
-    blocks = [f"blocks.{i}.{n}" for i in range(2) for n in ("attn.c_attn", "attn.c_proj", "mlp.0", "mlp.2")]
-    assert {n for n, m in model.named_modules() if isinstance(m, Float8Linear)} == (set(blocks) if float8 else set())
+    blocks = [
+        f"blocks.{i}.{n}"
+        for i in range(2)
+        for n in ("attn.c_attn", "attn.c_proj", "mlp.0", "mlp.2")
+    ]
+    assert {n for n, m in model.named_modules() if isinstance(m, Float8Linear)} == (
+        set(blocks) if float8 else set()
+    )
     info = policy.fp8
-    assert info["recipe"] == "tensorwise" and info["fp8_emulated"] and info["emulation_reason"] == "cpu: no FP8 tensor cores"
+    assert (
+        info["recipe"] == "tensorwise"
+        and info["fp8_emulated"]
+        and info["emulation_reason"] == "cpu: no FP8 tensor cores"
+    )
     assert info["float8_layers"] == (blocks if float8 else [])
     expected = {"lm_head": "output head tied to the embedding"}
     if not float8:
@@ -108,22 +166,37 @@ def test_without_torchao_fp8_is_one_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ConfigError) as e:
         validate(compose_config("precision=fp8"))
-    assert str(e.value).endswith('install it with: pip install -e ".[fp8]"') and "\n" not in str(e.value)
+    assert str(e.value).endswith('install it with: pip install -e ".[fp8]"') and "\n" not in str(
+        e.value
+    )
 
 
 @pytest.mark.slow
 def test_without_torchao_train_py_says_what_to_install_in_one_line(tmp_path, monkeypatch):
-    """A torchao package whose import fails, first on the path: the job ends before any work, in one line."""
+    """A torchao package whose import fails, first on the path: the job ends before any work, in one
+    line."""
     fake = tmp_path / "site" / "torchao"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('No module named torchao (simulated)')\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")])))
-    r = run_cli("model=gpt", "dataset=synthetic_text", "precision=fp8", "logger=none", "trainer.device=cpu",
-                f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")])),
+    )
+    r = run_cli(
+        "model=gpt",
+        "dataset=synthetic_text",
+        "precision=fp8",
+        "logger=none",
+        "trainer.device=cpu",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [
-        "mixprec: config error: precision=fp8 needs torchao (float8 training), which is not importable here (No "
-        'module named torchao (simulated)); install it with: pip install -e ".[fp8]"']
+        "mixprec: config error: precision=fp8 needs torchao (float8 training), which is not "
+        "importable here (No "
+        'module named torchao (simulated)); install it with: pip install -e ".[fp8]"'
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +216,13 @@ def test_fifty_deterministic_fp8_steps_keep_the_loss_finite_and_falling(fp8_and_
     s, losses = fp8_and_bf16["fp8"]
     assert s["status"] == "completed" and s["metrics"]["steps"] == 50 and len(losses) == 5
     assert all(math.isfinite(x) for x in losses)
-    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.8   # 4.0 -> 2.8 measured
-    assert s["fp8"]["fp8_emulated"] and len(s["fp8"]["float8_layers"]) == 4 and list(s["fp8"]["bf16_layers"]) == ["lm_head"]
-
+    # 4.0 -> 2.8 measured
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.8
+    assert (
+        s["fp8"]["fp8_emulated"]
+        and len(s["fp8"]["float8_layers"]) == 4
+        and list(s["fp8"]["bf16_layers"]) == ["lm_head"]
+    )
 
 
 @pytest.mark.slow
@@ -153,10 +230,12 @@ def test_an_fp8_run_saves_plain_fp32_gpt_weights_that_generate_text(fp8_and_bf16
     s, _ = fp8_and_bf16["fp8"]
     weights = torch.load(s["job"]["output_dir"] + "/model_fp32.pt", weights_only=True)
     assert all(v.dtype == torch.float32 for v in weights.values())
-    GPT(64, 1, 2, 32, 16).load_state_dict(weights)   # a plain GPT's state dict: Float8Linear keeps weight, bias
+    # a plain GPT's state dict: Float8Linear keeps weight, bias
+    GPT(64, 1, 2, 32, 16).load_state_dict(weights)
     generate = load_script("generate")
     capsys.readouterr()
-    assert generate.main([s["job"]["output_dir"], "--words", "25", "--seed", "3"]) == 0   # longer than block_size
+    # longer than block_size
+    assert generate.main([s["job"]["output_dir"], "--words", "25", "--seed", "3"]) == 0
     words = capsys.readouterr().out.split()
     assert len(words) == 25 and set(words) <= {"<eos>"} | {f"w{i}" for i in range(1, 64)}
 
@@ -170,13 +249,26 @@ def test_fp8_emulated_ends_within_the_measured_tolerance_of_amp_bf16(fp8_and_bf1
 
 def test_the_sweep_table_gives_the_loss_gap_to_fp32_after_equal_steps_and_marks_emulated_fp8():
     def job(precision, steps, valid_loss, fp8=None):
-        return {"choices": {"model": "gpt", "precision": precision}, "status": "completed", "fp8": fp8,
-                "config": {"model": {"arch": "gpt"}, "precision": {"name": precision}, "seed": 0},
-                "metrics": {"steps": steps, "final_valid_loss": valid_loss, "train_time_s": 10.0, "mfu": 0.25}}
+        return {
+            "choices": {"model": "gpt", "precision": precision},
+            "status": "completed",
+            "fp8": fp8,
+            "config": {"model": {"arch": "gpt"}, "precision": {"name": precision}, "seed": 0},
+            "metrics": {
+                "steps": steps,
+                "final_valid_loss": valid_loss,
+                "train_time_s": 10.0,
+                "mfu": 0.25,
+            },
+        }
+
     rows = sweep_rows([job("fp32", 50, 7.0), job("fp8", 50, 7.25, {"fp8_emulated": True}),
                        job("amp_bf16", 40, 6.5), job("bf16", 50, 7.5, None)])
     assert [r["precision"] for r in rows] == ["fp32", "fp8(emulated)", "amp_bf16", "bf16"]
-    assert [r["loss_gap"] for r in rows] == [0.0, 0.25, None, 0.5]   # amp_bf16: not the same number of steps
+    # amp_bf16: not the same number of steps
+    assert [r["loss_gap"] for r in rows] == [0.0, 0.25, None, 0.5]
     table = format_table(rows)
     assert "MFU" in table.splitlines()[0] and "25.0%" in table and "+0.25" in table
-    assert sweep_note([job("fp8", 50, 7.0, {"fp8_emulated": True})]).startswith("fp8(emulated): no FP8")
+    assert sweep_note([job("fp8", 50, 7.0, {"fp8_emulated": True})]).startswith(
+        "fp8(emulated): no FP8"
+    )

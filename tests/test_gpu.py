@@ -1,5 +1,6 @@
-"""What only a CUDA GPU can show (marked gpu: skipped without one; `pytest -m gpu`, about a minute on one GPU).
-Each test guards a CUDA-only branch or a CUDA behaviour the CPU suite cannot see (docs/gpus.md).
+"""What only a CUDA GPU can show (marked gpu: skipped without one; `pytest -m gpu`, about a minute
+on one GPU). Each test guards a CUDA-only branch or a CUDA behaviour the CPU suite cannot see
+(docs/gpus.md).
 """
 import time
 import warnings
@@ -24,27 +25,36 @@ from mixprec.precision import modes
 
 pytestmark = pytest.mark.gpu
 GPU_TINY = [o for o in TINY if not o.startswith("trainer.device")]   # trainer.device=auto: the GPU
-GPU_ANY_MODEL = [o for o in GPU_TINY if not o.startswith("model")]     # model.width is small_cnn's alone
+# model.width is small_cnn's alone
+GPU_ANY_MODEL = [o for o in GPU_TINY if not o.startswith("model")]
 CUDA0 = torch.device("cuda", 0)
 
 
 def test_a_default_device_job_completes_and_saves_portable_weights(tmp_path):
     s = run_tiny(tmp_path, base=GPU_TINY)
     assert s["status"] == "completed", s.get("error")
-    assert s["env"]["device"] == "cuda:0" and s["metrics"]["peak_memory_kind"] == "cuda_max_allocated"
-    weights = torch.load(tmp_path / checkpoint.WEIGHTS, weights_only=True)   # no map_location: saved on the CPU
+    assert (
+        s["env"]["device"] == "cuda:0" and s["metrics"]["peak_memory_kind"] == "cuda_max_allocated"
+    )
+    # no map_location: saved on the CPU
+    weights = torch.load(tmp_path / checkpoint.WEIGHTS, weights_only=True)
     assert {v.device.type for v in weights.values()} == {"cpu"}
 
 
 def test_o2_weights_equal_their_masters_after_a_step():
-    config = validate(compose_config("precision=o2", "precision.init_scale=1", "optimizer=sgd", "optimizer.lr=0.5"))
+    config = validate(
+        compose_config(
+            "precision=o2", "precision.init_scale=1", "optimizer=sgd", "optimizer.lr=0.5"
+        )
+    )
     policy = precision.PrecisionPolicy(config.precision, CUDA0)
     model = policy.prepare_model(small_cnn(8, 10))
     opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
     x, y = torch.randn(16, 3, 32, 32, device=CUDA0), torch.randint(0, 10, (16,), device=CUDA0)
     policy.backward(nn.functional.cross_entropy(model(policy.cast_input(x)).float(), y))
     assert policy.step(opt) is False
-    assert {p.dtype for p in policy.model_params} == {torch.float16, torch.float32}   # BN stays fp32
+    # BN stays fp32
+    assert {p.dtype for p in policy.model_params} == {torch.float16, torch.float32}
     for p, master in zip(policy.model_params, policy.master_params):
         assert torch.equal(p, master.to(p.dtype))
 
@@ -86,10 +96,19 @@ def test_an_amp_step_syncs_the_host_at_most_once():
     assert policy.scale_value == policy.scaler.get_scale()
 
 
-@pytest.mark.parametrize("mode, rnn_dtype, cudnn", [("amp", torch.float16, True), ("amp_bf16", torch.float32, True),
-                                                     ("bf16", torch.bfloat16, False), ("fp32", torch.float32, True)])
+@pytest.mark.parametrize(
+    "mode, rnn_dtype, cudnn",
+    [
+        ("amp", torch.float16, True),
+        ("amp_bf16", torch.float32, True),
+        ("bf16", torch.bfloat16, False),
+        ("fp32", torch.float32, True),
+    ],
+)
 def test_the_rnn_runs_in_the_dtype_it_records(mode, rnn_dtype, cudnn):
-    policy = precision.PrecisionPolicy(validate(compose_config(f"precision={mode}")).precision, CUDA0)
+    policy = precision.PrecisionPolicy(
+        validate(compose_config(f"precision={mode}")).precision, CUDA0
+    )
     model = policy.prepare_model(RNNModel("lstm", 50, 16, 16, 2))
     tokens = torch.randint(0, 50, (7, 4), device=CUDA0)
     with policy.autocast():
@@ -99,9 +118,16 @@ def test_the_rnn_runs_in_the_dtype_it_records(mode, rnn_dtype, cudnn):
 
 
 def test_a_tiny_job_after_a_big_one_reports_its_own_peak(tmp_path):
-    fixed = ["trainer.warmup_steps=1", "trainer.cudnn_benchmark=false"]   # no autotuning workspaces in either
-    big = run_tiny(tmp_path / "big", "model=resnet18", "trainer.batch_size=256", "dataset.train_size=512", *fixed,
-                   base=GPU_ANY_MODEL)
+    # no autotuning workspaces in either
+    fixed = ["trainer.warmup_steps=1", "trainer.cudnn_benchmark=false"]
+    big = run_tiny(
+        tmp_path / "big",
+        "model=resnet18",
+        "trainer.batch_size=256",
+        "dataset.train_size=512",
+        *fixed,
+        base=GPU_ANY_MODEL,
+    )
     tiny = run_tiny(tmp_path / "tiny", *fixed, base=GPU_TINY)
     assert big["status"] == tiny["status"] == "completed"
     assert tiny["metrics"]["peak_memory_mb"] < big["metrics"]["peak_memory_mb"] / 10
@@ -112,8 +138,18 @@ def test_a_tiny_job_after_a_big_one_reports_its_own_peak(tmp_path):
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_layouts_are_as_configured(channels_last):
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
-    batches = data.DeviceBatches(images, torch.arange(64), 16, (0.5,) * 3, (0.25,) * 3, device=CUDA0, train=True,
-                                 crop_padding=4, flip=True, channels_last=channels_last)
+    batches = data.DeviceBatches(
+        images,
+        torch.arange(64),
+        16,
+        (0.5,) * 3,
+        (0.25,) * 3,
+        device=CUDA0,
+        train=True,
+        crop_padding=4,
+        flip=True,
+        channels_last=channels_last,
+    )
     x, _ = next(iter(batches))
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     assert x.is_contiguous(memory_format=fmt)
@@ -126,7 +162,8 @@ def test_max_batch_returns_memory_to_its_baseline_after_an_oom_probe():
     GlobalHydra.instance().clear()
     config = max_batch.compose(["model=resnet18", "precision=amp"])
     fits = max_batch.make_probe(config, CUDA0)
-    assert fits(8) is True   # first: what stays for the process (cuBLAS's workspace) is in the baseline
+    # first: what stays for the process (cuBLAS's workspace) is in the baseline
+    assert fits(8) is True
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated(CUDA0)
     assert fits(1 << 22) is False   # 4M CIFAR images: the batch or its activations exceed any GPU
@@ -172,9 +209,10 @@ def test_the_gpu_rng_state_round_trips_on_the_jobs_device():
 
 @pytest.mark.parametrize("emulate", [False, True], ids=["plain", "emulated"])
 def test_an_lstm_checkpoint_loads_on_the_gpu_into_flat_cudnn_weights(emulate):
-    """checkpoint restores a model through emulation.load_module_state, which drops an RNN's weak references to its
-    weights around the load and rebuilds them (on a GPU: cuDNN's one flat weight buffer). The loaded LSTM gives
-    the saved one's output, with no warning that its weights are not one contiguous chunk."""
+    """checkpoint restores a model through emulation.load_module_state, which drops an RNN's weak
+    references to its weights around the load and rebuilds them (on a GPU: cuDNN's one flat weight
+    buffer). The loaded LSTM gives the saved one's output, with no warning that its weights are not
+    one contiguous chunk."""
     torch.manual_seed(0)
     saved, loaded = nn.LSTM(8, 16, 2).to(CUDA0), nn.LSTM(8, 16, 2).to(CUDA0)
     with emulation.numerics(emulate):
@@ -188,29 +226,39 @@ def test_an_lstm_checkpoint_loads_on_the_gpu_into_flat_cudnn_weights(emulate):
 
 @pytest.mark.parametrize("mode", ["fp32", "amp", "half", "bf16", "amp_bf16"])
 def test_an_rnn_job_never_runs_uncompacted_weights(mode):
-    """After the dtype change (prepare_model), prewarm's deepcopy and a checkpoint load, every RNN's weights are
-    cuDNN's one chunk (hardware.flatten_rnns): no step warns that cuDNN compacts them at every call. bf16 weights too:
-    flatten_parameters refuses bf16 (CUDNN_TENSOR_DTYPES) where ATen's RNN runs it on cuDNN (the H200 warning)."""
+    """After the dtype change (prepare_model), prewarm's deepcopy and a checkpoint load, every RNN's
+    weights are cuDNN's one chunk (hardware.flatten_rnns): no step warns that cuDNN compacts them at
+    every call. bf16 weights too: flatten_parameters refuses bf16 (CUDNN_TENSOR_DTYPES) where ATen's
+    RNN runs it on cuDNN (the H200 warning)."""
     config = validate(compose_config(f"precision={mode}", "model=lstm", "optimizer.momentum=0"))
     policy = precision.PrecisionPolicy(config.precision, CUDA0)
     tokens = torch.randint(0, 50, (7, 4), device=CUDA0)
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*not part of single contiguous chunk of memory.*")
+        warnings.filterwarnings(
+            "error", message=".*not part of single contiguous chunk of memory.*"
+        )
         model = policy.prepare_model(RNNModel("lstm", 50, 16, 16, 2))
         opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
         prewarm.prewarm_lm(model, policy, opt, 1, bptt=6, columns=4, vocab_size=50)
         saver, state = checkpoint.Checkpointer(".", meta={}), LoopState()
         saver.parts["model"] = model
         saved = {k: v.clone() for k, v in model.state_dict().items()}
-        saver.restore({"parts": {"model": saved}, "rng": [checkpoint.rng_state()], "loop": state.state_dict()}, state)
+        saver.restore(
+            {
+                "parts": {"model": saved},
+                "rng": [checkpoint.rng_state()],
+                "loop": state.state_dict(),
+            },
+            state,
+        )
         with policy.autocast():
             out, _ = model(tokens, model.init_hidden(4))
     assert torch.isfinite(out.float()).all()
 
 
 def test_the_probes_counts_make_no_host_sync():
-    """probe=ranges measures every tensor of a probed step on the GPU: its counts (histogram included) queue
-    kernels only; the probe copies them to the host once per step."""
+    """probe=ranges measures every tensor of a probed step on the GPU: its counts (histogram
+    included) queue kernels only; the probe copies them to the host once per step."""
     from mixprec.numerics import probe_stats
 
     x = torch.randn(4096, device=CUDA0)

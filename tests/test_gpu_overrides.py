@@ -1,8 +1,9 @@
-"""The jobs of tests/test_gpu.py composed on the CPU: an override that no config has (a stale key, a model's option
-given to another model) fails here, in the quick loop, and not first on a GPU machine (issue 36: `model.width` on
-resnet18 had never run). Every run_tiny / compose_config / max_batch.compose call of that file is read with `ast`,
-its overrides resolved (string constants, the module's lists, the test's own local lists, f-strings over its
-parametrize values), then composed with Hydra's compose API and validated against the config schema."""
+"""The jobs of tests/test_gpu.py composed on the CPU: an override that no config has (a stale key, a
+model's option given to another model) fails here, in the quick loop, and not first on a GPU machine
+(issue 36: `model.width` on resnet18 had never run). Every run_tiny / compose_config /
+max_batch.compose call of that file is read with `ast`, its overrides resolved (string constants,
+the module's lists, the test's own local lists, f-strings over its parametrize values), then
+composed with Hydra's compose API and validated against the config schema."""
 import ast
 import importlib
 import itertools
@@ -13,11 +14,13 @@ from helpers import ROOT, TINY, compose_config
 from mixprec.config import validate
 
 GPU_TESTS = ROOT / "tests" / "test_gpu.py"
-DEFAULT_BASE = {"run_tiny": TINY, "compose_config": [], "compose": []}   # each call's base when it names none
+# each call's base when it names none
+DEFAULT_BASE = {"run_tiny": TINY, "compose_config": [], "compose": []}
 
 
 def parametrize_values(fn: ast.FunctionDef) -> dict[str, list]:
-    """name -> the literal values pytest.mark.parametrize gives it (names with non-literal values left out)."""
+    """name -> the literal values pytest.mark.parametrize gives it (names with non-literal values
+    left out)."""
     out: dict[str, list] = {}
     for d in fn.decorator_list:
         if not (isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "parametrize"):
@@ -25,8 +28,10 @@ def parametrize_values(fn: ast.FunctionDef) -> dict[str, list]:
         names = [n.strip() for n in ast.literal_eval(d.args[0]).split(",")]
         for i, name in enumerate(names):
             try:
-                out[name] = [ast.literal_eval(el.elts[i] if len(names) > 1 else el) for el in d.args[1].elts]
-            except ValueError:   # e.g. torch.float16: not used in an override
+                out[name] = [
+                    ast.literal_eval(el.elts[i] if len(names) > 1 else el) for el in d.args[1].elts
+                ]
+            except ValueError:  # e.g. torch.float16: not used in an override
                 pass
     return out
 
@@ -35,8 +40,12 @@ def local_lists(fn: ast.FunctionDef) -> dict[str, list]:
     """The test's own `name = [...]` lists of constants."""
     found = {}
     for node in ast.walk(fn):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.List) and len(node.targets) == 1 \
-                and isinstance(node.targets[0], ast.Name):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.List)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
             try:
                 found[node.targets[0].id] = ast.literal_eval(node.value)
             except ValueError:
@@ -61,9 +70,11 @@ def resolve(node: ast.AST, module, lists: dict, params: dict[str, str]) -> list[
 
 
 def call_overrides(call: ast.Call, fn: ast.FunctionDef, module) -> list[list[str]]:
-    """Every override list a run_tiny / compose_config / compose call in `fn` composes (one per parametrize case)."""
+    """Every override list a run_tiny / compose_config / compose call in `fn` composes (one per
+    parametrize case)."""
     name = call.func.attr if isinstance(call.func, ast.Attribute) else call.func.id
-    args = call.args[1:] if name == "run_tiny" else call.args   # run_tiny's first argument is its directory
+    # run_tiny's first argument is its directory
+    args = call.args[1:] if name == "run_tiny" else call.args
     base_arg = next((k.value for k in call.keywords if k.arg == "base"), None)
     lists, values = local_lists(fn), parametrize_values(fn)
     used = sorted({v.value.id for a in args for j in ast.walk(a) if isinstance(j, ast.JoinedStr)
@@ -71,7 +82,9 @@ def call_overrides(call: ast.Call, fn: ast.FunctionDef, module) -> list[list[str
     out = []
     for combo in itertools.product(*(values[u] for u in used)):
         params = dict(zip(used, combo))
-        base = resolve(base_arg, module, lists, params) if base_arg is not None else DEFAULT_BASE[name]
+        base = (
+            resolve(base_arg, module, lists, params) if base_arg is not None else DEFAULT_BASE[name]
+        )
         out.append([*base, *(o for a in args for o in resolve(a, module, lists, params))])
     return out
 

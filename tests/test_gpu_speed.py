@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh and its 8-minute speed check (scripts/gpu_speed.py, gpu_check.sh --speed):
-the check runs every gpu-marked test; the speed check asks its questions in order of value, each under
-a budget of its own that counts its compiles (the budgets within 8 minutes), runs on synthetic data
-where a dataset is absent, and is rehearsed on the CPU at tiny sizes (--dry-run), graphs counted."""
+the check runs every gpu-marked test; the speed check asks its questions in order of value, each
+under a budget of its own that counts its compiles (the budgets within 8 minutes), runs on synthetic
+data where a dataset is absent, and is rehearsed on the CPU at tiny sizes (--dry-run), graphs
+counted."""
 import json
 import os
 import shlex

@@ -1,5 +1,5 @@
-"""No import cycle in src/mixprec: the graph of every `import` / `from ... import` (top-level and inside functions)
-between the package's modules, built with ast, has no cycle."""
+"""No import cycle in src/mixprec: the graph of every `import` / `from ... import` (top-level and
+inside functions) between the package's modules, built with ast, has no cycle."""
 import ast
 from pathlib import Path
 
@@ -12,8 +12,8 @@ def module_name(path: Path, src: Path = SRC) -> str:
 
 
 def import_graph(src: Path = SRC, package: str = "mixprec") -> dict[str, set[str]]:
-    """module -> the package's modules it imports. Importing a.b.c also imports the packages a.b and a (except the
-    importer's own enclosing packages, which Python has already started importing)."""
+    """module -> the package's modules it imports. Importing a.b.c also imports the packages a.b and
+    a (except the importer's own enclosing packages, which Python has already started importing)."""
     files = {module_name(p, src): p for p in (src / package).rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
@@ -29,7 +29,8 @@ def import_graph(src: Path = SRC, package: str = "mixprec") -> dict[str, set[str
                     stem = ".".join(base + ([node.module] if node.module else []))
                 else:
                     stem = node.module
-                targets = [stem] + [f"{stem}.{a.name}" for a in node.names]   # `from pkg import submodule`
+                # `from pkg import submodule`
+                targets = [stem] + [f"{stem}.{a.name}" for a in node.names]
             ancestors = {".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1)}
             for t in targets:
                 parts = t.split(".")
@@ -94,11 +95,21 @@ def test_mixprec_has_no_import_cycle():
     assert not found, "import cycles in src/mixprec: " + "; ".join(" <-> ".join(c) for c in found)
 
 
-# The rooms of src/mixprec from the lowest layer to the highest: a module imports only from its own room
-# or a lower layer's (rooms in one layer may import each other). The package root's __init__ registers
-# the resolvers and belongs to no room.
-LAYERS = (("config",), ("runtime",), ("records",), ("precision",), ("models", "data"), ("numerics",),
-          ("train",), ("tools",), ("report",), ("job", "cli"))
+# The rooms of src/mixprec from the lowest layer to the highest: a module imports only from its own
+# room or a lower layer's (rooms in one layer may import each other). The package root's __init__
+# registers the resolvers and belongs to no room.
+LAYERS = (
+    ("config",),
+    ("runtime",),
+    ("records",),
+    ("precision",),
+    ("models", "data"),
+    ("numerics",),
+    ("train",),
+    ("tools",),
+    ("report",),
+    ("job", "cli"),
+)
 
 
 def room(module: str) -> str | None:
@@ -107,7 +118,8 @@ def room(module: str) -> str | None:
 
 
 def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
-    """Every import (top-level or inside a function) from a room to a higher layer's, as 'a -> b'."""
+    """Every import (top-level or inside a function) from a room to a higher layer's, as 'a ->
+    b'."""
     rank = {name: i for i, rooms in enumerate(layers) for name in rooms}
     found = []
     for mod, targets in graph.items():
@@ -128,7 +140,10 @@ def test_the_layer_checker_finds_an_import_upward_even_inside_a_function(tmp_pat
     (pkg / "high" / "a.py").write_text("from ..low import b\n")
     (pkg / "low" / "b.py").write_text("def f():\n    from ..high import a\n")
     layers = (("low",), ("high",))
-    assert upward_imports(import_graph(tmp_path, "pkg"), layers) == ["pkg.low.b -> pkg.high", "pkg.low.b -> pkg.high.a"]
+    assert upward_imports(import_graph(tmp_path, "pkg"), layers) == [
+        "pkg.low.b -> pkg.high",
+        "pkg.low.b -> pkg.high.a",
+    ]
     (pkg / "low" / "b.py").write_text("x = 1\n")
     assert upward_imports(import_graph(tmp_path, "pkg"), layers) == []
 
@@ -136,7 +151,9 @@ def test_the_layer_checker_finds_an_import_upward_even_inside_a_function(tmp_pat
 def test_mixprec_imports_only_downward_in_its_layers():
     graph = import_graph()
     rooms = {room(m) for m in graph} - {None}
-    assert rooms == {name for layer in LAYERS for name in layer}, "a room missing from LAYERS (or gone)"
+    assert rooms == {name for layer in LAYERS for name in layer}, (
+        "a room missing from LAYERS (or gone)"
+    )
     found = upward_imports(graph)
     assert not found, "imports from a lower layer to a higher one: " + "; ".join(found)
 

@@ -15,8 +15,15 @@ from mixprec.precision.modes import hazards
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.runtime.search import largest_fitting
 
-SMALL = ["dataset.train_size=64", "dataset.test_size=16", "trainer.batch_size=8", "trainer.eval_batch_size=16",
-         "dataset.image_size=8", "logger=none", "trainer.device=cpu"]
+SMALL = [
+    "dataset.train_size=64",
+    "dataset.test_size=16",
+    "trainer.batch_size=8",
+    "trainer.eval_batch_size=16",
+    "dataset.image_size=8",
+    "logger=none",
+    "trainer.device=cpu",
+]
 
 
 def test_adam_in_pure_fp16_diverges_for_real_and_says_why(tiny, tmp_path):
@@ -24,10 +31,14 @@ def test_adam_in_pure_fp16_diverges_for_real_and_says_why(tiny, tmp_path):
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["status"] == "diverged" and 1 <= on_disk["nonfinite"]["step"] <= 3
     assert "optimizer.eps=1e-08 rounds to 0 in float16" in on_disk["reason"]
-    finding = validate(compose_config("pitfall=adam_fp16")).case.finding   # conf/pitfall/adam_fp16.yaml
+    # conf/pitfall/adam_fp16.yaml
+    finding = validate(compose_config("pitfall=adam_fp16")).case.finding
     assert "eps=1e-8 rounds to 0 in fp16" in finding
-    assert on_disk["case"] == s["case"] == {"name": "adam_fp16", "expect": "diverged", "as_expected": True,
-                                            "finding": finding}
+    assert (
+        on_disk["case"]
+        == s["case"]
+        == {"name": "adam_fp16", "expect": "diverged", "as_expected": True, "finding": finding}
+    )
 
 
 @pytest.mark.parametrize("case", ["adam_fp16_eps1e4", "adam_amp"])
@@ -50,8 +61,15 @@ def test_hazards_are_found_from_the_config():
     assert not found("precision=half", "optimizer=sgd")
 
 
-@pytest.mark.parametrize("overrides", [["pitfall=adam_fp16"], ["pitfall=adam_fp16_eps1e4"], ["numerics_case=adam_fp16"],
-                                       ["experiment=half_pitfalls", "pitfall=adam_fp16"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["pitfall=adam_fp16"],
+        ["pitfall=adam_fp16_eps1e4"],
+        ["numerics_case=adam_fp16"],
+        ["experiment=half_pitfalls", "pitfall=adam_fp16"],
+    ],
+)
 def test_the_fp16_adam_cases_pin_the_kernels_they_demonstrate(overrides):
     # optimizer.impl=auto is fused on CUDA, whose Adam computes in fp32 and does not diverge
     assert validate(compose_config(*overrides)).optimizer.impl == "foreach"
@@ -63,13 +81,18 @@ def test_the_eps_hazard_names_the_kernels_it_applies_to():
     assert hazards(c.precision, c.optimizer, "cuda") == []   # auto: fused on CUDA
     for impl, found in (("fused", False), ("foreach", True), ("loop", True)):
         c = validate(compose_config("precision=half", "optimizer=adam", f"optimizer.impl={impl}"))
-        assert bool(hazards(c.precision, c.optimizer, "cuda")) == bool(hazards(c.precision, c.optimizer)) == found
+        assert (
+            bool(hazards(c.precision, c.optimizer, "cuda"))
+            == bool(hazards(c.precision, c.optimizer))
+            == found
+        )
 
 
 @pytest.mark.parametrize("impl, finite", [("fused", True), ("foreach", False), ("loop", False)])
 def test_fused_adam_on_fp16_weights_survives_eps_1e8(impl, finite):
-    # torch's CPU fused Adam takes fp16 (as CUDA's does) and computes in fp32: sqrt(v) + eps is never 0 there,
-    # where foreach and the for-loop add eps=1e-8 in fp16 (0) to a second moment that underflowed to 0.
+    # torch's CPU fused Adam takes fp16 (as CUDA's does) and computes in fp32: sqrt(v) + eps is
+    # never 0 there, where foreach and the for-loop add eps=1e-8 in fp16 (0) to a second moment that
+    # underflowed to 0.
     from mixprec.config import OptimizerConfig
     from mixprec.train.optim import build_optimizer
 
@@ -78,15 +101,16 @@ def test_fused_adam_on_fp16_weights_survives_eps_1e8(impl, finite):
     for _ in range(2):
         w.grad = torch.tensor([1e-4, 0.0, 1e-3, 2e-4, 1e-5, 0.0], dtype=torch.float16)
         opt.step()
-    assert torch.equal(opt.state[w]["exp_avg_sq"], torch.zeros(6, dtype=torch.float16))   # underflowed in fp16
+    # underflowed in fp16
+    assert torch.equal(opt.state[w]["exp_avg_sq"], torch.zeros(6, dtype=torch.float16))
     assert bool(torch.isfinite(w).all()) == finite
 
 
 @pytest.mark.parametrize("keep_bn_fp32", [True, False])
 def test_bn_in_eval_mode_inside_a_half_model(keep_bn_fp32):
-    """The article's fine-tuning case (apex O2 keeps BN fp32; BN in eval mode). It failed with a dtype error in
-    the PyTorch of the time; today's PyTorch runs it on the CPU: fp16 in, fp32 BN parameters, fp16 out. The fix
-    the article used (BN cast to half) runs all in fp16."""
+    """The article's fine-tuning case (apex O2 keeps BN fp32; BN in eval mode). It failed with a
+    dtype error in the PyTorch of the time; today's PyTorch runs it on the CPU: fp16 in, fp32 BN
+    parameters, fp16 out. The fix the article used (BN cast to half) runs all in fp16."""
     c = validate(compose_config("precision=half", f"precision.keep_bn_fp32={keep_bn_fp32}"))
     policy = PrecisionPolicy(c.precision, torch.device("cpu"))
     model = policy.prepare_model(small_cnn(8, 10))
@@ -113,30 +137,63 @@ def test_bn_eval_runs_keep_running_statistics(tiny):
 
 @pytest.mark.slow   # a subprocess sweep
 def test_pitfall_and_opt_level_sweeps_run_every_job_with_their_tables(tmp_path):
-    expected = {"adam_fp16": "diverged", "adam_fp16_eps1e-4": "completed", "adam_amp": "completed",
-                "bn_eval_fp32bn": "completed", "bn_eval_half": "completed", "small_fp32": "completed",
-                "small_half": "completed", "large_fp32": "completed", "large_half": "completed"}
-    r = run_cli("-m", "experiment=half_pitfalls", "trainer.max_steps=3", *SMALL, f"hydra.sweep.dir={tmp_path / 'hp'}")
+    expected = {
+        "adam_fp16": "diverged",
+        "adam_fp16_eps1e-4": "completed",
+        "adam_amp": "completed",
+        "bn_eval_fp32bn": "completed",
+        "bn_eval_half": "completed",
+        "small_fp32": "completed",
+        "small_half": "completed",
+        "large_fp32": "completed",
+        "large_half": "completed",
+    }
+    r = run_cli(
+        "-m",
+        "experiment=half_pitfalls",
+        "trainer.max_steps=3",
+        *SMALL,
+        f"hydra.sweep.dir={tmp_path / 'hp'}",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     summaries = [json.loads(p.read_text()) for p in (tmp_path / "hp").glob("*/summary.json")]
     assert {s["case"]["name"]: s["status"] for s in summaries} == expected
     assert all(s["case"]["as_expected"] for s in summaries)
     assert "sweep" in r.stdout and r.stdout.count("as expected]") == len(expected)
 
-    r = run_cli("-m", "experiment=opt_levels", "trainer.max_steps=3", *SMALL, f"hydra.sweep.dir={tmp_path / 'ol'}")
+    r = run_cli(
+        "-m",
+        "experiment=opt_levels",
+        "trainer.max_steps=3",
+        *SMALL,
+        f"hydra.sweep.dir={tmp_path / 'ol'}",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     summaries = {s["choices"]["precision"]: s for s in
                  (json.loads(p.read_text()) for p in (tmp_path / "ol").glob("*/summary.json"))}
-    assert sorted(summaries) == ["o0", "o1", "o2", "o3"] and all(s["status"] == "completed" for s in summaries.values())
-    assert summaries["o0"]["metrics"]["loss_scale"] is None and summaries["o3"]["metrics"]["loss_scale"] is None
-    for p in ("o1", "o2"):   # dynamic scale: starts at 2^16, halves on an overflow, the trace records it
+    assert sorted(summaries) == ["o0", "o1", "o2", "o3"] and all(
+        s["status"] == "completed" for s in summaries.values()
+    )
+    assert (
+        summaries["o0"]["metrics"]["loss_scale"] is None
+        and summaries["o3"]["metrics"]["loss_scale"] is None
+    )
+    # dynamic scale: starts at 2^16, halves on an overflow, the trace records it
+    for p in ("o1", "o2"):
         ls = summaries[p]["metrics"]["loss_scale"]
         assert ls["max"] <= 65536.0 and ls["final"] in [65536.0 / 2 ** k for k in range(17)]
-        rows = [json.loads(line) for line in (Path(summaries[p]["job"]["output_dir"]) / "metrics.jsonl")
-                .read_text().splitlines()]
+        rows = [
+            json.loads(line)
+            for line in (Path(summaries[p]["job"]["output_dir"]) / "metrics.jsonl")
+            .read_text()
+            .splitlines()
+        ]
         trace = [row["loss_scale"] for row in rows if row["kind"] == "train"]
-        assert trace and trace[-1] == ls["final"] and all(ls["min"] <= v <= ls["max"] for v in trace)
-    for p in ("o0", "o1(emulated)", "o2(emulated)", "o3(emulated)"):   # the fp16 levels run emulated on a CPU
+        assert (
+            trace and trace[-1] == ls["final"] and all(ls["min"] <= v <= ls["max"] for v in trace)
+        )
+    # the fp16 levels run emulated on a CPU
+    for p in ("o0", "o1(emulated)", "o2(emulated)", "o3(emulated)"):
         assert any(line.split()[2:3] == [p] for line in r.stdout.splitlines())
 
 
@@ -150,11 +207,22 @@ def test_largest_fitting_doubles_then_bisects():
     assert largest_fitting(lambda b: False) == (0, [(1, False)])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on machines without a GPU"
+)
 @pytest.mark.slow
 def test_max_batch_without_a_gpu_says_so():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "max_batch.py"), "model=resnet50", "precision=fp32,amp"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "max_batch.py"),
+            "model=resnet50",
+            "precision=fp32,amp",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr.strip() == (
         "max_batch: no GPU is visible here; the search measures GPU memory, so it needs one "
         "(--device cpu runs the probes on the CPU, as a check that they run)")
@@ -163,12 +231,21 @@ def test_max_batch_without_a_gpu_says_so():
 @pytest.mark.parametrize("precision", ["o2", "half"])
 @pytest.mark.slow
 def test_saved_weights_are_fp32_and_reproduce_the_runs_accuracy(tiny, tmp_path, precision):
-    s = tiny(f"precision={precision}", "trainer.max_steps=null", "trainer.epochs=2", "dataset.test_size=256",
-             "trainer.eval_batch_size=64")
+    s = tiny(
+        f"precision={precision}",
+        "trainer.max_steps=null",
+        "trainer.epochs=2",
+        "dataset.test_size=256",
+        "trainer.eval_batch_size=64",
+    )
     state = torch.load(tmp_path / "model_fp32.pt", weights_only=True)
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(tmp_path), "--device", "cpu"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(tmp_path), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.splitlines()[-1])
     assert result["recorded_test_acc"] == s["metrics"]["final_test_acc"]

@@ -1,4 +1,5 @@
-"""Every precision mode trains 2 real steps on the CPU with the dtypes it promises; the loss scalers behave."""
+"""Every precision mode trains 2 real steps on the CPU with the dtypes it promises; the loss scalers
+behave."""
 import copy
 
 import pytest
@@ -13,7 +14,8 @@ from mixprec.precision.policy import PrecisionPolicy
 
 MODES = ["fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3"]
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-# mode: (param dtype, autocast dtype of a conv output, BN param dtype, master weights, dynamic scaler)
+# mode: (param dtype, autocast dtype of a conv output, BN param dtype, master weights, dynamic
+# scaler)
 EXPECTED = {
     "fp32": (F32, F32, F32, False, False), "tf32": (F32, F32, F32, False, False),
     "amp": (F32, F16, F32, False, True), "amp_bf16": (F32, BF16, F32, False, False),
@@ -70,16 +72,22 @@ def test_two_steps_with_promised_dtypes(mode, optimizer):
     assert all(p.dtype == (F32 if master else q.dtype) for p, q in zip(stepped, model.parameters()))
     assert (policy.master_params is not None) == master
     if master:  # the fp16 model holds the fp32 masters rounded to fp16
-        assert all(torch.equal(p.detach(), m.detach().to(p.dtype)) for p, m in zip(model.parameters(), stepped))
+        assert all(
+            torch.equal(p.detach(), m.detach().to(p.dtype))
+            for p, m in zip(model.parameters(), stepped)
+        )
     state = opt.state[stepped[0]]
     buffers = [v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0]
-    assert buffers and all(b.dtype == stepped[0].dtype for b in buffers)   # optimizer state in the stepped dtype
+    # optimizer state in the stepped dtype
+    assert buffers and all(b.dtype == stepped[0].dtype for b in buffers)
     assert any(not torch.equal(b, a) for a, b in zip(before, [p.detach().float() for p in stepped]))
     assert isinstance(policy.scaler, torch.amp.GradScaler) and policy.scaler.is_enabled() == dynamic
 
 
 def test_dynamic_scale_grows_after_clean_steps_and_halves_on_overflow():
-    model, policy, opt = policy_for("amp", "precision.init_scale=1024", "precision.growth_interval=2")
+    model, policy, opt = policy_for(
+        "amp", "precision.init_scale=1024", "precision.growth_interval=2"
+    )
     x, y = batch()
     scales = []
     for _ in range(2):
@@ -128,7 +136,9 @@ def test_grad_clip_acts_on_unscaled_master_gradients():
     real_step = opt.step
 
     def spy_step(*a, **k):
-        seen["norm"] = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in policy.master_params])).item()
+        seen["norm"] = torch.linalg.vector_norm(
+            torch.stack([p.grad.norm() for p in policy.master_params])
+        ).item()
         return real_step(*a, **k)
 
     opt.step = spy_step
@@ -147,14 +157,17 @@ def test_fp32_state_dict_from_half_training():
 
 
 def test_pure_fp16_adam_with_default_eps_goes_nonfinite():
-    """The pitfall: eps=1e-8 is 0 in fp16, so an fp16 Adam divides 0 by 0 where a second moment underflows."""
+    """The pitfall: eps=1e-8 is 0 in fp16, so an fp16 Adam divides 0 by 0 where a second moment
+    underflows."""
     assert torch.tensor(1e-8, dtype=F16).item() == 0.0
     model, policy, opt = policy_for("half", optimizer="adam")
     x, y = batch()
     finite = []
     for _ in range(3):
         loss = forward_loss(model, policy, x, y)[1]
-        finite.append(bool(torch.isfinite(loss)) and all(torch.isfinite(p).all() for p in model.parameters()))
+        finite.append(
+            bool(torch.isfinite(loss)) and all(torch.isfinite(p).all() for p in model.parameters())
+        )
         policy.backward(loss)
         policy.step(opt)
         opt.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
-"""The probe's story of a divergence (src/mixprec/numerics/events.py, verdicts.py): the first event in time order,
-the mechanism from the measurements, inputs that are not what they seem; each verdict made to happen on the CPU
-at small size, and a healthy run that gets none."""
+"""The probe's story of a divergence (src/mixprec/numerics/events.py, verdicts.py): the first event
+in time order, the mechanism from the measurements, inputs that are not what they seem; each verdict
+made to happen on the CPU at small size, and a healthy run that gets none."""
 from pathlib import Path
 
 import pytest
@@ -20,30 +20,59 @@ from mixprec.train import images
 CPU = torch.device("cpu")
 TINY8 = [*TINY, "dataset.image_size=8"]
 # Page's step 5 (CELU) at 8 px: the 8 px cutout blanks every image (the Page case of issue 29)
-PAGE8 = ["experiment=page_ladder", "trick=page_05_celu", "precision=half", "dataset=synthetic",
-         "dataset.image_size=8", "dataset.train_size=128", "dataset.test_size=32", "trainer.batch_size=64",
-         "trainer.max_steps=2", "logger=none", "trainer.device=cpu", "model.channels=[8,8,8,8]", "hydra.mode=RUN"]
+PAGE8 = [
+    "experiment=page_ladder",
+    "trick=page_05_celu",
+    "precision=half",
+    "dataset=synthetic",
+    "dataset.image_size=8",
+    "dataset.train_size=128",
+    "dataset.test_size=32",
+    "trainer.batch_size=64",
+    "trainer.max_steps=2",
+    "logger=none",
+    "trainer.device=cpu",
+    "model.channels=[8,8,8,8]",
+    "hydra.mode=RUN",
+]
 
 
-def ctx(precision: PrecisionConfig, status: str, steps: int, optimizer="sgd", eps=1e-8, bn_eval=False) -> dict:
-    return {"precision": precision.name, "param_dtype": precision.param_dtype,
-            "autocast_dtype": precision.autocast_dtype, "master_weights": precision.master_weights,
-            "loss_scale": precision.loss_scale, "keep_bn_fp32": precision.keep_bn_fp32, "optimizer": optimizer,
-            "eps": eps, "bn_eval": bn_eval, "status": status, "steps": steps}
+def ctx(
+    precision: PrecisionConfig, status: str, steps: int, optimizer="sgd", eps=1e-8, bn_eval=False
+) -> dict:
+    return {
+        "precision": precision.name,
+        "param_dtype": precision.param_dtype,
+        "autocast_dtype": precision.autocast_dtype,
+        "master_weights": precision.master_weights,
+        "loss_scale": precision.loss_scale,
+        "keep_bn_fp32": precision.keep_bn_fp32,
+        "optimizer": optimizer,
+        "eps": eps,
+        "bn_eval": bn_eval,
+        "status": status,
+        "steps": steps,
+    }
 
 
-def fit(model, precision: PrecisionConfig, tmp_path, probe="ranges", steps=3, x_scale=1.0, bn_eval=False):
-    """engine.fit on a constructed model and random batches (x_scale=0: blank ones); returns (result, numerics
-    summary, rows)."""
+def fit(
+    model, precision: PrecisionConfig, tmp_path, probe="ranges", steps=3, x_scale=1.0, bn_eval=False
+):
+    """engine.fit on a constructed model and random batches (x_scale=0: blank ones); returns
+    (result, numerics summary, rows)."""
     torch.manual_seed(0)
-    batches = [(torch.randn(8, 3, 8, 8) * x_scale, torch.randint(0, 10, (8,))) for _ in range(steps)]
+    batches = [
+        (torch.randn(8, 3, 8, 8) * x_scale, torch.randint(0, 10, (8,))) for _ in range(steps)
+    ]
     policy = PrecisionPolicy(precision, CPU)
     model = policy.prepare_model(model)
     opt = torch.optim.SGD(policy.optimizer_params(model), lr=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     tr = TrainerConfig(epochs=1, warmup_steps=0, channels_last=False, log_every=1)
     p = build_probe(ProbeConfig(name=probe, every=1), model, tmp_path)
-    loop = engine.Loop(policy, opt, tr, engine.total_steps(tr, len(batches)), progress=False, probe=p)
+    loop = engine.Loop(
+        policy, opt, tr, engine.total_steps(tr, len(batches)), progress=False, probe=p
+    )
     steps_ = images.ImageSteps(model, sched, batches[:1], bn_eval=bn_eval)
     result = engine.fit(steps_, batches, loop, engine.LoopState())
     rows = p.rows()
@@ -52,91 +81,151 @@ def fit(model, precision: PrecisionConfig, tmp_path, probe="ranges", steps=3, x_
 
 
 def judged(result, numerics, rows, precision, **kw):
-    return verdicts.judge(numerics, rows, ctx(precision, result["status"], result["metrics"]["steps"], **kw))
+    return verdicts.judge(
+        numerics, rows, ctx(precision, result["status"], result["metrics"]["steps"], **kw)
+    )
 
 
-# -- inputs that are not what they seem -------------------------------------------------------------------------
+# -- inputs that are not what they seem ------------------------------------------------------------
 
 def test_a_cutout_as_large_as_the_image_is_refused_in_one_line_unless_meant():
-    with pytest.raises(ConfigError, match=r"dataset.cutout=8 is as large as dataset.image_size=8: it blanks every "
-                                          r"image; scale it \(dataset.cutout=2") as e:
+    with pytest.raises(
+        ConfigError,
+        match=r"dataset.cutout=8 is as large as dataset.image_size=8: it blanks every "
+        r"image; scale it \(dataset.cutout=2",
+    ) as e:
         validate(compose_config(*PAGE8))
     assert "\n" not in str(e.value)
     assert validate(compose_config(*PAGE8, "dataset.cutout_on_purpose=true")).dataset.cutout == 8
     assert validate(compose_config(*PAGE8, "dataset.cutout=2")).dataset.cutout == 2
-    with pytest.raises(ConfigError, match=r"dataset.crop_padding=32: the random crop reflect-pads the stored 32 px"):
+    with pytest.raises(
+        ConfigError, match=r"dataset.crop_padding=32: the random crop reflect-pads the stored 32 px"
+    ):
         validate(compose_config(*PAGE8, "dataset.cutout=2", "dataset.crop_padding=32"))
 
 
 def test_batch_findings():
     y = torch.arange(4)
     assert [f["what"] for f in ev.batch_findings(torch.zeros(4, 3, 8, 8), y)] == ["batch all zeros"]
-    assert [f["what"] for f in ev.batch_findings(torch.full((4, 3, 8, 8), 0.5), y)] == ["batch constant"]
+    assert [f["what"] for f in ev.batch_findings(torch.full((4, 3, 8, 8), 0.5), y)] == [
+        "batch constant"
+    ]
     each = torch.arange(4.0).view(4, 1, 1, 1).expand(4, 3, 8, 8)
     assert [f["what"] for f in ev.batch_findings(each, torch.zeros(4, dtype=torch.long))] == [
         "every image constant", "labels constant"]
     assert ev.batch_findings(torch.randn(4, 3, 8, 8), y) == []
 
 
-# -- each verdict made to happen ----------------------------------------------------------------------------------
+# -- each verdict made to happen -------------------------------------------------------------------
 
 @pytest.mark.slow
 @pytest.mark.parametrize("probe", ["ranges", "none"])
 def test_page_8px_blank_input_is_a_backward_overflow_in_pure_fp16(tmp_path, caplog, probe):
-    """The issue's case: at 8 px Page's cutout blanks every image; BatchNorm over all-zero activations divides the
-    backward by sqrt(eps) per layer and CELU passes it on: at step 1 the backward overflows fp16 at layer2.pool.
-    Under probe=none the divergence is replayed under probe=ranges (numerics/replay.py) to say the same."""
-    s = run_tiny(tmp_path, *PAGE8, f"probe={probe}", "probe.every=1", "dataset.cutout_on_purpose=true", base=[])
+    """The issue's case: at 8 px Page's cutout blanks every image; BatchNorm over all-zero
+    activations divides the backward by sqrt(eps) per layer and CELU passes it on: at step 1 the
+    backward overflows fp16 at layer2.pool. Under probe=none the divergence is replayed under
+    probe=ranges (numerics/replay.py) to say the same."""
+    s = run_tiny(
+        tmp_path,
+        *PAGE8,
+        f"probe={probe}",
+        "probe.every=1",
+        "dataset.cutout_on_purpose=true",
+        base=[],
+    )
     assert s["status"] == "diverged"
     e = s["numerics"]["first_nonfinite"]
     assert (e["step"], e["pass"], e["module"], e["tensor"], e["what"], e["limit"]) == (
         1, "backward", "layer2.pool", "act_grad", "overflow", 65504.0)
-    assert s["reason"].startswith("loss became nan at step 2; first non-finite: step 1 backward, layer2.pool "
-                                  "act_grad: overflow past 65504 (float16)")
+    assert s["reason"].startswith(
+        "loss became nan at step 2; first non-finite: step 1 backward, layer2.pool "
+        "act_grad: overflow past 65504 (float16)"
+    )
     if probe == "ranges":
         assert s["numerics"]["worst_overflow"][0]["layer"] == "layer2.pool"
     else:
-        assert e["replayed"] and s["numerics"]["replay"]["matched"] and (tmp_path / "replay" / NUMERICS).exists()
-    assert [f["what"] for f in s["numerics"]["inputs"]] == ["batch all zeros", "first layer output all zeros"]
+        assert (
+            e["replayed"]
+            and s["numerics"]["replay"]["matched"]
+            and (tmp_path / "replay" / NUMERICS).exists()
+        )
+    assert [f["what"] for f in s["numerics"]["inputs"]] == [
+        "batch all zeros",
+        "first layer output all zeros",
+    ]
     assert "step 1: batch all zeros" in caplog.text
     v = s["verdict"]
-    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == ("backward_overflow_fp16", 1, "backward",
-                                                                     "layer2.pool")
+    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == (
+        "backward_overflow_fp16",
+        1,
+        "backward",
+        "layer2.pool",
+    )
     assert "precision=amp" in v["line"] and "inputs at step 1: batch all zeros" in v["line"]
-    assert v["cites"][0].startswith(("" if probe == "ranges" else "replay/") + "numerics.jsonl step 1 act_grad layer2.pool")
+    assert v["cites"][0].startswith(
+        ("" if probe == "ranges" else "replay/") + "numerics.jsonl step 1 act_grad layer2.pool"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("probe", ["none", "ranges"])
 def test_adam_in_pure_fp16_is_eps_at_zero_measured(tmp_path, probe):
-    s = run_tiny(tmp_path, "pitfall=adam_fp16", *TINY8, "trainer.batch_size=8", "trainer.log_every=1",
-                 f"probe={probe}", "probe.every=1", base=[])
+    s = run_tiny(
+        tmp_path,
+        "pitfall=adam_fp16",
+        *TINY8,
+        "trainer.batch_size=8",
+        "trainer.log_every=1",
+        f"probe={probe}",
+        "probe.every=1",
+        base=[],
+    )
     v = s["verdict"]
     assert s["status"] == "diverged" and (v["mechanism"], v["step"], v["pass"]) == (
         "adam_eps_zero", 1, "optimizer update"), v
-    assert v["module"] == ("0" if probe == "none" else "0.weight")   # the replay names the module, the rows the weight
+    # the replay names the module, the rows the weight
+    assert v["module"] == ("0" if probe == "none" else "0.weight")
     assert "eps=1e-08 is 0 in float16" in v["line"]
-    assert ("Adam state: v == 0 at 100%" in v["cites"][0]) if probe == "none" else "update 0.weight" in v["cites"][0]
+    assert (
+        ("Adam state: v == 0 at 100%" in v["cites"][0])
+        if probe == "none"
+        else "update 0.weight" in v["cites"][0]
+    )
 
 
 def test_a_layer_multiplying_by_1e6_in_fp16_is_a_forward_overflow(tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Scale(1e6), nn.Flatten(), nn.Linear(256, 10))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), Scale(1e6), nn.Flatten(), nn.Linear(256, 10)
+    )
     half = PrecisionConfig(name="half", param_dtype="float16", keep_bn_fp32=False)
     result, n, rows = fit(model, half, tmp_path, steps=2)
     v = judged(result, n, rows, half)
-    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == ("forward_overflow", 1, "forward", "1"), v
+    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == (
+        "forward_overflow",
+        1,
+        "forward",
+        "1",
+    ), v
     assert "passed 65504 (float16)" in v["line"] and n["worst_overflow"][0]["layer"] == "1"
 
 
 def test_batchnorm_in_eval_mode_in_half_precision(tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(256, 10))
-    model[1].running_var.fill_(1e-8)   # frozen statistics that fp16 cannot hold: the output is x / sqrt(eps) and more
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(256, 10)
+    )
+    # frozen statistics that fp16 cannot hold: the output is x / sqrt(eps) and more
+    model[1].running_var.fill_(1e-8)
     half = PrecisionConfig(name="half", param_dtype="float16", keep_bn_fp32=False)
     result, n, rows = fit(model, half, tmp_path, steps=2, x_scale=1000.0, bn_eval=True)
     v = judged(result, n, rows, half, bn_eval=True)
-    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == ("bn_eval_half", 1, "forward", "1"), v
+    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == (
+        "bn_eval_half",
+        1,
+        "forward",
+        "1",
+    ), v
 
 
 class GradBoom(torch.autograd.Function):
@@ -163,72 +252,114 @@ def test_a_dynamic_scale_that_keeps_backing_off(tmp_path):
     result, n, rows = fit(model, amp, tmp_path, probe="none", steps=6)
     assert result["status"] == "completed" and n["skipped_total"] == 6
     v = judged(result, n, rows, amp)
-    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == ("scale_backoff", 1, "backward", "0.weight"), v
+    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == (
+        "scale_backoff",
+        1,
+        "backward",
+        "0.weight",
+    ), v
     assert "steps 1-6 skipped, scale 65536 -> 2048" in v["line"]
 
 
 def test_a_scale_that_backs_off_at_the_start_and_then_fits_is_no_verdict():
     amp = PrecisionConfig(name="amp", autocast_dtype="float16", loss_scale="dynamic")
-    skips = [{"step": k, "scale": 2.0 ** (17 - k), "nonfinite_grads": ["0.weight"]} for k in range(1, 7)]
+    skips = [
+        {"step": k, "scale": 2.0 ** (17 - k), "nonfinite_grads": ["0.weight"]} for k in range(1, 7)
+    ]
     n = {"skipped_steps": skips, "skipped_total": 6, "first_nonfinite": None, "inputs": []}
-    assert verdicts.judge(n, [], ctx(amp, "completed", 50)) is None    # 6 skips at the start of 50 steps: healthy
-    assert verdicts.judge(n, [], ctx(amp, "completed", 6))["mechanism"] == "scale_backoff"   # to the end: not
+    # 6 skips at the start of 50 steps: healthy
+    assert verdicts.judge(n, [], ctx(amp, "completed", 50)) is None
+    # to the end: not
+    assert verdicts.judge(n, [], ctx(amp, "completed", 6))["mechanism"] == "scale_backoff"
 
 
 def test_gradients_lost_to_underflow_say_which_scale_keeps_them(tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), Scale(1e-4), nn.Flatten(), nn.Linear(256, 10))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), Scale(1e-4), nn.Flatten(), nn.Linear(256, 10)
+    )
     half = PrecisionConfig(name="half", param_dtype="float16", keep_bn_fp32=False)
     result, n, rows = fit(model, half, tmp_path, steps=1)
     v = judged(result, n, rows, half)
-    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == ("grad_underflow", 1, "backward", "1"), v   # Tanh
+    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == (
+        "grad_underflow",
+        1,
+        "backward",
+        "1",
+    ), v  # Tanh
     assert "would have lifted 99% of them" in v["line"] and "precision.loss_scale=" in v["fix"]
 
 
 def test_blank_inputs_that_do_not_diverge_are_the_verdict(tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.ReLU(), nn.Flatten(), nn.Linear(256, 10))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.ReLU(), nn.Flatten(), nn.Linear(256, 10)
+    )
     fp32 = PrecisionConfig(name="fp32")
     result, n, rows = fit(model, fp32, tmp_path, probe="none", steps=2, x_scale=0.0)
     assert result["status"] == "completed" and n["first_nonfinite"] is None
     assert [f["what"] for f in n["inputs"]] == ["batch all zeros", "first layer output all zeros"]
     v = judged(result, n, rows, fp32)
-    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == ("blank_inputs", 1, "forward", "0"), v
+    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == (
+        "blank_inputs",
+        1,
+        "forward",
+        "0",
+    ), v
 
 
 def test_no_rule_fits_says_so(tmp_path):
-    n = {"first_nonfinite": {**ev.event(3, "forward", "3", "float32", "NaN"), "module_type": "NanFrom"},
-         "inputs": []}
+    n = {
+        "first_nonfinite": {
+            **ev.event(3, "forward", "3", "float32", "NaN"),
+            "module_type": "NanFrom",
+        },
+        "inputs": [],
+    }
     v = verdicts.judge(n, [], ctx(PrecisionConfig(name="fp32"), "diverged", 3))
-    assert v["mechanism"] is None and v["line"].startswith("no rule fits: first non-finite: step 3 forward, 3 output")
+    assert v["mechanism"] is None and v["line"].startswith(
+        "no rule fits: first non-finite: step 3 forward, 3 output"
+    )
 
 
-# -- a healthy run gets none ----------------------------------------------------------------------------------------
+# -- a healthy run gets none -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("precision", ["fp32", "amp"])
 def test_a_healthy_run_gets_no_verdict(tmp_path, precision):
-    s = run_tiny(tmp_path, *TINY8, f"precision={precision}", "probe=ranges", "probe.every=1", base=[])
+    s = run_tiny(
+        tmp_path, *TINY8, f"precision={precision}", "probe=ranges", "probe.every=1", base=[]
+    )
     assert s["status"] == "completed" and s["verdict"] is None, s["verdict"]
     assert s["numerics"]["first_nonfinite"] is None and s["numerics"]["inputs"] == []
 
 
-# -- shown where people look ---------------------------------------------------------------------------------------
+# -- shown where people look -----------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_the_verdict_is_in_the_console_block_the_sweep_note_report_md_and_wandb(tmp_path):
-    """A blank batch (cutout = image, on purpose) in fp32: it completes, and the verdict says what was wrong."""
+    """A blank batch (cutout = image, on purpose) in fp32: it completes, and the verdict says what
+    was wrong."""
     pytest.importorskip("wandb")
     from mixprec.report.analyse import sweep_rows
     from mixprec.report.make import make_report
     from mixprec.report.render import job_block
     from test_wandb_mirror import final_summary
 
-    s = run_tiny(tmp_path / "job", *TINY8, "dataset.cutout=8", "dataset.cutout_on_purpose=true", "logger=wandb",
-                 base=[])
+    s = run_tiny(
+        tmp_path / "job",
+        *TINY8,
+        "dataset.cutout=8",
+        "dataset.cutout_on_purpose=true",
+        "logger=wandb",
+        base=[],
+    )
     v = s["verdict"]
     assert s["status"] == "completed" and v["mechanism"] == "blank_inputs", v
     block = job_block(s)
-    assert f"verdict     {v['line']}" in block and "            from step 1 inputs: batch all zeros" in block
+    assert (
+        f"verdict     {v['line']}" in block
+        and "            from step 1 inputs: batch all zeros" in block
+    )
     assert sweep_rows([s])[0]["note"].startswith("verdict: blank_inputs (step 1, forward")
     make_report([str(tmp_path / "job")], tmp_path / "report")
     md = (tmp_path / "report" / "report.md").read_text()
@@ -242,12 +373,24 @@ def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path)
 
     cfg = validate(compose_config(*TINY8, "probe=none"))
     e = {**ev.event(2, "update", "0", "float16", None), "tensor": "weights"}
-    summary = {"status": "diverged", "nonfinite": {"step": 2}, "numerics": {"first_nonfinite": e}, "config": {}}
+    summary = {
+        "status": "diverged",
+        "nonfinite": {"step": 2},
+        "numerics": {"first_nonfinite": e},
+        "config": {},
+    }
 
     def out_of_memory(*args):
         raise RuntimeError("out of memory")
     out = replay.explain(summary, cfg, CPU, tmp_path, False, out_of_memory)
     assert out["numerics"]["first_nonfinite"] == e and "verdict" not in out and "reason" not in out
-    assert out["numerics"]["replay"] == {"dir": str(tmp_path / "replay"), "steps": 2, "matched": False,
-                                         "error": "RuntimeError: out of memory"}
-    assert replay.replay_step(summary, "ranges", False) is None and replay.replay_step(summary, "none", True) is None
+    assert out["numerics"]["replay"] == {
+        "dir": str(tmp_path / "replay"),
+        "steps": 2,
+        "matched": False,
+        "error": "RuntimeError: out of memory",
+    }
+    assert (
+        replay.replay_step(summary, "ranges", False) is None
+        and replay.replay_step(summary, "none", True) is None
+    )

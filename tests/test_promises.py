@@ -1,6 +1,7 @@
-"""The headline numbers a job records, each against a value computed independently of the code that records it:
-a fake clock for throughput and time to target, the torch flags for TF32, `resource` for peak memory, the pitfalls'
-own arithmetic. Real tiny jobs on the CPU (trainer.device=cpu), read back from summary.json and metrics.jsonl."""
+"""The headline numbers a job records, each against a value computed independently of the code that
+records it: a fake clock for throughput and time to target, the torch flags for TF32, `resource` for
+peak memory, the pitfalls' own arithmetic. Real tiny jobs on the CPU (trainer.device=cpu), read back
+from summary.json and metrics.jsonl."""
 import json
 import resource
 
@@ -20,19 +21,26 @@ CPU = ["trainer.device=cpu"]
 
 
 def rows(run_dir, kind):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+    return [
+        r
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == kind
+    ]
 
 
-# ---------------------------------------------------------------------------------------------------- throughput
+# --------------------------------------------------------------------------------------- throughput
 
 
 @pytest.mark.slow
 def test_throughput_leaves_out_exactly_the_warmup_steps(tmp_path, monkeypatch):
     # 8 steps of 16 samples; the 3 warm-up steps take 10 s each, the 5 others 1 s each:
     # steady throughput = 5 * 16 samples / 5 s = 16 samples/s (warm-up counted: 128 / 35 s = 3.7;
-    # one step too few left out: 96 / 15 s = 6.4; one too many: 64 / 4 s = 16 as well, but 4 s is not 5 s)
+    # one step too few left out: 96 / 15 s = 6.4; one too many: 64 / 4 s = 16 as well, but 4 s is
+    # not 5 s)
     with_clock(monkeypatch, cost=lambda k: 10.0 if k <= 3 else 1.0)
-    s = run_tiny(tmp_path, *CPU, "trainer.max_steps=null", "trainer.epochs=2", "trainer.warmup_steps=3")
+    s = run_tiny(
+        tmp_path, *CPU, "trainer.max_steps=null", "trainer.epochs=2", "trainer.warmup_steps=3"
+    )
     m = s["metrics"]
     assert m["steps"] == 8 and m["warmup_steps"] == 3 and not m["throughput_includes_warmup"]
     assert m["throughput"] == pytest.approx(16.0, rel=1e-9)
@@ -41,11 +49,14 @@ def test_throughput_leaves_out_exactly_the_warmup_steps(tmp_path, monkeypatch):
 
 
 def test_throughput_leaves_out_exactly_the_warmup_steps_in_one_epoch(tmp_path, monkeypatch):
-    # the quick loop's guard of the promise above: 4 steps of 16 samples; the 2 warm-up steps take 10 s each,
-    # the 2 others 1 s each: steady throughput = 2 * 16 / 2 s = 16 samples/s (warm-up counted: 64 / 22 s = 2.9;
-    # one step too few left out: 48 / 12 s = 4; one too many: 16 / 1 s = 16 as well, but 1 s is not 2 s)
+    # the quick loop's guard of the promise above: 4 steps of 16 samples; the 2 warm-up steps take
+    # 10 s each, the 2 others 1 s each: steady throughput = 2 * 16 / 2 s = 16 samples/s (warm-up
+    # counted: 64 / 22 s = 2.9; one step too few left out: 48 / 12 s = 4; one too many: 16 / 1 s =
+    # 16 as well, but 1 s is not 2 s)
     with_clock(monkeypatch, cost=lambda k: 10.0 if k <= 2 else 1.0)
-    s = run_tiny(tmp_path, *CPU, "trainer.max_steps=null", "trainer.epochs=1", "trainer.warmup_steps=2")
+    s = run_tiny(
+        tmp_path, *CPU, "trainer.max_steps=null", "trainer.epochs=1", "trainer.warmup_steps=2"
+    )
     m = s["metrics"]
     assert m["steps"] == 4 and m["warmup_steps"] == 2 and not m["throughput_includes_warmup"]
     assert m["throughput"] == pytest.approx(16.0, rel=1e-9)
@@ -56,17 +67,20 @@ def test_too_few_steps_for_a_warmup_count_every_sample(tmp_path, monkeypatch):
     with_clock(monkeypatch, cost=lambda k: 2.0)
     s = run_tiny(tmp_path, *CPU, "trainer.max_steps=3", "trainer.warmup_steps=5")
     m = s["metrics"]
-    assert m["throughput_includes_warmup"] and m["throughput"] == pytest.approx(3 * 16 / (3 * 2.0), rel=1e-9)
+    assert m["throughput_includes_warmup"] and m["throughput"] == pytest.approx(
+        3 * 16 / (3 * 2.0), rel=1e-9
+    )
 
 
-# ---------------------------------------------------------------------------------------------------- time to target
+# ----------------------------------------------------------------------------------- time to target
 
 
 @pytest.mark.slow
 def test_time_to_target_sums_the_epochs_until_the_target_is_first_reached(tmp_path, monkeypatch):
-    """4 epochs; each step of epoch e costs e seconds (epochs of 4, 8, 12, 16 s). The evaluation answers class 10,
-    which no label has, until 3 epochs are done, then always the test set's most common class: accuracy 0, 0, f, f
-    with f counted here from the labels. Target 0.05: first reached after epoch 3, at 4 + 8 + 12 = 24 s."""
+    """4 epochs; each step of epoch e costs e seconds (epochs of 4, 8, 12, 16 s). The evaluation
+    answers class 10, which no label has, until 3 epochs are done, then always the test set's most
+    common class: accuracy 0, 0, f, f with f counted here from the labels. Target 0.05: first
+    reached after epoch 3, at 4 + 8 + 12 = 24 s."""
     cfg = validate(compose_config(*TINY, *CPU))
     labels = build_image_data(cfg.dataset).test_y
     top = int(torch.bincount(labels, minlength=10).argmax())
@@ -79,17 +93,24 @@ def test_time_to_target_sums_the_epochs_until_the_target_is_first_reached(tmp_pa
         return out
 
     with_clock(monkeypatch, cost=lambda k: float((k - 1) // STEPS_PER_EPOCH + 1), eval_out=answer)
-    s = run_tiny(tmp_path, *CPU, "trainer.max_steps=null", "trainer.epochs=4", "trainer.target_acc=0.05")
+    s = run_tiny(
+        tmp_path, *CPU, "trainer.max_steps=null", "trainer.epochs=4", "trainer.target_acc=0.05"
+    )
     m = s["metrics"]
-    assert [r["test_acc"] for r in rows(tmp_path, "epoch")] == pytest.approx([0.0, 0.0, share, share])
+    assert [r["test_acc"] for r in rows(tmp_path, "epoch")] == pytest.approx(
+        [0.0, 0.0, share, share]
+    )
     assert m["epochs_to_target"] == 3
     assert m["time_to_target_s"] == pytest.approx(4.0 + 8.0 + 12.0, rel=1e-9)
-    assert m["best_test_acc"] == pytest.approx(share) and m["final_test_acc"] == pytest.approx(share)
+    assert m["best_test_acc"] == pytest.approx(share) and m["final_test_acc"] == pytest.approx(
+        share
+    )
 
 
 def test_time_to_target_is_the_time_of_the_epochs_until_it_is_reached(tmp_path, monkeypatch):
-    """The quick loop's guard of the promise above: 2 epochs of 4 and 8 s; accuracy 0 after epoch 1 (class 10,
-    which no label has), then the test set's most common class: target 0.05 first reached after epoch 2, at 12 s."""
+    """The quick loop's guard of the promise above: 2 epochs of 4 and 8 s; accuracy 0 after epoch 1
+    (class 10, which no label has), then the test set's most common class: target 0.05 first reached
+    after epoch 2, at 12 s."""
     cfg = validate(compose_config(*TINY, *CPU))
     labels = build_image_data(cfg.dataset).test_y
     top = int(torch.bincount(labels, minlength=10).argmax())
@@ -102,13 +123,17 @@ def test_time_to_target_is_the_time_of_the_epochs_until_it_is_reached(tmp_path, 
         return out
 
     with_clock(monkeypatch, cost=lambda k: float((k - 1) // STEPS_PER_EPOCH + 1), eval_out=answer)
-    s = run_tiny(tmp_path, *CPU, "trainer.max_steps=null", "trainer.epochs=2", "trainer.target_acc=0.05")
+    s = run_tiny(
+        tmp_path, *CPU, "trainer.max_steps=null", "trainer.epochs=2", "trainer.target_acc=0.05"
+    )
     m = s["metrics"]
     assert [r["test_acc"] for r in rows(tmp_path, "epoch")] == pytest.approx([0.0, share])
-    assert m["epochs_to_target"] == 2 and m["time_to_target_s"] == pytest.approx(4.0 + 8.0, rel=1e-9)
+    assert m["epochs_to_target"] == 2 and m["time_to_target_s"] == pytest.approx(
+        4.0 + 8.0, rel=1e-9
+    )
 
 
-# ---------------------------------------------------------------------------------------------------- TF32
+# --------------------------------------------------------------------------------------------- TF32
 
 
 @pytest.fixture
@@ -126,7 +151,8 @@ TF32_ON = {"fp32": False, "tf32": True, "o0": False}
 def test_configure_sets_tf32_for_matmul_and_cudnn(precision, restore_math_flags):
     want = TF32_ON[precision]
     c = validate(compose_config(f"precision={precision}", *CPU))
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not want   # the opposite beforehand
+    # the opposite beforehand
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not want
     modes.configure(torch.device("cpu"), c.trainer, c.precision, c.seed)
     assert torch.backends.cuda.matmul.allow_tf32 is want
     assert torch.backends.cudnn.allow_tf32 is want
@@ -139,10 +165,11 @@ def test_the_job_records_the_tf32_flags_it_ran_with(tmp_path, precision, restore
     run_tiny(tmp_path, *CPU, f"precision={precision}")
     env = json.loads((tmp_path / "summary.json").read_text())["env"]
     assert env["tf32_matmul"] is want and env["tf32_cudnn"] is want
-    assert torch.backends.cuda.matmul.allow_tf32 is want   # what the job's math ran with, still set at its end
+    # what the job's math ran with, still set at its end
+    assert torch.backends.cuda.matmul.allow_tf32 is want
 
 
-# ---------------------------------------------------------------------------------------------------- peak memory
+# -------------------------------------------------------------------------------------- peak memory
 
 
 def rss_mb() -> float:
@@ -151,8 +178,9 @@ def rss_mb() -> float:
 
 
 def test_cpu_peak_memory_is_the_process_peak_rss(tmp_path, monkeypatch):
-    """A job whose model holds an extra 256 MB buffer (touched, so resident) reports a peak at least the resident
-    size before the job plus 256 MB, and no more than the process's peak read from `resource` after it."""
+    """A job whose model holds an extra 256 MB buffer (touched, so resident) reports a peak at least
+    the resident size before the job plus 256 MB, and no more than the process's peak read from
+    `resource` after it."""
     extra = 256
     build = mixprec.job.build_model
 
@@ -170,14 +198,25 @@ def test_cpu_peak_memory_is_the_process_peak_rss(tmp_path, monkeypatch):
     assert before + 0.95 * extra <= m["peak_memory_mb"] <= after
 
 
-# ---------------------------------------------------------------------------------------------------- pitfalls
+# ----------------------------------------------------------------------------------------- pitfalls
 
 
-@pytest.mark.parametrize("case", ["adam_fp16_eps1e4", pytest.param("adam_amp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "case", ["adam_fp16_eps1e4", pytest.param("adam_amp", marks=pytest.mark.slow)]
+)
 def test_the_fixes_loss_falls(tmp_path, case):
-    """The fixed Adam cases train: the mean loss of the last 4 of 12 logged steps is below that of the first 4."""
-    s = run_tiny(tmp_path, *CPU, f"pitfall={case}", "trainer.max_steps=12", "trainer.epochs=3", "trainer.log_every=1",
-                 "dataset.image_size=8", "schedule=constant")
+    """The fixed Adam cases train: the mean loss of the last 4 of 12 logged steps is below that of
+    the first 4."""
+    s = run_tiny(
+        tmp_path,
+        *CPU,
+        f"pitfall={case}",
+        "trainer.max_steps=12",
+        "trainer.epochs=3",
+        "trainer.log_every=1",
+        "dataset.image_size=8",
+        "schedule=constant",
+    )
     assert s["status"] == "completed"
     losses = [r["loss"] for r in rows(tmp_path, "train")]
     assert len(losses) == 12
@@ -185,8 +224,9 @@ def test_the_fixes_loss_falls(tmp_path, case):
 
 
 def first_nonfinite_step_by_hand(lr: float, steps: int = 6) -> int | None:
-    """Pure fp16 Adam at eps=1e-8 written out with torch.optim on the same small CNN: the first step after which a
-    weight is not finite (the second moment of a small gradient underflows to 0 in fp16, and m / (0 + 0) is inf)."""
+    """Pure fp16 Adam at eps=1e-8 written out with torch.optim on the same small CNN: the first step
+    after which a weight is not finite (the second moment of a small gradient underflows to 0 in
+    fp16, and m / (0 + 0) is inf)."""
     torch.manual_seed(0)
     model = small_cnn(8, 10).half()
     opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-8)

@@ -1,4 +1,5 @@
-"""The CPU-emulated reference plan (src/mixprec/tools/plan_cpu.yaml) and the report's seed-by-seed comparison with fp32."""
+"""The CPU-emulated reference plan (src/mixprec/tools/plan_cpu.yaml) and the report's seed-by-seed
+comparison with fp32."""
 import json
 import sys
 
@@ -21,15 +22,30 @@ def test_the_cpu_plan_composes_every_job_and_accounts_for_every_published_value(
     assert {a.id for a in plan.articles} == set(sources)
     for a in plan.articles:
         for s in a.sweeps:
-            configs = reproduce.job_configs(plan, s, args)   # a bad override: ConfigError
-            assert len(configs) == len(s.jobs) and all(c["trainer"]["device"] == "auto" for c in configs)
-            for c in configs:   # a bad value, as the job would find it (a synthetic-only size on real data)
+            configs = reproduce.job_configs(plan, s, args)  # a bad override: ConfigError
+            assert len(configs) == len(s.jobs) and all(
+                c["trainer"]["device"] == "auto" for c in configs
+            )
+            # a bad value, as the job would find it (a synthetic-only size on real data)
+            for c in configs:
                 validate_job(c)
         ids = {v.id for v in sources[a.id].values}
         assert set(a.not_reproduced) <= ids and set(a.stand_ins) <= ids, a.id
     precisions = {c["precision"]["name"] for c in reproduce.job_configs(plan, plan.sweeps[0], args)}
-    assert precisions == {"fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3", "fastai_fp16",
-                          "apex_fp16"}
+    assert precisions == {
+        "fp32",
+        "tf32",
+        "amp",
+        "amp_bf16",
+        "half",
+        "bf16",
+        "o0",
+        "o1",
+        "o2",
+        "o3",
+        "fastai_fp16",
+        "apex_fp16",
+    }
 
 
 def test_a_stand_in_needs_a_match_and_a_reason(tmp_path):
@@ -40,7 +56,8 @@ def test_a_stand_in_needs_a_match_and_a_reason(tmp_path):
 
 
 def test_paired_difference_is_students_interval():
-    d = paired_difference([0.5, -0.1, 0.2])   # mean 0.2, sd 0.3, n 3: half-width 4.303 * 0.3 / sqrt(3)
+    # mean 0.2, sd 0.3, n 3: half-width 4.303 * 0.3 / sqrt(3)
+    d = paired_difference([0.5, -0.1, 0.2])
     assert d["mean"] == pytest.approx(0.2) and d["std"] == pytest.approx(0.3)
     assert d["ci95"] == pytest.approx([0.2 - 0.74530, 0.2 + 0.74530], abs=1e-4)
     assert d["verdict"] == "no difference detected"
@@ -53,8 +70,8 @@ def test_paired_difference_is_students_interval():
 
 
 def test_calibration_on_stand_in_data_leaves_out_the_users_data_dir(tmp_path):
-    """The stand-in is synthetic data, which has no data_dir: `reproduce.py dataset.data_dir=/data` must not fail
-    its calibration (it did: "Key 'data_dir' is not in struct")."""
+    """The stand-in is synthetic data, which has no data_dir: `reproduce.py dataset.data_dir=/data`
+    must not fail its calibration (it did: "Key 'data_dir' is not in struct")."""
     reproduce = load_script("reproduce")
     plan = P.load_plan(CPU_PLAN).only(["half_pitfalls"])
     args = reproduce.parse(["--plan-file", str(CPU_PLAN), "dataset.data_dir=/nowhere", "seed=3"])
@@ -62,23 +79,37 @@ def test_calibration_on_stand_in_data_leaves_out_the_users_data_dir(tmp_path):
     reproduce.spawn = lambda cmd, *a, **k: (commands.append(cmd), (0, 1.0))[1]
     reproduce.calibrate(plan, args, tmp_path)
     (cmd,) = commands
-    assert "seed=3" in cmd and "dataset=synthetic" in cmd and not any(c.startswith("dataset.data_dir") for c in cmd)
-    reproduce.compose(tuple(c for c in cmd[3:] if "=" in c and not c.startswith("hydra")))   # composes
+    assert (
+        "seed=3" in cmd
+        and "dataset=synthetic" in cmd
+        and not any(c.startswith("dataset.data_dir") for c in cmd)
+    )
+    # composes
+    reproduce.compose(tuple(c for c in cmd[3:] if "=" in c and not c.startswith("hydra")))
 
 
-# ---------------------------------------------------------------------------------------------------- committed results
+# -------------------------------------------------------------------------------- committed results
 
 def test_a_language_models_perplexity_is_reported_per_epoch(tmp_path):
-    """Two seeds of an LSTM, fp32 and apex_fp16, two epochs each, with known perplexities: report.json and
-    report.md hold each epoch's mean over the seeds, and the runs table shows the best-validation test perplexity."""
+    """Two seeds of an LSTM, fp32 and apex_fp16, two epochs each, with known perplexities:
+    report.json and report.md hold each epoch's mean over the seeds, and the runs table shows the
+    best-validation test perplexity."""
     from mixprec.report.make import make_report
 
-    ppl = {("fp32", 0): [(200.0, 190.0), (150.0, 140.0)], ("fp32", 1): [(210.0, 200.0), (160.0, 150.0)],
-           ("apex_fp16", 0): [(202.0, 192.0), (152.0, 142.0)], ("apex_fp16", 1): [(206.0, 196.0), (156.0, 146.0)]}
+    ppl = {
+        ("fp32", 0): [(200.0, 190.0), (150.0, 140.0)],
+        ("fp32", 1): [(210.0, 200.0), (160.0, 150.0)],
+        ("apex_fp16", 0): [(202.0, 192.0), (152.0, 142.0)],
+        ("apex_fp16", 1): [(206.0, 196.0), (156.0, 146.0)],
+    }
     for (precision, seed), epochs in ppl.items():
         d = tmp_path / "runs" / f"{precision}_{seed}"
         d.mkdir(parents=True)
-        metrics = {"train_time_s": 1.0, "final_valid_ppl": epochs[-1][0], "test_ppl_at_best_valid": epochs[-1][1]}
+        metrics = {
+            "train_time_s": 1.0,
+            "final_valid_ppl": epochs[-1][0],
+            "test_ppl_at_best_valid": epochs[-1][1],
+        }
         (d / "summary.json").write_text(json.dumps({
             "status": "completed", "name": "lm", "seed": seed, "overrides": [f"seed={seed}"],
             "choices": {"model": "lstm", "precision": precision},
@@ -97,20 +128,27 @@ def test_a_language_models_perplexity_is_reported_per_epoch(tmp_path):
     assert rows["apex_fp16", 2]["runs"] == 2
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| lstm | apex_fp16 | 2 | 2 | 154.00 ± 2.83 (n=2) | 144.00 ± 2.83 (n=2) |" in md
-    assert "| test ppl (best valid epoch) |" in md and "| 145.00 ± 7.07 (n=2) |" in md   # fp32: 140 and 150
+    # fp32: 140 and 150
+    assert "| test ppl (best valid epoch) |" in md and "| 145.00 ± 7.07 (n=2) |" in md
 
 
 def test_an_image_models_test_loss_is_no_perplexity(tmp_path):
-    """A huge test loss of an image model (a run that blew up but completed) is not exp()-ed into a perplexity."""
+    """A huge test loss of an image model (a run that blew up but completed) is not exp()-ed into a
+    perplexity."""
     from mixprec.report.load import Job
 
-    summary = {"status": "completed", "config": {"model": {"arch": "resnet"}}, "metrics": {"final_test_loss": 1e4}}
+    summary = {
+        "status": "completed",
+        "config": {"model": {"arch": "resnet"}},
+        "metrics": {"final_test_loss": 1e4},
+    }
     assert Job(tmp_path, summary).metric("test_ppl") is None
 
 
 RESULTS = ROOT / "outputs" / "reference" / "cpu-emulated-2026-11-25"
 COMMITTED = ["torch_amp", "half_pitfalls", "fastai_2080ti", "page_ladder", "apex_word_lm"]
-ACCURACY = ("test_acc_pct", "acc_change_vs_fp32", "test_ppl", "status")   # what a CPU run can stand beside
+# what a CPU run can stand beside
+ACCURACY = ("test_acc_pct", "acc_change_vs_fp32", "test_ppl", "status")
 
 
 def test_committed_cpu_results_have_a_row_for_every_published_accuracy_and_show_in_docs():
@@ -124,17 +162,25 @@ def test_committed_cpu_results_have_a_row_for_every_published_accuracy_and_show_
         assert all(e["status"] == "done" for e in state["sweeps"]), f.name
         summaries = [json.loads(p.read_text()) for p in f.glob("runs/*/*/summary.json")]
         assert len(summaries) == sum(e["jobs"] for e in state["sweeps"]), f.name
-        for s in summaries:   # every job ran to its end on the CPU, fp16/bf16 emulated where it had any
+        # every job ran to its end on the CPU, fp16/bf16 emulated where it had any
+        for s in summaries:
             assert s["status"] in ("completed", "diverged"), (f.name, s["status"])
             assert s["env"]["device"] == "cpu" and s["arithmetic"] in ("emulated", "native"), f.name
         report = json.loads((f / "report" / "report.json").read_text())
-        (article,) = [a for a in report["reference"]["articles"] if a["id"] == state["articles"][0]["id"]]
+        (article,) = [
+            a for a in report["reference"]["articles"] if a["id"] == state["articles"][0]["id"]
+        ]
         rows = {r["id"]: r["cells"][0] for r in article["rows"]}
         source = sources[article["id"]]
         assert set(rows) == {v.id for v in source.values}, f.name
-        for v in source.values:   # an accuracy-like value has our number, or the plan's stated reason
+        # an accuracy-like value has our number, or the plan's stated reason
+        for v in source.values:
             if v.metric in ACCURACY:
-                assert not rows[v.id].startswith("missing: no run matches"), (f.name, v.id, rows[v.id])
+                assert not rows[v.id].startswith("missing: no run matches"), (
+                    f.name,
+                    v.id,
+                    rows[v.id],
+                )
     page = (ROOT / "docs" / "results.md").read_text()
     assert page == readme.page(RESULTS), ("docs/results.md differs from the folders; regenerate: "
                                           "python -m mixprec.report.readme " + str(RESULTS))

@@ -1,4 +1,5 @@
-"""The reproduction report from real tiny jobs: tables, published numbers, plots, HTML, the sweep callback, W&B."""
+"""The reproduction report from real tiny jobs: tables, published numbers, plots, HTML, the sweep
+callback, W&B."""
 import base64
 import json
 import os
@@ -14,11 +15,23 @@ from mixprec.report.make import make_report
 from mixprec.report.published import SourceError, load_source, load_sources
 
 # small enough for ResNet-18 on a CPU: 8x8 images, one step per epoch, two epochs; every step logged
-# precision.emulate=false: the CPU's own fp16 kernels, so that amp's times are real times and its speed-up is
-# computed (an emulated job's time is an fp32 time: no speed-up; tests/test_emulation.py checks that)
-SIZES = ["dataset.image_size=8", "dataset.train_size=8", "dataset.test_size=8", "trainer.batch_size=8",
-         "trainer.eval_batch_size=8", "trainer.epochs=2", "trainer.log_every=1", "trainer.warmup_steps=1",
-         "trainer.target_acc=0.01", "logger=none", "precision.emulate=false", "trainer.device=cpu"]
+# precision.emulate=false: the CPU's own fp16 kernels, so that amp's times are real times and its
+# speed-up is computed (an emulated job's time is an fp32 time: no speed-up; tests/test_emulation.py
+# checks that)
+SIZES = [
+    "dataset.image_size=8",
+    "dataset.train_size=8",
+    "dataset.test_size=8",
+    "trainer.batch_size=8",
+    "trainer.eval_batch_size=8",
+    "trainer.epochs=2",
+    "trainer.log_every=1",
+    "trainer.warmup_steps=1",
+    "trainer.target_acc=0.01",
+    "logger=none",
+    "precision.emulate=false",
+    "trainer.device=cpu",
+]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 TINY_SOURCE = """
@@ -28,11 +41,14 @@ url: https://example.org/tiny
 experiments: [default]
 hardware: Test GPU
 values:
-  - {id: cnn_speedup, label: small CNN amp speed-up, metric: speedup, value: 2.0, unit: x, source: table 1,
+  - {id: cnn_speedup, label: small CNN amp speed-up, metric: speedup, value: 2.0, unit: x,
+     source: table 1,
      match: {model: small_cnn, precision: amp, optimizer: sgd}}
-  - {id: r101_speedup, label: ResNet-101 amp speed-up, metric: speedup, value: 1.18, unit: x, source: table 2,
+  - {id: r101_speedup, label: ResNet-101 amp speed-up, metric: speedup, value: 1.18, unit: x,
+     source: table 2,
      match: {model: resnet101, precision: amp}}
-  - {id: adam_nan, label: Adam in pure fp16, metric: status, value: diverged, unit: outcome, source: a sentence,
+  - {id: adam_nan, label: Adam in pure fp16, metric: status, value: diverged, unit: outcome,
+     source: a sentence,
      match: {precision: half, optimizer: adam}}
   - {id: step_a, label: A (fp32), metric: time_to_target_s, value: 3, unit: s, source: ladder,
      match: {model: small_cnn, precision: fp32, optimizer: sgd}}
@@ -55,13 +71,22 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     sweep = root / "sweep"
     # a real sweep: fp32 and amp on two models, ending with its report (the callback)
-    r = run_cli("-m", "precision=fp32,amp", "model=small_cnn,resnet18", *SIZES, f"hydra.sweep.dir={sweep}",
-                "hydra.callbacks.sweep_table.report=true")
+    r = run_cli(
+        "-m",
+        "precision=fp32,amp",
+        "model=small_cnn,resnet18",
+        *SIZES,
+        f"hydra.sweep.dir={sweep}",
+        "hydra.callbacks.sweep_table.report=true",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     extra = root / "extra"
-    # a second seed of the small CNN (mirrored to W&B offline), a run that diverges, a run that fails
-    seed1 = [job(extra / f"seed1_{p}", "model=small_cnn", f"precision={p}", "seed=1", "logger=wandb")
-             for p in ("fp32", "amp")]
+    # a second seed of the small CNN (mirrored to W&B offline), a run that diverges, a run that
+    # fails
+    seed1 = [
+        job(extra / f"seed1_{p}", "model=small_cnn", f"precision={p}", "seed=1", "logger=wandb")
+        for p in ("fp32", "amp")
+    ]
     diverged = job(extra / "half_adam", "model=small_cnn", "precision=half", "optimizer=adam")
     with pytest.raises(SystemExit):
         job(extra / "bad_lr", "model=small_cnn", "optimizer.lr=-1")
@@ -71,7 +96,14 @@ def runs(tmp_path_factory):
     published.mkdir()
     (published / "tinyref.yaml").write_text(TINY_SOURCE)
     data = make_report([str(sweep), str(extra)], out=root / "report", published=published)
-    return {"root": root, "sweep": sweep, "extra": extra, "cli": r, "data": data, "out": root / "report"}
+    return {
+        "root": root,
+        "sweep": sweep,
+        "extra": extra,
+        "cli": r,
+        "data": data,
+        "out": root / "report",
+    }
 
 
 def summaries(*dirs):
@@ -99,23 +131,33 @@ def test_speedup_column_is_the_ratio_of_recorded_times(runs):
 
     exp = runs["data"]["experiments"][0]
     assert exp["name"] == "default" and exp["jobs"] == 8
-    groups = {(g["model"], g["precision"]): g for g in exp["groups"] if g["variant"] == "optimizer=sgd"}
+    groups = {
+        (g["model"], g["precision"]): g for g in exp["groups"] if g["variant"] == "optimizer=sgd"
+    }
     assert set(groups) == {(m, p) for m in ("small_cnn", "resnet18") for p in ("fp32", "amp")}
     r18 = groups[("resnet18", "amp")]["metrics"]["speedup"]
-    assert r18["n"] == 1 and r18["mean"] == pytest.approx(time_of("resnet18", "fp32", 0) / time_of("resnet18", "amp", 0))
+    assert r18["n"] == 1 and r18["mean"] == pytest.approx(
+        time_of("resnet18", "fp32", 0) / time_of("resnet18", "amp", 0)
+    )
     cnn = groups[("small_cnn", "amp")]
-    assert cnn["seeds"] == [0, 1] and cnn["metrics"]["speedup"]["n"] == 2   # two seeds: mean and spread
+    # two seeds: mean and spread
+    assert cnn["seeds"] == [0, 1] and cnn["metrics"]["speedup"]["n"] == 2
     ratios = [time_of("small_cnn", "fp32", s) / time_of("small_cnn", "amp", s) for s in (0, 1)]
     assert cnn["metrics"]["speedup"]["values"] == pytest.approx(ratios)
     assert groups[("small_cnn", "fp32")]["metrics"]["speedup"]["mean"] == 1.0
     # the same numbers in report.md's runs table
     md = (runs["out"] / "report.md").read_text()
     rows = {(r[0], r[1]): r for r in md_table(md, "### Runs")}
-    assert float(rows[("resnet18 optimizer=sgd", "amp")][4]) == pytest.approx(r18["mean"], abs=0.006)
+    assert float(rows[("resnet18 optimizer=sgd", "amp")][4]) == pytest.approx(
+        r18["mean"], abs=0.006
+    )
     mean, rest = rows[("small_cnn optimizer=sgd", "amp")][4].split(" ± ")
     assert float(mean) == pytest.approx(sum(ratios) / 2, abs=0.006) and rest.endswith("(n=2)")
     assert rows[("small_cnn optimizer=sgd", "fp32")][2] == "2 completed (seeds 0,1)"
-    assert json.loads((runs["out"] / "report.json").read_text())["experiments"][0]["groups"] == exp["groups"]
+    assert (
+        json.loads((runs["out"] / "report.json").read_text())["experiments"][0]["groups"]
+        == exp["groups"]
+    )
 
 
 @pytest.mark.slow   # a subprocess sweep
@@ -125,17 +167,37 @@ def test_published_values_matched_missing_and_diverged(runs):
     speed = exp_group(exp, "small_cnn", "amp")["metrics"]["speedup"]["mean"]
     (row,) = comp["cnn_speedup"]["rows"]
     assert row["group"] == "small_cnn optimizer=sgd" and row["ratio"] == pytest.approx(speed / 2.0)
-    assert comp["r101_speedup"]["rows"] == [{"group": None, "verdict": "missing: no run yet", "reproduced": None,
-                                             "ratio": None, "difference": None, "runs": 0}]
+    assert comp["r101_speedup"]["rows"] == [
+        {
+            "group": None,
+            "verdict": "missing: no run yet",
+            "reproduced": None,
+            "ratio": None,
+            "difference": None,
+            "runs": 0,
+        }
+    ]
     assert comp["adam_nan"]["rows"][0]["verdict"] == "agrees"
     md = (runs["out"] / "report.md").read_text()
     table = md_table(md, "### Reproduced against published")
-    assert ["tinyref", "ResNet-101 amp speed-up", "1.18 x", "Test GPU", "-", "missing: no run yet", "-", "-", "-"] in table
+    assert [
+        "tinyref",
+        "ResNet-101 amp speed-up",
+        "1.18 x",
+        "Test GPU",
+        "-",
+        "missing: no run yet",
+        "-",
+        "-",
+        "-",
+    ] in table
     # the diverged and the failed runs, with their reasons
     problems = {p["status"]: p for p in exp["not_completed"]}
     assert set(problems) == {"diverged", "failed"}
     assert problems["diverged"]["step"] >= 1 and "non-finite" in problems["diverged"]["reason"]
-    assert problems["failed"]["reason"] == "config error: optimizer.lr=-1.0: must be a positive number"
+    assert (
+        problems["failed"]["reason"] == "config error: optimizer.lr=-1.0: must be a positive number"
+    )
     listed = {r[4]: r for r in md_table(md, "### Runs that diverged or failed")}
     assert set(listed) == {"diverged", "failed"}
     assert listed["diverged"][5] == problems["diverged"]["reason"]
@@ -144,14 +206,20 @@ def test_published_values_matched_missing_and_diverged(runs):
 
 
 def exp_group(exp, model, precision):
-    return next(g for g in exp["groups"] if (g["model"], g["precision"], g["variant"]) == (model, precision, "optimizer=sgd"))
+    return next(
+        g
+        for g in exp["groups"]
+        if (g["model"], g["precision"], g["variant"]) == (model, precision, "optimizer=sgd")
+    )
 
 
 @pytest.mark.slow   # a subprocess sweep
 def test_every_plot_is_a_png_embedded_in_the_html(runs):
     figs = runs["data"]["experiments"][0]["plots"]
     names = sorted(Path(f["path"]).name for f in figs)
-    assert names == sorted(f"default_{k}.png" for k in ("speedup", "time_memory", "curves", "ladder", "loss_scale"))
+    assert names == sorted(
+        f"default_{k}.png" for k in ("speedup", "time_memory", "curves", "ladder", "loss_scale")
+    )
     html = (runs["out"] / "report.html").read_text()
     md = (runs["out"] / "report.md").read_text()
     for f in figs:
@@ -159,7 +227,11 @@ def test_every_plot_is_a_png_embedded_in_the_html(runs):
         assert data[:8] == PNG and len(data) > 10_000          # matplotlib drew a real figure
         assert "data:image/png;base64," + base64.b64encode(data).decode() in html
         assert f"](plots/{Path(f['path']).name})" in md
-    assert html.count("data:image/png;base64,") == len(figs) and "<img" in html and 'src="plots/' not in html
+    assert (
+        html.count("data:image/png;base64,") == len(figs)
+        and "<img" in html
+        and 'src="plots/' not in html
+    )
 
 
 @pytest.mark.slow   # a subprocess sweep
@@ -167,14 +239,24 @@ def test_the_sweep_ends_with_its_report(runs):
     out = runs["cli"].stdout
     assert f"report      {runs['sweep'] / 'report' / 'report.html'}" in out
     data = json.loads((runs["sweep"] / "report" / "report.json").read_text())
-    assert data["jobs"] == 4 and len(data["experiments"][0]["plots"]) == 4   # no ladder: no source lists `default`
-    assert all((runs["sweep"] / "report" / "plots" / Path(f["path"]).name).exists() for f in data["experiments"][0]["plots"])
+    # no ladder: no source lists `default`
+    assert data["jobs"] == 4 and len(data["experiments"][0]["plots"]) == 4
+    assert all(
+        (runs["sweep"] / "report" / "plots" / Path(f["path"]).name).exists()
+        for f in data["experiments"][0]["plots"]
+    )
 
 
 def run_script(*args, env=None):
     e = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "make_report.py"), *args], capture_output=True,
-                          text=True, timeout=300, env=e, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_report.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=e,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.slow   # a subprocess sweep
@@ -183,7 +265,9 @@ def test_wandb_offline_says_why_in_one_line_and_writes_the_local_report(runs, tm
                    env={"WANDB_MODE": "offline"})
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("W&B")]
-    assert lines == ["W&B report not made: offline: WANDB_MODE=offline; the local report above is complete"]
+    assert lines == [
+        "W&B report not made: offline: WANDB_MODE=offline; the local report above is complete"
+    ]
     assert "Traceback" not in r.stderr
     md = (tmp_path / "report.md").read_text()
     assert (tmp_path / "report.html").stat().st_size > 50_000
@@ -198,7 +282,10 @@ def test_wandb_offline_says_why_in_one_line_and_writes_the_local_report(runs, tm
 @pytest.mark.slow
 def test_bad_input_is_one_line(tmp_path):
     r = run_script(str(tmp_path / "nowhere"))
-    assert r.returncode == 2 and r.stderr.strip() == f"make_report: {tmp_path / 'nowhere'}: no such file or folder"
+    assert (
+        r.returncode == 2
+        and r.stderr.strip() == f"make_report: {tmp_path / 'nowhere'}: no such file or folder"
+    )
     (tmp_path / "empty").mkdir()
     r = run_script(str(tmp_path / "empty"))
     assert r.returncode == 2 and "no summary.json under" in r.stderr and "Traceback" not in r.stderr
@@ -214,20 +301,36 @@ def test_wandb_report_objects(runs, monkeypatch):
     assert len(ids) == 2   # the two seed-1 jobs logged to W&B (offline)
     assert wandb_report.project_of(jobs) == (None, "mixprec")
     report = wandb_report.build(data, jobs, entity="someone", project="mixprec")
-    assert (report.entity, report.project, report.title) == ("someone", "mixprec", "mixprec reproduction report")
+    assert (report.entity, report.project, report.title) == (
+        "someone",
+        "mixprec",
+        "mixprec reproduction report",
+    )
     kinds = [type(b).__name__ for b in report.blocks]
     assert kinds == ["P", "H2", "MarkdownBlock", "PanelGrid"]
-    assert "| small CNN amp speed-up | 2 x | Test GPU | small_cnn optimizer=sgd, amp |" in report.blocks[2].text
+    assert (
+        "| small CNN amp speed-up | 2 x | Test GPU | small_cnn optimizer=sgd, amp |"
+        in report.blocks[2].text
+    )
     assert "missing: no run yet" in report.blocks[2].text
     grid = report.blocks[3]
     (runset,) = grid.runsets
-    assert runset.groupby == ["config.precision.name", "config.model.arch"] and runset.project == "mixprec"
+    assert (
+        runset.groupby == ["config.precision.name", "config.model.arch"]
+        and runset.project == "mixprec"
+    )
     assert runset.filters == "ID in [" + ", ".join(repr(i) for i in ids) + "]"
     bars = [p for p in grid.panels if isinstance(p, wr.BarPlot)]
-    assert [p.metrics for p in bars] == [["train_time_s"], ["throughput"], ["peak_memory_mb"], ["final_test_acc"]]
+    assert [p.metrics for p in bars] == [
+        ["train_time_s"],
+        ["throughput"],
+        ["peak_memory_mb"],
+        ["final_test_acc"],
+    ]
     lines = [p for p in grid.panels if isinstance(p, wr.LinePlot)]
     assert [(p.x, p.y) for p in lines] == [("epoch", ["test_acc"]), ("step", ["loss_scale"])]
-    # what save() would send, with the one project look-up it makes answered here instead of by the server
+    # what save() would send, with the one project look-up it makes answered here instead of by the
+    # server
     monkeypatch.setattr("wandb_workspaces.reports.v2.interface.execute_graphql",
                         lambda api, query, variables: {"project": {"internalId": "p-1"}})
     monkeypatch.setattr("wandb_workspaces.reports.v2.interface._get_api", lambda: None)
@@ -238,23 +341,49 @@ def test_wandb_report_objects(runs, monkeypatch):
 
 def test_shipped_published_numbers_load_with_source_hardware_and_unit():
     sources = {s.id: s for s in load_sources()}
-    assert set(sources) == {"fastai_2080ti", "apex_word_lm", "half_pitfalls", "page_ladder", "torch_amp"}
+    assert set(sources) == {
+        "fastai_2080ti",
+        "apex_word_lm",
+        "half_pitfalls",
+        "page_ladder",
+        "torch_amp",
+    }
     for s in sources.values():
         assert s.experiments and s.values
         assert all(v.hardware and v.unit and v.quote and v.match for v in s.values)
-    ladder = [v for v in sources["page_ladder"].values if v.metric in ("train_time_s", "page_clock_s")]
+    ladder = [
+        v for v in sources["page_ladder"].values if v.metric in ("train_time_s", "page_clock_s")
+    ]
     assert [v.value for v in ladder] == [75, 70, 64, 59, 52, 46, 43, 36, (33.5, 34.0), 26]
-    assert [v.metric for v in ladder][:2] == ["page_clock_s", "train_time_s"]   # step 1 on Page's clock (dawn.py)
-    assert sources["fastai_2080ti"].values[0].value == 1.18 and sources["fastai_2080ti"].values[1].value == 1.13
+    # step 1 on Page's clock (dawn.py)
+    assert [v.metric for v in ladder][:2] == ["page_clock_s", "train_time_s"]
+    assert (
+        sources["fastai_2080ti"].values[0].value == 1.18
+        and sources["fastai_2080ti"].values[1].value == 1.13
+    )
 
 
-@pytest.mark.parametrize("text,expect", [
-    ("id: bad\ntitle: t\nexperiments: [x]\nvalues:\n  - {id: a, metric: speedup, value: fast, unit: x, hardware: h, "
-     "source: s, match: {precision: amp}}\n", "values[0] (a).value: 'fast'; expected a number or a [low, high] range"),
-    ("id: bad\ntitle: t\nexperiments: [x]\nvalues:\n  - {id: a, metric: speedup, value: 1, unit: x, source: s, "
-     "match: {precision: amp}}\n", "values[0] (a).hardware: missing"),
-    ("id: other\ntitle: t\nexperiments: [x]\nvalues: []\n", "id: 'other' must equal the file name 'bad'"),
-])
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        (
+            "id: bad\ntitle: t\nexperiments: [x]\nvalues:\n  - {id: a, metric: speedup, value: "
+            "fast, unit: x, hardware: h, "
+            "source: s, match: {precision: amp}}\n",
+            "values[0] (a).value: 'fast'; expected a number or a [low, high] range",
+        ),
+        (
+            "id: bad\ntitle: t\nexperiments: [x]\nvalues:\n  - {id: a, metric: speedup, value: 1, "
+            "unit: x, source: s, "
+            "match: {precision: amp}}\n",
+            "values[0] (a).hardware: missing",
+        ),
+        (
+            "id: other\ntitle: t\nexperiments: [x]\nvalues: []\n",
+            "id: 'other' must equal the file name 'bad'",
+        ),
+    ],
+)
 def test_a_bad_published_file_names_the_file_and_field(tmp_path, text, expect):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -268,17 +397,48 @@ def test_variants_name_what_sets_jobs_apart_and_nothing_it_implies(tmp_path):
     from mixprec.report.load import Job
 
     def summary(case, optimizer, precision, extra=()):
-        return {"name": "half_pitfalls", "status": "completed", "seed": 0, "config": {"seed": 0},
-                "choices": {"model": "small_cnn", "precision": precision, "optimizer": optimizer, "pitfall": case},
-                "overrides": [f"pitfall={case}", "trainer.max_steps=3", *extra], "metrics": {"train_time_s": 1.0}}
+        return {
+            "name": "half_pitfalls",
+            "status": "completed",
+            "seed": 0,
+            "config": {"seed": 0},
+            "choices": {
+                "model": "small_cnn",
+                "precision": precision,
+                "optimizer": optimizer,
+                "pitfall": case,
+            },
+            "overrides": [f"pitfall={case}", "trainer.max_steps=3", *extra],
+            "metrics": {"train_time_s": 1.0},
+        }
 
-    jobs = [Job(tmp_path / str(i), s) for i, s in enumerate([
-        summary("adam_fp16", "adam", "half"), summary("small_fp32", "sgd", "fp32"), summary("small_half", "sgd", "half"),
-        summary("small_half", "sgd", "half", ["dataset.train_size=4096", "trainer.batch_size=256"])])]
+    jobs = [
+        Job(tmp_path / str(i), s)
+        for i, s in enumerate(
+            [
+                summary("adam_fp16", "adam", "half"),
+                summary("small_fp32", "sgd", "fp32"),
+                summary("small_half", "sgd", "half"),
+                summary(
+                    "small_half",
+                    "sgd",
+                    "half",
+                    ["dataset.train_size=4096", "trainer.batch_size=256"],
+                ),
+            ]
+        )
+    ]
     by_experiment(jobs)
     # the case implies its optimizer: only the case is named; a long difference gets a short name
-    assert [j.variant for j in jobs] == ["pitfall=adam_fp16", "pitfall=small_fp32", "pitfall=small_half", "[v1]"]
-    assert jobs[3].variant_full == "dataset.train_size=4096,pitfall=small_half,trainer.batch_size=256"
+    assert [j.variant for j in jobs] == [
+        "pitfall=adam_fp16",
+        "pitfall=small_fp32",
+        "pitfall=small_half",
+        "[v1]",
+    ]
+    assert (
+        jobs[3].variant_full == "dataset.train_size=4096,pitfall=small_half,trainer.batch_size=256"
+    )
 
 
 def test_every_precision_mode_has_its_own_colour_and_place():

@@ -1,6 +1,7 @@
-"""scripts/reproduce.py and its plan (src/mixprec/tools/plan.yaml): the plan agrees with the presets, the published
-numbers and the README; cutting to a budget; and, as real runs on the CPU, resume after kill -9, a failing
-sweep, two results folders side by side, and the whole --smoke plan."""
+"""scripts/reproduce.py and its plan (src/mixprec/tools/plan.yaml): the plan agrees with the
+presets, the published numbers and the README; cutting to a budget; and, as real runs on the CPU,
+resume after kill -9, a failing sweep, two results folders side by side, and the whole --smoke
+plan."""
 import itertools
 import json
 import os
@@ -25,22 +26,35 @@ def reproduce(*args, timeout=1500, wait=True):
     env.pop("WANDB_SERVICE", None)
     cmd = [sys.executable, str(SCRIPT), *map(str, args)]
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-# ---------------------------------------------------------------------------------------------------- the plan
+# ----------------------------------------------------------------------------------------- the plan
 
 
 def test_plan_runs_every_preset_grid_and_covers_every_published_value():
     plan = P.load_plan()
-    for exp in ("fastai_cifar100", "apex_word_lm", "apex_word_lm_readme", "half_pitfalls", "opt_levels", "page_ladder",
-                "torch_amp"):
+    for exp in (
+        "fastai_cifar100",
+        "apex_word_lm",
+        "apex_word_lm_readme",
+        "half_pitfalls",
+        "opt_levels",
+        "page_ladder",
+        "torch_amp",
+    ):
         params = compose_config(f"experiment={exp}").hydra.sweeper.params
         axes = [str(v).split(",") for v in params.values()]
         preset = {tuple(sorted(zip(params, vals))) for vals in itertools.product(*axes)}
-        planned = {tuple(sorted(job.items())) for s in plan.sweeps
-                   if s.command == "train" and list(s.overrides) == [f"experiment={exp}"] for job in s.jobs}
+        planned = {
+            tuple(sorted(job.items()))
+            for s in plan.sweeps
+            if s.command == "train" and list(s.overrides) == [f"experiment={exp}"]
+            for job in s.jobs
+        }
         assert planned == preset, exp
     sources = {s.id: s for s in load_sources()}
     articles = {a.id: a for a in plan.articles}
@@ -52,8 +66,11 @@ def test_plan_runs_every_preset_grid_and_covers_every_published_value():
 def test_readme_reproductions_table_is_the_plan():
     readme = (ROOT / "README.md").read_text()
     table = P.readme_table(P.load_plan())
-    assert table in readme, ("README's reproductions table differs from src/mixprec/tools/plan.yaml; regenerate it with: "
-                             "python -c 'from mixprec.tools.plan import *; print(readme_table(load_plan()))'")
+    assert table in readme, (
+        "README's reproductions table differs from src/mixprec/tools/plan.yaml; regenerate it "
+        "with: "
+        "python -c 'from mixprec.tools.plan import *; print(readme_table(load_plan()))'"
+    )
     # every command the table lists is one of the plan's (a hand count of the plan file's sweeps)
     n_sweeps = sum(len(a["sweeps"]) for a in yaml.safe_load(P.PLAN_FILE.read_text())["articles"])
     assert table.count("`python ") == n_sweeps == 9
@@ -74,7 +91,8 @@ def _sweep(name, grid, cuts, epochs=10):
 
 
 def _fake_predict(sweep):
-    """10 s per epoch per job; configs as the sweep's overrides set them (a second, independent model)."""
+    """10 s per epoch per job; configs as the sweep's overrides set them (a second, independent
+    model)."""
     epochs = int(dict(o.split("=") for o in sweep.overrides)["trainer.epochs"])
     steps = [int(o.split("=")[1]) for o in sweep.overrides if o.startswith("trainer.max_steps=")]
     cfg = {"trainer": {"epochs": epochs, "max_steps": steps[0] if steps else None}}
@@ -82,14 +100,17 @@ def _fake_predict(sweep):
 
 
 def test_fit_cuts_the_longest_sweep_first_in_plan_order():
-    a = _sweep("a", {"model": ["m1", "m2", "m3"]}, [{"epochs": 2}, {"grid": {"model": ["m1"]}}, "drop"])  # 300 s
-    b = _sweep("b", {"seed": ["0", "1"]}, [{"epochs": 5}, "drop"])                                        # 200 s
+    a = _sweep(
+        "a", {"model": ["m1", "m2", "m3"]}, [{"epochs": 2}, {"grid": {"model": ["m1"]}}, "drop"]
+    )  # 300 s
+    b = _sweep("b", {"seed": ["0", "1"]}, [{"epochs": 5}, "drop"])  # 200 s
     assert P.fit([a, b], _fake_predict, None) == [a, b]                   # no budget: full fidelity
     assert P.fit([a, b], _fake_predict, 500) == [a, b]                    # fits already
     # 500 s -> a is longest: epochs 10->2 (60 s), total 260 s <= 300 s
     cut = P.fit([a, b], _fake_predict, 300)
     assert [s.applied for s in cut] == [("epochs 10->2",), ()]
-    # 150 s: a epochs->2 (total 260), then b (200 s) epochs->5 (total 160), then a (60) grid->m1 (total 120)
+    # 150 s: a epochs->2 (total 260), then b (200 s) epochs->5 (total 160), then a (60) grid->m1
+    # (total 120)
     cut = P.fit([a, b], _fake_predict, 150)
     assert [s.applied for s in cut] == [("epochs 10->2", "model 3->1 (m1)"), ("epochs 10->5",)]
     assert sum(_fake_predict(s)[0] for s in cut) == 20 + 100
@@ -110,21 +131,50 @@ def test_bad_options_say_one_line():
     assert "Traceback" not in r.stderr
 
 
-# ---------------------------------------------------------------------------------------------------- real runs
+# ---------------------------------------------------------------------------------------- real runs
 
 TINY_PLAN = {
     "datasets": {},
-    "smoke_common": ["logger=none", "trainer.device=cpu", "trainer.max_steps=4", "trainer.warmup_steps=1",
-                     "trainer.epochs=1", "model.width=8", "dataset.train_size=128", "dataset.test_size=32",
-                     "trainer.batch_size=16", "dataset.image_size=8"],
-    "articles": [{"id": "half_pitfalls", "title": "tiny", "sweeps": [
-        {"name": "broken", "command": "train", "overrides": ["experiment=smoke", "dataset.num_classes=7"],
-         "grid": {"seed": [0]}, "cuts": ["drop"]},
-        # the CPU's own fp16 kernels: amp's time is a real time, its ratio to fp32 computed (emulated: none)
-        {"name": "seeds", "command": "train", "overrides": ["experiment=smoke", "name=fastai_cifar100",
-                                                            "precision.emulate=false"],
-         "grid": {"precision": ["fp32", "amp"], "seed": [0, 1, 2]}, "cuts": [{"grid": {"seed": [0]}}, "drop"]},
-    ]}],
+    "smoke_common": [
+        "logger=none",
+        "trainer.device=cpu",
+        "trainer.max_steps=4",
+        "trainer.warmup_steps=1",
+        "trainer.epochs=1",
+        "model.width=8",
+        "dataset.train_size=128",
+        "dataset.test_size=32",
+        "trainer.batch_size=16",
+        "dataset.image_size=8",
+    ],
+    "articles": [
+        {
+            "id": "half_pitfalls",
+            "title": "tiny",
+            "sweeps": [
+                {
+                    "name": "broken",
+                    "command": "train",
+                    "overrides": ["experiment=smoke", "dataset.num_classes=7"],
+                    "grid": {"seed": [0]},
+                    "cuts": ["drop"],
+                },
+                # the CPU's own fp16 kernels: amp's time is a real time, its ratio to fp32 computed
+                # (emulated: none)
+                {
+                    "name": "seeds",
+                    "command": "train",
+                    "overrides": [
+                        "experiment=smoke",
+                        "name=fastai_cifar100",
+                        "precision.emulate=false",
+                    ],
+                    "grid": {"precision": ["fp32", "amp"], "seed": [0, 1, 2]},
+                    "cuts": [{"grid": {"seed": [0]}}, "drop"],
+                },
+            ],
+        }
+    ],
 }
 
 
@@ -144,13 +194,19 @@ def test_kill_9_then_the_same_command_completes_and_no_finished_job_runs_twice(t
     args = ["--smoke", "--plan-file", plan, "--out", out]
     proc = reproduce(*args, wait=False)
     deadline = time.time() + 900
-    while time.time() < deadline:   # until two jobs of the second sweep are done
-        done = [p for p in _summaries(out).values() if json.loads(p.read_text())["status"] == "completed"]
+    while time.time() < deadline:  # until two jobs of the second sweep are done
+        done = [
+            p
+            for p in _summaries(out).values()
+            if json.loads(p.read_text())["status"] == "completed"
+        ]
         if len(done) >= 2 or proc.poll() is not None:
             break
         time.sleep(0.5)
     assert proc.poll() is None, proc.stdout.read()
-    os.kill(proc.pid, signal.SIGKILL)   # reproduce.py itself; its running sweep dies with it (PR_SET_PDEATHSIG)
+    os.kill(
+        proc.pid, signal.SIGKILL
+    )  # reproduce.py itself; its running sweep dies with it (PR_SET_PDEATHSIG)
     proc.wait()
     time.sleep(1)
     before = {n: (p.read_bytes(), p.stat().st_mtime_ns) for n, p in _summaries(out).items()
@@ -161,14 +217,18 @@ def test_kill_9_then_the_same_command_completes_and_no_finished_job_runs_twice(t
     assert "broken failed" in r.stdout and "continuing the plan" in r.stdout
     after = _summaries(out)
     statuses = {n: json.loads(p.read_text())["status"] for n, p in after.items()}
-    assert sorted(n for n in statuses if n.startswith(tuple("012345"))) and \
-        sum(1 for n, s in statuses.items() if s == "completed") == 6    # ... and the other sweep's 6 jobs finish
-    for name, (data, mtime) in before.items():          # jobs finished before the kill were not run again
+    assert (
+        sorted(n for n in statuses if n.startswith(tuple("012345")))
+        and sum(1 for n, s in statuses.items() if s == "completed") == 6
+    )  # ... and the other sweep's 6 jobs finish
+    for name, (data, mtime) in before.items():  # jobs finished before the kill were not run again
         assert (after[name].read_bytes(), after[name].stat().st_mtime_ns) == (data, mtime), name
     state = json.loads((out / "plan.json").read_text())
     assert [e["status"] for e in state["sweeps"]] == ["failed", "done"]
     commands = (out / "COMMANDS.md").read_text()
-    assert commands.count("sweep seeds") == 2 and "calibration of seeds" in commands   # the plan was not redone
+    assert (
+        commands.count("sweep seeds") == 2 and "calibration of seeds" in commands
+    )  # the plan was not redone
     assert commands.count("calibration of seeds") == 1
 
 
@@ -176,16 +236,43 @@ def test_kill_9_then_the_same_command_completes_and_no_finished_job_runs_twice(t
 def test_two_folders_one_report_with_a_column_each(tmp_path):
     plan = _tiny_plan(tmp_path)
     for name, gpu in (("a", "h100"), ("b", "v100")):
-        r = reproduce("--smoke", "--plan-file", plan, "--out", tmp_path / name, "--only", "seeds", f"gpu={gpu}")
+        r = reproduce(
+            "--smoke",
+            "--plan-file",
+            plan,
+            "--out",
+            tmp_path / name,
+            "--only",
+            "seeds",
+            f"gpu={gpu}",
+        )
         assert r.returncode == 0, r.stdout + r.stderr
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_report.py"), str(tmp_path / "a"),
-                        str(tmp_path / "b"), "--out", str(tmp_path / "both")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "make_report.py"),
+            str(tmp_path / "a"),
+            str(tmp_path / "b"),
+            "--out",
+            str(tmp_path / "both"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     ref = json.loads((tmp_path / "both" / "report.json").read_text())["reference"]
-    assert len(ref["columns"]) == 2 and "(a, smoke)" in ref["columns"][0] and "(b, smoke)" in ref["columns"][1]
-    # the fastai ratio per folder: fp32 time / amp time, mean over seeds, from each folder's own summaries
+    assert (
+        len(ref["columns"]) == 2
+        and "(a, smoke)" in ref["columns"][0]
+        and "(b, smoke)" in ref["columns"][1]
+    )
+    # the fastai ratio per folder: fp32 time / amp time, mean over seeds, from each folder's own
+    # summaries
     for col, folder in zip(range(2), ("a", "b")):
-        s = [json.loads(p.read_text()) for p in (tmp_path / folder / "runs" / "seeds").glob("*/summary.json")]
+        s = [
+            json.loads(p.read_text())
+            for p in (tmp_path / folder / "runs" / "seeds").glob("*/summary.json")
+        ]
         t = {(x["choices"]["precision"], x["seed"]): x["metrics"]["train_time_s"] for x in s}
         expected = sum(t[("fp32", k)] / t[("amp", k)] for k in range(3)) / 3
         row = ref["ratios"]["rows"][0]
@@ -205,10 +292,23 @@ def test_two_folders_one_report_with_a_column_each(tmp_path):
 @pytest.mark.slow
 def test_a_budget_too_small_drops_every_sweep_and_the_report_says_so(tmp_path):
     out = tmp_path / "ref"
-    r = reproduce("--smoke", "--plan-file", _tiny_plan(tmp_path), "--out", out, "--only", "seeds", "--budget", "1s")
+    r = reproduce(
+        "--smoke",
+        "--plan-file",
+        _tiny_plan(tmp_path),
+        "--out",
+        out,
+        "--only",
+        "seeds",
+        "--budget",
+        "1s",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     state = json.loads((out / "plan.json").read_text())
-    assert state["sweeps"][0]["cuts"] == ["seed 3->1 (0)", "dropped"] and state["sweeps"][0]["jobs"] == 0
+    assert (
+        state["sweeps"][0]["cuts"] == ["seed 3->1 (0)", "dropped"]
+        and state["sweeps"][0]["jobs"] == 0
+    )
     assert "seed 3->1 (0); dropped" in (out / "plan.md").read_text()
     assert "nothing ran" in r.stdout and not (out / "runs").exists()
 
@@ -228,15 +328,17 @@ def test_smoke_runs_every_command_and_reports_every_published_value(tmp_path):
     rows = {(a["id"], r["id"]): r["cells"][0] for a in ref["articles"] for r in a["rows"]}
     assert set(rows) == ids and all(rows.values())
     assert rows[("half_pitfalls", "adam_fp16_nan")].startswith("diverged")
-    assert rows[("fastai_2080ti", "batch_gain")].startswith("1x")   # max_batch on the CPU: both stop at --limit 4
+    assert rows[("fastai_2080ti", "batch_gain")].startswith(
+        "1x"
+    )  # max_batch on the CPU: both stop at --limit 4
     for f in ("ENVIRONMENT.md", "plan.md", "report/report.html", "report/report.md"):
         assert (out / f).is_file(), f
     print(f"smoke: {time.time() - t0:.0f} s")
 
 
 def test_estimate_counts_a_pretrained_model_without_its_weights(tmp_path, monkeypatch):
-    """--estimate counts FLOPs: the fastai preset's pretrained ResNets need no ImageNet weights for that (none in an
-    empty hub cache here, and no download: one would fail)."""
+    """--estimate counts FLOPs: the fastai preset's pretrained ResNets need no ImageNet weights for
+    that (none in an empty hub cache here, and no download: one would fail)."""
     import torch
 
     def offline(*a, **k):
@@ -246,7 +348,9 @@ def test_estimate_counts_a_pretrained_model_without_its_weights(tmp_path, monkey
     monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
     reproduce = load_script("reproduce")
     model = {"arch": "resnet18", "stem": "imagenet", "head": "fastai"}
-    pretrained = reproduce._flops(json.dumps({**model, "pretrained": True, "freeze_body": True}), 100, 32)
+    pretrained = reproduce._flops(
+        json.dumps({**model, "pretrained": True, "freeze_body": True}), 100, 32
+    )
     assert pretrained == reproduce._flops(json.dumps({**model, "pretrained": False}), 100, 32) > 0
 
 
@@ -257,5 +361,8 @@ def test_a_plan_that_cannot_fit_its_budget_says_so():
     assert "OVER BUDGET" not in script.plan_summary(state)
     state["sweeps"][0]["predicted_s"] = 3408
     line = script.plan_summary(state)
-    assert "sweeps predicted 56.8 min" in line and "OVER BUDGET: every cut the plan allows is made" in line
+    assert (
+        "sweeps predicted 56.8 min" in line
+        and "OVER BUDGET: every cut the plan allows is made" in line
+    )
     assert "OVER BUDGET" not in script.plan_summary({**state, "budget_s": None})

@@ -1,4 +1,5 @@
-"""scripts/reproduce.py's calibration continues after a kill as its sweeps do; what git keeps of its folders."""
+"""scripts/reproduce.py's calibration continues after a kill as its sweeps do; what git keeps of its
+folders."""
 import json
 import os
 import shutil
@@ -23,7 +24,8 @@ def test_a_killed_calibration_continues_where_it_stopped(tmp_path):
     args = ["--smoke", "--calibrate", "all", "--plan", "--plan-file", plan, "--out", out]
     proc = reproduce(*args, wait=False)
     deadline = time.time() + 600
-    while time.time() < deadline:   # until two of the six jobs of the second sweep's calibration are done
+    # until two of the six jobs of the second sweep's calibration are done
+    while time.time() < deadline:
         if len([n for n in _calibrated(out) if n[:1].isdigit()]) >= 2 or proc.poll() is not None:
             break
         time.sleep(0.3)
@@ -34,35 +36,47 @@ def test_a_killed_calibration_continues_where_it_stopped(tmp_path):
     before = {n: (p.read_bytes(), p.stat().st_mtime_ns) for n, p in _calibrated(out).items()}
     assert 2 <= len(before) < 6 and not (out / "plan.json").exists()
     saved = json.loads((out / "calibration.json").read_text())
-    assert list(saved["sweeps"]) == ["broken"]   # the first sweep's calibration was kept as it ended
+    # the first sweep's calibration was kept as it ended
+    assert list(saved["sweeps"]) == ["broken"]
     r = reproduce(*args)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "continuing the calibration" in r.stdout and "1 sweep(s) calibrated before, kept" in r.stdout
+    assert (
+        "continuing the calibration" in r.stdout
+        and "1 sweep(s) calibrated before, kept" in r.stdout
+    )
     after = _calibrated(out)
     assert len(after) == 6
-    for name, (data, mtime) in before.items():   # calibration jobs finished before the kill did not run again
+    # calibration jobs finished before the kill did not run again
+    for name, (data, mtime) in before.items():
         assert (after[name].read_bytes(), after[name].stat().st_mtime_ns) == (data, mtime), name
     commands = (out / "COMMANDS.md").read_text()
-    assert commands.count("calibration of broken") == 1 and commands.count("calibration of seeds") == 2
+    assert (
+        commands.count("calibration of broken") == 1 and commands.count("calibration of seeds") == 2
+    )
     assert "trainer.resume=auto" in commands.split("calibration of seeds")[1]
     state = json.loads((out / "plan.json").read_text())
     assert len(state["calibration"]["sweeps"]["seeds"]["costs"]) == 6
-    # another calibration (other options) in the same folder sets this one aside rather than reusing its jobs
-    r = reproduce("--smoke", "--calibrate", "first", "--plan", "--plan-file", plan, "--out", out, "--replan")
+    # another calibration (other options) in the same folder sets this one aside rather than reusing
+    # its jobs
+    r = reproduce(
+        "--smoke", "--calibrate", "first", "--plan", "--plan-file", plan, "--out", out, "--replan"
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "calibration: it was made with other options; moved to" in r.stdout
     assert len(list((out / "replaced").glob("calibration-*/seeds/*/summary.json"))) == 6
 
 
 def test_replan_keeps_the_minutes_of_the_sweeps_it_keeps(tmp_path):
-    """A --replan whose sweep command is unchanged keeps that sweep's progress, and the folder's time in its total
-    (it was reset to the calibration's seconds: a 47-minute folder then said 0.1 min in all), also the time no
-    sweep holds (an attempt stopped before, the reports: 157 minutes once became 136); a sweep whose command
-    changed starts over, and its time leaves the total."""
+    """A --replan whose sweep command is unchanged keeps that sweep's progress, and the folder's
+    time in its total (it was reset to the calibration's seconds: a 47-minute folder then said 0.1
+    min in all), also the time no sweep holds (an attempt stopped before, the reports: 157 minutes
+    once became 136); a sweep whose command changed starts over, and its time leaves the total."""
     mod = load_script("reproduce")
     plan_file, out = _tiny_plan(tmp_path), tmp_path / "ref"
     out.mkdir()
-    args = mod.parse(["--smoke", "--plan-file", str(plan_file), "--out", str(out), "--only", "seeds"])
+    args = mod.parse(
+        ["--smoke", "--plan-file", str(plan_file), "--out", str(out), "--only", "seeds"]
+    )
     args.calibrate = "first"
     plan = mod.P.load_plan(plan_file).only(["seeds"]).smoked()
     old = mod.make_state(plan, args, {"sweeps": {}, "seconds": 5.0, "mode": "first"}, None)
@@ -84,7 +98,9 @@ def test_a_sweep_stopped_by_ctrl_c_keeps_its_minutes(tmp_path, monkeypatch):
     mod = load_script("reproduce")
     plan_file, out = _tiny_plan(tmp_path), tmp_path / "ref"
     out.mkdir()
-    args = mod.parse(["--smoke", "--plan-file", str(plan_file), "--out", str(out), "--only", "seeds"])
+    args = mod.parse(
+        ["--smoke", "--plan-file", str(plan_file), "--out", str(out), "--only", "seeds"]
+    )
     plan = mod.P.load_plan(plan_file).only(["seeds"]).smoked()
     state = mod.make_state(plan, args, {"sweeps": {}, "seconds": 5.0, "mode": "first"}, None)
 
@@ -106,23 +122,47 @@ def test_git_ignores_what_the_tools_write_but_a_completed_reference_folder(tmp_p
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     mod = load_script("reproduce")
     monkeypatch.setattr(mod, "ROOT", repo)
-    files = ["ENVIRONMENT.md", "plan.md", "plan.json", "calibration.json", "logs/seeds.log",
-             "runs/seeds/0_seed=0/summary.json", "runs/seeds/0_seed=0/model_fp32.pt", "runs/seeds/0_seed=0/wandb/x",
-             "calibration/seeds/0_seed=0/summary.json", "report/report.md"]
-    planned, done = repo / "outputs" / "reference" / "cpu-plan", repo / "outputs" / "reference" / "h100-done"
+    files = [
+        "ENVIRONMENT.md",
+        "plan.md",
+        "plan.json",
+        "calibration.json",
+        "logs/seeds.log",
+        "runs/seeds/0_seed=0/summary.json",
+        "runs/seeds/0_seed=0/model_fp32.pt",
+        "runs/seeds/0_seed=0/wandb/x",
+        "calibration/seeds/0_seed=0/summary.json",
+        "report/report.md",
+    ]
+    planned, done = (
+        repo / "outputs" / "reference" / "cpu-plan",
+        repo / "outputs" / "reference" / "h100-done",
+    )
     for folder in (planned, done):
         for f in files:
             (folder / f).parent.mkdir(parents=True, exist_ok=True)
             (folder / f).write_text("x")
-    for f in ("runs/2026-01-01_00-00-00/summary.json", "sweeps/x/0_/summary.json", "smoke/cpu/plan.md",
-              "numerics/x/numerics.md"):
+    for f in (
+        "runs/2026-01-01_00-00-00/summary.json",
+        "sweeps/x/0_/summary.json",
+        "smoke/cpu/plan.md",
+        "numerics/x/numerics.md",
+    ):
         (repo / "outputs" / f).parent.mkdir(parents=True, exist_ok=True)
         (repo / "outputs" / f).write_text("x")
     (repo / "outputs" / "reference" / "README.md").write_text("x")
     mod.write_gitignore(planned, finished=False)   # a --plan, or a run not finished
     mod.write_gitignore(done, finished=True)
-    listed = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "outputs"], cwd=repo,
-                            capture_output=True, text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "--others", "--exclude-standard", "outputs"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     kept = {f"outputs/reference/h100-done/{f}" for f in files if not f.endswith((".pt", "/x")) and
             not f.startswith("calibration/")}
-    assert set(listed) == kept | {"outputs/reference/README.md", "outputs/reference/h100-done/.gitignore"}
+    assert set(listed) == kept | {
+        "outputs/reference/README.md",
+        "outputs/reference/h100-done/.gitignore",
+    }

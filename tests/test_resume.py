@@ -1,4 +1,5 @@
-"""Checkpoints and resume: killed jobs continue exactly, sweeps survive a failing job, bad files give one clear line."""
+"""Checkpoints and resume: killed jobs continue exactly, sweeps survive a failing job, bad files
+give one clear line."""
 import json
 import os
 import shlex
@@ -22,16 +23,44 @@ from mixprec.data import DeviceBatches, LoaderBatches, synthetic_images
 from mixprec.data.wikitext import TokenWindows, batchify
 from mixprec.records import METRICS, SUMMARY
 
-# 64 steps an epoch (about a second on a CPU core): long enough to land a signal in the middle of epoch 2.
-KILLABLE = ["model=small_cnn", "model.width=8", "dataset.train_size=1024", "dataset.test_size=64",
-            "trainer.batch_size=16", "trainer.eval_batch_size=64", "trainer.epochs=2", "trainer.deterministic=true",
-            "trainer.log_every=4", "logger=none", "trainer.device=cpu"]
+# 64 steps an epoch (about a second on a CPU core): long enough to land a signal in the middle of
+# epoch 2.
+KILLABLE = [
+    "model=small_cnn",
+    "model.width=8",
+    "dataset.train_size=1024",
+    "dataset.test_size=64",
+    "trainer.batch_size=16",
+    "trainer.eval_batch_size=64",
+    "trainer.epochs=2",
+    "trainer.deterministic=true",
+    "trainer.log_every=4",
+    "logger=none",
+    "trainer.device=cpu",
+]
 # A 2-layer LSTM language model, 125 bptt windows an epoch: the same for the shared loop's LM steps.
-LM_KILLABLE = ["model=lstm", "dataset=synthetic_text", "dataset.vocab_size=40", "dataset.train_size=3004",
-               "dataset.test_size=200", "dataset.bptt=6", "model.emsize=16", "model.nhid=16", "trainer.batch_size=4",
-               "trainer.eval_batch_size=5", "schedule=plateau", "optimizer.lr=5", "optimizer.momentum=0",
-               "optimizer.weight_decay=0", "trainer.grad_clip=0.25", "trainer.epochs=2", "trainer.device=cpu",
-               "trainer.deterministic=true", "trainer.log_every=4", "logger=none"]
+LM_KILLABLE = [
+    "model=lstm",
+    "dataset=synthetic_text",
+    "dataset.vocab_size=40",
+    "dataset.train_size=3004",
+    "dataset.test_size=200",
+    "dataset.bptt=6",
+    "model.emsize=16",
+    "model.nhid=16",
+    "trainer.batch_size=4",
+    "trainer.eval_batch_size=5",
+    "schedule=plateau",
+    "optimizer.lr=5",
+    "optimizer.momentum=0",
+    "optimizer.weight_decay=0",
+    "trainer.grad_clip=0.25",
+    "trainer.epochs=2",
+    "trainer.device=cpu",
+    "trainer.deterministic=true",
+    "trainer.log_every=4",
+    "logger=none",
+]
 TIMING = {"samples_per_s", "tokens_per_s", "epoch_time_s", "train_time_s", "eval_time_s"}
 SIZES = [o for o in TINY if not o.startswith(("model", "logger", "trainer.max_steps"))]
 
@@ -40,9 +69,17 @@ def train(*args, wait=True):
     """train.py in a subprocess (one thread: the same math in every process)."""
     env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT / "src"))
-    env.pop("WANDB_SERVICE", None)   # set by an in-process W&B run of an earlier test: the job starts its own service
-    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    # set by an in-process W&B run of an earlier test: the job starts its own service
+    env.pop("WANDB_SERVICE", None)
+    p = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     if wait:
         out, err = p.communicate(timeout=300)
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
@@ -54,8 +91,8 @@ def rows(run_dir):
 
 
 def signal_in_epoch_2(run_dir, sig, *extra, base=KILLABLE, group=False):
-    """Start a job, send `sig` once it has logged a training row of epoch 2 (to its whole process group if
-    `group`, as `timeout` and Slurm's scancel do), and wait for it to end."""
+    """Start a job, send `sig` once it has logged a training row of epoch 2 (to its whole process
+    group if `group`, as `timeout` and Slurm's scancel do), and wait for it to end."""
     p = train(*base, *extra, f"hydra.run.dir={run_dir}", wait=False)
     deadline = time.monotonic() + 240
     while not any(r["kind"] == "train" and r["epoch"] == 2 for r in _rows_so_far(run_dir)):
@@ -73,8 +110,9 @@ def signal_in_epoch_2(run_dir, sig, *extra, base=KILLABLE, group=False):
 
 
 def kill_wandb_service_of(pid: int) -> None:
-    """A pre-emption kills a job with its W&B service (wandb-core --pid <job>); a SIGKILL of the job process alone
-    leaves that service running, holding the run id, so do what the pre-emption would."""
+    """A pre-emption kills a job with its W&B service (wandb-core --pid <job>); a SIGKILL of the job
+    process alone leaves that service running, holding the run id, so do what the pre-emption
+    would."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -82,7 +120,12 @@ def kill_wandb_service_of(pid: int) -> None:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if cmd and cmd[0].endswith(b"wandb-core") and b"--pid" in cmd and cmd[cmd.index(b"--pid") + 1] == str(pid).encode():
+        if (
+            cmd
+            and cmd[0].endswith(b"wandb-core")
+            and b"--pid" in cmd
+            and cmd[cmd.index(b"--pid") + 1] == str(pid).encode()
+        ):
             os.kill(int(proc.name), signal.SIGKILL)
 
 
@@ -95,17 +138,32 @@ def _rows_so_far(run_dir):
 
 
 def assert_same_run(run_dir, reference_dir):
-    """Same final metrics, same metrics.jsonl rows (timings aside) and bit-identical final weights."""
+    """Same final metrics, same metrics.jsonl rows (timings aside) and bit-identical final
+    weights."""
     a, b = (json.loads((d / SUMMARY).read_text()) for d in (run_dir, reference_dir))
     assert a["status"] == b["status"] == "completed"
-    for key in ("final_test_acc", "final_test_loss", "best_test_acc", "steps", "epochs", "skipped_steps"):
+    for key in (
+        "final_test_acc",
+        "final_test_loss",
+        "best_test_acc",
+        "steps",
+        "epochs",
+        "skipped_steps",
+    ):
         assert a["metrics"][key] == b["metrics"][key], key
-    strip = [[{k: v for k, v in r.items() if k not in TIMING} for r in rows(d)] for d in (run_dir, reference_dir)]
-    assert strip[0] == strip[1]   # every row once, the same values: nothing lost, nothing duplicated
+    strip = [
+        [{k: v for k, v in r.items() if k not in TIMING} for r in rows(d)]
+        for d in (run_dir, reference_dir)
+    ]
+    # every row once, the same values: nothing lost, nothing duplicated
+    assert strip[0] == strip[1]
     wa, wb = (torch.load(d / WEIGHTS) for d in (run_dir, reference_dir))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    m = a["metrics"]   # a resumed job's training time is the sum over all its epochs, before and after
-    assert len(m["epoch_times_s"]) == 2 and m["train_time_s"] == pytest.approx(sum(m["epoch_times_s"]))
+    # a resumed job's training time is the sum over all its epochs, before and after
+    m = a["metrics"]
+    assert len(m["epoch_times_s"]) == 2 and m["train_time_s"] == pytest.approx(
+        sum(m["epoch_times_s"])
+    )
     assert not (run_dir / CHECKPOINT).exists()   # a completed job keeps only its final weights
     return a
 
@@ -129,39 +187,67 @@ def test_sigkill_in_epoch_2_then_resume_gives_the_uninterrupted_run(tmp_path, un
     code, _, _ = signal_in_epoch_2(run_dir, signal.SIGKILL, "logger=wandb")
     assert code == -signal.SIGKILL
     killed = json.loads((run_dir / SUMMARY).read_text())
-    assert killed["status"] == "running"       # no handler runs on SIGKILL: the start-of-job summary stays
+    # no handler runs on SIGKILL: the start-of-job summary stays
+    assert killed["status"] == "running"
     run_id = killed["wandb"]["run_id"]
-    assert (run_dir / "wandb" / killed["wandb"]["dir"].rsplit("/", 1)[1] / f"run-{run_id}.wandb").is_file()
+    assert (
+        run_dir / "wandb" / killed["wandb"]["dir"].rsplit("/", 1)[1] / f"run-{run_id}.wandb"
+    ).is_file()
     done = rows(run_dir)
-    assert [r["epoch"] for r in done if r["kind"] == "epoch"] == [1]            # killed inside epoch 2 ...
-    assert any(r["kind"] == "train" and r["epoch"] == 2 for r in done)          # ... after some of its steps
-    assert torch.load(run_dir / CHECKPOINT, weights_only=True)["loop"]["epoch"] == 1   # the epoch-1 checkpoint
+    # killed inside epoch 2 ...
+    assert [r["epoch"] for r in done if r["kind"] == "epoch"] == [1]
+    # ... after some of its steps
+    assert any(r["kind"] == "train" and r["epoch"] == 2 for r in done)
+    # the epoch-1 checkpoint
+    assert torch.load(run_dir / CHECKPOINT, weights_only=True)["loop"]["epoch"] == 1
 
     r = train(*KILLABLE, "logger=wandb", f"hydra.run.dir={run_dir}", "trainer.resume=auto")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming" in r.stderr and "its last status: running" in r.stderr
     s = assert_same_run(run_dir, uninterrupted)
-    assert s["resumed"]["from_step"] == 64 and s["resumed"]["from_epoch"] == 1.0 and not s["resumed"]["mid_epoch"]
-    # W&B: the same run continues; each process left an offline folder with that id, for `wandb sync` in order
+    assert (
+        s["resumed"]["from_step"] == 64
+        and s["resumed"]["from_epoch"] == 1.0
+        and not s["resumed"]["mid_epoch"]
+    )
+    # W&B: the same run continues; each process left an offline folder with that id, for `wandb
+    # sync` in order
     assert s["wandb"]["run_id"] == run_id and s["wandb"]["dir"] != killed["wandb"]["dir"]
-    assert len([d for d in (run_dir / "wandb").glob(f"offline-run-*-{run_id}") if (d / f"run-{run_id}.wandb").is_file()]) == 2
+    assert (
+        len(
+            [
+                d
+                for d in (run_dir / "wandb").glob(f"offline-run-*-{run_id}")
+                if (d / f"run-{run_id}.wandb").is_file()
+            ]
+        )
+        == 2
+    )
 
 
 @pytest.mark.slow
-def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues(tmp_path, uninterrupted):
+def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues(
+    tmp_path, uninterrupted
+):
     run_dir = tmp_path / "run"
     code, _, err = signal_in_epoch_2(run_dir, signal.SIGTERM)
     assert code == 128 + signal.SIGTERM, err[-3000:]
     s = json.loads((run_dir / SUMMARY).read_text())
-    assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM" and "SIGTERM after step" in s["reason"]
+    assert (
+        s["status"] == "interrupted"
+        and s["interrupted_by"] == "SIGTERM"
+        and "SIGTERM after step" in s["reason"]
+    )
     ckpt = torch.load(run_dir / CHECKPOINT, weights_only=True)
     loop = ckpt["loop"]
-    assert loop["epoch"] == 1 and 0 < loop["batch"] < 64              # mid-epoch 2, right after the signal's step
+    # mid-epoch 2, right after the signal's step
+    assert loop["epoch"] == 1 and 0 < loop["batch"] < 64
     assert loop["step"] == s["metrics"]["steps"] == 64 + loop["batch"]
     assert "Traceback" not in err
     hint = err.strip().splitlines()[-1]
     assert "To continue: python train.py" in hint and "trainer.resume=auto" in hint
-    cmd = shlex.split(hint.split("To continue: ", 1)[1])[2:]   # the printed command, as a user would paste it
+    # the printed command, as a user would paste it
+    cmd = shlex.split(hint.split("To continue: ", 1)[1])[2:]
 
     r = train(*cmd)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -172,12 +258,14 @@ def test_sigterm_writes_a_checkpoint_and_status_interrupted_and_resume_continues
 
 @pytest.mark.slow
 def test_sigterm_to_the_process_group_with_loader_workers_ends_interrupted(tmp_path):
-    """`timeout` and scancel signal every process of the job: the DataLoader's workers leave stopping to the job,
-    which ends `interrupted` with its checkpoint, as on the device pipeline (the H200 run: the workers died of the
-    signal and the job ended `failed`, a RuntimeError raised inside the traceback's formatting)."""
+    """`timeout` and scancel signal every process of the job: the DataLoader's workers leave
+    stopping to the job, which ends `interrupted` with its checkpoint, as on the device pipeline
+    (the H200 run: the workers died of the signal and the job ended `failed`, a RuntimeError raised
+    inside the traceback's formatting)."""
     run_dir = tmp_path / "run"
-    code, _, err = signal_in_epoch_2(run_dir, signal.SIGTERM, "dataset.pipeline=dataloader", "dataset.workers=2",
-                                     group=True)
+    code, _, err = signal_in_epoch_2(
+        run_dir, signal.SIGTERM, "dataset.pipeline=dataloader", "dataset.workers=2", group=True
+    )
     assert code == 128 + signal.SIGTERM, err[-3000:]
     s = json.loads((run_dir / SUMMARY).read_text())
     assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM", s.get("reason")
@@ -185,13 +273,20 @@ def test_sigterm_to_the_process_group_with_loader_workers_ends_interrupted(tmp_p
     assert "Traceback" not in err and "killed by signal" not in err
 
 
-@pytest.mark.parametrize("precision", [[], ["precision=apex_fp16", "precision.emulate=true"]], ids=["fp32", "emulated_fp16"])
+@pytest.mark.parametrize(
+    "precision",
+    [[], ["precision=apex_fp16", "precision.emulate=true"]],
+    ids=["fp32", "emulated_fp16"],
+)
 @pytest.mark.slow
-def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(tmp_path, precision):
-    """The LM steps run in the shared loop: a checkpoint on SIGTERM (the hidden state and the window position with
-    it), status interrupted, and trainer.resume=auto ends with the perplexities and weights of one run through;
-    the job's notes are in <job dir>/train.log. Emulated fp16 weights load too (an LSTM's weak references to its
-    weights once stopped the load that swaps parameters' contents)."""
+def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(
+    tmp_path, precision
+):
+    """The LM steps run in the shared loop: a checkpoint on SIGTERM (the hidden state and the window
+    position with it), status interrupted, and trainer.resume=auto ends with the perplexities and
+    weights of one run through; the job's notes are in <job dir>/train.log. Emulated fp16 weights
+    load too (an LSTM's weak references to its weights once stopped the load that swaps parameters'
+    contents)."""
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
     base = [*LM_KILLABLE, *precision]
     r = train(*base, f"hydra.run.dir={reference}")
@@ -199,7 +294,11 @@ def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(
     code, _, err = signal_in_epoch_2(run_dir, signal.SIGTERM, base=base)
     assert code == 128 + signal.SIGTERM, err[-3000:]
     s = json.loads((run_dir / SUMMARY).read_text())
-    assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM" and "SIGTERM after step" in s["reason"]
+    assert (
+        s["status"] == "interrupted"
+        and s["interrupted_by"] == "SIGTERM"
+        and "SIGTERM after step" in s["reason"]
+    )
     loop = torch.load(run_dir / CHECKPOINT, weights_only=True)["loop"]
     assert loop["epoch"] == 1 and 0 < loop["batch"] < 125 and loop["step"] == 125 + loop["batch"]
     log = (run_dir / "train.log").read_text()
@@ -210,32 +309,60 @@ def test_a_language_model_sigtermed_in_epoch_2_resumes_to_the_uninterrupted_run(
     assert r.returncode == 0, r.stderr[-3000:]
     a = assert_same_run(run_dir, reference)
     b = json.loads((reference / SUMMARY).read_text())
-    for key in ("final_valid_ppl", "final_test_ppl", "best_valid_ppl", "test_ppl_at_best_valid", "final_lr", "tokens"):
+    for key in (
+        "final_valid_ppl",
+        "final_test_ppl",
+        "best_valid_ppl",
+        "test_ppl_at_best_valid",
+        "final_lr",
+        "tokens",
+    ):
         assert a["metrics"][key] == b["metrics"][key], key
-    assert a["metrics"]["steps"] == 250 and a["resumed"]["mid_epoch"] and a["resumed"]["from_step"] == loop["step"]
-    assert f"[mixprec.job][INFO] - mixprec: resuming {run_dir} at step {loop['step']}" in (run_dir / "train.log").read_text()
+    assert (
+        a["metrics"]["steps"] == 250
+        and a["resumed"]["mid_epoch"]
+        and a["resumed"]["from_step"] == loop["step"]
+    )
+    assert (
+        f"[mixprec.job][INFO] - mixprec: resuming {run_dir} at step {loop['step']}"
+        in (run_dir / "train.log").read_text()
+    )
 
 
 @pytest.mark.parametrize("kind", ["device", "dataloader", "windows"])
 @pytest.mark.slow
 def test_a_loader_restored_mid_epoch_serves_the_rest_of_the_epoch_and_the_next_as_before(kind):
-    """A loader owns its place in the epoch: restored from state_dict() taken after 2 batches of epoch 2, it
-    serves exactly the batches the original serves next (augmentation draws included), then the same epoch 3."""
+    """A loader owns its place in the epoch: restored from state_dict() taken after 2 batches of
+    epoch 2, it serves exactly the batches the original serves next (augmentation draws included),
+    then the same epoch 3."""
     data = synthetic_images(validate(compose_config("dataset.train_size=80")).dataset)
     cpu = torch.device("cpu")
     augment = dict(crop_padding=2, flip=True, cutout=4, seed=3)
-    make = {"device": lambda: DeviceBatches(data.train_x, data.train_y, 16, data.mean, data.std, device=cpu,
-                                            train=True, **augment),
-            "dataloader": lambda: LoaderBatches(data.train_x, data.train_y, 16, data.mean, data.std, device=cpu,
-                                                train=True, workers=0, **augment),
-            "windows": lambda: TokenWindows(batchify(torch.arange(500), 4), 6)}[kind]
+    make = {
+        "device": lambda: DeviceBatches(
+            data.train_x, data.train_y, 16, data.mean, data.std, device=cpu, train=True, **augment
+        ),
+        "dataloader": lambda: LoaderBatches(
+            data.train_x,
+            data.train_y,
+            16,
+            data.mean,
+            data.std,
+            device=cpu,
+            train=True,
+            workers=0,
+            **augment,
+        ),
+        "windows": lambda: TokenWindows(batchify(torch.arange(500), 4), 6),
+    }[kind]
     original, restored = make(), make()
     list(original)   # epoch 1
     it = iter(original)
     done = [next(it) for _ in range(2)]
     state = original.state_dict()
     assert state["batch"] == 2 and len(done) == 2
-    torch.manual_seed(7)   # the global RNG (the DataLoader's workers=0 augmentation) as the checkpoint restores it
+    # the global RNG (the DataLoader's workers=0 augmentation) as the checkpoint restores it
+    torch.manual_seed(7)
     rest = list(it) + list(original)
     restored.load_state_dict(state)
     torch.manual_seed(7)
@@ -245,7 +372,8 @@ def test_a_loader_restored_mid_epoch_serves_the_rest_of_the_epoch_and_the_next_a
 
 
 class SignalAt(nn.Module):
-    """Wraps a model; its `at`-th training forward sends this process SIGTERM (a pre-emption, in-process)."""
+    """Wraps a model; its `at`-th training forward sends this process SIGTERM (a pre-emption,
+    in-process)."""
 
     def __init__(self, inner, at):
         super().__init__()
@@ -262,14 +390,24 @@ class SignalAt(nn.Module):
 @pytest.mark.slow
 def test_resume_restores_master_weights_loss_scaler_and_optimizer_exactly(tmp_path, monkeypatch):
     build = mixprec.job.build_model
-    # fp16 weights with fp32 masters (apex O2) stepped by Adam, under a dynamic loss scale that grows every
-    # 2 steps, overflows and backs off: each piece of state must come back exactly for the same result
-    args = ["precision=o2", "precision.init_scale=524288", "precision.growth_interval=2", "optimizer=adam",
-            "optimizer.lr=0.01", "trainer.max_steps=null", "trainer.epochs=2", "trainer.deterministic=true"]
+    # fp16 weights with fp32 masters (apex O2) stepped by Adam, under a dynamic loss scale that
+    # grows every 2 steps, overflows and backs off: each piece of state must come back exactly for
+    # the same result
+    args = [
+        "precision=o2",
+        "precision.init_scale=524288",
+        "precision.growth_interval=2",
+        "optimizer=adam",
+        "optimizer.lr=0.01",
+        "trainer.max_steps=null",
+        "trainer.epochs=2",
+        "trainer.deterministic=true",
+    ]
     monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=0))
     reference = run_tiny(tmp_path / "reference", *args)
 
-    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=6))   # epoch 2, step 2
+    # epoch 2, step 2
+    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=6))
     with pytest.raises(SystemExit) as e:
         run_tiny(tmp_path / "run", *args)
     assert e.value.code == 128 + signal.SIGTERM
@@ -279,7 +417,8 @@ def test_resume_restores_master_weights_loss_scaler_and_optimizer_exactly(tmp_pa
     assert resumed["resumed"]["from_step"] == 6 and resumed["resumed"]["mid_epoch"]
     m, ref = resumed["metrics"], reference["metrics"]
     assert m["loss_scale"] == ref["loss_scale"] and m["skipped_steps"] == ref["skipped_steps"]
-    assert 0 < ref["skipped_steps"] < 6 and ref["loss_scale"]["min"] < 524288   # the scale did back off
+    # the scale did back off
+    assert 0 < ref["skipped_steps"] < 6 and ref["loss_scale"]["min"] < 524288
     assert_same_run(tmp_path / "run", tmp_path / "reference")
 
 
@@ -287,32 +426,53 @@ def test_resume_restores_master_weights_loss_scaler_and_optimizer_exactly(tmp_pa
 def test_sweep_records_a_failing_job_goes_on_and_resume_skips_completed_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", "seed=1,2,3", "model=small_cnn", *SIZES, "trainer.epochs=2", "logger=none"]
-    # Job 1 fails inside the job, at its very end: its weights file cannot be written (a directory is in the way).
-    job1 = "1_" + compose_config("seed=2", *args[2:]).hydra.job.override_dirname   # Hydra's name for job 1
+    # Job 1 fails inside the job, at its very end: its weights file cannot be written (a directory
+    # is in the way). Hydra's name for job 1
+    job1 = "1_" + compose_config("seed=2", *args[2:]).hydra.job.override_dirname
     (sweep / job1 / WEIGHTS).mkdir(parents=True)
     r = train(*args, f"hydra.sweep.dir={sweep}")
     assert r.returncode == 1, r.stderr[-3000:]
-    s = {int(p.parent.name.split("_")[0]): json.loads(p.read_text()) for p in sweep.glob(f"*/{SUMMARY}")}
+    s = {
+        int(p.parent.name.split("_")[0]): json.loads(p.read_text())
+        for p in sweep.glob(f"*/{SUMMARY}")
+    }
     assert [s[i]["status"] for i in range(3)] == ["completed", "failed", "completed"]
     assert "IsADirectoryError" in s[1]["error"] and "Traceback" in s[1]["traceback"]
     table = r.stdout[r.stdout.index(f"sweep {sweep}: 3 jobs"):].splitlines()
-    assert table[4].split()[:4] == ["1", "small_cnn", "fp32", "failed"] and "IsADirectoryError" in table[4]
+    assert (
+        table[4].split()[:4] == ["1", "small_cnn", "fp32", "failed"]
+        and "IsADirectoryError" in table[4]
+    )
     assert "trainer.resume=auto" in r.stderr and f"hydra.sweep.dir={sweep}" in r.stderr
-    done = {i: [(p.read_bytes(), p.stat().st_mtime_ns) for p in (sweep / s[i]["job"]["output_dir"]).iterdir()
-                if p.is_file()] for i in (0, 2)}
+    done = {
+        i: [
+            (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in (sweep / s[i]["job"]["output_dir"]).iterdir()
+            if p.is_file()
+        ]
+        for i in (0, 2)
+    }
 
     (sweep / job1 / WEIGHTS).rmdir()   # the obstacle is gone: the retry can finish
     r = train(*args, f"hydra.sweep.dir={sweep}", "trainer.resume=auto")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("skipped (trainer.resume=auto") == 2
-    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name != "report")   # report/: the sweep's report
-    assert jobs == sorted(v["job"]["output_dir"].rsplit("/", 1)[1] for v in s.values())   # no new job dirs
-    for i in (0, 2):   # completed jobs: every file byte- and mtime-identical (summary, metrics, weights)
+    # report/: the sweep's report
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name != "report")
+    # no new job dirs
+    assert jobs == sorted(v["job"]["output_dir"].rsplit("/", 1)[1] for v in s.values())
+    # completed jobs: every file byte- and mtime-identical (summary, metrics, weights)
+    for i in (0, 2):
         out = sweep / s[i]["job"]["output_dir"]
-        assert [(p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir() if p.is_file()] == done[i]
+        assert [
+            (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir() if p.is_file()
+        ] == done[i]
     retried = json.loads((sweep / job1 / SUMMARY).read_text())
     assert retried["status"] == "completed" and retried["metrics"]["steps"] == 8
-    assert retried["resumed"]["from_epoch"] == 1.0 and retried["resumed"]["previous_status"] == "failed"
+    assert (
+        retried["resumed"]["from_epoch"] == 1.0
+        and retried["resumed"]["previous_status"] == "failed"
+    )
     assert (sweep / job1 / WEIGHTS).is_file() and not (sweep / job1 / CHECKPOINT).exists()
     assert f"sweep {sweep}: 3 jobs" in r.stdout and r.stdout.count("completed") >= 3
 
@@ -341,7 +501,8 @@ EPOCHS2 = ["trainer.max_steps=null", "trainer.epochs=2"]
 
 @pytest.fixture(scope="module")
 def failed_job(tmp_path_factory):
-    """A job that failed after training (its weights could not be written): its epoch-1 checkpoint stays."""
+    """A job that failed after training (its weights could not be written): its epoch-1 checkpoint
+    stays."""
     run_dir = tmp_path_factory.mktemp("failed")
     with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit):
         fail_at_the_end(mp)
@@ -357,7 +518,9 @@ def failed_job(tmp_path_factory):
     (None, "written by a different config (optimizer.lr: 0.1 -> 0.05)"),
 ])
 @pytest.mark.slow
-def test_a_bad_checkpoint_gives_one_line_naming_the_file(tmp_path, failed_job, capsys, damage, expect):
+def test_a_bad_checkpoint_gives_one_line_naming_the_file(
+    tmp_path, failed_job, capsys, damage, expect
+):
     path = tmp_path / CHECKPOINT
     shutil.copy(failed_job / CHECKPOINT, path)
     args = EPOCHS2 if damage else [*EPOCHS2, "optimizer.lr=0.05"]
@@ -371,7 +534,8 @@ def test_a_bad_checkpoint_gives_one_line_naming_the_file(tmp_path, failed_job, c
     assert err == [f"mixprec: the job failed: {path}: {expect}" + err[0].split(expect, 1)[1]]
     s = json.loads((tmp_path / SUMMARY).read_text())
     assert s["status"] == "failed" and s["error"].startswith(f"{path}: {expect}")
-    if damage is None:   # trainer.resume=never starts over in the same dir: the records are those of one run
+    # trainer.resume=never starts over in the same dir: the records are those of one run
+    if damage is None:
         s = run_tiny(tmp_path, *args, "trainer.resume=never")
         assert s["status"] == "completed" and "resumed" not in s and not path.exists()
         assert [r["epoch"] for r in rows(tmp_path) if r["kind"] == "epoch"] == [1, 2]
@@ -429,11 +593,19 @@ def test_a_run_without_final_weights_is_refused_by_name(tmp_path, monkeypatch):
 def test_the_training_clock_syncs_the_device_at_every_reading(tiny, monkeypatch):
     calls = []
     monkeypatch.setattr(mixprec.train.loop, "synchronize", lambda device: calls.append(device.type))
-    s = tiny("trainer.max_steps=null", "trainer.epochs=2", "trainer.warmup_steps=2", "dataset.train_size=32")
-    # start and stop of each epoch, and the end of the warm-up: no epoch time is read without a sync first
+    s = tiny(
+        "trainer.max_steps=null",
+        "trainer.epochs=2",
+        "trainer.warmup_steps=2",
+        "dataset.train_size=32",
+    )
+    # start and stop of each epoch, and the end of the warm-up: no epoch time is read without a sync
+    # first
     assert calls == ["cpu"] * (2 * 2 + 1) and len(s["metrics"]["epoch_times_s"]) == 2
-    monkeypatch.setattr(mixprec.train.loop, "mark_steady", lambda device: None)   # its GPU memory stats: tests/test_gpu.py
-    clock = mixprec.train.loop.TrainClock(torch.device("cuda"))   # the clock itself, for a GPU device
+    # its GPU memory stats: tests/test_gpu.py
+    monkeypatch.setattr(mixprec.train.loop, "mark_steady", lambda device: None)
+    # the clock itself, for a GPU device
+    clock = mixprec.train.loop.TrainClock(torch.device("cuda"))
     calls.clear()
     clock.start(), clock.mark_warm(), clock.stop()
     assert calls == ["cuda"] * 3

@@ -1,4 +1,5 @@
-"""Real tiny jobs through mixprec.job.run_job on the CPU: records, learning, the non-finite policy, timing."""
+"""Real tiny jobs through mixprec.job.run_job on the CPU: records, learning, the non-finite policy,
+timing."""
 import json
 
 import pytest
@@ -36,13 +37,23 @@ def read_rows(path):
 
 @pytest.mark.slow
 def test_tiny_job_writes_complete_records(tiny, tmp_path):
-    s = tiny("precision=amp", "trainer.max_steps=null", "trainer.epochs=2", "trainer.warmup_steps=2")
+    s = tiny(
+        "precision=amp", "trainer.max_steps=null", "trainer.epochs=2", "trainer.warmup_steps=2"
+    )
     on_disk = json.loads((tmp_path / SUMMARY).read_text())
     assert on_disk["status"] == s["status"] == "completed"
     assert on_disk["choices"]["precision"] == "amp" and on_disk["choices"]["model"] == "small_cnn"
     assert on_disk["config"]["trainer"]["batch_size"] == 16 and "hydra" not in on_disk["config"]
-    for key in ("torch", "cuda", "device_name", "capability", "tf32_matmul", "tf32_cudnn", "cudnn_benchmark",
-                "git_commit"):
+    for key in (
+        "torch",
+        "cuda",
+        "device_name",
+        "capability",
+        "tf32_matmul",
+        "tf32_cudnn",
+        "cudnn_benchmark",
+        "git_commit",
+    ):
         assert key in on_disk["env"]
     m = on_disk["metrics"]
     assert m["steps"] == 8 and m["epochs"] == 2.0 and len(m["epoch_times_s"]) == 2
@@ -60,16 +71,27 @@ def test_tiny_job_writes_complete_records(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_synthetic_data_is_learnable(tiny):
-    s = tiny("dataset.train_size=512", "dataset.test_size=256", "trainer.max_steps=null", "trainer.epochs=3",
-             "model.width=16", "trainer.batch_size=32")
+    s = tiny(
+        "dataset.train_size=512",
+        "dataset.test_size=256",
+        "trainer.max_steps=null",
+        "trainer.epochs=3",
+        "model.width=16",
+        "trainer.batch_size=32",
+    )
     assert s["metrics"]["final_test_acc"] > 0.5   # chance is 0.1
 
 
 @pytest.mark.slow
 def test_same_seed_same_metrics_on_cpu(tmp_path):
     from helpers import run_tiny
-    runs = [run_tiny(tmp_path / name, "trainer.deterministic=true", "trainer.max_steps=4", f"seed={seed}")
-            for name, seed in (("a", 3), ("b", 3), ("c", 4))]
+
+    runs = [
+        run_tiny(
+            tmp_path / name, "trainer.deterministic=true", "trainer.max_steps=4", f"seed={seed}"
+        )
+        for name, seed in (("a", 3), ("b", 3), ("c", 4))
+    ]
     keys = ("final_test_acc", "final_test_loss", "steps")
     assert [runs[0]["metrics"][k] for k in keys] == [runs[1]["metrics"][k] for k in keys]
     losses = [[r["loss"] for r in read_rows(tmp_path / n) if r["kind"] == "train"] for n in "abc"]
@@ -99,9 +121,11 @@ def test_continue_policy_records_and_goes_on(tiny, monkeypatch):
     s = tiny("trainer.max_steps=6", "trainer.on_nonfinite=continue", "trainer.log_every=3")
     n = s["nonfinite"]
     assert s["status"] == "completed" and (n["step"], n["policy"]) == (2, "continue")
-    # the probe's attribution follows: the NaN came from the loss, so replaying the forward finds the weights that
-    # step 2's NaN update spoiled (probe.py)
-    assert n["what"].startswith("loss became nan at step 2; first non-finite: ") and n["what"].endswith(" weights")
+    # the probe's attribution follows: the NaN came from the loss, so replaying the forward finds
+    # the weights that step 2's NaN update spoiled (probe.py)
+    assert n["what"].startswith("loss became nan at step 2; first non-finite: ") and n[
+        "what"
+    ].endswith(" weights")
 
 
 def test_a_failing_job_still_writes_its_summary(tiny, tmp_path, monkeypatch):
@@ -112,13 +136,19 @@ def test_a_failing_job_still_writes_its_summary(tiny, tmp_path, monkeypatch):
         tiny()
     assert e.value.code == 1
     s = json.loads((tmp_path / SUMMARY).read_text())
-    assert s["status"] == "failed" and "the model could not be built" in s["error"] and "Traceback" in s["traceback"]
+    assert (
+        s["status"] == "failed"
+        and "the model could not be built" in s["error"]
+        and "Traceback" in s["traceback"]
+    )
 
 
 def test_time_to_target_is_training_time_until_first_reached(tiny):
     s = tiny("trainer.max_steps=null", "trainer.epochs=2", "trainer.target_acc=0.01")
     m = s["metrics"]
-    assert m["epochs_to_target"] == 1 and m["time_to_target_s"] == pytest.approx(m["epoch_times_s"][0])
+    assert m["epochs_to_target"] == 1 and m["time_to_target_s"] == pytest.approx(
+        m["epoch_times_s"][0]
+    )
 
 
 def test_a_gpu_profile_that_does_not_match_is_reported_not_used(tiny):

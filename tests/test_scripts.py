@@ -1,5 +1,6 @@
-"""Every script of scripts/ answers a user's mistake (a bad argument or override, an unknown name, a missing file)
-as train.py does: a non-zero exit and one line naming the mistake and the fix, never a traceback (mixprec.cli)."""
+"""Every script of scripts/ answers a user's mistake (a bad argument or override, an unknown name, a
+missing file) as train.py does: a non-zero exit and one line naming the mistake and the fix, never a
+traceback (mixprec.cli)."""
 import os
 import subprocess
 import sys
@@ -12,18 +13,33 @@ from mixprec.config import ConfigError
 
 MODELS = "choose one of: gpt, gru, lstm"
 
-CASES = [   # (script and arguments, what the one line must say)
-    (["reproduce.py", "--estimate", "nonexistent_gpu"], ["--estimate nonexistent_gpu: no GPU profile", "h100"]),
-    (["reproduce.py", "--plan", "model=nonexistent", "--out", "{tmp}/r"], ["model=nonexistent: no such option", MODELS]),
+CASES = [  # (script and arguments, what the one line must say)
+    (
+        ["reproduce.py", "--estimate", "nonexistent_gpu"],
+        ["--estimate nonexistent_gpu: no GPU profile", "h100"],
+    ),
+    (
+        ["reproduce.py", "--plan", "model=nonexistent", "--out", "{tmp}/r"],
+        ["model=nonexistent: no such option", MODELS],
+    ),
     (["reproduce.py", "--bogus"], ["unrecognized arguments: --bogus", "--help"]),
     (["numerics.py", "model=nonexistent"], ["model=nonexistent: no such option", MODELS]),
     (["numerics.py", "trainer.bogus=1"], ["trainer.bogus: no such key", "+trainer.bogus="]),
-    (["benchmark.py", "overhead", "model=nonexistent"], ["model=nonexistent: no such option", MODELS]),
+    (
+        ["benchmark.py", "overhead", "model=nonexistent"],
+        ["model=nonexistent: no such option", MODELS],
+    ),
     (["benchmark.py", "table", "--steps", "0"], ["--steps and --warmup must be >= 1"]),
-    (["max_batch.py", "--device", "cpu", "model=nonexistent"], ["model=nonexistent: no such option", MODELS]),
+    (
+        ["max_batch.py", "--device", "cpu", "model=nonexistent"],
+        ["model=nonexistent: no such option", MODELS],
+    ),
     (["evaluate.py", "{tmp}/no_run"], ["no_run: no summary.json there", "train.py job"]),
     (["generate.py", "{tmp}/no_run"], ["summary.json: not found", "train.py run"]),
-    (["generate.py", "{tmp}/no_run", "--device", "banana"], ["--device=banana: not a device", "cuda:N"]),
+    (
+        ["generate.py", "{tmp}/no_run", "--device", "banana"],
+        ["--device=banana: not a device", "cuda:N"],
+    ),
     (["make_report.py", "{tmp}/no_sweep"], ["no_sweep: no such file or folder"]),
     (["data_stats.py", "dataset=nonexistent"], ["dataset=nonexistent: no such option", "cifar10"]),
     (["bench_pipeline.py", "model=["], ["an override does not parse", "key=value"]),
@@ -33,8 +49,14 @@ CASES = [   # (script and arguments, what the one line must say)
 def run_script(args, tmp_path):
     env = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
     argv = [a.format(tmp=tmp_path) for a in args]
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / argv[0]), *argv[1:]], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / argv[0]), *argv[1:]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 @pytest.mark.slow   # a subprocess each (torch's import)
@@ -44,7 +66,8 @@ def test_a_script_answers_bad_input_in_one_line(tmp_path, args, says):
     assert r.returncode == 2, r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert "Traceback" not in out
-    lines = [line for line in r.stderr.splitlines() if line.strip() and "_pytree.py" not in line]   # torchao's warning
+    # torchao's warning
+    lines = [line for line in r.stderr.splitlines() if line.strip() and "_pytree.py" not in line]
     assert len(lines) == 1, r.stderr
     name = args[0].removesuffix(".py")
     assert lines[0].startswith(f"{name}: "), lines[0]
@@ -55,9 +78,13 @@ def test_a_script_answers_bad_input_in_one_line(tmp_path, args, says):
 def test_hydra_errors_become_one_line_config_errors():
     with pytest.raises(ConfigError) as e:
         cli.compose(["model=resnet9000"])
-    assert str(e.value).startswith("model=resnet9000: no such option of `model` (conf/model/); choose one of: gpt,")
+    assert str(e.value).startswith(
+        "model=resnet9000: no such option of `model` (conf/model/); choose one of: gpt,"
+    )
     assert "Config search path" not in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match=r"^trainer\.bogus: no such key in the config.*\+trainer\.bogus=\.\.\.$"):
+    with pytest.raises(
+        ConfigError, match=r"^trainer\.bogus: no such key in the config.*\+trainer\.bogus=\.\.\.$"
+    ):
         cli.compose(["trainer.bogus=1"])
     with pytest.raises(ConfigError, match="^an override does not parse"):
         cli.compose(["trainer"])
@@ -87,4 +114,6 @@ def test_argparse_errors_are_one_line(capsys):
         ap.parse_args(["--n", "x"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("thing: error: argument --n: invalid int value: 'x'")
+    assert err.count("\n") == 1 and err.startswith(
+        "thing: error: argument --n: invalid int value: 'x'"
+    )

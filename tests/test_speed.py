@@ -1,5 +1,6 @@
-"""Speed features that must not change what is trained: torch.compile (trainer.compile), the optimizer's
-implementation (optimizer.impl, fused steps under GradScaler), the host syncs per step, and prewarm."""
+"""Speed features that must not change what is trained: torch.compile (trainer.compile), the
+optimizer's implementation (optimizer.impl, fused steps under GradScaler), the host syncs per step,
+and prewarm."""
 import json
 
 import pytest
@@ -14,9 +15,19 @@ from mixprec.train.optim import build_optimizer
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.numerics.probe import Attribution
 
-SMALL = ["model=small_cnn", "model.width=8", "dataset.image_size=8", "dataset.train_size=320",
-         "dataset.test_size=16", "trainer.batch_size=16", "trainer.eval_batch_size=16", "logger=none",
-         "trainer.device=cpu", "trainer.deterministic=true", "dataset.augment=false"]
+SMALL = [
+    "model=small_cnn",
+    "model.width=8",
+    "dataset.image_size=8",
+    "dataset.train_size=320",
+    "dataset.test_size=16",
+    "trainer.batch_size=16",
+    "trainer.eval_batch_size=16",
+    "logger=none",
+    "trainer.device=cpu",
+    "trainer.deterministic=true",
+    "dataset.augment=false",
+]
 
 
 def losses(tmp_path, *overrides):
@@ -28,10 +39,16 @@ def losses(tmp_path, *overrides):
 
 @pytest.mark.slow
 def test_compiled_small_cnn_gives_the_eager_losses(tmp_path):
-    """20 deterministic steps, one loss logged per step: inductor's kernels round differently from eager's, so
-    the two agree to 1e-4 relative, not bit for bit; the compile warm-up must leave the weights untouched."""
+    """20 deterministic steps, one loss logged per step: inductor's kernels round differently from
+    eager's, so the two agree to 1e-4 relative, not bit for bit; the compile warm-up must leave the
+    weights untouched."""
     eager, _ = losses(tmp_path / "eager", "trainer.max_steps=20", "trainer.log_every=1")
-    compiled, s = losses(tmp_path / "compiled", "trainer.max_steps=20", "trainer.log_every=1", "trainer.compile=default")
+    compiled, s = losses(
+        tmp_path / "compiled",
+        "trainer.max_steps=20",
+        "trainer.log_every=1",
+        "trainer.compile=default",
+    )
     assert len(eager) == len(compiled) == 20
     assert compiled == pytest.approx(eager, rel=1e-4)
     assert s["metrics"]["compile_time_s"] > 0 and s["config"]["trainer"]["compile"] == "default"
@@ -48,18 +65,22 @@ def test_prewarm_leaves_the_trained_weights_identical(tmp_path):
 
 
 def test_prewarm_leaves_a_language_model_identical(tmp_path):
-    """The LM prewarm (random windows, hidden state from zeros) on copies: the same trained weights."""
+    """The LM prewarm (random windows, hidden state from zeros) on copies: the same trained
+    weights."""
     plain = run_tiny(tmp_path / "plain", "trainer.max_steps=4", "trainer.prewarm_steps=0", base=LM)
     warmed = run_tiny(tmp_path / "warm", "trainer.max_steps=4", "trainer.prewarm_steps=2", base=LM)
     assert warmed["metrics"]["prewarm_time_s"] > 0 and plain["metrics"]["prewarm_time_s"] == 0.0
-    a, b = (torch.load(tmp_path / d / "model_fp32.pt", weights_only=True) for d in ("plain", "warm"))
+    a, b = (
+        torch.load(tmp_path / d / "model_fp32.pt", weights_only=True) for d in ("plain", "warm")
+    )
     a, b = (s.get("state_dict", s) for s in (a, b))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_path, monkeypatch):
-    """prewarm's throwaway copies must not count in peak_memory_mb: once prewarm and the compile warm-up are done,
-    the copies are freed and the device's peak is reset (a counter in place of torch.accelerator's reset)."""
+    """prewarm's throwaway copies must not count in peak_memory_mb: once prewarm and the compile
+    warm-up are done, the copies are freed and the device's peak is reset (a counter in place of
+    torch.accelerator's reset)."""
     import copy
     import gc
     import weakref
@@ -71,18 +92,22 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
 
     def watched_copy(obj, memo=None):
         made = deepcopy(obj, memo)
-        if isinstance(made, tuple) and isinstance(made[0], torch.nn.Module):   # run_prewarm's (model, policy)
+        # run_prewarm's (model, policy)
+        if isinstance(made, tuple) and isinstance(made[0], torch.nn.Module):
             copies.extend(weakref.ref(o) for o in made)
         return made
     monkeypatch.setattr(copy, "deepcopy", watched_copy)
     warm_compile = run.warm_compile
-    monkeypatch.setattr(run, "warm_compile", lambda *a, **k: events.append("compiled") or warm_compile(*a, **k))
+    monkeypatch.setattr(
+        run, "warm_compile", lambda *a, **k: events.append("compiled") or warm_compile(*a, **k)
+    )
 
     def reset(device):
         gc.collect()
         events.append(("reset", str(device), sum(c() is not None for c in copies)))
     monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", reset)
-    monkeypatch.setattr(run, "reset_peak", lambda device: prewarm.reset_peak(torch.device("cuda")))   # as on a GPU
+    # as on a GPU
+    monkeypatch.setattr(run, "reset_peak", lambda device: prewarm.reset_peak(torch.device("cuda")))
     s = run_tiny(tmp_path, "trainer.max_steps=2", "trainer.prewarm_steps=2", base=SMALL)
     assert s["status"] == "completed" and len(copies) == 2
     assert events == ["compiled", ("reset", "cuda", 0)]   # after compile, no copy alive
@@ -91,9 +116,10 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
 
 
 class SyncCounter:
-    """Counts the Tensor methods that make the host wait for the device, while `on`. On a CPU every tensor is a
-    host tensor, so the policy's host-side copies of the loss scale (PrecisionPolicy._shadow: CPU tensors on
-    every device, never a sync) are told apart by their storage."""
+    """Counts the Tensor methods that make the host wait for the device, while `on`. On a CPU every
+    tensor is a host tensor, so the policy's host-side copies of the loss scale
+    (PrecisionPolicy._shadow: CPU tensors on every device, never a sync) are told apart by their
+    storage."""
     METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__")
 
     def __init__(self, monkeypatch):
@@ -134,14 +160,17 @@ class SyncCounter:
     (["precision=fp32"], 0),                                   # none between log steps
     (["precision=amp_bf16"], 0),
     (["precision=amp"], 1),                                    # GradScaler's found-inf check
-    (["precision=amp", "optimizer.impl=fused"], 0),            # the fused step's flag: read at the flush
+    # the fused step's flag: read at the flush
+    (["precision=amp", "optimizer.impl=fused"], 0),
     (["precision=fp32", "trainer.on_nonfinite=skip"], 1),      # the loss check before backward
-    (["precision=amp", "trainer.on_nonfinite=skip"], 1),       # GradScaler's check serves the skip policy too
+    # GradScaler's check serves the skip policy too
+    (["precision=amp", "trainer.on_nonfinite=skip"], 1),
 ])
 def test_host_syncs_per_step(tmp_path, monkeypatch, overrides, per_step):
     counter = SyncCounter(monkeypatch)
     counter.off_during(monkeypatch, engine, "flush")           # the log step's sync, counted apart
-    counter.off_during(monkeypatch, Attribution, "see_batch")  # step 1's input check, once a run, counted apart
+    # step 1's input check, once a run, counted apart
+    counter.off_during(monkeypatch, Attribution, "see_batch")
     counter.on_during(monkeypatch, engine, "run_epoch")
     s = run_tiny(tmp_path, "trainer.max_steps=6", "trainer.log_every=6", *overrides, base=SMALL)
     assert s["status"] == "completed" and s["metrics"]["steps"] == 6
@@ -149,13 +178,19 @@ def test_host_syncs_per_step(tmp_path, monkeypatch, overrides, per_step):
 
 
 def test_one_sync_per_flush_and_fused_skips_read_there(tmp_path, monkeypatch):
-    """amp with a fused optimizer and an overflowing first scale (steps skipped): over 8 steps and 2 log flushes,
-    exactly 2 syncs (one transfer a flush: engine.to_host), none in any step; and the skip count, the skipped
-    steps' scales and the scale range come out as GradScaler's own per-step check (foreach) gives them."""
+    """amp with a fused optimizer and an overflowing first scale (steps skipped): over 8 steps and 2
+    log flushes, exactly 2 syncs (one transfer a flush: engine.to_host), none in any step; and the
+    skip count, the skipped steps' scales and the scale range come out as GradScaler's own per-step
+    check (foreach) gives them."""
     counter = SyncCounter(monkeypatch)
     counter.off_during(monkeypatch, Attribution, "see_batch")  # step 1's input check, once a run
     counter.on_during(monkeypatch, engine, "run_epoch")
-    common = ["trainer.max_steps=8", "trainer.log_every=4", "precision=amp", "precision.init_scale=1e6"]
+    common = [
+        "trainer.max_steps=8",
+        "trainer.log_every=4",
+        "precision=amp",
+        "precision.init_scale=1e6",
+    ]
     fused = run_tiny(tmp_path / "fused", *common, "optimizer.impl=fused", base=SMALL)
     assert fused["status"] == "completed" and counter.count == 2
     counter.on = False
@@ -168,8 +203,13 @@ def test_one_sync_per_flush_and_fused_skips_read_there(tmp_path, monkeypatch):
 
 
 def test_a_fused_step_under_gradscaler_still_reports_its_skip():
-    """A fused optimizer is always called (it skips itself on the device): the policy must read the flag."""
-    config = validate(compose_config("precision=amp", "optimizer=adam", "optimizer.impl=fused", "trainer.device=cpu"))
+    """A fused optimizer is always called (it skips itself on the device): the policy must read the
+    flag."""
+    config = validate(
+        compose_config(
+            "precision=amp", "optimizer=adam", "optimizer.impl=fused", "trainer.device=cpu"
+        )
+    )
     torch.manual_seed(0)
     policy = PrecisionPolicy(config.precision, torch.device("cpu"))
     model = policy.prepare_model(small_cnn(8, 10))
@@ -192,8 +232,12 @@ def test_a_fused_step_under_gradscaler_still_reports_its_skip():
 
 def test_optimizer_impl_and_prewarm_auto():
     params = [torch.nn.Parameter(torch.zeros(3))]
-    for impl, fused, foreach in [("auto", None, True), ("foreach", None, True), ("loop", None, False),
-                                 ("fused", True, None)]:
+    for impl, fused, foreach in [
+        ("auto", None, True),
+        ("foreach", None, True),
+        ("loop", None, False),
+        ("fused", True, None),
+    ]:
         config = validate(compose_config("optimizer=sgd", f"optimizer.impl={impl}"))
         group = build_optimizer(config.optimizer, params).param_groups[0]
         assert (group["fused"], group["foreach"]) == (fused, foreach), impl
@@ -211,7 +255,9 @@ def test_a_compiled_rnn_is_refused_in_one_line(tmp_path):
     with pytest.raises(SystemExit):
         run_tiny(tmp_path, "trainer.compile=default", base=LM)
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert "trainer.compile=default with model=lstm: the RNN language models run eagerly" in s["error"]
+    assert (
+        "trainer.compile=default with model=lstm: the RNN language models run eagerly" in s["error"]
+    )
     assert "\n" not in s["error"]
 
 
@@ -221,8 +267,9 @@ def test_a_compiled_rnn_is_refused_in_one_line(tmp_path):
     ("amp", "auto", 0),   # auto: fused on CUDA, its found-inf flag read at the flush
     ("amp", "foreach", 1)])
 def test_cuda_syncs_per_step(tmp_path, monkeypatch, precision, optimizer_impl, per_step):
-    """CUDA's own count: torch.cuda.set_sync_debug_mode("warn") warns at every synchronizing call; it is on
-    during the training steps only (not at the window flush, nor at the clock's explicit synchronize)."""
+    """CUDA's own count: torch.cuda.set_sync_debug_mode("warn") warns at every synchronizing call;
+    it is on during the training steps only (not at the window flush, nor at the clock's explicit
+    synchronize)."""
     import warnings
 
     def quiet(original):
@@ -235,7 +282,8 @@ def test_cuda_syncs_per_step(tmp_path, monkeypatch, precision, optimizer_impl, p
                 torch.cuda.set_sync_debug_mode(was)
         return wrapped
     monkeypatch.setattr(engine, "flush", quiet(engine.flush))
-    monkeypatch.setattr(Attribution, "see_batch", quiet(Attribution.see_batch))   # step 1's input check, once
+    # step 1's input check, once
+    monkeypatch.setattr(Attribution, "see_batch", quiet(Attribution.see_batch))
     for name in ("start", "stop", "mark_warm"):
         monkeypatch.setattr(engine.TrainClock, name, quiet(getattr(engine.TrainClock, name)))
     run_epoch = engine.run_epoch
@@ -250,16 +298,23 @@ def test_cuda_syncs_per_step(tmp_path, monkeypatch, precision, optimizer_impl, p
     gpu = [o for o in SMALL if o != "trainer.device=cpu" and o != "trainer.deterministic=true"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        s = run_tiny(tmp_path, "trainer.max_steps=6", "trainer.log_every=6", f"precision={precision}",
-                     f"optimizer.impl={optimizer_impl}", "trainer.prewarm_steps=0", base=gpu)
+        s = run_tiny(
+            tmp_path,
+            "trainer.max_steps=6",
+            "trainer.log_every=6",
+            f"precision={precision}",
+            f"optimizer.impl={optimizer_impl}",
+            "trainer.prewarm_steps=0",
+            base=gpu,
+        )
     assert s["status"] == "completed"
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 6 * per_step, [str(w.message) for w in syncs[:3]]
 
 
 def test_the_weights_check_finds_one_bad_element_among_mixed_dtypes():
-    """engine.finite_flag: one inf or NaN anywhere, in fp32 or fp16 tensors, is found; fp16 values whose squares
-    or sum overflow are not mistaken for non-finite (an inf-norm, not a 2-norm)."""
+    """engine.finite_flag: one inf or NaN anywhere, in fp32 or fp16 tensors, is found; fp16 values
+    whose squares or sum overflow are not mistaken for non-finite (an inf-norm, not a 2-norm)."""
     big = torch.full((4096,), 60000.0, dtype=torch.float16)
     tensors = [torch.zeros(3, 3), big, torch.ones(5, dtype=torch.float16), torch.zeros(7)]
     assert engine.finite_flag(tensors).item() == 1.0 and engine.finite_flag([]).item() == 1.0

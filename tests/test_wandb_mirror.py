@@ -1,4 +1,5 @@
-"""The W&B mirror, read back from the offline run's own .wandb file: its final summary equals summary.json."""
+"""The W&B mirror, read back from the offline run's own .wandb file: its final summary equals
+summary.json."""
 import json
 import struct
 import time
@@ -10,11 +11,13 @@ from helpers import run_tiny
 
 pytest.importorskip("wandb")
 
-BLOCK = 32 * 1024   # the .wandb file is a LevelDB-style log: 32 KiB blocks of chunks (crc32, length, type) + data
+# the .wandb file is a LevelDB-style log: 32 KiB blocks of chunks (crc32, length, type) + data
+BLOCK = 32 * 1024
 
 
 def wandb_records(path: Path):
-    """The protobuf Records of an offline run's .wandb file, in order (W&B's own schema, wandb.proto)."""
+    """The protobuf Records of an offline run's .wandb file, in order (W&B's own schema,
+    wandb.proto)."""
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
@@ -36,10 +39,12 @@ def wandb_records(path: Path):
 
 
 def final_summary(run_dir: Path) -> dict:
-    """The run's summary as W&B holds it at the end: every summary record applied in order (wandb-core writes one
-    for each committed history row, with the row's values, and one for each summary update)."""
+    """The run's summary as W&B holds it at the end: every summary record applied in order
+    (wandb-core writes one for each committed history row, with the row's values, and one for each
+    summary update)."""
     path = next(run_dir.glob("*.wandb"))
-    deadline = time.monotonic() + 60   # wandb-core writes the file behind the process: wait for its exit record
+    # wandb-core writes the file behind the process: wait for its exit record
+    deadline = time.monotonic() + 60
     while not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(path)):
         assert time.monotonic() < deadline, f"{path}: no exit record after 60 s"
         time.sleep(0.5)
@@ -58,7 +63,8 @@ def test_the_mirrored_summary_is_summary_json_after_a_3_epoch_job(tmp_path):
     s = run_tiny(tmp_path, "logger=wandb", "trainer.max_steps=null", "trainer.epochs=3")
     assert s["status"] == "completed" and len(s["epochs"]) == 3
     epochs_eval = [e["eval_time_s"] for e in s["epochs"]]
-    assert s["metrics"]["eval_time_s"] == pytest.approx(sum(epochs_eval))   # the job's total, not the last epoch's
+    # the job's total, not the last epoch's
+    assert s["metrics"]["eval_time_s"] == pytest.approx(sum(epochs_eval))
     mirrored = final_summary(Path(s["wandb"]["dir"]))
     expected = {"status": "completed"}
     for k, v in s["metrics"].items():

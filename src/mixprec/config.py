@@ -1,8 +1,9 @@
 """Dataclass schemas for the composed Hydra config.
 
-Hydra composes plain YAML values; `validate(cfg)` turns them into these frozen dataclasses and rejects a bad
-value before any work starts, with one line naming the field, the value and what is allowed. Every other
-module receives these typed objects (or plain values taken from them), never the raw DictConfig.
+Hydra composes plain YAML values; `validate(cfg)` turns them into these frozen dataclasses and
+rejects a bad value before any work starts, with one line naming the field, the value and what is
+allowed. Every other module receives these typed objects (or plain values taken from them), never
+the raw DictConfig.
 """
 from __future__ import annotations
 
@@ -24,24 +25,30 @@ FP8_INSTALL = 'pip install -e ".[fp8]"'
 
 
 def require_torchao():
-    """torchao.float8 and its Float8Linear (precision=fp8), or a ConfigError whose one line says what to install."""
-    quiet = logging.getLogger("torch.utils._pytree")   # torchao 0.18's import warns about an Enum registration
+    """torchao.float8 and its Float8Linear (precision=fp8), or a ConfigError whose one line says
+    what to install."""
+    # torchao 0.18's import warns about an Enum registration
+    quiet = logging.getLogger("torch.utils._pytree")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
         import torchao.float8 as float8
         from torchao.float8.float8_linear import Float8Linear
     except ImportError as e:
-        raise ConfigError(f"precision=fp8 needs torchao (float8 training), which is not importable here ({e}); "
-                          f"install it with: {FP8_INSTALL}") from None
+        raise ConfigError(
+            f"precision=fp8 needs torchao (float8 training), which is not importable here ({e}); "
+            f"install it with: {FP8_INSTALL}"
+        ) from None
     finally:
         quiet.setLevel(level)
     return float8, Float8Linear
 
 
 DType = Literal["float32", "float16", "bfloat16"]
-RNN_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")   # model.arch values that are recurrent language models
-LM_ARCHS = RNN_KINDS + ("gpt",)                       # model.arch values that are word-level language models
+# model.arch values that are recurrent language models
+RNN_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+# model.arch values that are word-level language models
+LM_ARCHS = RNN_KINDS + ("gpt",)
 
 
 @dataclass(frozen=True)
@@ -60,14 +67,21 @@ class TrainerConfig:
     log_every: int = 50
     grad_clip: Optional[float] = None
     resume: Literal["auto", "never"] = "never"
-    sync_bn: bool = False   # under DDP (torchrun): BatchNorm statistics over the global batch (SyncBatchNorm, GPUs)
+    # under DDP (torchrun): BatchNorm statistics over the global batch (SyncBatchNorm, GPUs)
+    sync_bn: bool = False
     # untimed steps on a throwaway copy before the clock (prewarm.py); auto: 3 on a GPU, 0 on a CPU
     prewarm_steps: Union[int, Literal["auto"]] = "auto"
-    compile: Literal["none", "default", "max-autotune", "reduce-overhead"] = "none"   # torch.compile mode (train/compile.py)
+    # torch.compile mode (train/compile.py)
+    compile: Literal["none", "default", "max-autotune", "reduce-overhead"] = "none"
 
     def prewarm_for(self, device_type: str) -> int:
-        """prewarm_steps, with auto resolved: 3 on an accelerator (autotuning, lazy init), 0 on a CPU."""
-        return (0 if device_type == "cpu" else 3) if self.prewarm_steps == "auto" else self.prewarm_steps
+        """prewarm_steps, with auto resolved: 3 on an accelerator (autotuning, lazy init), 0 on a
+        CPU."""
+        return (
+            (0 if device_type == "cpu" else 3)
+            if self.prewarm_steps == "auto"
+            else self.prewarm_steps
+        )
 
     def check(self) -> None:
         _at_least(self, "epochs", 1)
@@ -80,68 +94,128 @@ class TrainerConfig:
         if self.max_steps is not None:
             _at_least(self, "max_steps", 1)
         if self.target_acc is not None and not 0.0 < self.target_acc <= 1.0:
-            raise ConfigError(f"trainer.target_acc={self.target_acc}: must be a fraction in (0, 1], e.g. 0.94, or null")
+            raise ConfigError(
+                f"trainer.target_acc={self.target_acc}: must be a fraction in (0, 1], e.g. 0.94, "
+                "or null"
+            )
         if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ConfigError(f"trainer.grad_clip={self.grad_clip}: must be a positive number or null")
+            raise ConfigError(
+                f"trainer.grad_clip={self.grad_clip}: must be a positive number or null"
+            )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ConfigError(f"trainer.device={self.device!r}: allowed values are auto, cpu, cuda, cuda:N")
+            raise ConfigError(
+                f"trainer.device={self.device!r}: allowed values are auto, cpu, cuda, cuda:N"
+            )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: Literal["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "small_cnn", "resnet9",
-                  "lstm", "gru", "rnn_tanh", "rnn_relu", "gpt"]
+    arch: Literal[
+        "resnet18",
+        "resnet34",
+        "resnet50",
+        "resnet101",
+        "resnet152",
+        "small_cnn",
+        "resnet9",
+        "lstm",
+        "gru",
+        "rnn_tanh",
+        "rnn_relu",
+        "gpt",
+    ]
     stem: Literal["cifar", "imagenet"] = "cifar"
     width: int = 32
-    bn_eval: bool = False   # BatchNorm stays in eval mode while training (frozen statistics, as in fine-tuning)
+    # BatchNorm stays in eval mode while training (frozen statistics, as in fine-tuning)
+    bn_eval: bool = False
     channels: tuple = (64, 128, 256, 512)   # resnet9: prep, layer1, layer2, layer3
     output_scale: float = 0.125             # resnet9: logits = scale * linear(features)
-    # recurrent language models (lstm, gru, rnn_tanh, rnn_relu) only; defaults = PyTorch's word_language_model
+    # recurrent language models (lstm, gru, rnn_tanh, rnn_relu) only; defaults = PyTorch's
+    # word_language_model
     emsize: int = 200
     nhid: int = 200
     nlayers: int = 2
     dropout: float = 0.2
     tied: bool = False        # the decoder shares the embedding's weights (needs emsize == nhid)
-    vocab_multiple: int = 1   # pad the vocabulary to a multiple of this (apex: 8, for tensor-core GEMMs)
+    # pad the vocabulary to a multiple of this (apex: 8, for tensor-core GEMMs)
+    vocab_multiple: int = 1
     # torchvision ResNets: fastai 1.0's create_cnn (models.fastai_cnn)
-    head: Literal["torchvision", "fastai"] = "torchvision"   # fastai: concat-pool + BN/dropout/linear head
-    pretrained: bool = False  # torchvision's ImageNet weights for the ResNet body (must be in the torch hub cache)
-    freeze_body: bool = False # body weights frozen, its BatchNorm layers still trained (fastai's freeze, train_bn)
+    # fastai: concat-pool + BN/dropout/linear head
+    head: Literal["torchvision", "fastai"] = "torchvision"
+    # torchvision's ImageNet weights for the ResNet body (must be in the torch hub cache)
+    pretrained: bool = False
+    # body weights frozen, its BatchNorm layers still trained (fastai's freeze, train_bn)
+    freeze_body: bool = False
     # gpt only (dropout and vocab_multiple above apply too)
     n_layer: int = 6
     n_head: int = 6
     n_embd: int = 384
-    block_size: int = 128     # longest context (position embeddings); dataset.bptt must not exceed it
+    # longest context (position embeddings); dataset.bptt must not exceed it
+    block_size: int = 128
 
     def check(self) -> None:
         _at_least(self, "width", 1, section="model")
-        if len(self.channels) != 4 or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
-                                              for c in self.channels):
-            raise ConfigError(f"model.channels={list(self.channels)}: must be 4 positive integers (prep, layer1, "
-                              "layer2, layer3)")
+        if len(self.channels) != 4 or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in self.channels
+        ):
+            raise ConfigError(
+                f"model.channels={list(self.channels)}: must be 4 positive integers (prep, layer1, "
+                "layer2, layer3)"
+            )
         if not self.output_scale > 0:
             raise ConfigError(f"model.output_scale={self.output_scale}: must be > 0")
-        for name in ("emsize", "nhid", "nlayers", "vocab_multiple", "n_layer", "n_head", "n_embd", "block_size"):
+        for name in (
+            "emsize",
+            "nhid",
+            "nlayers",
+            "vocab_multiple",
+            "n_layer",
+            "n_head",
+            "n_embd",
+            "block_size",
+        ):
             _at_least(self, name, 1, section="model")
         if self.arch == "gpt" and self.n_embd % self.n_head:
-            raise ConfigError(f"model.n_embd={self.n_embd}: must be a multiple of model.n_head={self.n_head}")
+            raise ConfigError(
+                f"model.n_embd={self.n_embd}: must be a multiple of model.n_head={self.n_head}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")
         if self.tied and not self.is_language_model:
-            raise ConfigError(f"model.tied=true: only the recurrent language models have tied weights (model={self.arch})")
+            raise ConfigError(
+                "model.tied=true: only the recurrent language models have tied weights "
+                f"(model={self.arch})"
+            )
         if self.tied and self.emsize != self.nhid:
-            raise ConfigError(f"model.tied=true: needs model.emsize == model.nhid (got {self.emsize} and {self.nhid})")
+            raise ConfigError(
+                f"model.tied=true: needs model.emsize == model.nhid (got {self.emsize} and "
+                f"{self.nhid})"
+            )
         if self.bn_eval and self.is_language_model:
             raise ConfigError(f"model.bn_eval=true: model={self.arch} has no BatchNorm")
-        torchvision_resnet = self.arch in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+        torchvision_resnet = self.arch in (
+            "resnet18",
+            "resnet34",
+            "resnet50",
+            "resnet101",
+            "resnet152",
+        )
         for name in ("pretrained", "freeze_body"):
             if getattr(self, name) and not torchvision_resnet:
-                raise ConfigError(f"model.{name}=true: only the torchvision ResNets (resnet18..resnet152) have it "
-                                  f"(model={self.arch})")
+                raise ConfigError(
+                    f"model.{name}=true: only the torchvision ResNets (resnet18..resnet152) have "
+                    "it "
+                    f"(model={self.arch})"
+                )
         if self.head == "fastai" and not torchvision_resnet:
-            raise ConfigError(f"model.head=fastai: only the torchvision ResNets take fastai's head (model={self.arch})")
+            raise ConfigError(
+                "model.head=fastai: only the torchvision ResNets take fastai's head "
+                f"(model={self.arch})"
+            )
         if self.freeze_body and self.head != "fastai":
-            raise ConfigError("model.freeze_body=true: needs model.head=fastai (the head is what trains)")
+            raise ConfigError(
+                "model.freeze_body=true: needs model.head=fastai (the head is what trains)"
+            )
 
     @property
     def is_language_model(self) -> bool:
@@ -152,20 +226,24 @@ class ModelConfig:
 class DatasetConfig:
     name: Literal["synthetic", "cifar10", "cifar100", "wikitext2", "synthetic_text"]
     num_classes: int = 10
-    train_size: Optional[int] = 2048      # synthetic only (images, or tokens for synthetic_text); real splits are whole
+    # synthetic only (images, or tokens for synthetic_text); real splits are whole
+    train_size: Optional[int] = 2048
     test_size: Optional[int] = 512
-    image_size: int = 32                  # batches are resized to this on the device when it is not 32
+    # batches are resized to this on the device when it is not 32
+    image_size: int = 32
     noise: float = 2.0
     augment: bool = True
     crop_padding: int = 4
     cutout: int = 0                       # side of the square zeroed after normalisation (0 = off)
-    cutout_on_purpose: bool = False       # true: a cutout as large as the image (it blanks every image) is meant
+    # true: a cutout as large as the image (it blanks every image) is meant
+    cutout_on_purpose: bool = False
     pipeline: Literal["device", "dataloader"] = "device"
     workers: int = 2                      # dataloader pipeline only
     pin_memory: bool = True               # dataloader pipeline only (used on CUDA)
     data_dir: Optional[str] = None        # null: $MIXPREC_DATA_DIR, else data/ under the project
     download: bool = True
-    urls: tuple = ()                      # CIFAR: archive URLs; wikitext2: folder URLs the file names are appended to
+    # CIFAR: archive URLs; wikitext2: folder URLs the file names are appended to
+    urls: tuple = ()
     bptt: int = 35                        # text: tokens per (input, target) window
     vocab_size: int = 10000               # synthetic_text only
     seed: int = 1234
@@ -175,7 +253,10 @@ class DatasetConfig:
         if self.num_classes not in (10, 100):
             raise ConfigError(f"dataset.num_classes={self.num_classes}: allowed values are 10, 100")
         if self.name in fixed and self.num_classes != fixed[self.name]:
-            raise ConfigError(f"dataset.num_classes={self.num_classes}: {self.name} has {fixed[self.name]} classes")
+            raise ConfigError(
+                f"dataset.num_classes={self.num_classes}: {self.name} has {fixed[self.name]} "
+                "classes"
+            )
         for name in ("train_size", "test_size"):
             value = getattr(self, name)
             if self.name.startswith("synthetic"):
@@ -183,8 +264,11 @@ class DatasetConfig:
                     raise ConfigError(f"dataset.{name}: must be set for {self.name} data")
                 _at_least(self, name, 1, section="dataset")
             elif value is not None:
-                raise ConfigError(f"dataset.{name}={value}: only synthetic data has a size; {self.name} splits are "
-                                  "used whole (trainer.max_steps makes a short run)")
+                raise ConfigError(
+                    f"dataset.{name}={value}: only synthetic data has a size; {self.name} splits "
+                    "are "
+                    "used whole (trainer.max_steps makes a short run)"
+                )
         _at_least(self, "image_size", 8, section="dataset")
         _at_least(self, "crop_padding", 0, section="dataset")
         _at_least(self, "cutout", 0, section="dataset")
@@ -195,21 +279,34 @@ class DatasetConfig:
         if not self.noise >= 0:
             raise ConfigError(f"dataset.noise={self.noise}: must be >= 0")
         if any(not isinstance(u, str) or "://" not in u for u in self.urls):
-            raise ConfigError(f"dataset.urls={list(self.urls)}: must be a list of URLs (scheme://...)")
+            raise ConfigError(
+                f"dataset.urls={list(self.urls)}: must be a list of URLs (scheme://...)"
+            )
 
     def check_cutout(self) -> None:
-        """A cutout as large as the image blanks every image (the batch is all zeros after normalisation): refused
-        unless dataset.cutout_on_purpose says it is meant; larger than the image it cannot be placed at all."""
+        """A cutout as large as the image blanks every image (the batch is all zeros after
+        normalisation): refused unless dataset.cutout_on_purpose says it is meant; larger than the
+        image it cannot be placed at all."""
         if self.cutout > self.image_size:
-            raise ConfigError(f"dataset.cutout={self.cutout}: must be at most dataset.image_size={self.image_size}")
-        if self.augment and not self.is_text and self.crop_padding >= 32:   # the crop pads the stored 32 px image
-            raise ConfigError(f"dataset.crop_padding={self.crop_padding}: the random crop reflect-pads the stored "
-                              "32 px images, so the padding must be less than 32 (Page used 4)")
+            raise ConfigError(
+                f"dataset.cutout={self.cutout}: must be at most "
+                f"dataset.image_size={self.image_size}"
+            )
+        # the crop pads the stored 32 px image
+        if self.augment and not self.is_text and self.crop_padding >= 32:
+            raise ConfigError(
+                f"dataset.crop_padding={self.crop_padding}: the random crop reflect-pads the "
+                "stored "
+                "32 px images, so the padding must be less than 32 (Page used 4)"
+            )
         if self.augment and self.cutout == self.image_size and not self.cutout_on_purpose:
-            raise ConfigError(f"dataset.cutout={self.cutout} is as large as dataset.image_size={self.image_size}: it "
-                              f"blanks every image; scale it (dataset.cutout={max(self.image_size // 4, 1)}, a "
-                              "quarter of the side as Page's 8 of 32), set dataset.cutout=0, or "
-                              "dataset.cutout_on_purpose=true if blank inputs are meant")
+            raise ConfigError(
+                f"dataset.cutout={self.cutout} is as large as "
+                f"dataset.image_size={self.image_size}: it "
+                f"blanks every image; scale it (dataset.cutout={max(self.image_size // 4, 1)}, a "
+                "quarter of the side as Page's 8 of 32), set dataset.cutout=0, or "
+                "dataset.cutout_on_purpose=true if blank inputs are meant"
+            )
 
     @property
     def is_text(self) -> bool:
@@ -227,37 +324,57 @@ class PrecisionConfig:
     init_scale: float = 65536.0
     growth_interval: int = 2000
     tf32: bool = False
-    fp8_recipe: Optional[Literal["tensorwise", "rowwise"]] = None   # precision=fp8: torchao float8 Linear layers
-    # fp16/bf16 rounding emulated on fp32 kernels (precision/emulation.py): auto = wherever the device is not CUDA
+    # precision=fp8: torchao float8 Linear layers
+    fp8_recipe: Optional[Literal["tensorwise", "rowwise"]] = None
+    # fp16/bf16 rounding emulated on fp32 kernels (precision/emulation.py): auto = wherever the
+    # device is not CUDA
     emulate: Union[bool, Literal["auto"]] = "auto"
-    # clip the model's gradients as backward left them (scaled, in the model's dtype) before they are copied to the
-    # masters and unscaled, the threshold applying to the scaled norm: apex word_language_model main.py@28bdc04e:180
+    # clip the model's gradients as backward left them (scaled, in the model's dtype) before they
+    # are copied to the masters and unscaled, the threshold applying to the scaled norm: apex
+    # word_language_model main.py@28bdc04e:180
     clip_scaled_model_grads: bool = False
 
     def check(self) -> None:
         if self.fp8_recipe is not None:
             if self.autocast_dtype != "bfloat16" or self.param_dtype != "float32":
-                raise ConfigError("precision.fp8_recipe: float8 Linear layers run beside bf16 autocast on fp32 "
-                                  "weights (autocast_dtype=bfloat16, param_dtype=float32)")
+                raise ConfigError(
+                    "precision.fp8_recipe: float8 Linear layers run beside bf16 autocast on fp32 "
+                    "weights (autocast_dtype=bfloat16, param_dtype=float32)"
+                )
             require_torchao()
         ls = self.loss_scale
         if isinstance(ls, str) and ls not in ("dynamic", "none"):
             raise ConfigError(f"precision.loss_scale={ls!r}: allowed values are dynamic, none, "
                               "or a positive number (static scale)")
         if not isinstance(ls, str) and not (math.isfinite(ls) and ls > 0):
-            raise ConfigError(f"precision.loss_scale={ls}: a static loss scale must be a positive finite number")
+            raise ConfigError(
+                f"precision.loss_scale={ls}: a static loss scale must be a positive finite number"
+            )
         if not self.init_scale > 0:
             raise ConfigError(f"precision.init_scale={self.init_scale}: must be > 0")
         _at_least(self, "growth_interval", 1, section="precision")
         if self.master_weights and self.param_dtype == "float32":
-            raise ConfigError("precision.master_weights=true: only meaningful with param_dtype float16 or bfloat16")
-        if self.clip_scaled_model_grads and self.loss_scale == "dynamic":
-            raise ConfigError("precision.clip_scaled_model_grads=true with loss_scale=dynamic: the clip threshold would "
-                              "apply to a scale that changes; use a static loss scale (a number) or none")
-        if self.loss_scale == "dynamic" and self.param_dtype != "float32" and not self.master_weights:
             raise ConfigError(
-                f"precision.loss_scale=dynamic with param_dtype={self.param_dtype}: GradScaler needs fp32 gradients; "
-                "set precision.master_weights=true (apex O2) or a static loss scale (a number) or none")
+                "precision.master_weights=true: only meaningful with param_dtype float16 or "
+                "bfloat16"
+            )
+        if self.clip_scaled_model_grads and self.loss_scale == "dynamic":
+            raise ConfigError(
+                "precision.clip_scaled_model_grads=true with loss_scale=dynamic: the clip "
+                "threshold would "
+                "apply to a scale that changes; use a static loss scale (a number) or none"
+            )
+        if (
+            self.loss_scale == "dynamic"
+            and self.param_dtype != "float32"
+            and not self.master_weights
+        ):
+            raise ConfigError(
+                f"precision.loss_scale=dynamic with param_dtype={self.param_dtype}: GradScaler "
+                "needs fp32 gradients; "
+                "set precision.master_weights=true (apex O2) or a static loss scale (a number) or "
+                "none"
+            )
 
     @property
     def scaled(self) -> bool:
@@ -267,7 +384,8 @@ class PrecisionConfig:
 @dataclass(frozen=True)
 class GpuConfig:
     name: str = "auto"
-    match: tuple = ()   # the full device names (as the driver reports them) this profile's peaks are for
+    # the full device names (as the driver reports them) this profile's peaks are for
+    match: tuple = ()
     peak_tflops: dict = field(default_factory=dict)
     memory_gb: Optional[float] = None
     bandwidth_gbs: Optional[float] = None
@@ -283,9 +401,11 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
-    impl: Literal["auto", "fused", "foreach", "loop"] = "auto"   # the step's kernels (optim.impl_kwargs)
-    # which tensors weight_decay applies to: all; matrices (>= 2-D: matmul and embedding weights, not biases and
-    # norms); auto: the model family's recipe (matrices for the gpt, all otherwise; optim.DECAY_AUTO)
+    # the step's kernels (optim.impl_kwargs)
+    impl: Literal["auto", "fused", "foreach", "loop"] = "auto"
+    # which tensors weight_decay applies to: all; matrices (>= 2-D: matmul and embedding weights,
+    # not biases and norms); auto: the model family's recipe (matrices for the gpt, all otherwise;
+    # optim.DECAY_AUTO)
     decay: Literal["auto", "all", "matrices"] = "auto"
 
     def check(self) -> None:
@@ -308,9 +428,12 @@ class ScheduleConfig:
     name: str = "constant"
     knots: tuple = (0.0, 1.0)
     values: tuple = (1.0, 1.0)
-    factor: float = 4.0     # plateau only: lr divided by this after an epoch whose validation loss is no better
-    # fastai_onecycle only (fastai 1.0 fit_one_cycle): cosine lr from lr/div_factor up to lr over pct_start of the
-    # steps, then cosine down to lr/(div_factor*final_div); momentum (Adam's beta1) cosine moms[0] -> moms[1] -> moms[0]
+    # plateau only: lr divided by this after an epoch whose validation loss is no better
+    factor: float = 4.0
+    # fastai_onecycle only (fastai 1.0 fit_one_cycle): cosine lr from lr/div_factor up to lr over
+    # pct_start of the steps, then cosine down to lr/(div_factor*final_div); momentum (Adam's beta1)
+    # cosine moms[0]
+    # -> moms[1] -> moms[0]
     div_factor: float = 25.0
     pct_start: float = 0.3
     final_div: float = 1.0e4
@@ -318,43 +441,57 @@ class ScheduleConfig:
 
     def check(self) -> None:
         if not (math.isfinite(self.factor) and self.factor > 1):
-            raise ConfigError(f"schedule.factor={self.factor}: must be a number > 1 (the lr is divided by it)")
+            raise ConfigError(
+                f"schedule.factor={self.factor}: must be a number > 1 (the lr is divided by it)"
+            )
         k = list(self.knots)
         if len(k) < 2 or len(k) != len(self.values):
-            raise ConfigError("schedule.knots/values: need two or more knots and one value per knot "
-                              f"(got {len(k)} and {len(self.values)})")
+            raise ConfigError(
+                "schedule.knots/values: need two or more knots and one value per knot "
+                f"(got {len(k)} and {len(self.values)})"
+            )
         if k[0] != 0.0 or k[-1] != 1.0 or any(b < a for a, b in zip(k, k[1:])):
-            raise ConfigError(f"schedule.knots={k}: must rise from 0.0 to 1.0 (fractions of the run's steps)")
+            raise ConfigError(
+                f"schedule.knots={k}: must rise from 0.0 to 1.0 (fractions of the run's steps)"
+            )
         if any(v < 0 for v in self.values):
             raise ConfigError(f"schedule.values={list(self.values)}: lr multipliers must be >= 0")
         if not (self.div_factor > 0 and self.final_div > 0 and 0 < self.pct_start < 1):
-            raise ConfigError(f"schedule: div_factor={self.div_factor} and final_div={self.final_div} must be > 0, "
-                              f"pct_start={self.pct_start} in (0, 1)")
+            raise ConfigError(
+                f"schedule: div_factor={self.div_factor} and final_div={self.final_div} must be > "
+                "0, "
+                f"pct_start={self.pct_start} in (0, 1)"
+            )
         if len(self.moms) != 2 or not all(0 <= m < 1 for m in self.moms):
             raise ConfigError(f"schedule.moms={list(self.moms)}: must be two momenta in [0, 1)")
 
 
 @dataclass(frozen=True)
 class TrickConfig:
-    """Training tricks, each a plain flag (conf/trick/none.yaml documents them); Page's ladder steps set them."""
+    """Training tricks, each a plain flag (conf/trick/none.yaml documents them); Page's ladder steps
+    set them."""
     name: str = "none"
     label_smoothing: float = 0.0
     loss_sum: bool = False          # sum the loss over the batch instead of averaging it
     maxpool_reorder: bool = False   # resnet9: conv-pool-BN-act instead of conv-BN-act-pool
     celu: bool = False              # resnet9: CELU(celu_alpha) instead of ReLU
     celu_alpha: float = 0.075
-    ghost_bn: bool = False          # resnet9: BN statistics per split of ghost_splits in a training batch
+    # resnet9: BN statistics per split of ghost_splits in a training batch
+    ghost_bn: bool = False
     ghost_splits: int = 16
     frozen_bn_scale: bool = False   # resnet9: BN weights fixed at bn_scale, biases learnt
     bn_scale: float = 1.0
-    bn_bias_lr: float = 1.0         # lr multiplier of BN biases (their weight decay is divided by it)
-    whitening: bool = False         # resnet9: fixed 3x3 patch-whitening stem fitted on the training images
+    # lr multiplier of BN biases (their weight decay is divided by it)
+    bn_bias_lr: float = 1.0
+    # resnet9: fixed 3x3 patch-whitening stem fitted on the training images
+    whitening: bool = False
     whitening_eps: float = 0.01
     whitening_images: int = 10000
     ema: bool = False               # evaluate an exponential moving average of the weights
     ema_momentum: float = 0.99
     ema_every: int = 5
-    tta: bool = False               # score the average of the logits of each test image and its mirror
+    # score the average of the logits of each test image and its mirror
+    tta: bool = False
 
     def check(self) -> None:
         if not 0.0 <= self.label_smoothing < 1.0:
@@ -368,12 +505,18 @@ class TrickConfig:
             raise ConfigError(f"trick.ema_momentum={self.ema_momentum}: must be in [0, 1)")
 
     def check_for(self, arch: str, batch_size: int) -> None:
-        """The tricks that reshape the network exist in ResNet-9 only; ghost splits must divide the batch."""
+        """The tricks that reshape the network exist in ResNet-9 only; ghost splits must divide the
+        batch."""
         for name in ("maxpool_reorder", "celu", "ghost_bn", "frozen_bn_scale", "whitening"):
             if getattr(self, name) and arch != "resnet9":
-                raise ConfigError(f"trick.{name}=true: only model=resnet9 has this switch (model={arch})")
+                raise ConfigError(
+                    f"trick.{name}=true: only model=resnet9 has this switch (model={arch})"
+                )
         if self.ghost_bn and batch_size % self.ghost_splits:
-            raise ConfigError(f"trick.ghost_splits={self.ghost_splits}: must divide trainer.batch_size={batch_size}")
+            raise ConfigError(
+                f"trick.ghost_splits={self.ghost_splits}: must divide "
+                f"trainer.batch_size={batch_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -387,8 +530,9 @@ class LoggerConfig:
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    """The numerics probe (src/mixprec/numerics/probe.py): none = no hooks (attribution of skipped and non-finite steps
-    only, at the event); ranges = per-layer ranges at step 1, every `every` steps and every skipped step."""
+    """The numerics probe (src/mixprec/numerics/probe.py): none = no hooks (attribution of skipped
+    and non-finite steps only, at the event); ranges = per-layer ranges at step 1, every `every`
+    steps and every skipped step."""
     name: Literal["none", "ranges"] = "none"
     every: int = 50
     max_skips: int = 20     # skipped steps listed in the summary (all are counted)
@@ -400,7 +544,8 @@ class ProbeConfig:
 
 @dataclass(frozen=True)
 class CaseConfig:
-    """A named case of an experiment whose outcome is the finding (e.g. a half-precision pitfall)."""
+    """A named case of an experiment whose outcome is the finding (e.g. a half-precision
+    pitfall)."""
     name: str
     expect: Literal["completed", "diverged"]
     finding: str = ""
@@ -425,29 +570,48 @@ class Config:
     def check(self) -> None:
         self.trick.check_for(self.model.arch, self.trainer.batch_size)
         if self.model.arch == "gpt" and self.dataset.bptt > self.model.block_size:
-            raise ConfigError(f"dataset.bptt={self.dataset.bptt}: a gpt window must fit its context, "
-                              f"model.block_size={self.model.block_size}; lower bptt or raise block_size")
+            raise ConfigError(
+                f"dataset.bptt={self.dataset.bptt}: a gpt window must fit its context, "
+                f"model.block_size={self.model.block_size}; lower bptt or raise block_size"
+            )
 
     def check_task(self) -> None:
-        """What validates field by field but cannot make one job: a model and a dataset of different tasks
-        (validate_job checks it; scripts that read one part of a config, e.g. its dataset, validate alone)."""
+        """What validates field by field but cannot make one job: a model and a dataset of different
+        tasks (validate_job checks it; scripts that read one part of a config, e.g. its dataset,
+        validate alone)."""
         lm, text = self.model.is_language_model, self.dataset.is_text
         if lm and not text:
-            raise ConfigError(f"model={self.model.arch} is a language model: it needs a text dataset (dataset=wikitext2 "
-                              f"or synthetic_text), not dataset={self.dataset.name}")
+            raise ConfigError(
+                f"model={self.model.arch} is a language model: it needs a text dataset "
+                "(dataset=wikitext2 "
+                f"or synthetic_text), not dataset={self.dataset.name}"
+            )
         if text and not lm:
-            raise ConfigError(f"dataset={self.dataset.name} is a text corpus: it trains a language model (model=lstm, "
-                              f"gru, rnn_tanh, rnn_relu or gpt), not model={self.model.arch}")
+            raise ConfigError(
+                f"dataset={self.dataset.name} is a text corpus: it trains a language model "
+                "(model=lstm, "
+                f"gru, rnn_tanh, rnn_relu or gpt), not model={self.model.arch}"
+            )
         if self.schedule.name == "plateau" and not lm:
-            raise ConfigError("schedule=plateau anneals on a validation loss, which only language-model jobs have; "
-                              "choose onecycle, piecewise or constant")
+            raise ConfigError(
+                "schedule=plateau anneals on a validation loss, which only language-model jobs "
+                "have; "
+                "choose onecycle, piecewise or constant"
+            )
         if lm and self.trainer.target_acc is not None:
-            raise ConfigError("trainer.target_acc: a language model is scored in perplexity, not accuracy; leave it null")
+            raise ConfigError(
+                "trainer.target_acc: a language model is scored in perplexity, not accuracy; leave "
+                "it null"
+            )
 
 
 def validate(cfg: DictConfig | dict) -> Config:
     """Resolve and check a composed config; raise ConfigError naming the first bad field."""
-    data = plain_config(cfg) if isinstance(cfg, DictConfig) else {k: v for k, v in cfg.items() if k != "hydra"}
+    data = (
+        plain_config(cfg)
+        if isinstance(cfg, DictConfig)
+        else {k: v for k, v in cfg.items() if k != "hydra"}
+    )
     return _build(Config, data, "")
 
 
@@ -461,25 +625,33 @@ def validate_job(cfg: DictConfig | dict) -> Config:
 def plain_config(cfg: DictConfig) -> dict:
     """The job's config as plain resolved values, without Hydra's own node."""
     try:
-        return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+        return OmegaConf.to_container(
+            OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True
+        )
     except Exception as e:  # an interpolation that does not resolve
         raise ConfigError(f"config does not resolve: {e}".splitlines()[0]) from None
 
 
 def _build(cls, data: Any, prefix: str):
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of fields, got {data!r}")
+        raise ConfigError(
+            f"{prefix.rstrip('.') or 'config'}: expected a mapping of fields, got {data!r}"
+        )
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown field; allowed fields are {', '.join(sorted(names))}")
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown field; allowed fields are {', '.join(sorted(names))}"
+        )
     kwargs = {}
     for f in dataclasses.fields(cls):
         key = prefix + f.name
         if f.name not in data:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{key}: missing (no default); set it in the config or on the command line")
+                raise ConfigError(
+                    f"{key}: missing (no default); set it in the config or on the command line"
+                )
             continue
         kwargs[f.name] = _coerce(hints[f.name], data[f.name], key)
     obj = cls(**kwargs)
@@ -499,9 +671,14 @@ def _coerce(tp, value, key):
                 return None
             raise ConfigError(f"{key}: must be set (null is not allowed)")
         choices = [a for a in args if a is not type(None)]
-        if all(a is bool or typing.get_origin(a) is Literal for a in choices) and not isinstance(value, bool) \
-                and not any(value in typing.get_args(a) for a in choices if a is not bool):
-            allowed = [v for a in choices for v in (("true", "false") if a is bool else typing.get_args(a))]
+        if (
+            all(a is bool or typing.get_origin(a) is Literal for a in choices)
+            and not isinstance(value, bool)
+            and not any(value in typing.get_args(a) for a in choices if a is not bool)
+        ):
+            allowed = [
+                v for a in choices for v in (("true", "false") if a is bool else typing.get_args(a))
+            ]
             raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(str, allowed))}")
         errors = []
         for arg in args:
@@ -511,7 +688,11 @@ def _coerce(tp, value, key):
                 return _coerce(arg, value, key)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[-1] if len(errors) == 1 else f"{key}={value!r}: not a valid value ({'; '.join(errors)})")
+        raise ConfigError(
+            errors[-1]
+            if len(errors) == 1
+            else f"{key}={value!r}: not a valid value ({'; '.join(errors)})"
+        )
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:

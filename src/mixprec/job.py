@@ -1,9 +1,11 @@
-"""One job, wired end to end: config -> hardware -> data -> model -> precision policy -> engine -> records.
+"""One job, wired end to end: config -> hardware -> data -> model -> precision policy -> engine ->
+records.
 
-This is the only module that puts the parts together; each part takes plain values from the validated config.
-`run_job` (the Hydra job) is also the one place where every way a job ends becomes its summary.json and its
-exit status: a `JobError` carries the console line and the status, `end_job` says it and exits (a sweep goes
-on with its other jobs, except after a signal, which was meant for the whole command).
+This is the only module that puts the parts together; each part takes plain values from the
+validated config. `run_job` (the Hydra job) is also the one place where every way a job ends becomes
+its summary.json and its exit status: a `JobError` carries the console line and the status,
+`end_job` says it and exits (a sweep goes on with its other jobs, except after a signal, which was
+meant for the whole command).
 """
 from __future__ import annotations
 
@@ -40,8 +42,14 @@ from .runtime.signals import StopSignals, resume_hint
 from .tools import replay
 from .train import checkpoint, images, loop, tricks
 from .train.build import build_trained
-from .train.compile import (RNN_EAGER, GraphWatch, compile_model, reset_compile_state, start_compile_workers,
-                            warm_compile)
+from .train.compile import (
+    RNN_EAGER,
+    GraphWatch,
+    compile_model,
+    reset_compile_state,
+    start_compile_workers,
+    warm_compile,
+)
 from .train.lm import LMSteps
 from .train.optim import build_schedule
 from .train.prewarm import prewarm, prewarm_lm, reset_peak
@@ -51,7 +59,8 @@ log = logging.getLogger(__name__)
 
 
 class JobError(Exception):
-    """A job that ends without completing: the line(s) rank 0 says, and the process's exit status."""
+    """A job that ends without completing: the line(s) rank 0 says, and the process's exit
+    status."""
 
     def __init__(self, line: str, code: int, *, stops_sweep: bool = False):
         super().__init__(line)
@@ -74,14 +83,21 @@ def run_job(cfg: DictConfig) -> dict:
     """The Hydra job: returns its summary (a sweep goes on), or exits with the job's status."""
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    job = JobDir(Path(hc.runtime.output_dir), Path(hc.sweep.dir) if multirun else None, dist.from_env())
+    job = JobDir(
+        Path(hc.runtime.output_dir), Path(hc.sweep.dir) if multirun else None, dist.from_env()
+    )
     logs.setup(job.ranks.main)
     summary = {
         "status": "failed",
         "choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")},
         "overrides": list(hc.overrides.task),
-        "job": {"name": hc.job.name, "num": hc.job.num if multirun else None, "output_dir": str(job.out),
-                "sweep_dir": str(job.sweep) if multirun else None, "override_dirname": hc.job.override_dirname},
+        "job": {
+            "name": hc.job.name,
+            "num": hc.job.num if multirun else None,
+            "output_dir": str(job.out),
+            "sweep_dir": str(job.sweep) if multirun else None,
+            "override_dirname": hc.job.override_dirname,
+        },
         "config": None,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -99,33 +115,48 @@ def run_job(cfg: DictConfig) -> dict:
             print(job_block(summary))
             print(f"records     {job.out}")
         return end_job(summary, job)
-    except ConfigError as e:   # bad input, or one the device or the ranks cannot serve: recorded by rank 0
+    # bad input, or one the device or the ranks cannot serve: recorded by rank 0
+    except ConfigError as e:
         summary["error"] = f"config error: {e}"
         if job.ranks.main:
             write_json_atomic(job.out / SUMMARY, summary)
         return end_job(summary, job, JobError(f"mixprec: config error: {e}", 2))
-    except checkpoint.CheckpointError as e:   # an unreadable summary.json, left as it is: the sweep table lists it
+    # an unreadable summary.json, left as it is: the sweep table lists it
+    except checkpoint.CheckpointError as e:
         return end_job({"status": "unreadable", "error": str(e)}, job, JobError(f"mixprec: {e}", 2))
-    except KeyboardInterrupt:   # a second Ctrl-C: the summary says interrupted, with no checkpoint of this step
-        return end_job(summary, job, JobError(f"\nmixprec: interrupted; to continue: {resume_hint(job.out, job.sweep)}",
-                                              130, stops_sweep=True))
+    # a second Ctrl-C: the summary says interrupted, with no checkpoint of this step
+    except KeyboardInterrupt:
+        return end_job(
+            summary,
+            job,
+            JobError(
+                f"\nmixprec: interrupted; to continue: {resume_hint(job.out, job.sweep)}",
+                130,
+                stops_sweep=True,
+            ),
+        )
 
 
 def final_prior(config: Config, job: JobDir) -> dict | None:
-    """Under trainer.resume=auto, the summary of a job already completed or diverged in this dir (it is skipped)."""
+    """Under trainer.resume=auto, the summary of a job already completed or diverged in this dir (it
+    is skipped)."""
     if config.trainer.resume != "auto":
         return None
     prior = checkpoint.prior_summary(job.out)
     if prior is None or prior["status"] not in checkpoint.FINAL:
         return None
     if job.ranks.main:
-        print(f"mixprec: {job.out}: already {prior['status']}, skipped (trainer.resume=auto; its records are left as they are)")
+        print(
+            f"mixprec: {job.out}: already {prior['status']}, skipped (trainer.resume=auto; its "
+            "records are left as they are)"
+        )
     return prior
 
 
 def end_job(summary: dict, job: JobDir, error: JobError | None = None) -> dict:
-    """The one place a job ends: its result printed and its failure said (rank 0), then the summary returned (a
-    completed job; any job of a sweep) or the process ended with the failure's exit status."""
+    """The one place a job ends: its result printed and its failure said (rank 0), then the summary
+    returned (a completed job; any job of a sweep) or the process ended with the failure's exit
+    status."""
     if error is None and summary["status"] not in checkpoint.FINAL:
         error = outcome(summary, job)
     by = summary.get("stop_signal")
@@ -155,18 +186,27 @@ def outcome(summary: dict, job: JobDir) -> JobError:
                         128 + signal.Signals[by].value if by else 1, stops_sweep=True)
     line = f"mixprec: the job failed: {summary.get('error')}"
     ckpt = job.out / checkpoint.CHECKPOINT
-    if ckpt.exists() and str(ckpt) not in summary.get("error", ""):   # not when the checkpoint is what failed
+    # not when the checkpoint is what failed
+    if ckpt.exists() and str(ckpt) not in summary.get("error", ""):
         line += f"\nmixprec: to retry from its last checkpoint: {resume_hint(job.out, None)}"
     return JobError(line, 1)
 
 
-def train_and_record(config: Config, summary: dict, out_dir: Path, group: str | None = None, name: str = "run",
-                     ranks: dist.Ranks = dist.SINGLE) -> dict:
-    """Run one validated job, write its records (rank 0), and return its summary (failed jobs included)."""
+def train_and_record(
+    config: Config,
+    summary: dict,
+    out_dir: Path,
+    group: str | None = None,
+    name: str = "run",
+    ranks: dist.Ranks = dist.SINGLE,
+) -> dict:
+    """Run one validated job, write its records (rank 0), and return its summary (failed jobs
+    included)."""
     device = hardware.select_device(dist.device_name(config.trainer.device, ranks))
     dist.check(config.trainer.batch_size, config.trainer.sync_bn, device, ranks,
                config.trick.ghost_splits if config.trick.ghost_bn else 1)
-    made = dist.init(ranks)   # joins the job's process group (torchrun's is joined already, in train.py)
+    # joins the job's process group (torchrun's is joined already, in train.py)
+    made = dist.init(ranks)
     try:   # from here a SIGTERM/SIGINT stops the job (torchrun forwards a SIGTERM to every rank)
         with StopSignals() as stop:
             return record_training(config, summary, out_dir, group, name, device, ranks, stop)
@@ -181,7 +221,9 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     records them."""
     modes.configure(device, config.trainer, config.precision, config.seed)
     env = hardware.describe(device)
-    profile = hardware.gpu_profile(config.gpu, env["device_name"] if device.type != "cpu" else "cpu")
+    profile = hardware.gpu_profile(
+        config.gpu, env["device_name"] if device.type != "cpu" else "cpu"
+    )
     emulated = emulates(config.precision, device)
     summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
                    hazards=hazards(config.precision, config.optimizer, device.type),
@@ -190,29 +232,47 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     try:
         resume = open_job_dir(config, summary, out_dir, device.type, ranks)
         mirror = open_mirror(config, summary, out_dir, group, name, resume) if ranks.main else None
-    except (checkpoint.CheckpointError, RuntimeError) as e:   # recorded as a failed job, in one line
+    # recorded as a failed job, in one line
+    except (checkpoint.CheckpointError, RuntimeError) as e:
         summary["error"] = str(e)
         note_signal(summary, stop())
         if ranks.main:
             write_json_atomic(out_dir / SUMMARY, summary)
         return summary
     recorder = Recorder(out_dir, mirror) if ranks.main else dist.Silent(out_dir)
-    saver = checkpoint.Checkpointer(out_dir, meta={"config": summary["config"], "device_type": device.type,
-                                                   "wandb_run_id": mirror and mirror.run.id,
-                                                   "resumes": summary.get("resumed", {}).get("history", [])}, ranks=ranks)
+    saver = checkpoint.Checkpointer(
+        out_dir,
+        meta={
+            "config": summary["config"],
+            "device_type": device.type,
+            "wandb_run_id": mirror and mirror.run.id,
+            "resumes": summary.get("resumed", {}).get("history", []),
+        },
+        ranks=ranks,
+    )
     recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
     try:
         with emulation.numerics(emulated):
-            summary.update(train_job(config, device, recorder, saver, resume, ranks.agreed_stop(stop), ranks))
-            summary.update(replay.explain(summary, config, device, out_dir, ranks.active, train_job))   # probe=none
+            summary.update(
+                train_job(config, device, recorder, saver, resume, ranks.agreed_stop(stop), ranks)
+            )
+            summary.update(
+                replay.explain(summary, config, device, out_dir, ranks.active, train_job)
+            )  # probe=none
     except KeyboardInterrupt:
         summary.update(status="interrupted", error="interrupted by the user (KeyboardInterrupt)")
         raise
-    except (DataError, ConfigError) as e:  # data missing/unreadable, or a config the data cannot serve: one line
-        summary.update(status="failed", error=f"{'data' if isinstance(e, DataError) else 'config'} error: {e}")
+    # data missing/unreadable, or a config the data cannot serve: one line
+    except (DataError, ConfigError) as e:
+        summary.update(
+            status="failed", error=f"{'data' if isinstance(e, DataError) else 'config'} error: {e}"
+        )
     except Exception as e:  # the job failed: record why; a sweep goes on with its other jobs
-        summary.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-        if not ranks.main:   # rank 0 records the job's error; a failure of this rank alone is said here
+        summary.update(
+            status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()
+        )
+        # rank 0 records the job's error; a failure of this rank alone is said here
+        if not ranks.main:
             log.error(f"mixprec: rank {ranks.rank}: {summary['error']}".splitlines()[0])
     finally:
         note_signal(summary, stop())
@@ -243,8 +303,11 @@ def note_signal(summary: dict, by: str | None) -> None:
         summary["interrupted_by"] = by
 
 
-def open_job_dir(config: Config, summary: dict, out_dir: Path, device_type: str, ranks: dist.Ranks) -> dict | None:
-    """The checkpoint to resume from (trainer.resume=auto; None: start over), the dir's records made to match."""
+def open_job_dir(
+    config: Config, summary: dict, out_dir: Path, device_type: str, ranks: dist.Ranks
+) -> dict | None:
+    """The checkpoint to resume from (trainer.resume=auto; None: start over), the dir's records made
+    to match."""
     resume = prior = None
     if config.trainer.resume == "auto":
         prior = checkpoint.prior_summary(out_dir)
@@ -253,31 +316,49 @@ def open_job_dir(config: Config, summary: dict, out_dir: Path, device_type: str,
     if not ranks.main:
         return resume
     if checkpoint.prepare_dir(out_dir, resume) and resume is None:
-        log.info(f"mixprec: note: {out_dir} held records of an earlier run: starting over "
-                 f"({'no checkpoint to resume from' if config.trainer.resume == 'auto' else 'trainer.resume=never'})")
+        why = ("no checkpoint to resume from" if config.trainer.resume == "auto"
+               else "trainer.resume=never")
+        log.info(f"mixprec: note: {out_dir} held records of an earlier run: starting over ({why})")
     if resume is not None:
         summary["resumed"] = r = checkpoint.resumed_info(resume, prior)
-        log.info(f"mixprec: resuming {out_dir} at step {r['from_step']} (epoch {r['from_epoch']:.2f}; "
-                 f"its last status: {r['previous_status']})")
+        log.info(
+            f"mixprec: resuming {out_dir} at step {r['from_step']} (epoch {r['from_epoch']:.2f}; "
+            f"its last status: {r['previous_status']})"
+        )
     return resume
 
 
-def open_mirror(config: Config, summary: dict, out_dir: Path, group: str | None, name: str, resume: dict | None):
-    """The W&B run the records are mirrored to (None without W&B); a resumed job continues its run."""
+def open_mirror(
+    config: Config, summary: dict, out_dir: Path, group: str | None, name: str, resume: dict | None
+):
+    """The W&B run the records are mirrored to (None without W&B); a resumed job continues its
+    run."""
     if config.logger.name != "wandb" or config.logger.mode == "disabled":
         return None
     from .records.wandb_mirror import WandbMirror
 
-    mirror = WandbMirror(config.logger, out_dir, summary["config"], group=group, name=name, job_type=config.name,
-                         run_id=resume.get("wandb_run_id") if resume else None)
+    mirror = WandbMirror(
+        config.logger,
+        out_dir,
+        summary["config"],
+        group=group,
+        name=name,
+        job_type=config.name,
+        run_id=resume.get("wandb_run_id") if resume else None,
+    )
     summary["wandb"] = {"mode": config.logger.mode, "run_id": mirror.run.id, "dir": mirror.run_dir}
     return mirror
 
 
-def complete_summary(summary: dict, config: Config, device: torch.device, saver: checkpoint.Checkpointer,
-                     world: int = 1) -> None:
-    """What the summary adds after training, whatever happened: MFU, the likely cause of a divergence, checkpoint
-    time, the case's verdict, the end time and the peak memory."""
+def complete_summary(
+    summary: dict,
+    config: Config,
+    device: torch.device,
+    saver: checkpoint.Checkpointer,
+    world: int = 1,
+) -> None:
+    """What the summary adds after training, whatever happened: MFU, the likely cause of a
+    divergence, checkpoint time, the case's verdict, the end time and the peak memory."""
     m = summary.setdefault("metrics", {})
     if "throughput" in m:
         m["mfu"] = hardware.mfu(m, summary["gpu_profile"], modes.peak_kind(config.precision), world)
@@ -291,25 +372,60 @@ def complete_summary(summary: dict, config: Config, device: torch.device, saver:
     m.update(hardware.memory_metrics(device))
 
 
-def train_job(config: Config, device: torch.device, recorder: Recorder, saver: checkpoint.Checkpointer,
-              resume: dict | None = None, stop=lambda: None, ranks: dist.Ranks = dist.SINGLE) -> dict:
-    """Build the job's parts (image or language model), restore a checkpoint into them, and run the shared loop."""
+def train_job(
+    config: Config,
+    device: torch.device,
+    recorder: Recorder,
+    saver: checkpoint.Checkpointer,
+    resume: dict | None = None,
+    stop=lambda: None,
+    ranks: dist.Ranks = dist.SINGLE,
+) -> dict:
+    """Build the job's parts (image or language model), restore a checkpoint into them, and run the
+    shared loop."""
     if config.model.is_language_model and ranks.active:
-        raise ConfigError("model=" + config.model.arch + ": language models train in one process here; "
-                          "torchrun/DDP covers the image models")
+        raise ConfigError(
+            "model=" + config.model.arch + ": language models train in one process here; "
+            "torchrun/DDP covers the image models"
+        )
     build = language_model_parts if config.model.is_language_model else image_parts
     reset_compile_state(device)   # an earlier job of this process (a sweep's) leaves nothing
     steps, batches, policy, optimizer, info = build(config, device, ranks)
     try:
-        return run_parts(config, device, steps, batches, policy, optimizer, info, saver, resume, stop, ranks, recorder)
+        return run_parts(
+            config,
+            device,
+            steps,
+            batches,
+            policy,
+            optimizer,
+            info,
+            saver,
+            resume,
+            stop,
+            ranks,
+            recorder,
+        )
     finally:   # a DataLoader's workers end with the job, whatever ended it
         for loader in (batches, getattr(steps, "test_batches", None)):
             if isinstance(loader, Resumable):
                 loader.close()
 
 
-def run_parts(config: Config, device: torch.device, steps, batches, policy, optimizer, info: dict, saver: checkpoint.Checkpointer,
-              resume: dict | None, stop, ranks: dist.Ranks, recorder: Recorder) -> dict:
+def run_parts(
+    config: Config,
+    device: torch.device,
+    steps,
+    batches,
+    policy,
+    optimizer,
+    info: dict,
+    saver: checkpoint.Checkpointer,
+    resume: dict | None,
+    stop,
+    ranks: dist.Ranks,
+    recorder: Recorder,
+) -> dict:
     """Restore a checkpoint into the built parts and run the shared loop."""
     tr = config.trainer
     model = info.pop("model")
@@ -325,27 +441,38 @@ def run_parts(config: Config, device: torch.device, steps, batches, policy, opti
                            busy=busy.meter_for(device, ranks.world))
         result = loop.fit(steps, batches, run, state)
         result["numerics"] = probe.summary()
-        result["verdict"] = verdicts.judge(result["numerics"], probe.rows(),
-                                           verdicts.context(config, result["status"], result["metrics"].get("steps")))
+        result["verdict"] = verdicts.judge(
+            result["numerics"],
+            probe.rows(),
+            verdicts.context(config, result["status"], result["metrics"].get("steps")),
+        )
     if ranks.active:
-        result["distributed"] = {"world_size": ranks.world, "per_rank_batch": tr.batch_size // ranks.world,
-                                 "sync_bn": tr.sync_bn, "backend": dist.backend_for(device),
-                                 "weight_spread": dist.spread(policy.stepped_params(), ranks)}
+        result["distributed"] = {
+            "world_size": ranks.world,
+            "per_rank_batch": tr.batch_size // ranks.world,
+            "sync_bn": tr.sync_bn,
+            "backend": dist.backend_for(device),
+            "weight_spread": dist.spread(policy.stepped_params(), ranks),
+        }
     result["metrics"].update(info.pop("metrics"), **info.pop("compiled").finish())
     m = result["metrics"]
-    if "preprocess_time_s" in m:   # an image job: its time on Page's clock, the one-off data preparation included
+    # an image job: its time on Page's clock, the one-off data preparation included
+    if "preprocess_time_s" in m:
         m["page_clock_s"] = m["train_time_s"] + m["preprocess_time_s"]
-    result["fp8"] = policy.fp8   # precision=fp8: the float8 and bf16 Linear layers, emulated or not (else None)
+    # precision=fp8: the float8 and bf16 Linear layers, emulated or not (else None)
+    result["fp8"] = policy.fp8
     final = info.pop("final")   # the weights that were evaluated: the EMA's if any
     if result["status"] in checkpoint.FINAL and ranks.main:
         result["weights"] = checkpoint.save_weights(recorder.out_dir, policy.fp32_state_dict(final),
                                                     info.pop("num_classes"))
-    return {**result, "data": info["data"], "optimizer": info["optimizer"]}   # its weight-decay groups
+    # its weight-decay groups
+    return {**result, "data": info["data"], "optimizer": info["optimizer"]}
 
 
 @contextlib.contextmanager
 def probed(config: Config, model, recorder: Recorder, ranks: dist.Ranks):
-    """The job's numerics probe (numerics/probe.py): rank 0 records numerics.jsonl; closed however training ends."""
+    """The job's numerics probe (numerics/probe.py): rank 0 records numerics.jsonl; closed however
+    training ends."""
     probe = build_probe(config.probe, model, recorder.out_dir if ranks.main else None)
     try:
         yield probe
@@ -354,41 +481,97 @@ def probed(config: Config, model, recorder: Recorder, ranks: dist.Ranks):
 
 
 def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
-    """An image classifier's steps, training batches, policy, optimizer, and what the job records about it."""
+    """An image classifier's steps, training batches, policy, optimizer, and what the job records
+    about it."""
     tr, t, resnet9 = config.trainer, config.trick, config.model.arch == "resnet9"
     data = build_image_data(config.dataset)
-    start = time.perf_counter()   # Page's clock starts before his preprocessing (dawn.py at 37a13cc:79-87)
+    # Page's clock starts before his preprocessing (dawn.py at 37a13cc:79-87)
+    start = time.perf_counter()
     train_batches, test_batches = image_loaders(data, config.dataset, tr, device, seed=config.seed,
                                                 shard=(ranks.rank, ranks.world))
     hardware.synchronize(device)
     preprocess_s = time.perf_counter() - start
     whitening, setup_s = tricks.fit_whitening(t, data, device) if resnet9 else (None, 0.0)
-    model = build_model(config.model, data.num_classes, **(resnet9_options(t, whitening) if resnet9 else {}))
+    model = build_model(
+        config.model, data.num_classes, **(resnet9_options(t, whitening) if resnet9 else {})
+    )
     flops = forward_flops(model, torch.zeros(1, *train_batches.image_shape))
     n_params = sum(p.numel() for p in model.parameters())
     built = build_trained(model, config, device, t.bn_bias_lr, tr.channels_last,
-                          wrap=lambda m: dist.wrap(m, device, tr.sync_bn, ranks))   # DDP under several ranks
-    model, net, policy, optimizer, groups = built.model, built.net, built.policy, built.optimizer, built.groups
+                          # DDP under several ranks
+                          wrap=lambda m: dist.wrap(m, device, tr.sync_bn, ranks))
+    model, net, policy, optimizer, groups = (
+        built.model,
+        built.net,
+        built.policy,
+        built.optimizer,
+        built.groups,
+    )
     schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(train_batches)))
     ema = tricks.EMA(model, t.ema_momentum, t.ema_every) if t.ema else None
-    steps = images.ImageSteps(net, schedule, test_batches, label_smoothing=t.label_smoothing, loss_sum=t.loss_sum,
-                              ema=ema, tta=t.tta, bn_eval=config.model.bn_eval, setup_time_s=setup_s)
-    # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py), then the
-    # compilation of the model the loop trains, also before the clock (train/compile.py)
-    prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_for(device.type), tr.batch_size // ranks.world,
-                        train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
+    steps = images.ImageSteps(
+        net,
+        schedule,
+        test_batches,
+        label_smoothing=t.label_smoothing,
+        loss_sum=t.loss_sum,
+        ema=ema,
+        tta=t.tta,
+        bn_eval=config.model.bn_eval,
+        setup_time_s=setup_s,
+    )
+    # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py),
+    # then the compilation of the model the loop trains, also before the clock (train/compile.py)
+    prewarm_s = prewarm(
+        model,
+        policy,
+        optimizer,
+        tr.prewarm_for(device.type),
+        tr.batch_size // ranks.world,
+        train_batches.image_shape,
+        data.num_classes,
+        tr.channels_last,
+        tr.grad_clip,
+    )
     modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
-    compile_s, watch = compile_and_warm(steps, net, policy, tr.compile, image_warmup(
-        min(tr.batch_size // ranks.world, len(data.train_y) // ranks.world), tr.eval_batch_size, len(data.test_y),
-        train_batches.image_shape, data.num_classes, tr.channels_last, config.model.bn_eval))
-    info = {"model": model, "parts": {} if ema is None else {"ema": ema}, "final": model if ema is None else ema.model,
-            "num_classes": data.num_classes, "optimizer": groups, "compiled": watch,
-            "metrics": {"params": n_params, "forward_flops_per_sample": flops, "prewarm_time_s": prewarm_s,
-                        "preprocess_time_s": preprocess_s,
-                        "compile_time_s": compile_s,
-                        "train_flops_per_sample": None if flops is None else 3 * flops},
-            "data": {**data.info, "train": len(data.train_y), "test": len(data.test_y), "mean": data.mean,
-                     "std": data.std}}
+    compile_s, watch = compile_and_warm(
+        steps,
+        net,
+        policy,
+        tr.compile,
+        image_warmup(
+            min(tr.batch_size // ranks.world, len(data.train_y) // ranks.world),
+            tr.eval_batch_size,
+            len(data.test_y),
+            train_batches.image_shape,
+            data.num_classes,
+            tr.channels_last,
+            config.model.bn_eval,
+        ),
+    )
+    info = {
+        "model": model,
+        "parts": {} if ema is None else {"ema": ema},
+        "final": model if ema is None else ema.model,
+        "num_classes": data.num_classes,
+        "optimizer": groups,
+        "compiled": watch,
+        "metrics": {
+            "params": n_params,
+            "forward_flops_per_sample": flops,
+            "prewarm_time_s": prewarm_s,
+            "preprocess_time_s": preprocess_s,
+            "compile_time_s": compile_s,
+            "train_flops_per_sample": None if flops is None else 3 * flops,
+        },
+        "data": {
+            **data.info,
+            "train": len(data.train_y),
+            "test": len(data.test_y),
+            "mean": data.mean,
+            "std": data.std,
+        },
+    }
     return steps, train_batches, policy, optimizer, info
 
 
@@ -410,14 +593,19 @@ def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode:
 
 
 def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks):
-    """A word-level language model on a text corpus (see train/lm.py); throughput and FLOPs are per token."""
+    """A word-level language model on a text corpus (see train/lm.py); throughput and FLOPs are per
+    token."""
     tr, bptt = config.trainer, config.dataset.bptt
     if tr.compile != "none" and config.model.arch != "gpt":
-        raise ConfigError(f"trainer.compile={tr.compile} with model={config.model.arch}: {RNN_EAGER}; use "
-                          "trainer.compile=none (the GPT and the image models compile)")
+        raise ConfigError(
+            f"trainer.compile={tr.compile} with model={config.model.arch}: {RNN_EAGER}; use "
+            "trainer.compile=none (the GPT and the image models compile)"
+        )
     corpus = load_text_corpus(config.dataset)
     train_source = batchify(corpus.train, tr.batch_size, device)
-    valid_source, test_source = (batchify(ids, tr.eval_batch_size, device) for ids in (corpus.valid, corpus.test))
+    valid_source, test_source = (
+        batchify(ids, tr.eval_batch_size, device) for ids in (corpus.valid, corpus.test)
+    )
     windows = TokenWindows(train_source, bptt)
     model = build_model(config.model, corpus.vocab_size)
     flops = model.flops_per_token(bptt)
@@ -426,24 +614,62 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     model, policy, optimizer, groups = built.model, built.policy, built.optimizer, built.groups
     schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(windows)))
     steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=tr.batch_size)
-    prewarm_s = prewarm_lm(model, policy, optimizer, tr.prewarm_for(device.type), bptt, tr.batch_size,
-                           corpus.vocab_size, tr.grad_clip)
+    prewarm_s = prewarm_lm(
+        model,
+        policy,
+        optimizer,
+        tr.prewarm_for(device.type),
+        bptt,
+        tr.batch_size,
+        corpus.vocab_size,
+        tr.grad_clip,
+    )
     modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
-    compile_s, watch = compile_and_warm(steps, model, policy, tr.compile, lm_warmup(
-        len(train_source), tr.batch_size, [len(valid_source), len(test_source)], tr.eval_batch_size, bptt,
-        corpus.vocab_size))
-    info = {"model": model, "parts": {"hidden": steps}, "final": model, "num_classes": corpus.vocab_size,
-            "optimizer": groups, "compiled": watch,
-            "metrics": {"params": n_params, "forward_flops_per_sample": flops, "train_flops_per_sample": 3 * flops,
-                        "flops_per": "token", "prewarm_time_s": prewarm_s, "compile_time_s": compile_s},
-            "data": {**corpus.info, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
-                     "valid_tokens": len(corpus.valid), "test_tokens": len(corpus.test), "bptt": bptt}}
+    compile_s, watch = compile_and_warm(
+        steps,
+        model,
+        policy,
+        tr.compile,
+        lm_warmup(
+            len(train_source),
+            tr.batch_size,
+            [len(valid_source), len(test_source)],
+            tr.eval_batch_size,
+            bptt,
+            corpus.vocab_size,
+        ),
+    )
+    info = {
+        "model": model,
+        "parts": {"hidden": steps},
+        "final": model,
+        "num_classes": corpus.vocab_size,
+        "optimizer": groups,
+        "compiled": watch,
+        "metrics": {
+            "params": n_params,
+            "forward_flops_per_sample": flops,
+            "train_flops_per_sample": 3 * flops,
+            "flops_per": "token",
+            "prewarm_time_s": prewarm_s,
+            "compile_time_s": compile_s,
+        },
+        "data": {
+            **corpus.info,
+            "vocab_size": corpus.vocab_size,
+            "train_tokens": len(corpus.train),
+            "valid_tokens": len(corpus.valid),
+            "test_tokens": len(corpus.test),
+            "bptt": bptt,
+        },
+    }
     return steps, windows, policy, optimizer, info
 
 
 def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
-    """Evaluate a finished job's saved weights (model_fp32.pt) in an fp32 model, with fp32 math, on the job's own
-    test split: apex's promise that whatever the training precision, the saved model is fp32 and usable."""
+    """Evaluate a finished job's saved weights (model_fp32.pt) in an fp32 model, with fp32 math, on
+    the job's own test split: apex's promise that whatever the training precision, the saved model
+    is fp32 and usable."""
     from .config import PrecisionConfig
 
     model, config = checkpoint.load_fp32_model(run_dir)
@@ -458,11 +684,18 @@ def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
         model = model.to(memory_format=torch.channels_last)
     loss, acc, _ = images.evaluate(model, test_batches, policy)
     recorded = checkpoint.prior_summary(Path(run_dir))["metrics"]
-    return {"test_acc": acc, "test_loss": loss, "recorded_test_acc": recorded.get("final_test_acc"),
-            "recorded_test_loss": recorded.get("final_test_loss"), "precision": config.precision.name}
+    return {
+        "test_acc": acc,
+        "test_loss": loss,
+        "recorded_test_acc": recorded.get("final_test_acc"),
+        "recorded_test_loss": recorded.get("final_test_loss"),
+        "precision": config.precision.name,
+    }
 
 
-def warn_if_slow(config: Config, device: torch.device, profile: dict, emulated: bool = False) -> None:
+def warn_if_slow(
+    config: Config, device: torch.device, profile: dict, emulated: bool = False
+) -> None:
     if profile.get("note") and profile.get("matched") is False:
         log.info(f"mixprec: note: {profile['note']}")
     modes.say_notes(config.precision, device, emulated)

@@ -1,11 +1,14 @@
 """Data on disk: where it lives, how it is fetched and checked, and the decoded-array cache.
 
-- `data_root(data_dir)`: `dataset.data_dir` if set, else $MIXPREC_DATA_DIR, else `data/` under the project.
-- `fetch(urls, dest, md5=..., sha256=...)`: download with torchvision's helpers from the first URL that works,
-  check the checksum, then move the file into place; a failed or mismatching download leaves nothing behind.
-- `ArrayCache`: decoded arrays as .npy files plus a manifest naming the source files (size, mtime) they came
-  from. Each file is written to a temporary name and renamed; the manifest goes last, so a cache is either
-  complete and current or ignored. A folder that cannot be written (read-only data) just means no cache.
+- `data_root(data_dir)`: `dataset.data_dir` if set, else $MIXPREC_DATA_DIR, else `data/` under the
+  project.
+- `fetch(urls, dest, md5=..., sha256=...)`: download with torchvision's helpers from the first URL
+  that works, check the checksum, then move the file into place; a failed or mismatching download
+  leaves nothing behind.
+- `ArrayCache`: decoded arrays as .npy files plus a manifest naming the source files (size, mtime)
+  they came from. Each file is written to a temporary name and renamed; the manifest goes last, so a
+  cache is either complete and current or ignored. A folder that cannot be written (read-only data)
+  just means no cache.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[3]   # src/mixprec/data/files.py
 
 
 class DataError(RuntimeError):
-    """Data that is missing, corrupt or not in the expected format. The message is one line for the user."""
+    """Data that is missing, corrupt or not in the expected format. The message is one line for the
+    user."""
 
 
 def data_root(data_dir: str | None) -> Path:
@@ -64,11 +68,18 @@ def fetch(urls, dest: Path, *, md5: str | None = None, sha256: str | None = None
             download_url(url, str(dest.parent), filename=tmp.name)
             got = md5sum(tmp) if md5 else sha256sum(tmp) if sha256 else None
             if got != (md5 or sha256):
-                raise ValueError(f"{'md5' if md5 else 'sha256'} {got} is not the published {md5 or sha256}")
+                raise ValueError(
+                    f"{'md5' if md5 else 'sha256'} {got} is not the published {md5 or sha256}"
+                )
             os.replace(tmp, dest)
             return
-        except Exception as e:  # unreachable, refused, redirected to an error page, wrong checksum...
-            failures.append(f"{url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "))
+        # unreachable, refused, redirected to an error page, wrong checksum...
+        except Exception as e:
+            failures.append(
+                f"{url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(
+                    ": "
+                )
+            )
         finally:
             tmp.unlink(missing_ok=True)
     raise DataError("; ".join(failures) or "no download URL configured (dataset.urls is empty)")
@@ -80,7 +91,8 @@ def signature(paths) -> list:
 
 
 class ArrayCache:
-    """A folder of .npy arrays and a manifest.json that ties them to their sources (see the module doc)."""
+    """A folder of .npy arrays and a manifest.json that ties them to their sources (see the module
+    doc)."""
 
     def __init__(self, folder: Path, source: list):
         self.folder = folder
@@ -104,7 +116,8 @@ class ArrayCache:
             return None
 
     def save(self, arrays: dict, meta: dict) -> bool:
-        """Write the arrays, then the manifest. False (with a note) where the folder cannot be written."""
+        """Write the arrays, then the manifest. False (with a note) where the folder cannot be
+        written."""
         entries = {}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -113,14 +126,24 @@ class ArrayCache:
                 path = self.folder / f"{key}.npy"
                 with atomic_file(path, "wb") as f:
                     np.save(f, np.ascontiguousarray(value), allow_pickle=False)
-                entries[key] = {"file": path.name, "bytes": path.stat().st_size, "shape": list(value.shape),
-                                "dtype": str(value.dtype)}
-            write_json_atomic(self.manifest, {"version": CACHE_VERSION, "source": self.source, "arrays": entries,
-                                              "meta": meta})
+                entries[key] = {
+                    "file": path.name,
+                    "bytes": path.stat().st_size,
+                    "shape": list(value.shape),
+                    "dtype": str(value.dtype),
+                }
+            write_json_atomic(
+                self.manifest,
+                {"version": CACHE_VERSION, "source": self.source, "arrays": entries, "meta": meta},
+            )
             return True
         except OSError as e:
-            for entry in entries.values():   # a disk that filled up: leave no arrays without their manifest
+            # a disk that filled up: leave no arrays without their manifest
+            for entry in entries.values():
                 (self.folder / entry["file"]).unlink(missing_ok=True)
-            log.warning(f"mixprec: note: no cache written in {self.folder} ({type(e).__name__}: {e.strerror or e}); "
-                        "the data is decoded again next time")
+            log.warning(
+                f"mixprec: note: no cache written in {self.folder} ({type(e).__name__}: "
+                f"{e.strerror or e}); "
+                "the data is decoded again next time"
+            )
             return False

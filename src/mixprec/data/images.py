@@ -1,5 +1,5 @@
-"""Image datasets as uint8 tensors on the CPU: the ImageData container, the synthetic CIFAR-shaped set, and the
-exact per-channel statistics that normalise them (CIFAR itself: cifar.py)."""
+"""Image datasets as uint8 tensors on the CPU: the ImageData container, the synthetic CIFAR-shaped
+set, and the exact per-channel statistics that normalise them (CIFAR itself: cifar.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,24 +24,33 @@ class ImageData:
     train_coarse: Optional[torch.Tensor] = None   # CIFAR-100's 20 superclass labels (int64 [N])
     test_coarse: Optional[torch.Tensor] = None
     coarse_classes: tuple = ()
-    info: dict = field(default_factory=dict)      # where it came from (source, cache), for the job's records
+    # where it came from (source, cache), for the job's records
+    info: dict = field(default_factory=dict)
 
 
 def synthetic_images(cfg: DatasetConfig) -> ImageData:
-    """CIFAR-shaped (3x32x32), learnable images, a pure function of cfg (its own seed, not the run's). Like CIFAR,
-    they are resized to `dataset.image_size` on the device when that is not 32."""
+    """CIFAR-shaped (3x32x32), learnable images, a pure function of cfg (its own seed, not the
+    run's). Like CIFAR, they are resized to `dataset.image_size` on the device when that is not
+    32."""
     gen = torch.Generator().manual_seed(cfg.seed)
     c, s = cfg.num_classes, 32
-    # A smooth random pattern per class: 4x4 colour noise upsampled to the image size, unit contrast.
-    protos = F.interpolate(torch.randn(c, 3, 4, 4, generator=gen), size=(s, s), mode="bicubic", align_corners=False)
-    protos = (protos - protos.mean(dim=(1, 2, 3), keepdim=True)) / protos.std(dim=(1, 2, 3), keepdim=True)
+    # A smooth random pattern per class: 4x4 colour noise upsampled to the image size, unit
+    # contrast.
+    protos = F.interpolate(
+        torch.randn(c, 3, 4, 4, generator=gen), size=(s, s), mode="bicubic", align_corners=False
+    )
+    protos = (protos - protos.mean(dim=(1, 2, 3), keepdim=True)) / protos.std(
+        dim=(1, 2, 3), keepdim=True
+    )
 
     def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.arange(n) % c
         y = y[torch.randperm(n, generator=gen)]
         x = protos[y]
         shifts = torch.randint(-2, 3, (n, 2), generator=gen)
-        x = torch.stack([torch.roll(img, (int(dy), int(dx)), dims=(1, 2)) for img, (dy, dx) in zip(x, shifts)])
+        x = torch.stack(
+            [torch.roll(img, (int(dy), int(dx)), dims=(1, 2)) for img, (dy, dx) in zip(x, shifts)]
+        )
         x = x + cfg.noise * torch.randn(x.shape, generator=gen)
         return (128 + 48 * x).round().clamp(0, 255).to(torch.uint8), y
 
@@ -52,8 +61,8 @@ def synthetic_images(cfg: DatasetConfig) -> ImageData:
 
 
 def channel_stats(images: torch.Tensor) -> tuple[tuple, tuple]:
-    """Per-channel mean and (unbiased) std of uint8 [N, C, H, W] images, in [0, 1]. Exact, from each channel's
-    256-bin histogram, so a whole CIFAR training set needs no float copy of itself."""
+    """Per-channel mean and (unbiased) std of uint8 [N, C, H, W] images, in [0, 1]. Exact, from each
+    channel's 256-bin histogram, so a whole CIFAR training set needs no float copy of itself."""
     values = torch.arange(256, dtype=torch.float64)
     mean, std = [], []
     for c in range(images.shape[1]):

@@ -1,23 +1,30 @@
-"""Text corpora for language models: Wikitext-2 (word level) and a synthetic token stream, batchified and
-served as bptt windows.
+"""Text corpora for language models: Wikitext-2 (word level) and a synthetic token stream,
+batchified and served as bptt windows.
 
 The API a language-model engine builds on:
 
-    corpus = load_text_corpus(config.dataset)       # Corpus: train/valid/test int64 token ids [T] on the CPU,
-                                                    # vocab (id -> word), vocab_size, info (source, cache)
-    source = batchify(corpus.train, batch_size, device)    # int64 [nbatch, batch_size] on the device; column j
-                                                    # is one contiguous stretch of the stream (the tail is dropped)
-    for x, y in TokenWindows(source, config.dataset.bptt):  # x, y [seq_len, batch_size], seq_len = bptt except
-        ...                                         # the last; y is x one token later: y[t] = source[i + t + 1]
+    corpus = load_text_corpus(config.dataset)       # Corpus: train/valid/test int64 token ids [T]
+    on the CPU,
+                                                    # vocab (id -> word), vocab_size, info (source,
+                                                    cache)
+    source = batchify(corpus.train, batch_size, device)    # int64 [nbatch, batch_size] on the
+    device; column j
+                                                    # is one contiguous stretch of the stream (the
+                                                    tail is dropped)
+    for x, y in TokenWindows(source, config.dataset.bptt):  # x, y [seq_len, batch_size], seq_len =
+    bptt except
+        ...                                         # the last; y is x one token later: y[t] =
+        source[i + t + 1]
     x, y = get_batch(source, i, bptt)               # the window starting at row i
 
 This is PyTorch's word_language_model example (batchify, get_batch), except that its flat target is
-y.reshape(-1) here. Wikitext-2 is the example's tokenized files, wikitext-2/{train,valid,test}.txt in the data
-folder: each line's whitespace-separated words, then `<eos>`; the vocabulary grows over train, valid, test in
-that order (Wikitext-2: 2,088,628 / 217,646 / 245,569 tokens, 33,278 words). Missing files are fetched from the
-`dataset.urls` folders in order and kept only if their sha256 is the published one; files already there are
-read as they are (`official` in the corpus info says whether each matches). Token ids and vocabulary are cached
-as .npy in <data_dir>/mixprec-cache/wikitext2/.
+y.reshape(-1) here. Wikitext-2 is the example's tokenized files, wikitext-2/{train,valid,test}.txt
+in the data folder: each line's whitespace-separated words, then `<eos>`; the vocabulary grows over
+train, valid, test in that order (Wikitext-2: 2,088,628 / 217,646 / 245,569 tokens, 33,278 words).
+Missing files are fetched from the `dataset.urls` folders in order and kept only if their sha256 is
+the published one; files already there are read as they are (`official` in the corpus info says
+whether each matches). Token ids and vocabulary are cached as .npy in
+<data_dir>/mixprec-cache/wikitext2/.
 """
 from __future__ import annotations
 
@@ -43,7 +50,9 @@ SHA256 = {
     "valid": "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8",
     "test": "d790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0",
 }
-OFFICIAL_URL = "https://raw.githubusercontent.com/pytorch/examples/main/word_language_model/data/wikitext-2/"
+OFFICIAL_URL = (
+    "https://raw.githubusercontent.com/pytorch/examples/main/word_language_model/data/wikitext-2/"
+)
 
 
 @dataclass
@@ -75,10 +84,14 @@ def load_wikitext2(data_dir: str | None = None, download: bool = True, urls=()) 
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
         raise DataError(
-            f"Wikitext-2 not found: {folder} lacks {', '.join(missing)} (expected train.txt, valid.txt, test.txt: the "
-            f"tokenized files of PyTorch's word_language_model example); {why}. Get them from {OFFICIAL_URL} into "
-            f"{folder}, or point dataset.data_dir or ${ENV_DATA_DIR} at a folder that has {FOLDER}/, or run without "
-            "data with dataset=synthetic_text")
+            f"Wikitext-2 not found: {folder} lacks {', '.join(missing)} (expected train.txt, "
+            "valid.txt, test.txt: the "
+            f"tokenized files of PyTorch's word_language_model example); {why}. Get them from "
+            f"{OFFICIAL_URL} into "
+            f"{folder}, or point dataset.data_dir or ${ENV_DATA_DIR} at a folder that has "
+            f"{FOLDER}/, or run without "
+            "data with dataset=synthetic_text"
+        )
     cache = ArrayCache(root / "mixprec-cache" / "wikitext2", signature(paths))
     cached = cache.load()
     if cached is not None:
@@ -88,13 +101,20 @@ def load_wikitext2(data_dir: str | None = None, download: bool = True, urls=()) 
         arrays, meta = _decode(paths)
         status = "written" if cache.save(arrays, meta) else "not writable"
     ids = {s: torch.from_numpy(arrays[s]) for s in SPLITS}
-    info = {"name": "wikitext2", "source": str(folder), "cache": status, "cache_dir": str(cache.folder),
-            "lines": meta["lines"], "official": meta["official"]}
+    info = {
+        "name": "wikitext2",
+        "source": str(folder),
+        "cache": status,
+        "cache_dir": str(cache.folder),
+        "lines": meta["lines"],
+        "official": meta["official"],
+    }
     return Corpus(ids["train"], ids["valid"], ids["test"], meta["vocab"], info)
 
 
 def _download(folder: Path, urls: tuple) -> str:
-    """Fetch each missing split file (sha256 checked); the reasons for any that could not be had, or ''."""
+    """Fetch each missing split file (sha256 checked); the reasons for any that could not be had, or
+    ''."""
     failures = []
     for split in SPLITS:
         path = folder / f"{split}.txt"
@@ -113,13 +133,17 @@ def _decode(paths: list[Path]) -> tuple[dict, dict]:
         arrays[split], lines[split] = _tokenize(path, vocab)
         official[split] = sha256sum(path) == SHA256[split]
     if not all(official.values()):
-        log.warning(f"mixprec: note: {', '.join(f'{s}.txt' for s, ok in official.items() if not ok)} in "
-                    f"{paths[0].parent} differ from the published Wikitext-2 files (sha256); using them as they are")
+        log.warning(
+            f"mixprec: note: {', '.join(f'{s}.txt' for s, ok in official.items() if not ok)} in "
+            f"{paths[0].parent} differ from the published Wikitext-2 files (sha256); using them as "
+            "they are"
+        )
     return arrays, {"vocab": list(vocab), "lines": lines, "official": official}
 
 
 def _tokenize(path: Path, vocab: dict) -> tuple[np.ndarray, int]:
-    """Token ids of every line's words and an <eos>, growing `vocab` (word -> id) with words not seen yet."""
+    """Token ids of every line's words and an <eos>, growing `vocab` (word -> id) with words not
+    seen yet."""
     ids, n_lines = [], 0
     try:
         with open(path, encoding="utf-8") as f:
@@ -131,14 +155,17 @@ def _tokenize(path: Path, vocab: dict) -> tuple[np.ndarray, int]:
         raise DataError(f"{path}: not UTF-8 text ({e.reason}); the file is corrupt: delete it and "
                         "fetch it again") from None
     if n_lines == 0:
-        raise DataError(f"{path}: empty; expected tokenized text, one sentence or paragraph per line")
+        raise DataError(
+            f"{path}: empty; expected tokenized text, one sentence or paragraph per line"
+        )
     return np.array(ids, dtype=np.int64), n_lines
 
 
 def synthetic_corpus(vocab_size: int, train_tokens: int, eval_tokens: int, seed: int = 0) -> Corpus:
-    """A learnable token stream: a fixed random Markov chain where each word is followed by one of 4 successors
-    (probabilities 0.6, 0.2, 0.1, 0.1), so a model can get well below the uniform perplexity of vocab_size.
-    Word 0 is <eos>. Deterministic from `seed`; valid and test have `eval_tokens` each."""
+    """A learnable token stream: a fixed random Markov chain where each word is followed by one of 4
+    successors (probabilities 0.6, 0.2, 0.1, 0.1), so a model can get well below the uniform
+    perplexity of vocab_size. Word 0 is <eos>. Deterministic from `seed`; valid and test have
+    `eval_tokens` each."""
     rng = np.random.default_rng(seed)
     successors = rng.integers(0, vocab_size, size=(vocab_size, 4)).tolist()
 
@@ -154,11 +181,16 @@ def synthetic_corpus(vocab_size: int, train_tokens: int, eval_tokens: int, seed:
                   {"name": "synthetic_text", "seed": seed})
 
 
-def batchify(ids: torch.Tensor, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[T] -> [T // batch_size, batch_size] on `device`: column j holds tokens j*nbatch .. (j+1)*nbatch - 1."""
+def batchify(
+    ids: torch.Tensor, batch_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[T] -> [T // batch_size, batch_size] on `device`: column j holds tokens j*nbatch ..
+    (j+1)*nbatch - 1."""
     nbatch = len(ids) // batch_size
     if nbatch < 2:
-        raise DataError(f"{len(ids)} tokens cannot make batches of {batch_size} columns with 2 or more rows")
+        raise DataError(
+            f"{len(ids)} tokens cannot make batches of {batch_size} columns with 2 or more rows"
+        )
     return ids[:nbatch * batch_size].view(batch_size, nbatch).t().contiguous().to(device)
 
 
@@ -169,8 +201,9 @@ def get_batch(source: torch.Tensor, i: int, bptt: int) -> tuple[torch.Tensor, to
 
 
 class TokenWindows(Resumable):
-    """Every (input, target) window of a batchified stream, in order: len() = ceil((nbatch - 1) / bptt). It knows
-    its place in the stream (data.Resumable), for a language-model run resumed in the middle of an epoch."""
+    """Every (input, target) window of a batchified stream, in order: len() = ceil((nbatch - 1) /
+    bptt). It knows its place in the stream (data.Resumable), for a language-model run resumed in
+    the middle of an epoch."""
 
     def __init__(self, source: torch.Tensor, bptt: int):
         self.source, self.bptt = source, bptt

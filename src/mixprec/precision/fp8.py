@@ -1,18 +1,21 @@
-"""precision=fp8: torchao's float8 training (torchao.float8) on a model's Linear layers, the rest under bf16 autocast.
+"""precision=fp8: torchao's float8 training (torchao.float8) on a model's Linear layers, the rest
+under bf16 autocast.
 
-convert() swaps each eligible nn.Linear for torchao's Float8Linear (convert_to_float8_training): its weights stay
-fp32 parameters (the optimizer and model_fp32.pt see plain fp32 weights); each matmul of forward and backward
-casts its operands to float8 with dynamic scales (the recipe: `tensorwise`, one scale per tensor, e4m3 for inputs
-and weights, e5m2 for gradients; `rowwise`, one power-of-2 scale per row, e4m3 throughout), multiplies, and
-returns bf16. Left in bf16 (listed in the summary): the output head when it is tied to the embedding (logits are
-the most range-hungry matmul; torchtitan leaves `output` out by default), and any Linear with a dimension not
-divisible by 16, which torch._scaled_mm cannot take.
+convert() swaps each eligible nn.Linear for torchao's Float8Linear (convert_to_float8_training): its
+weights stay fp32 parameters (the optimizer and model_fp32.pt see plain fp32 weights); each matmul
+of forward and backward casts its operands to float8 with dynamic scales (the recipe: `tensorwise`,
+one scale per tensor, e4m3 for inputs and weights, e5m2 for gradients; `rowwise`, one power-of-2
+scale per row, e4m3 throughout), multiplies, and returns bf16. Left in bf16 (listed in the summary):
+the output head when it is tied to the embedding (logits are the most range-hungry matmul;
+torchtitan leaves `output` out by default), and any Linear with a dimension not divisible by 16,
+which torch._scaled_mm cannot take.
 
-Where the device has no FP8 tensor cores (a CPU; CUDA before compute capability 8.9) torchao's own emulation
-runs instead (Float8LinearConfig.emulate): the same quantisation to float8 with the same scales, then the
-dequantised operands multiplied in fp32 and the result rounded to bf16. The loss is FP8's loss; the time is not
-an FP8 time, and the job says `fp8_emulated: true`. (torch 2.14's CPU torch._scaled_mm does run Float8Linear's
-forward and backward without emulation, but as a reference kernel that is slower still: docs/transformer_fp8.md.)
+Where the device has no FP8 tensor cores (a CPU; CUDA before compute capability 8.9) torchao's own
+emulation runs instead (Float8LinearConfig.emulate): the same quantisation to float8 with the same
+scales, then the dequantised operands multiplied in fp32 and the result rounded to bf16. The loss is
+FP8's loss; the time is not an FP8 time, and the job says `fp8_emulated: true`. (torch 2.14's CPU
+torch._scaled_mm does run Float8Linear's forward and backward without emulation, but as a reference
+kernel that is slower still: docs/transformer_fp8.md.)
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ FP8_CAPABILITY = (8, 9)   # Ada / Hopper and later: FP8 tensor cores
 
 def emulation_reason(device: torch.device) -> str | None:
     """Why this device cannot run FP8 matmuls natively, or None when it can."""
-    if device.type != "cuda":   # CUDA-only branch (docs/gpus.md): torchao's float8 matmuls are CUDA kernels
+    # CUDA-only branch (docs/gpus.md): torchao's float8 matmuls are CUDA kernels
+    if device.type != "cuda":
         return f"{device.type}: no FP8 tensor cores"
     major, minor = capability(device)
     if (major, minor) < FP8_CAPABILITY:
@@ -49,18 +53,28 @@ def kept_in_bf16(model: nn.Module) -> dict[str, str]:
         if id(m.weight) in embeddings:
             kept[name] = "output head tied to the embedding"
         elif m.in_features % 16 or m.out_features % 16:
-            kept[name] = f"{m.in_features}x{m.out_features}: a dimension not divisible by 16 (torch._scaled_mm)"
+            kept[name] = (
+                f"{m.in_features}x{m.out_features}: a dimension not divisible by 16 "
+                "(torch._scaled_mm)"
+            )
     return kept
 
 
 def convert(model: nn.Module, recipe: str, device: torch.device) -> dict:
-    """Swap the model's eligible Linear layers for Float8Linear in place; returns what the summary records."""
+    """Swap the model's eligible Linear layers for Float8Linear in place; returns what the summary
+    records."""
     float8, Float8Linear = require_torchao()
     why = emulation_reason(device)
-    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=why is not None,
-                                 pad_inner_dim=why is None)   # tokens per step need not be a multiple of 16
+    config = dataclasses.replace(
+        float8.Float8LinearConfig.from_recipe_name(recipe),
+        emulate=why is not None,
+        # tokens per step need not be a multiple of 16
+        pad_inner_dim=why is None,
+    )
     kept = kept_in_bf16(model)
-    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: name not in kept)
+    float8.convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda m, name: name not in kept
+    )
     converted = [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
     for name in converted:
         model.get_submodule(name).register_forward_pre_hook(_autocast_input)
@@ -69,8 +83,9 @@ def convert(model: nn.Module, recipe: str, device: torch.device) -> dict:
 
 
 def _autocast_input(module: nn.Module, args: tuple):
-    """Float8Linear casts its input to the autocast dtype only under CUDA autocast (torchao 0.18); this does the
-    same under any device's autocast, so that the emulation quantises the bf16 activations a GPU would."""
+    """Float8Linear casts its input to the autocast dtype only under CUDA autocast (torchao 0.18);
+    this does the same under any device's autocast, so that the emulation quantises the bf16
+    activations a GPU would."""
     x, device = args[0], args[0].device.type
     dtype = emulation.autocast_dtype(device)   # the real autocast's, or the emulated one's
     if dtype is not None and x.is_floating_point():

@@ -1,7 +1,7 @@
-"""What a precision mode decides besides the policy's four decisions (policy.py): its dtypes, whether its
-fp16/bf16 arithmetic is emulated, the hazards its optimizer meets, the TF32 flags and the notes on what a
-device cannot give it, the peak its math runs at (MFU), the refusal to compile an emulated mode, and the
-notes a job says about it."""
+"""What a precision mode decides besides the policy's four decisions (policy.py): its dtypes,
+whether its fp16/bf16 arithmetic is emulated, the hazards its optimizer meets, the TF32 flags and
+the notes on what a device cannot give it, the peak its math runs at (MFU), the refusal to compile
+an emulated mode, and the notes a job says about it."""
 from __future__ import annotations
 
 import logging
@@ -18,45 +18,58 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def low_dtype(cfg: PrecisionConfig) -> str | None:
-    """The mode's fp16/bf16 dtype (its autocast dtype, else its weights'), None for fp32 and tf32."""
+    """The mode's fp16/bf16 dtype (its autocast dtype, else its weights'), None for fp32 and
+    tf32."""
     return cfg.autocast_dtype or (cfg.param_dtype if cfg.param_dtype != "float32" else None)
 
 
 def emulates(cfg: PrecisionConfig, device: torch.device) -> bool:
-    """Whether the job's fp16/bf16 arithmetic is emulated on fp32 kernels (precision.emulate; auto: wherever the
-    device is not CUDA, whose kernels the emulation reproduces). Under precision=fp8 it is the bf16 part that is
-    emulated; the float8 matmuls are torchao's (its own emulation without FP8 tensor cores)."""
+    """Whether the job's fp16/bf16 arithmetic is emulated on fp32 kernels (precision.emulate; auto:
+    wherever the device is not CUDA, whose kernels the emulation reproduces). Under precision=fp8 it
+    is the bf16 part that is emulated; the float8 matmuls are torchao's (its own emulation without
+    FP8 tensor cores)."""
     if low_dtype(cfg) is None:
         return False
     return device.type != "cuda" if cfg.emulate == "auto" else bool(cfg.emulate)
 
 
 def resolve_impl(impl: str, on_cuda: bool) -> str:
-    """optimizer.impl with auto resolved: fused when the stepped tensors are floating-point CUDA tensors."""
+    """optimizer.impl with auto resolved: fused when the stepped tensors are floating-point CUDA
+    tensors."""
     return ("fused" if on_cuda else "foreach") if impl == "auto" else impl
 
 
-def hazards(precision: PrecisionConfig, optimizer: OptimizerConfig, device_type: str = "cpu") -> list[str]:
-    """Known ways a precision + optimizer combination breaks, found from the config before training. Adam's eps:
-    foreach and for-loop Adam add it in the stepped dtype; fused Adam (optimizer.impl=fused, auto on CUDA) computes
-    in fp32 and rounds once, so the hazard is not one there."""
+def hazards(
+    precision: PrecisionConfig, optimizer: OptimizerConfig, device_type: str = "cpu"
+) -> list[str]:
+    """Known ways a precision + optimizer combination breaks, found from the config before training.
+    Adam's eps: foreach and for-loop Adam add it in the stepped dtype; fused Adam
+    (optimizer.impl=fused, auto on CUDA) computes in fp32 and rounds once, so the hazard is not one
+    there."""
     found = []
     stepped = "float32" if precision.master_weights else precision.param_dtype
     fused = resolve_impl(optimizer.impl, device_type == "cuda") == "fused"
     if optimizer.name in ("adam", "adamw") and stepped != "float32" and not fused:
         dt = DTYPES[stepped]
         if torch.tensor(optimizer.eps, dtype=dt).item() == 0.0:
-            tiniest = torch.finfo(dt).tiny * torch.finfo(dt).eps   # the smallest subnormal: 2^-24 for fp16
-            found.append(f"optimizer.eps={optimizer.eps:g} rounds to 0 in {stepped} (smallest subnormal "
-                         f"{tiniest:.3g}): where Adam's second moment underflows to 0 its update is 0/0 = NaN "
-                         f"(foreach and for-loop Adam add eps in {stepped}; fused Adam computes in fp32); "
-                         "keep the optimizer state in fp32 (amp, o2) or raise eps (1e-4 works in fp16)")
+            # the smallest subnormal: 2^-24 for fp16
+            tiniest = torch.finfo(dt).tiny * torch.finfo(dt).eps
+            found.append(
+                f"optimizer.eps={optimizer.eps:g} rounds to 0 in {stepped} (smallest subnormal "
+                f"{tiniest:.3g}): where Adam's second moment underflows to 0 its update is 0/0 = "
+                "NaN "
+                f"(foreach and for-loop Adam add eps in {stepped}; fused Adam computes in fp32); "
+                "keep the optimizer state in fp32 (amp, o2) or raise eps (1e-4 works in fp16)"
+            )
     return found
 
 
-def configure(device: torch.device, trainer: TrainerConfig, precision: PrecisionConfig, seed: int) -> list[str]:
-    """The job's global flags (hardware.configure: seeds, determinism, cuDNN, the current device), then
-    the precision's TF32 flags; returns (and prints) the notes on what this device cannot honour."""
+def configure(
+    device: torch.device, trainer: TrainerConfig, precision: PrecisionConfig, seed: int
+) -> list[str]:
+    """The job's global flags (hardware.configure: seeds, determinism, cuDNN, the current device),
+    then the precision's TF32 flags; returns (and prints) the notes on what this device cannot
+    honour."""
     notes = hardware.configure(device, trainer, seed)
     torch.backends.cuda.matmul.allow_tf32 = precision.tf32
     torch.backends.cudnn.allow_tf32 = precision.tf32
@@ -68,17 +81,23 @@ def configure(device: torch.device, trainer: TrainerConfig, precision: Precision
 
 
 def precision_notes(precision: PrecisionConfig, cap: tuple[int, int] | None) -> list[str]:
-    """What a pre-Ampere NVIDIA GPU (capability < 8.0) does not give this precision: no bf16 tensor cores
-    (torch/cuda/__init__.py:244, is_bf16_supported: major >= 8, else emulation), no TF32."""
+    """What a pre-Ampere NVIDIA GPU (capability < 8.0) does not give this precision: no bf16 tensor
+    cores (torch/cuda/__init__.py:244, is_bf16_supported: major >= 8, else emulation), no TF32."""
     if cap is None or cap >= (8, 0):
         return []
     notes = []
     if "bfloat16" in (precision.autocast_dtype, precision.param_dtype):
-        notes.append(f"precision={precision.name}: bfloat16 has no tensor-core support below compute capability 8.0 "
-                     f"(this GPU: {cap[0]}.{cap[1]}); it runs emulated, slower than fp32: use amp (fp16) here")
+        notes.append(
+            f"precision={precision.name}: bfloat16 has no tensor-core support below compute "
+            "capability 8.0 "
+            f"(this GPU: {cap[0]}.{cap[1]}); it runs emulated, slower than fp32: use amp (fp16) "
+            "here"
+        )
     if precision.tf32:
-        notes.append(f"precision={precision.name}: TF32 needs compute capability 8.0 or newer (this GPU: "
-                     f"{cap[0]}.{cap[1]}): the math is plain fp32")
+        notes.append(
+            f"precision={precision.name}: TF32 needs compute capability 8.0 or newer (this GPU: "
+            f"{cap[0]}.{cap[1]}): the math is plain fp32"
+        )
     return notes
 
 
@@ -93,19 +112,31 @@ def peak_kind(precision: PrecisionConfig) -> str:
 
 
 def refuse_emulated_compile(precision: PrecisionConfig, compile_mode: str, emulated: bool) -> None:
-    """Emulated fp16/bf16 runs eagerly (its tensors are a dispatch mode's): compiling it is refused."""
+    """Emulated fp16/bf16 runs eagerly (its tensors are a dispatch mode's): compiling it is
+    refused."""
     if emulated and compile_mode != "none":
-        raise ConfigError(f"trainer.compile={compile_mode}: emulated {low_dtype(precision)} "
-                          "(precision.emulate) runs eagerly; use trainer.compile=none, or precision.emulate=false "
-                          "for the native kernels")
+        raise ConfigError(
+            f"trainer.compile={compile_mode}: emulated {low_dtype(precision)} "
+            "(precision.emulate) runs eagerly; use trainer.compile=none, or "
+            "precision.emulate=false "
+            "for the native kernels"
+        )
 
 
 def say_notes(precision: PrecisionConfig, device: torch.device, emulated: bool) -> None:
-    """The job's note on what its times mean in this mode: emulated, or a CPU's slow reference kernels."""
+    """The job's note on what its times mean in this mode: emulated, or a CPU's slow reference
+    kernels."""
     low = low_dtype(precision)
     if emulated:
-        log.info(f"mixprec: note: {low} emulated on fp32 kernels with CUDA's rounding and autocast policy "
-                 "(precision.emulate): its losses and accuracies are a GPU's, its timings are fp32 timings")
+        log.info(
+            f"mixprec: note: {low} emulated on fp32 kernels with CUDA's rounding and autocast "
+            "policy "
+            "(precision.emulate): its losses and accuracies are a GPU's, its timings are fp32 "
+            "timings"
+        )
     elif device.type == "cpu" and low in ("float16", "bfloat16"):
-        log.info(f"mixprec: note: {low} on a CPU without native support (AVX512-FP16/AMX) runs PyTorch's slow "
-                 "reference kernels, often 10-50x slower than fp32: CPU timings say nothing about GPUs")
+        log.info(
+            f"mixprec: note: {low} on a CPU without native support (AVX512-FP16/AMX) runs "
+            "PyTorch's slow "
+            "reference kernels, often 10-50x slower than fp32: CPU timings say nothing about GPUs"
+        )

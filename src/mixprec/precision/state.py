@@ -1,20 +1,26 @@
-"""A mode's state in a checkpoint: the loss scaler's (GradScaler or static), the host's copy of the scale,
-and the fp32 master weights (o2)."""
+"""A mode's state in a checkpoint: the loss scaler's (GradScaler or static), the host's copy of the
+scale, and the fp32 master weights (o2)."""
 from __future__ import annotations
 
 import torch
 
 
 class PolicyState:
-    """The precision policy's state: the loss scaler (GradScaler or static) and the fp32 master weights (o2)."""
+    """The precision policy's state: the loss scaler (GradScaler or static) and the fp32 master
+    weights (o2)."""
 
     def __init__(self, policy):
         self.policy = policy
 
     def state_dict(self) -> dict:
         p = self.policy
-        return {"scaler": p.scaler.state_dict(), "scale_value": p.scale_value,
-                "master_params": None if p.master_params is None else [m.detach() for m in p.master_params]}
+        return {
+            "scaler": p.scaler.state_dict(),
+            "scale_value": p.scale_value,
+            "master_params": None
+            if p.master_params is None
+            else [m.detach() for m in p.master_params],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         p = self.policy

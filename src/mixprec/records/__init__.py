@@ -1,11 +1,13 @@
-"""Records: a job's metrics.jsonl and summary.json (the source of truth), mirrored to W&B when enabled.
+"""Records: a job's metrics.jsonl and summary.json (the source of truth), mirrored to W&B when
+enabled.
 
-summary.json is written atomically (a temp file in the same directory, then os.replace), so a reader never
-sees half a file; metrics.jsonl gets one complete line per row, flushed as it is written. atomic_file is the
-package's one atomic writer: checkpoints, caches, the report and its figures, the scripts' outputs all use it.
+summary.json is written atomically (a temp file in the same directory, then os.replace), so a reader
+never sees half a file; metrics.jsonl gets one complete line per row, flushed as it is written.
+atomic_file is the package's one atomic writer: checkpoints, caches, the report and its figures, the
+scripts' outputs all use it.
 
-The second half is the summary-format contract: the accessors through which every reader (the report, the sweep
-table, the reference folders, scripts/reproduce.py) reads a summary's fields.
+The second half is the summary-format contract: the accessors through which every reader (the
+report, the sweep table, the reference folders, scripts/reproduce.py) reads a summary's fields.
 """
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "wb"):
-    """Write `path` all or nothing: into a temp file in the same directory, fsynced, then os.replace'd over it.
-    A reader (or a process killed mid-write) never sees half a file; on an error the temp file is removed."""
+    """Write `path` all or nothing: into a temp file in the same directory, fsynced, then
+    os.replace'd over it. A reader (or a process killed mid-write) never sees half a file; on an
+    error the temp file is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -48,7 +51,8 @@ def atomic_file(path: Path, mode: str = "wb"):
 
 
 def jsonable(x):
-    """Plain JSON: non-finite floats become the strings 'nan'/'inf'/'-inf' (strict JSON has no NaN)."""
+    """Plain JSON: non-finite floats become the strings 'nan'/'inf'/'-inf' (strict JSON has no
+    NaN)."""
     if isinstance(x, float) and not math.isfinite(x):
         return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
     if isinstance(x, dict):
@@ -91,7 +95,9 @@ def read_summary(path: Path) -> dict:
         with open(path) as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a valid summary.json ({e.msg} at line {e.lineno}); re-run that job") from None
+        raise ValueError(
+            f"{path}: not a valid summary.json ({e.msg} at line {e.lineno}); re-run that job"
+        ) from None
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -100,7 +106,8 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """A .jsonl file's rows (an incomplete last line, as a killed job may leave, is skipped); [] when it is absent."""
+    """A .jsonl file's rows (an incomplete last line, as a killed job may leave, is skipped); []
+    when it is absent."""
     rows = []
     path = Path(path)
     if path.exists():
@@ -112,9 +119,9 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------- summary fields
-# The summary-format contract: everything that reads a summary.json (the report, the sweep table, the reference
-# folders, scripts/reproduce.py) reaches its fields through these accessors.
+# ----------------------------------------------------------------------------------- summary fields
+# The summary-format contract: everything that reads a summary.json (the report, the sweep table,
+# the reference folders, scripts/reproduce.py) reaches its fields through these accessors.
 
 
 def config(summary: dict) -> dict:
@@ -164,7 +171,8 @@ def job_num(summary: dict):
 
 
 def verdict(summary: dict) -> str:
-    """The numerics verdict's line (numerics/verdicts.py): the mechanism, where, and the fix; "" when none."""
+    """The numerics verdict's line (numerics/verdicts.py): the mechanism, where, and the fix; ""
+    when none."""
     return (summary.get("verdict") or {}).get("line") or ""
 
 
@@ -175,7 +183,8 @@ def verdict_short(summary: dict) -> str:
 
 
 def reason(summary: dict) -> str:
-    """Why it did not complete (a divergence's reason, a failure's error); "" when it says nothing."""
+    """Why it did not complete (a divergence's reason, a failure's error); "" when it says
+    nothing."""
     return summary.get("reason") or summary.get("error") or ""
 
 
@@ -184,8 +193,8 @@ def fp8_emulated(summary: dict) -> bool:
 
 
 def emulated(summary: dict) -> bool:
-    """Its low-precision arithmetic was emulated (fp16/bf16 rounding on fp32 kernels, or torchao's fp8
-    emulation): its losses and accuracies stand, its times are no fp16/bf16/FP8 times."""
+    """Its low-precision arithmetic was emulated (fp16/bf16 rounding on fp32 kernels, or torchao's
+    fp8 emulation): its losses and accuracies stand, its times are no fp16/bf16/FP8 times."""
     return summary.get("arithmetic") == "emulated" or fp8_emulated(summary)
 
 
@@ -198,7 +207,8 @@ def is_language_model(summary: dict) -> bool:
 
 
 def lookup(summary: dict, key: str, missing=None):
-    """A choice (`precision`) or else a dotted config path (`trainer.epochs`); `missing` where it has none."""
+    """A choice (`precision`) or else a dotted config path (`trainer.epochs`); `missing` where it
+    has none."""
     if key in choices(summary):
         return choices(summary)[key]
     have = config(summary)
@@ -210,8 +220,8 @@ def lookup(summary: dict, key: str, missing=None):
 
 
 def baseline_key(summary: dict) -> str:
-    """Jobs whose resolved configs differ only in precision (and in the case label) share this key: a job's fp32
-    partner is the fp32 job with its key."""
+    """Jobs whose resolved configs differ only in precision (and in the case label) share this key:
+    a job's fp32 partner is the fp32 job with its key."""
     cfg = {k: v for k, v in config(summary).items() if k not in ("precision", "case")}
     return json.dumps(cfg, sort_keys=True)
 

@@ -1,5 +1,6 @@
-"""Reading the records: the summary.json files under the report's inputs (sweep or job folders, files, globs),
-each as a Job: its summary, its metrics.jsonl rows, and the value of a metric the report compares.
+"""Reading the records: the summary.json files under the report's inputs (sweep or job folders,
+files, globs), each as a Job: its summary, its metrics.jsonl rows, and the value of a metric the
+report compares.
 
 Every field of a summary is read through mixprec.records' accessors (the summary-format contract).
 """
@@ -20,7 +21,9 @@ class ReportError(ValueError):
 
 def number(x):
     """x when it is a finite number (not a bool), else None."""
-    return x if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+    return (
+        x if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+    )
 
 
 @dataclass
@@ -28,7 +31,8 @@ class Job:
     dir: Path
     summary: dict
     row: dict = field(default_factory=dict)       # its analyse.sweep_rows row
-    fp32: dict | None = None                      # the completed fp32 job with the same other overrides
+    # the completed fp32 job with the same other overrides
+    fp32: dict | None = None
     variant: str = ""          # what else sets it apart in its experiment (short form)
     variant_full: str = ""
     _rows: list | None = None
@@ -60,8 +64,9 @@ class Job:
         return self._rows
 
     def metric(self, name: str):
-        """The run's value of a metric (published.DERIVED or a summary["metrics"] key); None where it has none.
-        Numbers come from completed runs only: a diverged run's time is not a training time."""
+        """The run's value of a metric (published.DERIVED or a summary["metrics"] key); None where
+        it has none. Numbers come from completed runs only: a diverged run's time is not a training
+        time."""
         if name == "status":
             return self.status
         if self.status != "completed":
@@ -70,15 +75,22 @@ class Job:
         f = records.metrics(self.fp32 or {})
         if name in ("speedup", "loss_gap"):
             return self.row.get(name)
-        if name == "test_ppl":   # apex's main.py reports the test perplexity of its best-validation model
+        # apex's main.py reports the test perplexity of its best-validation model
+        if name == "test_ppl":
             if not records.is_language_model(self.summary):
                 return None   # an image model's test loss is no perplexity
             for key in ("test_ppl_at_best_valid", "final_test_ppl"):
                 if number(m.get(key)) is not None:
                     return m[key]
-            return math.exp(m["final_test_loss"]) if number(m.get("final_test_loss")) is not None else None
+            return (
+                math.exp(m["final_test_loss"])
+                if number(m.get("final_test_loss")) is not None
+                else None
+            )
         if name == "test_acc_pct":
-            return 100 * m["final_test_acc"] if number(m.get("final_test_acc")) is not None else None
+            return (
+                100 * m["final_test_acc"] if number(m.get("final_test_acc")) is not None else None
+            )
         if name == "acc_change_vs_fp32":
             a, b = number(m.get("final_test_acc")), number(f.get("final_test_acc"))
             return None if a is None or b is None else 100 * (a - b)
@@ -89,9 +101,12 @@ class Job:
 
 
 def find_summaries(inputs: list[str]) -> list[Path]:
-    """summary.json files under the given sweep/job folders, files or globs, each once, in a stable order."""
+    """summary.json files under the given sweep/job folders, files or globs, each once, in a stable
+    order."""
     if not inputs:
-        raise ReportError("give at least one run folder (a sweep dir, a job dir, several, or a glob)")
+        raise ReportError(
+            "give at least one run folder (a sweep dir, a job dir, several, or a glob)"
+        )
     found = []
     for arg in inputs:
         p = Path(arg)
@@ -110,7 +125,9 @@ def find_summaries(inputs: list[str]) -> list[Path]:
             raise ReportError(f"{arg}: no such file or folder")
     unique = list({p.resolve(): p for p in found}.values())
     if not unique:
-        raise ReportError(f"no {SUMMARY} under {', '.join(inputs)}: run jobs first (python train.py ...)")
+        raise ReportError(
+            f"no {SUMMARY} under {', '.join(inputs)}: run jobs first (python train.py ...)"
+        )
     return unique
 
 
@@ -132,5 +149,6 @@ def load_jobs(paths: list[Path]) -> tuple[list[Job], list[str]]:
 
 
 def sweep_jobs(sweep_dir: Path) -> tuple[list[Job], list[str]]:
-    """A sweep's jobs (one folder each, directly under sweep_dir), in job order, and its unreadable summaries."""
+    """A sweep's jobs (one folder each, directly under sweep_dir), in job order, and its unreadable
+    summaries."""
     return load_jobs(sorted(Path(sweep_dir).glob(f"*/{SUMMARY}"), key=job_order))

@@ -1,8 +1,8 @@
-"""The report's figures (matplotlib, Agg): make_plots picks each experiment's series from the analysis; each
-drawing function takes plain data, writes one PNG (atomically) and returns its path.
+"""The report's figures (matplotlib, Agg): make_plots picks each experiment's series from the
+analysis; each drawing function takes plain data, writes one PNG (atomically) and returns its path.
 
-Every axis says what it shows and in which unit; colours follow the precision, so a reader can follow fp32 or amp
-from one figure to the next.
+Every axis says what it shows and in which unit; colours follow the precision, so a reader can
+follow fp32 or amp from one figure to the next.
 """
 from __future__ import annotations
 
@@ -24,8 +24,14 @@ from .analyse import PRECISION_ORDER, Group, precision_key, stats  # noqa: E402
 from .load import number  # noqa: E402
 from .published import Source, ladder_steps, matches  # noqa: E402
 
-# one colour per PRECISION_ORDER entry: tab10, then fp8 black, fastai_fp16 olive, apex_fp16 teal, apex_fp16_2018 navy
-_PALETTE = plt.get_cmap("tab10").colors + ((0.0, 0.0, 0.0), (0.45, 0.45, 0.0), (0.0, 0.45, 0.45), (0.1, 0.1, 0.45))
+# one colour per PRECISION_ORDER entry: tab10, then fp8 black, fastai_fp16 olive, apex_fp16 teal,
+# apex_fp16_2018 navy
+_PALETTE = plt.get_cmap("tab10").colors + (
+    (0.0, 0.0, 0.0),
+    (0.45, 0.45, 0.0),
+    (0.0, 0.45, 0.45),
+    (0.1, 0.1, 0.45),
+)
 DPI = 110
 EMULATED_CAPTION = (" Hatched, (emulated): fp16/bf16 rounding emulated on fp32 kernels "
                     "(precision.emulate), so those bars are fp32 time and memory on their device, "
@@ -35,7 +41,11 @@ EMULATED_LADDER = (" Dashed, (emulated): fp16/bf16 rounding emulated on fp32 ker
 
 
 def color(precision: str):
-    i = PRECISION_ORDER.index(precision) if precision in PRECISION_ORDER else sum(map(ord, str(precision)))
+    i = (
+        PRECISION_ORDER.index(precision)
+        if precision in PRECISION_ORDER
+        else sum(map(ord, str(precision)))
+    )
     return _PALETTE[i % len(_PALETTE)]
 
 
@@ -78,7 +88,9 @@ def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "
             ax.annotate(fmt.format(v[0]), (x, v[0] + sd), xytext=(0, 2), textcoords="offset points",
                         ha="center", va="bottom", fontsize=8)
     long = max(map(len, labels), default=0) > 12
-    ax.set_xticks(range(len(labels)), labels, rotation=20 if long else 0, ha="right" if long else "center")
+    ax.set_xticks(
+        range(len(labels)), labels, rotation=20 if long else 0, ha="right" if long else "center"
+    )
     ax.set_ylabel(ylabel)
     ax.margins(y=0.15)
     ax.grid(axis="y", alpha=0.3)
@@ -86,15 +98,24 @@ def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "
 
 
 def speedup_bars(path: Path, title: str, labels: list[str], series: dict, published: list) -> Path:
-    """Speed-up of each precision over fp32 per model; published: (label index, precision, value or (lo, hi), text)."""
+    """Speed-up of each precision over fp32 per model; published: (label index, precision, value or
+    (lo, hi), text)."""
     fig, ax = plt.subplots(figsize=(min(14.0, max(6.0, 1.4 * len(labels) + 3)), 4.5))
     xpos = _grouped_bars(ax, labels, series, "speed-up over fp32 (x, fp32 time / time)")
     ax.axhline(1.0, color="black", lw=1, ls="--", label="fp32 = 1x")
     for n, (j, precision, value, text) in enumerate(published):
         lo, hi = value if isinstance(value, tuple) else (value, value)
         half = (hi - lo) / 2
-        ax.errorbar([xpos.get((j, precision), j)], [(lo + hi) / 2], yerr=[[half], [half]], fmt="D", color="black",
-                    ms=7, capsize=4, label="published" if n == 0 else None)
+        ax.errorbar(
+            [xpos.get((j, precision), j)],
+            [(lo + hi) / 2],
+            yerr=[[half], [half]],
+            fmt="D",
+            color="black",
+            ms=7,
+            capsize=4,
+            label="published" if n == 0 else None,
+        )
     ax.set_title(title)
     ax.legend(title="precision", fontsize=8)
     return save(fig, path)
@@ -112,7 +133,8 @@ def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict
     _grouped_bars(a2, labels, mem_series, "peak memory (MB)", "{:.0f}", emulated)
     a2.set_title(f"peak memory ({mem_kind})" if mem_kind else "peak memory")
     for ax in (a1, a2):
-        if ax.get_legend_handles_labels()[0]:   # a panel with no numbers (e.g. no memory recorded) has no legend
+        # a panel with no numbers (e.g. no memory recorded) has no legend
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(title="precision", fontsize=8)
     fig.suptitle(title)
     return save(fig, path)
@@ -120,14 +142,16 @@ def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict
 
 def accuracy_curves(path: Path, title: str, curves: list[dict], ylabel: str = "test accuracy (%)",
                     xlabel: str = "epoch") -> Path:
-    """curves: {label, precision, epochs: [...], mean: [...], lo: [...], hi: [...]} (lo/hi over seeds); the x
-    values ("epochs") may be optimizer steps (xlabel="step")."""
+    """curves: {label, precision, epochs: [...], mean: [...], lo: [...], hi: [...]} (lo/hi over
+    seeds); the x values ("epochs") may be optimizer steps (xlabel="step")."""
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     markers = "osD^vP*X"
     models = list(dict.fromkeys(c["model"] for c in curves))
     for c in curves:
         marker = markers[models.index(c["model"]) % len(markers)]
-        ax.plot(c["epochs"], c["mean"], marker=marker, color=color(c["precision"]), label=c["label"])
+        ax.plot(
+            c["epochs"], c["mean"], marker=marker, color=color(c["precision"]), label=c["label"]
+        )
         if c["n"] > 1:
             ax.fill_between(c["epochs"], c["lo"], c["hi"], color=color(c["precision"]), alpha=0.15)
     ax.set_xlabel(xlabel)
@@ -150,20 +174,46 @@ def ladder(path: Path, title: str, steps: list[str], article: list, reproduced: 
     mid = [None if v is None else (sum(v) / 2 if isinstance(v, tuple) else v) for v in article]
     pts = [(x, y) for x, y in zip(xs, mid) if y is not None]
     if pts:
-        ax.step([x for x, _ in pts], [y for _, y in pts], where="mid", color="black", lw=2, label="article")
+        ax.step(
+            [x for x, _ in pts],
+            [y for _, y in pts],
+            where="mid",
+            color="black",
+            lw=2,
+            label="article",
+        )
         ax.plot([x for x, _ in pts], [y for _, y in pts], "ko", ms=4)
         for x, v in zip(xs, article):
-            if isinstance(v, tuple):   # a published range: its extent
-                ax.errorbar([x], [sum(v) / 2], yerr=[[(v[1] - v[0]) / 2], [(v[1] - v[0]) / 2]], color="black", capsize=5)
+            if isinstance(v, tuple):  # a published range: its extent
+                ax.errorbar(
+                    [x],
+                    [sum(v) / 2],
+                    yerr=[[(v[1] - v[0]) / 2], [(v[1] - v[0]) / 2]],
+                    color="black",
+                    capsize=5,
+                )
     for precision, values in reproduced.items():
         got = [(x, v) for x, v in zip(xs, values) if v is not None]
         if got:
-            ax.step([x for x, _ in got], [v[0] for _, v in got], where="mid", color=color(precision), lw=2,
-                    ls="--" if precision in emulated else "-",
-                    label=f"reproduced ({precision}, emulated)" if precision in emulated
-                    else f"reproduced ({precision})")
-            ax.errorbar([x for x, _ in got], [v[0] for _, v in got], yerr=[v[1] or 0.0 for _, v in got],
-                        fmt="o", color=color(precision), capsize=3)
+            ax.step(
+                [x for x, _ in got],
+                [v[0] for _, v in got],
+                where="mid",
+                color=color(precision),
+                lw=2,
+                ls="--" if precision in emulated else "-",
+                label=f"reproduced ({precision}, emulated)"
+                if precision in emulated
+                else f"reproduced ({precision})",
+            )
+            ax.errorbar(
+                [x for x, _ in got],
+                [v[0] for _, v in got],
+                yerr=[v[1] or 0.0 for _, v in got],
+                fmt="o",
+                color=color(precision),
+                capsize=3,
+            )
     ax.set_xticks(xs, steps, rotation=30, ha="right")
     ax.set_xlabel("ladder step (cumulative)")
     ax.set_ylabel(f"training time to {target} (s)")
@@ -179,8 +229,15 @@ def loss_scale(path: Path, title: str, traces: list[dict]) -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     styles = ["-", "--", ":", "-."]
     for i, t in enumerate(traces):
-        ax.plot(t["steps"], t["scales"], styles[i % len(styles)], color=color(t["precision"]), label=t["label"],
-                drawstyle="steps-post", marker="." if len(t["steps"]) < 30 else None)
+        ax.plot(
+            t["steps"],
+            t["scales"],
+            styles[i % len(styles)],
+            color=color(t["precision"]),
+            label=t["label"],
+            drawstyle="steps-post",
+            marker="." if len(t["steps"]) < 30 else None,
+        )
     ax.set_yscale("log", base=2)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
@@ -191,13 +248,14 @@ def loss_scale(path: Path, title: str, traces: list[dict]) -> Path:
     return save(fig, path)
 
 
-# ---------------------------------------------------------------------------------------------------- the report's figures
+# ----------------------------------------------------------------------------- the report's figures
 
 
 def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
     """The experiment's figures as [{path, caption}]; a figure with nothing to show is left out."""
     groups: list[Group] = exp["_groups"]
-    slug = shorten(re.sub(r"[^A-Za-z0-9_.-]+", "_", exp["name"]), 100, 60)   # a file name: 255 bytes at most
+    # a file name: 255 bytes at most
+    slug = shorten(re.sub(r"[^A-Za-z0-9_.-]+", "_", exp["name"]), 100, 60)
     pdir = out / "plots"
     figs = []
     labels = list(dict.fromkeys(g.label for g in groups))
@@ -208,8 +266,14 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
         table = {(g.label, g.precision): g.stats(metric) for g in groups if only(g.precision)}
         if labs is None:
             labs = [lab for lab in labels if any(table.get((lab, p)) for p in precisions)]
-        out_ = {p: [table.get((lab, p)) and (table[(lab, p)]["mean"], table[(lab, p)]["std"]) for lab in labs]
-                for p in precisions if any(table.get((lab, p)) for lab in labs)}
+        out_ = {
+            p: [
+                table.get((lab, p)) and (table[(lab, p)]["mean"], table[(lab, p)]["std"])
+                for lab in labs
+            ]
+            for p in precisions
+            if any(table.get((lab, p)) for lab in labs)
+        }
         return labs, out_
 
     speed_labels, speed = series("speedup", only=lambda p: p != "fp32")
@@ -220,76 +284,153 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                 for r in c["rows"]:
                     if r["group"] in speed_labels and r["reproduced"] is not None:
                         value = tuple(c["value"]) if isinstance(c["value"], list) else c["value"]
-                        published.append((speed_labels.index(r["group"]), r["precision"], value, c["label"]))
-        figs.append({"path": speedup_bars(pdir / f"{slug}_speedup.png",
-                                          f"{exp['name']}: speed-up over fp32 (training time)",
-                                          speed_labels, speed, published),
-                     "caption": "Speed-up of each precision over fp32 (fp32 training time / its training time, "
-                                "same other settings); error bars: standard deviation over seeds; diamonds: "
-                                "published values for the same model and precision."})
+                        published.append(
+                            (speed_labels.index(r["group"]), r["precision"], value, c["label"])
+                        )
+        figs.append(
+            {
+                "path": speedup_bars(
+                    pdir / f"{slug}_speedup.png",
+                    f"{exp['name']}: speed-up over fp32 (training time)",
+                    speed_labels,
+                    speed,
+                    published,
+                ),
+                "caption": "Speed-up of each precision over fp32 (fp32 training time / its "
+                           "training time, "
+                "same other settings); error bars: standard deviation over seeds; diamonds: "
+                "published values for the same model and precision.",
+            }
+        )
     time_labels, times = series("train_time_s")
     _, mems = series("peak_memory_mb", labs=time_labels)
     if times:
-        kinds = sorted({k for g in groups for j in g.jobs for k in [metrics(j.summary).get("peak_memory_kind")] if k})
+        kinds = sorted(
+            {
+                k
+                for g in groups
+                for j in g.jobs
+                for k in [metrics(j.summary).get("peak_memory_kind")]
+                if k
+            }
+        )
         what = {"process_peak_rss": "process peak RSS: CPU run",
                 "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
         mem_kind = " / ".join(what.get(k, k) for k in kinds)
         emulated = frozenset((g.label, g.precision) for g in groups
                              if any(records.emulated(j.summary) for j in g.jobs))
-        figs.append({"path": time_and_memory(pdir / f"{slug}_time_memory.png",
-                                             f"{exp['name']}: training time and peak memory",
-                                             time_labels, times, mems, mem_kind, emulated),
-                     "caption": "Training time (eval excluded) and peak memory per model and precision, mean over "
-                                "completed runs; error bars: standard deviation over seeds."
-                                + (EMULATED_CAPTION if emulated else "")})
+        figs.append(
+            {
+                "path": time_and_memory(
+                    pdir / f"{slug}_time_memory.png",
+                    f"{exp['name']}: training time and peak memory",
+                    time_labels,
+                    times,
+                    mems,
+                    mem_kind,
+                    emulated,
+                ),
+                "caption": "Training time (eval excluded) and peak memory per model and precision, "
+                           "mean over "
+                "completed runs; error bars: standard deviation over seeds."
+                + (EMULATED_CAPTION if emulated else ""),
+            }
+        )
     losses = _loss_curves(groups)
     if losses:
-        figs.append({"path": accuracy_curves(pdir / f"{slug}_train_loss.png", f"{exp['name']}: training loss",
-                                             losses, "training loss (mean over the logged window)", "step"),
-                     "caption": "Training loss at each logged step (metrics.jsonl train rows), every run on one "
-                                "plot: the gap between precisions at equal steps; mean over seeds."})
+        figs.append(
+            {
+                "path": accuracy_curves(
+                    pdir / f"{slug}_train_loss.png",
+                    f"{exp['name']}: training loss",
+                    losses,
+                    "training loss (mean over the logged window)",
+                    "step",
+                ),
+                "caption": "Training loss at each logged step (metrics.jsonl train rows), every "
+                           "run on one "
+                "plot: the gap between precisions at equal steps; mean over seeds.",
+            }
+        )
     curves = _curves(groups)
     if curves:
         key, ylabel = curves[0]["key"], curves[0]["ylabel"]
-        figs.append({"path": accuracy_curves(pdir / f"{slug}_curves.png",
-                                             f"{exp['name']}: {ylabel.split(' (')[0]} per epoch", curves, ylabel),
-                     "caption": f"{ylabel} after each epoch (metrics.jsonl `{key}`), mean over seeds."})
+        figs.append(
+            {
+                "path": accuracy_curves(
+                    pdir / f"{slug}_curves.png",
+                    f"{exp['name']}: {ylabel.split(' (')[0]} per epoch",
+                    curves,
+                    ylabel,
+                ),
+                "caption": f"{ylabel} after each epoch (metrics.jsonl `{key}`), mean over seeds.",
+            }
+        )
     staircase = _ladder(exp, sources, groups)
     if staircase:
-        figs.append({"path": ladder(pdir / f"{slug}_ladder.png", f"{exp['name']}: training time per step",
-                                    *staircase),
-                     "caption": "Training time per ladder step: the article's staircase against the reproduced one "
-                                "(Page's times are each step's whole fixed schedule, eval excluded, with a mean final "
-                                "accuracy of the target over his runs; ours: the same time, mean over seeds; the "
-                                "ladder table gives the fraction of runs that reached the target)."
-                                + (EMULATED_LADDER if staircase[-1] else "")})
+        figs.append(
+            {
+                "path": ladder(
+                    pdir / f"{slug}_ladder.png",
+                    f"{exp['name']}: training time per step",
+                    *staircase,
+                ),
+                "caption": "Training time per ladder step: the article's staircase against the "
+                           "reproduced one "
+                "(Page's times are each step's whole fixed schedule, eval excluded, with a mean "
+                "final "
+                "accuracy of the target over his runs; ours: the same time, mean over seeds; the "
+                "ladder table gives the fraction of runs that reached the target)."
+                + (EMULATED_LADDER if staircase[-1] else ""),
+            }
+        )
     traces = _loss_scale_traces(groups)
     if traces:
-        figs.append({"path": loss_scale(pdir / f"{slug}_loss_scale.png", f"{exp['name']}: loss scale", traces),
-                     "caption": "Loss scale at each logged step (metrics.jsonl train rows); a drop is a step "
-                                "skipped for non-finite gradients."})
+        figs.append(
+            {
+                "path": loss_scale(
+                    pdir / f"{slug}_loss_scale.png", f"{exp['name']}: loss scale", traces
+                ),
+                "caption": "Loss scale at each logged step (metrics.jsonl train rows); a drop is a "
+                           "step "
+                "skipped for non-finite gradients.",
+            }
+        )
     return [{"path": str(f["path"]), "caption": f["caption"]} for f in figs]
 
 
 def _curves(groups: list[Group]) -> list[dict]:
-    rows = {g.label + g.precision: [r for j in g.jobs for r in j.rows() if r.get("kind") == "epoch"] for g in groups}
+    rows = {
+        g.label + g.precision: [r for j in g.jobs for r in j.rows() if r.get("kind") == "epoch"]
+        for g in groups
+    }
     any_acc = any(number(r.get("test_acc")) is not None for rs in rows.values() for r in rs)
-    key, scale, ylabel = ("test_acc", 100.0, "test accuracy (%)") if any_acc else ("test_ppl", 1.0, "test perplexity")
+    key, scale, ylabel = (
+        ("test_acc", 100.0, "test accuracy (%)")
+        if any_acc
+        else ("test_ppl", 1.0, "test perplexity")
+    )
     curves = _mean_curves(groups, lambda r: (r["epoch"], scale * r[key]) if r.get("kind") == "epoch"
                           and number(r.get(key)) is not None else None)
     return [dict(c, key=key, ylabel=ylabel) for c in curves]
 
 
 def _loss_curves(groups: list[Group]) -> list[dict]:
-    """Training loss per logged step: language-model experiments only (their train rows carry a perplexity),
-    where the loss is the comparison between precisions."""
-    return _mean_curves(groups, lambda r: (r["step"], r["loss"]) if r.get("kind") == "train" and "ppl" in r
-                        and number(r.get("loss")) is not None else None)
+    """Training loss per logged step: language-model experiments only (their train rows carry a
+    perplexity), where the loss is the comparison between precisions."""
+    return _mean_curves(
+        groups,
+        lambda r: (
+            (r["step"], r["loss"])
+            if r.get("kind") == "train" and "ppl" in r and number(r.get("loss")) is not None
+            else None
+        ),
+    )
 
 
 def _mean_curves(groups: list[Group], point) -> list[dict]:
-    """Per group, the mean, min and max over its jobs of the metrics.jsonl rows' points (x, y) = point(row)
-    (None: not a point), by x."""
+    """Per group, the mean, min and max over its jobs of the metrics.jsonl rows' points (x, y) =
+    point(row) (None: not a point), by x."""
     curves = []
     for g in groups:
         per_x: dict = {}
@@ -300,9 +441,18 @@ def _mean_curves(groups: list[Group], point) -> list[dict]:
                     per_x.setdefault(xy[0], []).append(xy[1])
         if per_x:
             xs = sorted(per_x)
-            curves.append({"label": f"{g.label}, {g.precision}", "model": g.label, "precision": g.precision,
-                           "epochs": xs, "mean": [statistics.fmean(per_x[x]) for x in xs],
-                           "lo": [min(per_x[x]) for x in xs], "hi": [max(per_x[x]) for x in xs], "n": len(g.jobs)})
+            curves.append(
+                {
+                    "label": f"{g.label}, {g.precision}",
+                    "model": g.label,
+                    "precision": g.precision,
+                    "epochs": xs,
+                    "mean": [statistics.fmean(per_x[x]) for x in xs],
+                    "lo": [min(per_x[x]) for x in xs],
+                    "hi": [max(per_x[x]) for x in xs],
+                    "n": len(g.jobs),
+                }
+            )
     return curves
 
 
@@ -314,10 +464,14 @@ def _ladder(exp: dict, sources: list[Source], groups: list[Group]):
     precisions = sorted({j.precision for js in hit for j in js}, key=precision_key)
     reproduced = {}
     for p in precisions:
-        vals = [stats([j.metric(v.metric) for j in js if j.precision == p]) for v, js in zip(steps, hit)]
+        vals = [
+            stats([j.metric(v.metric) for j in js if j.precision == p]) for v, js in zip(steps, hit)
+        ]
         reproduced[p] = [None if st is None else (st["mean"], st["std"]) for st in vals]
     targets = {metrics(j.summary).get("target_acc") for js in hit for j in js} - {None}
-    target = f"{100 * targets.pop():g}% test accuracy" if len(targets) == 1 else "the target accuracy"
+    target = (
+        f"{100 * targets.pop():g}% test accuracy" if len(targets) == 1 else "the target accuracy"
+    )
     emulated = frozenset(j.precision for js in hit for j in js if records.emulated(j.summary))
     return [v.label for v in steps], [v.value for v in steps], reproduced, target, emulated
 
@@ -326,8 +480,11 @@ def _loss_scale_traces(groups: list[Group], limit: int = 12) -> list[dict]:
     traces = []
     for g in groups:
         for j in g.jobs:
-            pts = [(r["step"], r["loss_scale"]) for r in j.rows()
-                   if r.get("kind") == "train" and number(r.get("loss_scale")) and r["loss_scale"] > 0]
+            pts = [
+                (r["step"], r["loss_scale"])
+                for r in j.rows()
+                if r.get("kind") == "train" and number(r.get("loss_scale")) and r["loss_scale"] > 0
+            ]
             if pts:
                 seed = f", seed {j.seed}" if len(g.jobs) > 1 else ""
                 traces.append({"label": f"{g.label}, {g.precision}{seed}", "precision": g.precision,

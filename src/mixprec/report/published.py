@@ -40,8 +40,9 @@ PUBLISHED_DIR = Path(__file__).parent.parent / "published"
 DERIVED = {
     "speedup": "fp32 training time / this run's, same other overrides",
     "status": "the run's outcome: completed, diverged, failed",
-    "test_ppl": "test perplexity of the best-validation model (metrics.test_ppl_at_best_valid, as apex's main.py "
-                "reports it), else metrics.final_test_ppl, else exp(final_test_loss)",
+    "test_ppl": "test perplexity of the best-validation model (metrics.test_ppl_at_best_valid, as "
+                "apex's main.py "
+    "reports it), else metrics.final_test_ppl, else exp(final_test_loss)",
     "test_acc_pct": "final test accuracy in percent",
     "acc_change_vs_fp32": "final test accuracy minus the fp32 run's, in percentage points",
     "batch_gain": "metrics.max_batch_size / the fp32 run's",
@@ -54,7 +55,8 @@ LANG = re.compile(r"[a-z]{2,3}(-[A-Z][a-z]{3})?")   # a language, and its script
 
 
 class SourceError(ValueError):
-    """A published-numbers file that is not as described above; the message names the file and the field."""
+    """A published-numbers file that is not as described above; the message names the file and the
+    field."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ class Published:
     hardware: str
     quote: str                  # where the value comes from, in one line: quotes, cites, reading
     match: dict
-    compare: str = "ratio"      # ratio (reproduced / published) or difference (reproduced - published)
+    # ratio (reproduced / published) or difference (reproduced - published)
+    compare: str = "ratio"
     noise: float | None = None  # the source's own run-to-run variation of the value, in its unit
     quotes: tuple = ()          # Quote, each verbatim
     cites: tuple = ()           # Cite
@@ -265,12 +268,14 @@ def _value(x, metric: str, where: str):
 
 
 def noise_verdict(value: Published, reproduced: float) -> str | None:
-    """Whether a reproduced number lies within the source's own stated run-to-run variation of the published one
-    (None where the source states none, or the value is a range)."""
+    """Whether a reproduced number lies within the source's own stated run-to-run variation of the
+    published one (None where the source states none, or the value is a range)."""
     if value.noise is None or not _is_number(value.value):
         return None
     near = abs(reproduced - value.value) <= value.noise
-    return f"{'within' if near else 'outside'} the source's own noise (±{value.noise:g} {value.unit})"
+    return (
+        f"{'within' if near else 'outside'} the source's own noise (±{value.noise:g} {value.unit})"
+    )
 
 
 def _is_number(x) -> bool:
@@ -285,10 +290,13 @@ _MISSING = object()
 
 
 def matches(match: dict, summary: dict) -> bool:
-    """Whether a run's summary has every value `match` asks for (choices first, then dotted config paths)."""
+    """Whether a run's summary has every value `match` asks for (choices first, then dotted config
+    paths)."""
     for key, want in match.items():
         have = lookup(summary, key, _MISSING)
-        if have is _MISSING or not any(_same(have, w) for w in (want if isinstance(want, list) else [want])):
+        if have is _MISSING or not any(
+            _same(have, w) for w in (want if isinstance(want, list) else [want])
+        ):
             return False
     return True
 
@@ -301,12 +309,14 @@ def _same(have, want) -> bool:
 
 @functools.cache
 def shipped(source_id: str) -> Source:
-    """One of the package's published sources (published/<id>.yaml), read when first asked for, then kept."""
+    """One of the package's published sources (published/<id>.yaml), read when first asked for, then
+    kept."""
     return load_source(PUBLISHED_DIR / f"{source_id}.yaml")
 
 
-# the published values that draw a ladder staircase: Page's fixed-schedule training times (train_time_s; step 1's on
-# his clock, the data preparation included: page_clock_s), or times to a target accuracy
+# the published values that draw a ladder staircase: Page's fixed-schedule training times
+# (train_time_s; step 1's on his clock, the data preparation included: page_clock_s), or times to a
+# target accuracy
 LADDER_METRICS = ("train_time_s", "page_clock_s", "time_to_target_s")
 
 
@@ -317,13 +327,19 @@ def ladder_steps(values) -> list[Published]:
 
 @functools.cache
 def page_ladder() -> dict:
-    """trick -> (label, seconds, epochs) on one V100, from published/page_ladder.yaml, in ladder order: each step's
-    fixed-schedule training time; a range of seconds (step 9: 33.5-34 s) is shown as its upper end."""
+    """trick -> (label, seconds, epochs) on one V100, from published/page_ladder.yaml, in ladder
+    order: each step's fixed-schedule training time; a range of seconds (step 9: 33.5-34 s) is shown
+    as its upper end."""
     values = shipped("page_ladder").values
     epochs = {v.match["trick"]: int(v.value) for v in values if v.metric == "epochs"}
-    return {v.match["trick"]: (v.label.split(" ", 1)[1], float(max(v.value) if isinstance(v.value, tuple) else v.value),
-                               epochs[v.match["trick"]])
-            for v in sorted(ladder_steps(values), key=lambda v: v.match["trick"])}
+    return {
+        v.match["trick"]: (
+            v.label.split(" ", 1)[1],
+            float(max(v.value) if isinstance(v.value, tuple) else v.value),
+            epochs[v.match["trick"]],
+        )
+        for v in sorted(ladder_steps(values), key=lambda v: v.match["trick"])
+    }
 
 
 def apex_ppl_values() -> tuple:

@@ -26,7 +26,12 @@ def folders(root: Path) -> list[Path]:
     """The completed results folders under root (a report made), in plan order of their articles."""
     found = [p for p in sorted(Path(root).iterdir()) if (p / "plan.json").is_file()
              and (p / "report" / "report.json").is_file()]
-    order = {a: i for i, a in enumerate(("torch_amp", "half_pitfalls", "fastai_2080ti", "page_ladder", "apex_word_lm"))}
+    order = {
+        a: i
+        for i, a in enumerate(
+            ("torch_amp", "half_pitfalls", "fastai_2080ti", "page_ladder", "apex_word_lm")
+        )
+    }
     return sorted(found, key=lambda p: order.get(p.name, len(order)))
 
 
@@ -82,10 +87,16 @@ def section(root: Path, base: Path = ROOT) -> str:
                      ", ".join(sorted({str(e["epochs"]) for e in runs})),
                      "; ".join(sorted({e["status"] for e in runs})), f"{minutes:.1f}"])
     env = loaded[0][2]
-    d.p(f"Measured on a {env['cpu_count']}-core CPU ({env['device_name']}, no GPU), torch {env['torch']}, with "
-        "the GPU's fp16/bf16 rounding emulated on fp32 kernels (`precision.emulate=auto`, docs/numerics.md): "
-        "accuracy, perplexity and divergence are as on a GPU; no time here is a GPU's, so no speed-up is reported. "
-        f"Sizes are cut to fit a CPU (src/mixprec/tools/plan_cpu.yaml says each and why). Total CPU time {total:.0f} min.")
+    d.p(
+        f"Measured on a {env['cpu_count']}-core CPU ({env['device_name']}, no GPU), torch "
+        f"{env['torch']}, with "
+        "the GPU's fp16/bf16 rounding emulated on fp32 kernels (`precision.emulate=auto`, "
+        "docs/numerics.md): "
+        "accuracy, perplexity and divergence are as on a GPU; no time here is a GPU's, so no "
+        "speed-up is reported. "
+        "Sizes are cut to fit a CPU (src/mixprec/tools/plan_cpu.yaml says each and why). Total "
+        f"CPU time {total:.0f} min."
+    )
     d.table(["folder (report)", "what ran", "jobs", "epochs", "status", "CPU min"], rows)
     for f, state, _, report in loaded:
         _article(d, f, state, report, base)
@@ -105,12 +116,18 @@ def _article(d: Doc, folder: Path, state: dict, report: dict, base: Path) -> Non
     if rows:
         d.table(["published value", "published", "ours"], rows)
     if skipped:
-        d.p(f"{skipped} more published value(s) (times, speed-ups, other datasets) are not measured here; the "
-            "report says why for each.")
+        d.p(
+            f"{skipped} more published value(s) (times, speed-ups, other datasets) are not "
+            "measured here; the "
+            "report says why for each."
+        )
     for exp in report["experiments"]:
-        if exp.get("parity") and (any(r["acc"] for r in exp["parity"]) or not exp.get("perplexity")):
+        if exp.get("parity") and (
+            any(r["acc"] for r in exp["parity"]) or not exp.get("perplexity")
+        ):
             d.table(PARITY_HEADS, [parity_cells(r) for r in exp["parity"]])
-        elif exp.get("verdicts"):   # cases run once each, some meant to fail: each run with the probe's verdict
+        # cases run once each, some meant to fail: each run with the probe's verdict
+        elif exp.get("verdicts"):
             _cases(d, exp)
         if exp.get("perplexity"):
             d.table(PPL_HEADS, [ppl_cells(r) for r in exp["perplexity"]])
@@ -126,8 +143,15 @@ def _cases(d: Doc, exp: dict) -> None:
     for g in exp["groups"]:
         acc = g["metrics"]["final_test_acc"]
         verdict = verdicts.get((g["label"], g["precision"]), "none: nothing to explain")
-        rows.append([g["label"], g["precision"], ", ".join(f"{n} {s}" for s, n in g["statuses"].items()),
-                     "-" if acc is None else f"{100 * acc['mean']:.2f}", verdict])
+        rows.append(
+            [
+                g["label"],
+                g["precision"],
+                ", ".join(f"{n} {s}" for s, n in g["statuses"].items()),
+                "-" if acc is None else f"{100 * acc['mean']:.2f}",
+                verdict,
+            ]
+        )
     d.table(["case", "precision", "runs", "test acc (%)", "the probe's verdict"], rows)
 
 

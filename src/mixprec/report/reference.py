@@ -1,9 +1,10 @@
-"""Reference folders (what scripts/reproduce.py writes: runs/, plan.json, environment.json) in the report.
+"""Reference folders (what scripts/reproduce.py writes: runs/, plan.json, environment.json) in the
+report.
 
-Given one or more such folders, the report gets a side-by-side section: per article, every published value
-with one column per folder (a GPU, or a smoke run), each cell the reproduced number with the plan's cuts
-stated beside it, or the reason it has none; and the fastai-style FP32 / mixed-precision time ratio per model
-and GPU beside the published figures.
+Given one or more such folders, the report gets a side-by-side section: per article, every published
+value with one column per folder (a GPU, or a smoke run), each cell the reproduced number with the
+plan's cuts stated beside it, or the reason it has none; and the fastai-style FP32 / mixed-precision
+time ratio per model and GPU beside the published figures.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def is_reference(path) -> bool:
 
 
 def job_inputs(inputs: list[str]) -> list[str]:
-    """The report's inputs with each reference folder replaced by its runs (its calibration jobs left out)."""
+    """The report's inputs with each reference folder replaced by its runs (its calibration jobs
+    left out)."""
     return [str(Path(i) / RUNS) if is_reference(i) else i for i in inputs]
 
 
@@ -63,14 +65,16 @@ def _number(st: dict, unit: str) -> str:
 def _cell(col: dict, source, value) -> str:
     art = next((a for a in col["state"].get("articles", []) if a["id"] == source.id), {})
     stand_in = (art.get("stand_ins") or {}).get(value.id)
-    if stand_in:   # the plan compares this value with runs of another size (its `why` says how they differ)
+    # the plan compares this value with runs of another size (its `why` says how they differ)
+    if stand_in:
         value = replace(value, match=stand_in["match"])
     groups = [g for exp in source.experiments for g in col["groups"].get(exp, [])]
     rows = [r for r in compare(value, groups) if r["group"] is not None]
     if not rows:
         return _reason(col, source, value)
     valued = [r for r in rows if r["reproduced"] is not None]
-    rows = valued or rows   # groups the value matches but that have no such number (training jobs for batch_gain)
+    # groups the value matches but that have no such number (training jobs for batch_gain)
+    rows = valued or rows
     parts = []
     for r in rows:
         rep = r["reproduced"]
@@ -81,7 +85,11 @@ def _cell(col: dict, source, value) -> str:
         else:
             text = _number(rep, value.unit)
             if r.get("ratio") is not None:
-                text += f", ratio {r['ratio']:.2f}" if not isinstance(r["ratio"], list) else f", {r['verdict']}"
+                text += (
+                    f", ratio {r['ratio']:.2f}"
+                    if not isinstance(r["ratio"], list)
+                    else f", {r['verdict']}"
+                )
             elif r.get("difference") is not None:
                 text += f", {r['difference']:+.2g} vs published"
             if r.get("noise"):
@@ -91,9 +99,14 @@ def _cell(col: dict, source, value) -> str:
     hit = {(r["group"], r["precision"]) for r in rows}
     cuts = sorted({c for g in groups if (g.label, g.precision) in hit
                    for j in g.jobs for c in _sweep_of(j, col).get("cuts", [])})
-    caveat = (art.get("not_reproduced") or {}).get(value.id)   # a run matches, but measures something else
-    return "; ".join(parts) + (f" [cut: {'; '.join(cuts)}]" if cuts else "") + \
-        (f" [stand-in: {stand_in['why']}]" if stand_in else "") + (f" [not comparable: {caveat}]" if caveat else "")
+    # a run matches, but measures something else
+    caveat = (art.get("not_reproduced") or {}).get(value.id)
+    return (
+        "; ".join(parts)
+        + (f" [cut: {'; '.join(cuts)}]" if cuts else "")
+        + (f" [stand-in: {stand_in['why']}]" if stand_in else "")
+        + (f" [not comparable: {caveat}]" if caveat else "")
+    )
 
 
 def _reason(col: dict, source, value) -> str:
@@ -106,7 +119,9 @@ def _reason(col: dict, source, value) -> str:
     sweeps = [col["sweeps"][n] for n in art["sweeps"] if n in col["sweeps"]]
     if sweeps and all(s["dropped"] for s in sweeps):
         return "missing: not run (dropped to fit the budget)"
-    failed = [s["name"] for s in sweeps if s["status"] in ("failed", "interrupted", "running", "planned")]
+    failed = [
+        s["name"] for s in sweeps if s["status"] in ("failed", "interrupted", "running", "planned")
+    ]
     cuts = sorted({c for s in sweeps for c in s["cuts"]})
     why = f"missing: no run matches {value.match}"
     if cuts:
@@ -114,24 +129,42 @@ def _reason(col: dict, source, value) -> str:
     if failed:
         why += f"; sweep(s) not completed: {', '.join(failed)} (see logs/)"
     if col["state"].get("smoke"):
-        why += " (smoke run: tiny sizes, e.g. trainer.epochs=1, a value matched on epochs cannot match)"
+        why += (" (smoke run: tiny sizes, e.g. trainer.epochs=1, a value matched on epochs cannot "
+                "match)")
     return why
 
 
 def _ratios(columns: list[dict], sources) -> dict | None:
-    """Per model: FP32 training time / mixed-precision (amp) time in each folder, beside the published ones."""
-    models = list(dict.fromkeys(g.model for c in columns for g in c["groups"].get(RATIO_EXPERIMENT, [])))
+    """Per model: FP32 training time / mixed-precision (amp) time in each folder, beside the
+    published ones."""
+    models = list(
+        dict.fromkeys(g.model for c in columns for g in c["groups"].get(RATIO_EXPERIMENT, []))
+    )
     if not models:
         return None
-    published = [v for s in sources if RATIO_EXPERIMENT in s.experiments for v in s.values if v.metric == "speedup"]
+    published = [
+        v
+        for s in sources
+        if RATIO_EXPERIMENT in s.experiments
+        for v in s.values
+        if v.metric == "speedup"
+    ]
     rows = []
     for m in models:
         cells = []
         for c in columns:
-            gs = [g for g in c["groups"].get(RATIO_EXPERIMENT, []) if g.model == m and g.precision == "amp"]
+            gs = [
+                g
+                for g in c["groups"].get(RATIO_EXPERIMENT, [])
+                if g.model == m and g.precision == "amp"
+            ]
             st = stats([j.metric("speedup") for g in gs for j in g.jobs])
             cuts = sorted({x for g in gs for j in g.jobs for x in _sweep_of(j, c).get("cuts", [])})
-            cells.append("-" if st is None else f"{st['mean']:.2f}x" + (f" [cut: {'; '.join(cuts)}]" if cuts else ""))
+            cells.append(
+                "-"
+                if st is None
+                else f"{st['mean']:.2f}x" + (f" [cut: {'; '.join(cuts)}]" if cuts else "")
+            )
         pub = [f"{v.format_value()} ({v.hardware})" for v in published if v.match.get("model") == m]
         if all(c == "-" for c in cells) and not pub:
             continue   # no amp/fp32 pair of this model anywhere (e.g. max_batch's records)
@@ -140,15 +173,24 @@ def _ratios(columns: list[dict], sources) -> dict | None:
 
 
 def section(inputs: list[str], sources) -> dict | None:
-    """The side-by-side data (plain values, for report.json), or None when no input is a reference folder."""
+    """The side-by-side data (plain values, for report.json), or None when no input is a reference
+    folder."""
     folders = [Path(i) for i in inputs if is_reference(i)]
     if not folders:
         return None
     columns = [_column(f) for f in folders]
     articles = []
     for s in sources:
-        rows = [{"id": v.id, "label": v.label, "published": v.format_value(), "hardware": v.hardware,
-                 "cells": [_cell(c, s, v) for c in columns]} for v in s.values]
+        rows = [
+            {
+                "id": v.id,
+                "label": v.label,
+                "published": v.format_value(),
+                "hardware": v.hardware,
+                "cells": [_cell(c, s, v) for c in columns],
+            }
+            for v in s.values
+        ]
         articles.append({"id": s.id, "title": s.title, "rows": rows})
     return {"columns": [c["label"] for c in columns], "folders": [c["folder"] for c in columns],
             "articles": articles, "ratios": _ratios(columns, sources)}

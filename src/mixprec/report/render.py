@@ -1,6 +1,7 @@
-"""Rendering the analysis: the report as Markdown and self-contained HTML (Doc, document()), and the plain-text
-tables printed at the end of a job (job_block) and of a sweep (format_table over analyse.sweep_rows and
-analyse.ladder_rows: the same rows the report is made from). Only formatting here: the numbers are analyse.py's.
+"""Rendering the analysis: the report as Markdown and self-contained HTML (Doc, document()), and the
+plain-text tables printed at the end of a job (job_block) and of a sweep (format_table over
+analyse.sweep_rows and analyse.ladder_rows: the same rows the report is made from). Only formatting
+here: the numbers are analyse.py's.
 """
 from __future__ import annotations
 
@@ -17,10 +18,17 @@ from ..config import RNN_KINDS
 from .published import DERIVED
 
 
-def mean_sd(st: dict | None, spec: str = ".3g", scale: float = 1.0, unit: str = "", of: int = 0, pm: str = " ± ",
-            counts: bool = True) -> str:
-    """`mean ± std unit (n=k)` of analyse.stats() (`-` for None); `of`: how many runs could have had a value (says
-    when some had none); counts=False leaves out the (n=...)."""
+def mean_sd(
+    st: dict | None,
+    spec: str = ".3g",
+    scale: float = 1.0,
+    unit: str = "",
+    of: int = 0,
+    pm: str = " ± ",
+    counts: bool = True,
+) -> str:
+    """`mean ± std unit (n=k)` of analyse.stats() (`-` for None); `of`: how many runs could have had
+    a value (says when some had none); counts=False leaves out the (n=...)."""
     if st is None:
         return "-"
     s = format(scale * st["mean"], spec)
@@ -57,7 +65,8 @@ def format_reproduced(c: dict, r: dict) -> str:
 
 
 class Doc:
-    """Blocks (heading, paragraph, table, image, list) rendered to Markdown and to self-contained HTML."""
+    """Blocks (heading, paragraph, table, image, list) rendered to Markdown and to self-contained
+    HTML."""
 
     def __init__(self):
         self.blocks: list[tuple] = []
@@ -86,31 +95,48 @@ class Doc:
                 out.append(b[1])
             elif b[0] == "table":
                 cell = lambda c: c.replace("|", "\\|").replace("\n", " ")  # noqa: E731
-                out.append("\n".join(["| " + " | ".join(map(cell, b[1])) + " |", "|" + "---|" * len(b[1])]
-                                     + ["| " + " | ".join(map(cell, r)) + " |" for r in b[2]]))
+                out.append(
+                    "\n".join(
+                        ["| " + " | ".join(map(cell, b[1])) + " |", "|" + "---|" * len(b[1])]
+                        + ["| " + " | ".join(map(cell, r)) + " |" for r in b[2]]
+                    )
+                )
             elif b[0] == "img":
-                out.append(f"![{b[2]}]({os.path.relpath(b[1], base) if base else b[1]})\n\n*{b[2]}*")
+                out.append(
+                    f"![{b[2]}]({os.path.relpath(b[1], base) if base else b[1]})\n\n*{b[2]}*"
+                )
             elif b[0] == "ul":
                 out.append("\n".join(f"- {i}" for i in b[1]))
         return "\n\n".join(out) + "\n"
 
     def html(self, title: str) -> str:
         e = html.escape
-        out = [f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{e(title)}</title><style>"
-               "body{font-family:system-ui,sans-serif;max-width:1250px;margin:auto;padding:1em;color:#222}"
-               "table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ccc;"
-               "padding:3px 7px;text-align:left;vertical-align:top}th{background:#f2f2f2}"
-               "figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}figcaption{font-size:13px;color:#555}"
-               "</style></head><body>"]
+        out = [
+            f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{e(title)}</title><style>'
+            "body{font-family:system-ui,sans-serif;max-width:1250px;margin:auto;padding:1em;color:#222}"
+            "table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid "
+            "#ccc;"
+            "padding:3px 7px;text-align:left;vertical-align:top}th{background:#f2f2f2}"
+            "figure{margin:1em 0}img{max-width:100%;border:1px solid "
+            "#eee}figcaption{font-size:13px;color:#555}"
+            "</style></head><body>"
+        ]
         for b in self.blocks:
             if b[0] == "h":
                 out.append(f"<h{b[1]}>{_inline(b[2])}</h{b[1]}>")
             elif b[0] == "p":
                 out.append(f"<p>{_inline(b[1])}</p>")
             elif b[0] == "table":
-                out.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in b[1]) + "</tr>"
-                           + "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in b[2])
-                           + "</table>")
+                out.append(
+                    "<table><tr>"
+                    + "".join(f"<th>{e(h)}</th>" for h in b[1])
+                    + "</tr>"
+                    + "".join(
+                        "<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>"
+                        for r in b[2]
+                    )
+                    + "</table>"
+                )
             elif b[0] == "img":
                 data = base64.b64encode(Path(b[1]).read_bytes()).decode("ascii")
                 out.append(f"<figure><img alt=\"{e(b[2])}\" src=\"data:image/png;base64,{data}\">"
@@ -131,14 +157,23 @@ def _inline(text: str) -> str:
 def document(data: dict) -> Doc:
     d = Doc()
     d.h(1, "mixprec reproduction report")
-    d.p(f"Generated {data['generated']} from {data['jobs']} job(s) under: " + ", ".join(f"`{i}`" for i in data["inputs"])
-        + ". Numbers are read from each job's summary.json and metrics.jsonl. Speed-up = fp32 training time / "
-          "the job's training time, against the fp32 job with the same other settings (and seed); "
-          "`a ± b (n=k)` is the mean and sample standard deviation over k seeds. Ratio = reproduced / published.")
+    d.p(
+        f"Generated {data['generated']} from {data['jobs']} job(s) under: "
+        + ", ".join(f"`{i}`" for i in data["inputs"])
+        + ". Numbers are read from each job's summary.json and metrics.jsonl. Speed-up = fp32 "
+          "training time / "
+        "the job's training time, against the fp32 job with the same other settings (and seed); "
+        "`a ± b (n=k)` is the mean and sample standard deviation over k seeds. Ratio = reproduced "
+        "/ published."
+    )
     if data.get("reference"):
         reference_section(d, data["reference"])
-    stand_ins = any("[stand-in:" in c for a in (data.get("reference") or {}).get("articles", []) for r in a["rows"]
-                    for c in r["cells"])
+    stand_ins = any(
+        "[stand-in:" in c
+        for a in (data.get("reference") or {}).get("articles", [])
+        for r in a["rows"]
+        for c in r["cells"]
+    )
     if data["problems"]:
         d.p("Unreadable records (left out):")
         d.bullets(data["problems"])
@@ -147,13 +182,41 @@ def document(data: dict) -> Doc:
         d.p("Published sources: " + (", ".join(exp["sources"]) if exp["sources"] else
                                       "none lists this experiment; reproduced numbers only."))
         d.h(3, "Hardware and software")
-        d.table(["device", "torch", "CUDA", "cuDNN", "python", "TF32", "git commit", "jobs", "versions"],
-                [[r["device"], r["torch"], r["cuda"], r["cudnn"], r["python"], r["tf32"], r["git_commit"], r["jobs"],
-                  r.get("pinned", "-")] for r in exp["env"]])
+        d.table(
+            [
+                "device",
+                "torch",
+                "CUDA",
+                "cuDNN",
+                "python",
+                "TF32",
+                "git commit",
+                "jobs",
+                "versions",
+            ],
+            [
+                [
+                    r["device"],
+                    r["torch"],
+                    r["cuda"],
+                    r["cudnn"],
+                    r["python"],
+                    r["tf32"],
+                    r["git_commit"],
+                    r["jobs"],
+                    r.get("pinned", "-"),
+                ]
+                for r in exp["env"]
+            ],
+        )
         unpinned = sum(r["jobs"] for r in exp["env"] if r.get("unpinned"))
         if unpinned:
-            d.p(f"**Versions:** {unpinned} job(s) ran with package versions other than the tested ones "
-                "(constraints.txt; the README's set-up command installs them): see the versions column.")
+            d.p(
+                f"**Versions:** {unpinned} job(s) ran with package versions other than the tested "
+                "ones "
+                "(constraints.txt; the README's set-up command installs them): see the versions "
+                "column."
+            )
         unrecorded = exp["jobs"] - sum(r["jobs"] for r in exp["env"])
         if unrecorded:
             d.p(f"{unrecorded} job(s) failed before recording their environment (see below).")
@@ -162,10 +225,23 @@ def document(data: dict) -> Doc:
         ttt = any(g["metrics"]["time_to_target_s"] for g in gs)
         lm = any(g["metrics"]["loss_gap"] or g["metrics"]["mfu"] or g["metrics"].get("test_ppl")
                  for g in gs)   # language models: perplexity, MFU, loss gap
-        heads = ["model", "precision", "runs", "train time (s)", "speed-up vs fp32 (x)", "tokens/s" if lm else "samples/s",
-                 "test ppl (best valid epoch)" if lm else "test acc (%)", "batch", "compile", "GPU busy (%)"] + (
-                ["time to target (s)"] if ttt else []) + ["peak memory (MB)"] + (
-                ["MFU (%)", "valid loss - fp32's, same steps"] if lm else [])
+        heads = (
+            [
+                "model",
+                "precision",
+                "runs",
+                "train time (s)",
+                "speed-up vs fp32 (x)",
+                "tokens/s" if lm else "samples/s",
+                "test ppl (best valid epoch)" if lm else "test acc (%)",
+                "batch",
+                "compile",
+                "GPU busy (%)",
+            ]
+            + (["time to target (s)"] if ttt else [])
+            + ["peak memory (MB)"]
+            + (["MFU (%)", "valid loss - fp32's, same steps"] if lm else [])
+        )
         rows = []
         for g in gs:
             runs = ", ".join(f"{n} {s}" for s, n in g["statuses"].items())
@@ -173,18 +249,35 @@ def document(data: dict) -> Doc:
                 runs += " (seeds " + ",".join(str(s) for s in g["seeds"]) + ")"
             m = g["metrics"]
             done = g["statuses"].get("completed", 0)
-            precision = g["precision"] + (" (emulated: not a low-precision time)" if g["emulated"] else "")
-            rows.append([g["label"], precision, runs, mean_sd(m["train_time_s"], ".3f"), mean_sd(m["speedup"], ".2f"),
-                         mean_sd(m["throughput"], ".1f"),
-                         mean_sd(m.get("test_ppl"), ".2f") if lm else mean_sd(m["final_test_acc"], ".2f", 100),
-                         ", ".join(g.get("batch", [])) or "-", ", ".join(g.get("compile", [])) or "-",
-                         mean_sd(m.get("gpu_busy_fraction"), ".0f", 100)]
-                        + ([mean_sd(m["time_to_target_s"], ".3g", of=done)] if ttt else [])
-                        + [mean_sd(m["peak_memory_mb"], ".0f")]
-                        + ([mean_sd(m["mfu"], ".3g", 100), mean_sd(m["loss_gap"], "+.3g")] if lm else []))
+            precision = g["precision"] + (
+                " (emulated: not a low-precision time)" if g["emulated"] else ""
+            )
+            rows.append(
+                [
+                    g["label"],
+                    precision,
+                    runs,
+                    mean_sd(m["train_time_s"], ".3f"),
+                    mean_sd(m["speedup"], ".2f"),
+                    mean_sd(m["throughput"], ".1f"),
+                    mean_sd(m.get("test_ppl"), ".2f")
+                    if lm
+                    else mean_sd(m["final_test_acc"], ".2f", 100),
+                    ", ".join(g.get("batch", [])) or "-",
+                    ", ".join(g.get("compile", [])) or "-",
+                    mean_sd(m.get("gpu_busy_fraction"), ".0f", 100),
+                ]
+                + ([mean_sd(m["time_to_target_s"], ".3g", of=done)] if ttt else [])
+                + [mean_sd(m["peak_memory_mb"], ".0f")]
+                + ([mean_sd(m["mfu"], ".3g", 100), mean_sd(m["loss_gap"], "+.3g")] if lm else [])
+            )
         d.table(heads, rows)
-        bound = [g["label"] + " " + g["precision"] for g in gs
-                 if busy.verdict((g["metrics"].get("gpu_busy_fraction") or {}).get("mean")) == "host-bound"]
+        bound = [
+            g["label"] + " " + g["precision"]
+            for g in gs
+            if busy.verdict((g["metrics"].get("gpu_busy_fraction") or {}).get("mean"))
+            == "host-bound"
+        ]
         if bound:
             d.p(f"**Host-bound:** {', '.join(bound)}: {HOST_BOUND_NOTE}.")
         if exp["variants"]:
@@ -192,33 +285,68 @@ def document(data: dict) -> Doc:
                 + "; ".join(f"{k} = `{v}`" for k, v in exp["variants"].items()))
         if exp.get("ladder"):
             d.h(3, "Ladder")
-            d.p("Per ladder step, as the sweep's console table: statistics over all the step's runs (seeds); "
-                "Page s and Page ep: the article's V100 time and epochs for that step (step 1's 75 s on his clock, "
-                "started before the data's padding and normalisation: compare it with time+prep s).")
-            d.table([h for _, h, _ in LADDER_COLUMNS], [row_cells(ladder_cells(r), LADDER_COLUMNS) for r in exp["ladder"]])
+            d.p(
+                "Per ladder step, as the sweep's console table: statistics over all the step's "
+                "runs (seeds); "
+                "Page s and Page ep: the article's V100 time and epochs for that step (step 1's 75 "
+                "s on his clock, "
+                "started before the data's padding and normalisation: compare it with time+prep s)."
+            )
+            d.table(
+                [h for _, h, _ in LADDER_COLUMNS],
+                [row_cells(ladder_cells(r), LADDER_COLUMNS) for r in exp["ladder"]],
+            )
         if exp.get("parity"):
             parity_section(d, exp["parity"])
         if exp.get("perplexity"):
             d.h(3, "Perplexity per epoch")
-            d.p("Validation and test perplexity after each epoch (metrics.jsonl epoch rows), mean over the completed "
-                "runs of each model and precision.")
+            d.p(
+                "Validation and test perplexity after each epoch (metrics.jsonl epoch rows), mean "
+                "over the completed "
+                "runs of each model and precision."
+            )
             d.table(PPL_HEADS, [ppl_cells(r) for r in exp["perplexity"]])
         if exp["comparisons"]:
             d.h(3, "Reproduced against published")
             comparisons_section(d, exp, stand_ins)
         if exp["not_completed"]:
             d.h(3, "Runs that diverged or failed")
-            d.table(["job", "model", "precision", "seed", "status", "reason", "non-finite at step"],
-                    [[p["job"] if p["job"] is not None else Path(p["dir"]).name, f"{p['model']} {p['variant']}".strip(),
-                      p["precision"], p["seed"], p["status"], p["reason"], p["step"] if p["step"] is not None else "-"]
-                     for p in exp["not_completed"]])
+            d.table(
+                ["job", "model", "precision", "seed", "status", "reason", "non-finite at step"],
+                [
+                    [
+                        p["job"] if p["job"] is not None else Path(p["dir"]).name,
+                        f"{p['model']} {p['variant']}".strip(),
+                        p["precision"],
+                        p["seed"],
+                        p["status"],
+                        p["reason"],
+                        p["step"] if p["step"] is not None else "-",
+                    ]
+                    for p in exp["not_completed"]
+                ],
+            )
         if exp.get("verdicts"):
             d.h(3, "Numerics verdicts")
-            d.p("What the numerics probe's rules read from each job's measurements (src/mixprec/numerics/verdicts.py), "
-                "and the rows each verdict came from.")
-            d.table(["job", "model", "precision", "status", "verdict", "from"],
-                    [[v["job"], v["model"], v["precision"], v["status"], v["verdict"], "; ".join(v["cites"])]
-                     for v in exp["verdicts"]])
+            d.p(
+                "What the numerics probe's rules read from each job's measurements "
+                "(src/mixprec/numerics/verdicts.py), "
+                "and the rows each verdict came from."
+            )
+            d.table(
+                ["job", "model", "precision", "status", "verdict", "from"],
+                [
+                    [
+                        v["job"],
+                        v["model"],
+                        v["precision"],
+                        v["status"],
+                        v["verdict"],
+                        "; ".join(v["cites"]),
+                    ]
+                    for v in exp["verdicts"]
+                ],
+            )
         for fig in exp.get("plots", []):
             d.image(fig["path"], fig["caption"])
     if data["sources_without_runs"]:
@@ -279,18 +407,28 @@ def comparisons_section(d: Doc, exp: dict, stand_ins: bool) -> None:
 def parity_section(d: Doc, rows: list[dict]) -> None:
     """Accuracy against fp32 seed by seed (analyse.parity_rows)."""
     d.h(3, "Accuracy against fp32, seed by seed")
-    d.p("Test accuracy: mean ± sample standard deviation [min, max] over the seeds that completed. Difference: each "
-        "seed's accuracy minus the fp32 job's with the same seed and settings, in points; its mean and 95% "
-        "confidence interval (Student's t, n - 1 degrees of freedom). An interval that excludes 0 is a real "
-        "difference at these sizes; one that includes 0 is not evidence of parity beyond its width.")
+    d.p(
+        "Test accuracy: mean ± sample standard deviation [min, max] over the seeds that completed. "
+        "Difference: each "
+        "seed's accuracy minus the fp32 job's with the same seed and settings, in points; its mean "
+        "and 95% "
+        "confidence interval (Student's t, n - 1 degrees of freedom). An interval that excludes 0 "
+        "is a real "
+        "difference at these sizes; one that includes 0 is not evidence of parity beyond its width."
+    )
     d.table(PARITY_HEADS, [parity_cells(r) for r in rows])
 
 
 def parity_cells(r: dict) -> list[str]:
-    """A row of the seed-by-seed table: model, precision, runs, accuracy, difference [95% CI], verdict."""
+    """A row of the seed-by-seed table: model, precision, runs, accuracy, difference [95% CI],
+    verdict."""
     a, x = r["acc"], r["diff"]
-    acc = "-" if a is None else f"{a['mean']:.2f}" + (f" ± {a['std']:.2f} [{a['min']:.2f}, {a['max']:.2f}]"
-                                                      if a["n"] > 1 else "")
+    acc = (
+        "-"
+        if a is None
+        else f"{a['mean']:.2f}"
+        + (f" ± {a['std']:.2f} [{a['min']:.2f}, {a['max']:.2f}]" if a["n"] > 1 else "")
+    )
     diff = "-" if x is None else f"{x['mean']:+.2f} [{x['ci95'][0]:+.2f}, {x['ci95'][1]:+.2f}]"
     runs = ", ".join(f"{n} {s}" for s, n in r["statuses"].items())
     verdict = "(the baseline)" if r["precision"] == "fp32" else (
@@ -303,20 +441,37 @@ PPL_HEADS = ["model", "precision", "epoch", "runs", "valid ppl", "test ppl"]
 
 def ppl_cells(r: dict) -> list[str]:
     """A row of the perplexity-per-epoch table (analyse.perplexity_rows)."""
-    return [r["group"], r["precision"], str(r["epoch"]), str(r["runs"]), mean_sd(r["valid_ppl"], ".2f"),
-            mean_sd(r["test_ppl"], ".2f")]
+    return [
+        r["group"],
+        r["precision"],
+        str(r["epoch"]),
+        str(r["runs"]),
+        mean_sd(r["valid_ppl"], ".2f"),
+        mean_sd(r["test_ppl"], ".2f"),
+    ]
 
 
-PARITY_HEADS = ["model", "precision", "runs", "test acc (%)", "minus fp32 (points) [95% CI]", "verdict"]
+PARITY_HEADS = [
+    "model",
+    "precision",
+    "runs",
+    "test acc (%)",
+    "minus fp32 (points) [95% CI]",
+    "verdict",
+]
 
 
 def reference_section(d: Doc, sec: dict) -> None:
     """The side-by-side section of reference folders (reference.section's data)."""
     cols = sec["columns"]
     d.h(2, "Reproductions side by side")
-    d.p("One column per results folder (scripts/reproduce.py): " + "; ".join(f"`{f}`" for f in sec["folders"])
-        + ". Each cell is the reproduced value (ratio = reproduced / published) with the plan's cuts in [brackets], "
-          "or the reason it has none.")
+    d.p(
+        "One column per results folder (scripts/reproduce.py): "
+        + "; ".join(f"`{f}`" for f in sec["folders"])
+        + ". Each cell is the reproduced value (ratio = reproduced / published) with the plan's "
+          "cuts in [brackets], "
+        "or the reason it has none."
+    )
     if sec["ratios"]:
         d.h(3, "FP32 / mixed-precision training time (fastai's ratio), per model and GPU")
         d.table(["model", *cols, "published"],
@@ -327,16 +482,24 @@ def reference_section(d: Doc, sec: dict) -> None:
                 [[r["label"], r["published"], r["hardware"], *r["cells"]] for r in a["rows"]])
 
 
-# ---------------------------------------------------------------------------------------------------- console
+# ------------------------------------------------------------------------------------------ console
 
 
-APEX_NOTE = ("published test ppl: NVIDIA apex's word_language_model README (published/apex_word_lm.yaml), shown beside "
-             "the runs of the model, precision and loss scale it was reported for, with the epochs it was reported "
-             "at; test ppl here = the test perplexity of the best-validation epoch, as the example reports it")
+APEX_NOTE = (
+    "published test ppl: NVIDIA apex's word_language_model README (published/apex_word_lm.yaml), "
+    "shown beside "
+    "the runs of the model, precision and loss scale it was reported for, with the epochs it was "
+    "reported "
+    "at; test ppl here = the test perplexity of the best-validation epoch, as the example reports "
+    "it"
+)
 
-FP8_EMULATED_NOTE = ("fp8(emulated): no FP8 tensor cores on this device (a CPU, or a GPU before compute capability "
-                     "8.9): torchao emulated the float8 matmuls in fp32, so its loss is FP8's but its time, tokens/s "
-                     "and speed-up are not FP8 timings")
+FP8_EMULATED_NOTE = (
+    "fp8(emulated): no FP8 tensor cores on this device (a CPU, or a GPU before compute capability "
+    "8.9): torchao emulated the float8 matmuls in fp32, so its loss is FP8's but its time, "
+    "tokens/s "
+    "and speed-up are not FP8 timings"
+)
 
 
 def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
@@ -347,19 +510,26 @@ def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
     return str(v)
 
 
-EMULATED_NOTE = ("(emulated): fp16/bf16 rounding emulated on fp32 kernels (precision.emulate, docs/numerics.md): its "
-                 "loss and accuracy are a GPU's numerics, its time and samples/s are fp32 timings on this device, and "
-                 "no speed-up is shown")
+EMULATED_NOTE = (
+    "(emulated): fp16/bf16 rounding emulated on fp32 kernels (precision.emulate, "
+    "docs/numerics.md): its "
+    "loss and accuracy are a GPU's numerics, its time and samples/s are fp32 timings on this "
+    "device, and "
+    "no speed-up is shown"
+)
 
 
-HOST_BOUND_NOTE = (f"host-bound: GPU busy below {busy.HOST_BOUND:.0%} of a steady step (GPU busy column; docs/speed.md): "
-                   "the GPU waited for Python, so a speed-up measured there says little about the precision; "
-                   f"use {busy.ADVICE}. GPU busy '-': not measured (a CPU job)")
+HOST_BOUND_NOTE = (
+    f"host-bound: GPU busy below {busy.HOST_BOUND:.0%} of a steady step (GPU busy column; "
+    "docs/speed.md): "
+    "the GPU waited for Python, so a speed-up measured there says little about the precision; "
+    f"use {busy.ADVICE}. GPU busy '-': not measured (a CPU job)"
+)
 
 
 def sweep_note(summaries: list[dict]) -> str | None:
-    """What a sweep's table is to be read beside: the published numbers of a recurrent language-model sweep;
-    that an emulated job's time is no fp16/bf16/FP8 time."""
+    """What a sweep's table is to be read beside: the published numbers of a recurrent
+    language-model sweep; that an emulated job's time is no fp16/bf16/FP8 time."""
     notes = []
     if summaries and all(records.arch(s) in RNN_KINDS for s in summaries):
         notes.append(APEX_NOTE)
@@ -367,28 +537,48 @@ def sweep_note(summaries: list[dict]) -> str | None:
         notes.append(FP8_EMULATED_NOTE)
     if any(s.get("arithmetic") == "emulated" for s in summaries):
         notes.append(EMULATED_NOTE)
-    if any(busy.verdict(records.metrics(s).get("gpu_busy_fraction")) == "host-bound" for s in summaries):
+    if any(
+        busy.verdict(records.metrics(s).get("gpu_busy_fraction")) == "host-bound" for s in summaries
+    ):
         notes.append(HOST_BOUND_NOTE)
     return "\n".join(notes) or None
 
 
-SWEEP_COLUMNS = [("job", "job", "d"), ("model", "model", "s"), ("precision", "precision", "s"),
-                 ("status", "status", "s"), ("epochs", "epochs", ".2f"), ("train_time_s", "time s", ".2f"),
-                 ("samples_per_s", "samples/s", ".1f"), ("batch", "batch", "d"), ("compile", "compile", "s"),
-                 ("busy", "GPU busy", ".2f"), ("speedup", "vs fp32", ".2f"), ("test_acc", "test acc", ".4f"),
-                 ("peak_mem_mb", "peak MB", ".0f"), ("note", "note", "s")]
-# language models: tokens/s, MFU, and perplexity (best validation, test at that epoch) beside apex's published
-# one, the validation-loss gap to fp32 after the same steps
-LM_COLUMNS = SWEEP_COLUMNS[:6] + [("samples_per_s", "tokens/s", ".0f"), *SWEEP_COLUMNS[7:10], ("speedup", "vs fp32", ".2f"),
-                                  ("mfu", "MFU", ".1%"), ("valid_ppl", "valid ppl", ".2f"),
-                                  ("test_ppl", "test ppl", ".2f"), ("loss_gap", "dloss vs fp32", "+.3g"),
-                                  ("published", "published test ppl", "s"), ("peak_mem_mb", "peak MB", ".0f"),
-                                  ("note", "note", "s")]
+SWEEP_COLUMNS = [
+    ("job", "job", "d"),
+    ("model", "model", "s"),
+    ("precision", "precision", "s"),
+    ("status", "status", "s"),
+    ("epochs", "epochs", ".2f"),
+    ("train_time_s", "time s", ".2f"),
+    ("samples_per_s", "samples/s", ".1f"),
+    ("batch", "batch", "d"),
+    ("compile", "compile", "s"),
+    ("busy", "GPU busy", ".2f"),
+    ("speedup", "vs fp32", ".2f"),
+    ("test_acc", "test acc", ".4f"),
+    ("peak_mem_mb", "peak MB", ".0f"),
+    ("note", "note", "s"),
+]
+# language models: tokens/s, MFU, and perplexity (best validation, test at that epoch) beside apex's
+# published one, the validation-loss gap to fp32 after the same steps
+LM_COLUMNS = SWEEP_COLUMNS[:6] + [
+    ("samples_per_s", "tokens/s", ".0f"),
+    *SWEEP_COLUMNS[7:10],
+    ("speedup", "vs fp32", ".2f"),
+    ("mfu", "MFU", ".1%"),
+    ("valid_ppl", "valid ppl", ".2f"),
+    ("test_ppl", "test ppl", ".2f"),
+    ("loss_gap", "dloss vs fp32", "+.3g"),
+    ("published", "published test ppl", "s"),
+    ("peak_mem_mb", "peak MB", ".0f"),
+    ("note", "note", "s"),
+]
 
 
 def format_table(rows: list[dict], cols: list[tuple] | None = None) -> str:
-    """rows as aligned text columns; cols: (row key, header, format spec) per column; by default SWEEP_COLUMNS,
-    or LM_COLUMNS when every row is a language model's."""
+    """rows as aligned text columns; cols: (row key, header, format spec) per column; by default
+    SWEEP_COLUMNS, or LM_COLUMNS when every row is a language model's."""
     if cols is None:
         cols = LM_COLUMNS if rows and all(r.get("lm") for r in rows) else SWEEP_COLUMNS
     cells = [[h for _, h, _ in cols]] + [row_cells(r, cols) for r in rows]
@@ -401,8 +591,10 @@ def format_table(rows: list[dict], cols: list[tuple] | None = None) -> str:
 
 def row_cells(row: dict, cols: list[tuple]) -> list[str]:
     """A row's cells as text, each formatted by its column's spec."""
-    return [row[k] if isinstance(row[k], str) else _fmt(row[k], spec if spec not in ("s", "d") else "")
-            for k, _, spec in cols]
+    return [
+        row[k] if isinstance(row[k], str) else _fmt(row[k], spec if spec not in ("s", "d") else "")
+        for k, _, spec in cols
+    ]
 
 
 def job_block(summary: dict) -> str:
@@ -415,20 +607,37 @@ def job_block(summary: dict) -> str:
             else f"first {m.get('warmup_steps')} steps excluded")
     scale = "none" if not ls else f"min {ls['min']:g}, max {ls['max']:g}, final {ls['final']:g}"
     lines = [
-        f"status      {records.status(summary)}" + (f"  ({records.reason(summary)})" if records.reason(summary) else ""),
-        f"job         model={ch.get('model')} precision={ch.get('precision')} dataset={ch.get('dataset')} "
+        f"status      {records.status(summary)}"
+        + (f"  ({records.reason(summary)})" if records.reason(summary) else ""),
+        f"job         model={ch.get('model')} precision={ch.get('precision')} "
+        f"dataset={ch.get('dataset')} "
         f"optimizer={ch.get('optimizer')}",
         f"device      {env.get('device_name')} ({env.get('device')}), torch {env.get('torch')}",
         f"training    {_fmt(m.get('epochs'), '.2f')} epochs, {m.get('steps')} steps, "
-        f"{_fmt(m.get('train_time_s'), '.2f')} s (eval excluded), epochs {[round(t, 2) for t in m.get('epoch_times_s') or []]}"
-        + (f"; compiled in {m['compile_time_s']:.2f} s and prewarmed {_fmt(m.get('prewarm_time_s'), '.2f')} s before the clock"
-           if m.get("compile_time_s") else "") + compiled_note(m),
-        f"throughput  {_fmt(m.get('throughput'), '.1f')} {m.get('throughput_unit', 'samples/s')} ({warm})",
-        f"perplexity  valid final {_fmt(m.get('final_valid_ppl'), '.2f')}, best {_fmt(m.get('best_valid_ppl'), '.2f')} "
-        f"(epoch {m.get('best_valid_epoch')}); test final {_fmt(m.get('final_test_ppl'), '.2f')}, at best valid "
-        f"{_fmt(m.get('test_ppl_at_best_valid'), '.2f')}" if records.is_language_model(summary) else
-        f"accuracy    final {_fmt(m.get('final_test_acc'), '.4f')}, best {_fmt(m.get('best_test_acc'), '.4f')}"
-        + (f", {_fmt(m.get('time_to_target_s'), '.2f')} s to {m.get('target_acc')}" if m.get("target_acc") else ""),
+        f"{_fmt(m.get('train_time_s'), '.2f')} s (eval excluded), epochs "
+        f"{[round(t, 2) for t in m.get('epoch_times_s') or []]}"
+        + (
+            f"; compiled in {m['compile_time_s']:.2f} s and prewarmed "
+            f"{_fmt(m.get('prewarm_time_s'), '.2f')} s before the clock"
+            if m.get("compile_time_s")
+            else ""
+        )
+        + compiled_note(m),
+        f"throughput  {_fmt(m.get('throughput'), '.1f')} {m.get('throughput_unit', 'samples/s')} "
+        f"({warm})",
+        f"perplexity  valid final {_fmt(m.get('final_valid_ppl'), '.2f')}, best "
+        f"{_fmt(m.get('best_valid_ppl'), '.2f')} "
+        f"(epoch {m.get('best_valid_epoch')}); test final {_fmt(m.get('final_test_ppl'), '.2f')}, "
+        "at best valid "
+        f"{_fmt(m.get('test_ppl_at_best_valid'), '.2f')}"
+        if records.is_language_model(summary)
+        else f"accuracy    final {_fmt(m.get('final_test_acc'), '.4f')}, best "
+             f"{_fmt(m.get('best_test_acc'), '.4f')}"
+        + (
+            f", {_fmt(m.get('time_to_target_s'), '.2f')} s to {m.get('target_acc')}"
+            if m.get("target_acc")
+            else ""
+        ),
         f"memory      peak {_fmt(m.get('peak_memory_mb'), '.0f')} MB ({m.get('peak_memory_kind')})",
         f"loss scale  {scale}; skipped steps {m.get('skipped_steps')}",
     ]
@@ -437,24 +646,45 @@ def job_block(summary: dict) -> str:
         lines[1:1] = [f"verdict     {v['line']}"] + [f"            from {c}" for c in v["cites"]]
     if summary.get("resumed"):
         r = summary["resumed"]
-        lines.append(f"resumed     at step {r['from_step']} (epoch {r['from_epoch']:.2f}), {len(r['history'])} time(s); "
-                     "the time before is included")
+        lines.append(
+            f"resumed     at step {r['from_step']} (epoch {r['from_epoch']:.2f}), "
+            f"{len(r['history'])} time(s); "
+            "the time before is included"
+        )
     fp8 = summary.get("fp8")
     if fp8:
-        lines.append(f"fp8         recipe {fp8['recipe']}, {len(fp8['float8_layers'])} Linear layers in float8, "
-                     f"{len(fp8['bf16_layers'])} in bf16 ({', '.join(fp8['bf16_layers']) or 'none'}); fp8_emulated: "
-                     + (f"true ({fp8['emulation_reason']}: the time above is not an FP8 time)" if fp8["fp8_emulated"]
-                        else "false"))
+        lines.append(
+            f"fp8         recipe {fp8['recipe']}, {len(fp8['float8_layers'])} Linear layers in "
+            "float8, "
+            f"{len(fp8['bf16_layers'])} in bf16 ({', '.join(fp8['bf16_layers']) or 'none'}); "
+            "fp8_emulated: "
+            + (
+                f"true ({fp8['emulation_reason']}: the time above is not an FP8 time)"
+                if fp8["fp8_emulated"]
+                else "false"
+            )
+        )
     if summary.get("arithmetic") == "emulated":
-        lines.append("numerics    emulated: fp16/bf16 rounding on fp32 kernels with CUDA's autocast policy; the "
-                     "losses are a GPU's, the time above is an fp32 time on this device, not a low-precision one")
+        lines.append(
+            "numerics    emulated: fp16/bf16 rounding on fp32 kernels with CUDA's autocast policy; "
+            "the "
+            "losses are a GPU's, the time above is an fp32 time on this device, not a "
+            "low-precision one"
+        )
     if m.get("gpu_busy_fraction") is not None:
-        lines.append(f"GPU busy    {100 * m['gpu_busy_fraction']:.0f}% of a steady step ({_fmt(m.get('gpu_step_ms'), '.2f')}"
-                     f" of {_fmt(m.get('wall_step_ms'), '.2f')} ms; batch {records.lookup(summary, 'trainer.batch_size')}, "
-                     f"compile {records.lookup(summary, 'trainer.compile')})"
-                     + (f": {busy.note(m['gpu_busy_fraction'])}" if m.get("host_bound") else ""))
+        lines.append(
+            f"GPU busy    {100 * m['gpu_busy_fraction']:.0f}% of a steady step "
+            f"({_fmt(m.get('gpu_step_ms'), '.2f')}"
+            f" of {_fmt(m.get('wall_step_ms'), '.2f')} ms; batch "
+            f"{records.lookup(summary, 'trainer.batch_size')}, "
+            f"compile {records.lookup(summary, 'trainer.compile')})"
+            + (f": {busy.note(m['gpu_busy_fraction'])}" if m.get("host_bound") else "")
+        )
     if m.get("mfu") is not None:
-        lines.append(f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} peak")
+        lines.append(
+            f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} "
+            "peak"
+        )
     return "\n".join(lines)
 
 
@@ -468,17 +698,28 @@ def compiled_note(m: dict) -> str:
             + (f"; {eager} calls ran EAGERLY after the warm-up)" if eager else ")"))
 
 
-LADDER_COLUMNS = [("step", "step", "s"), ("variant", "variant", "s"), ("runs", "runs", "s"),
-                  ("epochs", "epochs", ".2f"), ("train_time_s", "time s", "s"), ("page_clock_s", "time+prep s", ".2f"),
-                  ("setup_s", "setup s", ".2f"),
-                  ("acc", "acc (no TTA)", "s"), ("acc_tta", "acc (TTA)", "s"), ("reached", "reached", "s"),
-                  ("to_94_s", "to target s (median)", "s"), ("page_s", "Page s", ".1f"),
-                  ("page_epochs", "Page ep", "d"), ("note", "note", "s")]
+LADDER_COLUMNS = [
+    ("step", "step", "s"),
+    ("variant", "variant", "s"),
+    ("runs", "runs", "s"),
+    ("epochs", "epochs", ".2f"),
+    ("train_time_s", "time s", "s"),
+    ("page_clock_s", "time+prep s", ".2f"),
+    ("setup_s", "setup s", ".2f"),
+    ("acc", "acc (no TTA)", "s"),
+    ("acc_tta", "acc (TTA)", "s"),
+    ("reached", "reached", "s"),
+    ("to_94_s", "to target s (median)", "s"),
+    ("page_s", "Page s", ".1f"),
+    ("page_epochs", "Page ep", "d"),
+    ("note", "note", "s"),
+]
 NOT_REACHED = "not reached"
 
 
 def ladder_cells(row: dict) -> dict:
-    """An analyse.ladder_rows row as the ladder table's text cells (mean +- sample std over the step's runs)."""
+    """An analyse.ladder_rows row as the ladder table's text cells (mean +- sample std over the
+    step's runs)."""
     to_target = row["to_94_s"]
     return dict(row, runs="{}/{}".format(*row["runs"]), reached="{}/{}".format(*row["reached"]),
                 train_time_s=mean_sd(row["train_time_s"], ".2f", pm=" +- ", counts=False),

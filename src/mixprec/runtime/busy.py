@@ -31,18 +31,25 @@ import torch
 from .hardware import synchronize
 
 HOST_BOUND = 0.8       # below this busy fraction a step is called host-bound
-SAMPLE_AT = (4, 5)     # the epoch's steady steps sampled (1-based): past the warm-up's queue effects
-SPIN_S = 0.02          # the first spin; after a sample the host needed longer to queue: twice that time, or twice
-SPIN_MAX_S = 2.56      # the spin, whichever is longer (an eager fp8 GPT step queues ~48 x 311 ops: ~0.6 s)
-MAX_INVALID = 4        # samples the host waited in before sampling stops (a step that reads the device every time)
+# the epoch's steady steps sampled (1-based): past the warm-up's queue effects
+SAMPLE_AT = (4, 5)
+# the first spin; after a sample the host needed longer to queue: twice that time, or twice
+SPIN_S = 0.02
+# the spin, whichever is longer (an eager fp8 GPT step queues ~48 x 311 ops: ~0.6 s)
+SPIN_MAX_S = 2.56
+# samples the host waited in before sampling stops (a step that reads the device every time)
+MAX_INVALID = 4
 
-ADVICE = ("a bigger trainer.batch_size, or trainer.compile=reduce-overhead (CUDA graphs) / default (fewer "
-          "kernels)")
+ADVICE = (
+    "a bigger trainer.batch_size, or trainer.compile=reduce-overhead (CUDA graphs) / default "
+    "(fewer "
+    "kernels)"
+)
 
 
 def busy_fraction(gpu_s: float | None, wall_s: float | None) -> float | None:
-    """The GPU's share of a step's wall time (None without both; at most 1: timer noise aside, the GPU cannot
-    work longer than the step took)."""
+    """The GPU's share of a step's wall time (None without both; at most 1: timer noise aside, the
+    GPU cannot work longer than the step took)."""
     if not gpu_s or not wall_s:
         return None
     return min(1.0, gpu_s / wall_s)
@@ -59,13 +66,17 @@ def note(fraction: float | None) -> str | None:
     """One line for a table or report when a figure was measured host-bound."""
     if verdict(fraction) != "host-bound":
         return None
-    return (f"host-bound: the GPU was busy {100 * fraction:.0f}% of a step, so its speed-up measures Python's "
-            f"launch overhead more than the precision; use {ADVICE}")
+    return (
+        f"host-bound: the GPU was busy {100 * fraction:.0f}% of a step, so its speed-up measures "
+        "Python's "
+        f"launch overhead more than the precision; use {ADVICE}"
+    )
 
 
 class CudaTimer:
-    """The GPU side of a sample on a CUDA device: synchronize, spin, events. tests/test_busy.py fakes it; its
-    gpu-marked test runs it. CUDA only: the spin (torch.cuda._sleep) has no device-generic twin."""
+    """The GPU side of a sample on a CUDA device: synchronize, spin, events. tests/test_busy.py
+    fakes it; its gpu-marked test runs it. CUDA only: the spin (torch.cuda._sleep) has no
+    device-generic twin."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -105,12 +116,13 @@ class BusyMeter:
         self.steady_at_epoch = self.steady_at_start = 0.0
 
     def start(self, steady_s: float) -> None:
-        """The training clock's steady time when this process's loop starts (a resumed job's earlier time)."""
+        """The training clock's steady time when this process's loop starts (a resumed job's earlier
+        time)."""
         self.steady_at_epoch = self.steady_at_start = steady_s
 
     def wants(self, steady: bool) -> bool:
-        """Whether the coming step is sampled (a steady one at SAMPLE_AT in its epoch; none once MAX_INVALID samples
-        gave no figure and none did)."""
+        """Whether the coming step is sampled (a steady one at SAMPLE_AT in its epoch; none once
+        MAX_INVALID samples gave no figure and none did)."""
         if self.invalid >= MAX_INVALID and not self.gpu_s:
             return False
         return steady and self.epoch_steady + 1 in SAMPLE_AT
@@ -130,7 +142,8 @@ class BusyMeter:
         result = step(*args)
         end.record()
         queuing = self.clock() - queued_from   # the host's time to queue the step
-        queued_ahead = not start.query()   # the GPU was still spinning when the host had queued the whole step
+        # the GPU was still spinning when the host had queued the whole step
+        queued_ahead = not start.query()
         t.sync()
         took = self.clock() - t0
         if queued_ahead:
@@ -152,22 +165,33 @@ class BusyMeter:
         self.epoch_steps += 1
 
     def epoch_record(self, steady_s: float) -> dict:
-        """The epoch's figures (steady_s: the clock's steady time so far); resets the epoch's counts."""
+        """The epoch's figures (steady_s: the clock's steady time so far); resets the epoch's
+        counts."""
         wall = (steady_s - self.steady_at_epoch) / self.epoch_steps if self.epoch_steps else None
         gpu = statistics.median(self.epoch_gpu_s) if self.epoch_gpu_s else None
         record = {"gpu_busy_fraction": busy_fraction(gpu, wall)}
-        self.epoch_gpu_s, self.epoch_steady, self.epoch_steps, self.steady_at_epoch = [], 0, 0, steady_s
+        self.epoch_gpu_s, self.epoch_steady, self.epoch_steps, self.steady_at_epoch = (
+            [],
+            0,
+            0,
+            steady_s,
+        )
         return record
 
     def metrics(self, steady_s: float) -> dict:
-        """The job's figures: the median sampled GPU time of a step, the steady wall time of a step, their ratio
-        and its verdict."""
+        """The job's figures: the median sampled GPU time of a step, the steady wall time of a step,
+        their ratio and its verdict."""
         wall = (steady_s - self.steady_at_start) / self.steady_steps if self.steady_steps else None
         gpu = statistics.median(self.gpu_s) if self.gpu_s else None
         fraction = busy_fraction(gpu, wall)
-        return {"gpu_busy_fraction": fraction, "gpu_step_ms": None if gpu is None else 1e3 * gpu,
-                "wall_step_ms": None if wall is None else 1e3 * wall, "host_bound": verdict(fraction) == "host-bound"
-                if fraction is not None else None, "busy_samples": len(self.gpu_s), "busy_samples_invalid": self.invalid}
+        return {
+            "gpu_busy_fraction": fraction,
+            "gpu_step_ms": None if gpu is None else 1e3 * gpu,
+            "wall_step_ms": None if wall is None else 1e3 * wall,
+            "host_bound": verdict(fraction) == "host-bound" if fraction is not None else None,
+            "busy_samples": len(self.gpu_s),
+            "busy_samples_invalid": self.invalid,
+        }
 
 
 def meter_for(device: torch.device, world: int = 1) -> BusyMeter | None:

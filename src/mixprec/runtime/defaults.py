@@ -1,12 +1,12 @@
 """Defaults that depend on the device, as Hydra resolvers (registered when mixprec is imported).
 
-`${mixprec.batch_default:${trainer.device},${model.arch}}` (conf/config.yaml's trainer.batch_size): 256 for an
-image model on a CUDA device, else 64 (the CPU default, and the language models', whose presets set their own).
-Why 256 on a GPU (docs/speed.md, "Defaults that measure precision"): on an H200 (torch 2.11, 2026-11-26) eager
-ResNet-18 at batch 64 took ~10 ms a step in every precision, the time Python takes to launch its ~180-235 ops, so
-the sweep's speed-up column measured Python (amp 0.98x fp32 in the speed table); at batch 256 the GPU's work shows
-(fp32 8,838 img/s, tf32 33,489, amp 29,551, half 41,211). A preset or an override that sets trainer.batch_size
-wins, so the articles' batches are kept.
+`${mixprec.batch_default:${trainer.device},${model.arch}}` (conf/config.yaml's trainer.batch_size):
+256 for an image model on a CUDA device, else 64 (the CPU default, and the language models', whose
+presets set their own). Why 256 on a GPU: at batch 64 an eager ResNet-18 step on a fast GPU is
+the host's time to launch its ops, alike in every precision, so a sweep's speed-up column would
+measure Python; at 256 the GPU's work shows (the measurements: docs/speed.md, "Defaults that measure
+precision"). A preset or an override that sets trainer.batch_size wins, so the articles' batches
+are kept.
 """
 from __future__ import annotations
 

@@ -1,24 +1,28 @@
-"""Data-parallel runs: one job as N ranks (PyTorch DDP), started by torchrun or by a submitit task array.
+"""Data-parallel runs: one job as N ranks (PyTorch DDP), started by torchrun or by a submitit task
+array.
 
-Where the ranks come from (`from_env`): torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT; a
-hydra-submitit-launcher job with `tasks_per_node=N` runs N tasks whose rank comes from submitit's JobEnvironment
-(SLURM_PROCID/SLURM_LOCALID on Slurm, SUBMITIT_LOCAL_* locally) and whose rendezvous is the job's first host and
-a port derived from the job id. One rank (WORLD_SIZE unset or 1) is the ordinary single-process job.
+Where the ranks come from (`from_env`): torchrun sets RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR/PORT; a hydra-submitit-launcher job with `tasks_per_node=N` runs N tasks whose rank
+comes from submitit's JobEnvironment (SLURM_PROCID/SLURM_LOCALID on Slurm, SUBMITIT_LOCAL_* locally)
+and whose rendezvous is the job's first host and a port derived from the job id. One rank
+(WORLD_SIZE unset or 1) is the ordinary single-process job.
 
-The process group has the gloo backend for CPU tensors and, where an accelerator is available, its default backend
-for its tensors (torch.distributed.get_default_backend_for_device: "cpu:gloo,cuda:nccl" on CUDA); barriers and
-the CPU flags go through gloo (distributed_c10d.py barrier: "cpu" is among the pairs). Each rank on a GPU uses
-cuda:LOCAL_RANK, one GPU per rank: NCCL refuses two ranks on one GPU, so more ranks per node than visible GPUs is
-a config error (`device_name`). The process group is destroyed at the job's end by whoever made it in this
-process (train.py's `share_run_time` or `init`): `init` returns True for both, `close` destroys it once.
-`Ranks` is what the engine sees: the rank, the
-world size, sums across ranks, a barrier; with one rank every method is a no-op, so the single-process path is
-unchanged. Rank 0 alone writes the records (summary.json, metrics.jsonl, checkpoints, W&B).
+The process group has the gloo backend for CPU tensors and, where an accelerator is available, its
+default backend for its tensors (torch.distributed.get_default_backend_for_device:
+"cpu:gloo,cuda:nccl" on CUDA); barriers and the CPU flags go through gloo (distributed_c10d.py
+barrier: "cpu" is among the pairs). Each rank on a GPU uses cuda:LOCAL_RANK, one GPU per rank: NCCL
+refuses two ranks on one GPU, so more ranks per node than visible GPUs is a config error
+(`device_name`). The process group is destroyed at the job's end by whoever made it in this process
+(train.py's `share_run_time` or `init`): `init` returns True for both, `close` destroys it once.
+`Ranks` is what the engine sees: the rank, the world size, sums across ranks, a barrier; with one
+rank every method is a no-op, so the single-process path is unchanged. Rank 0 alone writes the
+records (summary.json, metrics.jsonl, checkpoints, W&B).
 
-The output dir under torchrun: every rank runs Hydra, which names the dir from the clock; `share_run_time()`
-(train.py, before Hydra starts) has rank 0's clock reading sent to every rank through the process group's store
-and put in MIXPREC_RUN_TIME, which conf/config.yaml's `hydra.run.dir`/`hydra.sweep.dir` use in place of `now`,
-so all ranks share one dir. Under the submitit launcher the launcher names the dirs once, before the tasks start.
+The output dir under torchrun: every rank runs Hydra, which names the dir from the clock;
+`share_run_time()` (train.py, before Hydra starts) has rank 0's clock reading sent to every rank
+through the process group's store and put in MIXPREC_RUN_TIME, which conf/config.yaml's
+`hydra.run.dir`/`hydra.sweep.dir` use in place of `now`, so all ranks share one dir. Under the
+submitit launcher the launcher names the dirs once, before the tasks start.
 """
 from __future__ import annotations
 
@@ -60,9 +64,10 @@ class Ranks:
         return tensor
 
     def gather(self, obj) -> list:
-        """Every rank's `obj` (what torch.save takes: tensors, numbers, containers), in rank order, on every rank: a
-        collective that every rank must call. Sent as torch.save bytes: all_gather_object's own pickling of a CPU
-        tensor fails to load on the receiver in torch 2.14 ("UntypedStorage has no attribute dtype")."""
+        """Every rank's `obj` (what torch.save takes: tensors, numbers, containers), in rank order,
+        on every rank: a collective that every rank must call. Sent as torch.save bytes:
+        all_gather_object's own pickling of a CPU tensor fails to load on the receiver in torch 2.14
+        ("UntypedStorage has no attribute dtype")."""
         if not self.active:
             return [obj]
         buf = io.BytesIO()
@@ -82,52 +87,74 @@ class Ranks:
         return bool(self.sum_(torch.tensor([int(bool(flag))])).item())
 
     def agreed_stop(self, stop):
-        """A stop() for the engine that every rank answers alike: a signal seen by one rank (torchrun forwards
-        SIGTERM to all, but not at the same step) stops all of them after the same step. One small all-reduce on
-        the CPU per step under DDP (none with one rank)."""
+        """A stop() for the engine that every rank answers alike: a signal seen by one rank
+        (torchrun forwards SIGTERM to all, but not at the same step) stops all of them after the
+        same step. One small all-reduce on the CPU per step under DDP (none with one rank)."""
         if not self.active:
             return stop
-        return lambda: (stop() or "a signal to another rank") if self.any(stop() is not None) else None
+        return lambda: (
+            (stop() or "a signal to another rank") if self.any(stop() is not None) else None
+        )
 
 
 SINGLE = Ranks()
 
 
 def from_env() -> Ranks:
-    """This process's place in the job (torchrun's variables, else a submitit multi-task job, else one rank)."""
+    """This process's place in the job (torchrun's variables, else a submitit multi-task job, else
+    one rank)."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+        return Ranks(
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", 0)),
+        )
     if os.environ.get("SUBMITIT_EXECUTOR"):
         import submitit
 
         env = submitit.JobEnvironment()
         if env.num_tasks > 1:
             os.environ.setdefault("MASTER_ADDR", env.hostnames[0])
-            os.environ.setdefault("MASTER_PORT", str(20000 + int("".join(filter(str.isdigit, env.job_id)) or 0) % 20000))
+            os.environ.setdefault(
+                "MASTER_PORT",
+                str(20000 + int("".join(filter(str.isdigit, env.job_id)) or 0) % 20000),
+            )
             return Ranks(env.global_rank, env.num_tasks, env.local_rank)
     return SINGLE
 
 
 def init(ranks: Ranks) -> bool:
-    """Join the job's process group (if it has several ranks and none is joined yet); True when this call made it."""
+    """Join the job's process group (if it has several ranks and none is joined yet); True when this
+    call made it."""
     global _MADE_HERE
     if not ranks.active:
         return False
     if not tdist.is_initialized():
-        tdist.init_process_group(backend(), init_method="env://", rank=ranks.rank, world_size=ranks.world,
-                                 timeout=TIMEOUT)
+        tdist.init_process_group(
+            backend(),
+            init_method="env://",
+            rank=ranks.rank,
+            world_size=ranks.world,
+            timeout=TIMEOUT,
+        )
         _MADE_HERE = True
     return _MADE_HERE
 
 
 def backend() -> str:
-    """gloo for CPU tensors, plus the accelerator's default backend where one is visible ("cpu:gloo,cuda:nccl")."""
+    """gloo for CPU tensors, plus the accelerator's default backend where one is visible
+    ("cpu:gloo,cuda:nccl")."""
     acc = torch.accelerator.current_accelerator(check_available=True)
-    return "gloo" if acc is None else f"cpu:gloo,{acc.type}:{tdist.get_default_backend_for_device(acc)}"
+    return (
+        "gloo"
+        if acc is None
+        else f"cpu:gloo,{acc.type}:{tdist.get_default_backend_for_device(acc)}"
+    )
 
 
 def backend_for(device: torch.device) -> str:
-    """The backend that carries this job's tensors (gloo for a CPU job even where NCCL is in the group)."""
+    """The backend that carries this job's tensors (gloo for a CPU job even where NCCL is in the
+    group)."""
     return "gloo" if device.type == "cpu" else tdist.get_default_backend_for_device(device)
 
 
@@ -140,7 +167,8 @@ def close(made: bool) -> None:
 
 
 def share_run_time() -> None:
-    """Under torchrun, before Hydra: give every rank rank 0's clock reading as MIXPREC_RUN_TIME (see above)."""
+    """Under torchrun, before Hydra: give every rank rank 0's clock reading as MIXPREC_RUN_TIME (see
+    above)."""
     ranks = from_env()
     if not ranks.active or RUN_TIME in os.environ:
         return
@@ -152,24 +180,31 @@ def share_run_time() -> None:
 
 
 def device_name(name: str, ranks: Ranks) -> str:
-    """The device each rank uses: trainer.device auto or cuda -> cuda:LOCAL_RANK under DDP, one GPU per rank.
-    Every rank of a node checks the node's rank count (torchrun's LOCAL_WORLD_SIZE, else this rank's index)
-    against the visible GPUs, so all ranks fail alike with one config error instead of NCCL's "Multiple Ranks
-    are using the same GPU" at DDP's first broadcast."""
+    """The device each rank uses: trainer.device auto or cuda -> cuda:LOCAL_RANK under DDP, one GPU
+    per rank. Every rank of a node checks the node's rank count (torchrun's LOCAL_WORLD_SIZE, else
+    this rank's index) against the visible GPUs, so all ranks fail alike with one config error
+    instead of NCCL's "Multiple Ranks are using the same GPU" at DDP's first broadcast."""
     if not ranks.active:
         return name
     if name.startswith("cuda:"):
-        raise ConfigError(f"trainer.device={name}: under DDP each rank uses cuda:LOCAL_RANK; use trainer.device=auto or cuda "
-                          "(and CUDA_VISIBLE_DEVICES to choose the GPUs)")
+        raise ConfigError(
+            f"trainer.device={name}: under DDP each rank uses cuda:LOCAL_RANK; use "
+            "trainer.device=auto or cuda "
+            "(and CUDA_VISIBLE_DEVICES to choose the GPUs)"
+        )
     acc = torch.accelerator.current_accelerator(check_available=True)
     if name == "cpu" or acc is None or name not in ("auto", acc.type):
         return name
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.local_rank + 1))
     count = torch.accelerator.device_count()
     if per_node > count:
-        raise ConfigError(f"{per_node} ranks on this node but {count} {acc.type} device(s) visible: NCCL takes one GPU "
-                          f"per rank; start at most {count} (torchrun --nproc_per_node={count}), or train on the CPU "
-                          "with trainer.device=cpu")
+        raise ConfigError(
+            f"{per_node} ranks on this node but {count} {acc.type} device(s) visible: NCCL takes "
+            "one GPU "
+            f"per rank; start at most {count} (torchrun --nproc_per_node={count}), or train on the "
+            "CPU "
+            "with trainer.device=cpu"
+        )
     return f"{acc.type}:{ranks.local_rank}"
 
 
@@ -180,11 +215,17 @@ def check(batch_size: int, sync_bn: bool, device: torch.device, ranks: Ranks,
     per-rank batch (config.py checks the global one; this is before any work, where the layer would
     raise only in its first forward)."""
     if batch_size % ranks.world:
-        raise ConfigError(f"trainer.batch_size={batch_size}: the global batch must divide by the {ranks.world} ranks "
-                          f"(each rank takes batch_size / world size)")
-    if sync_bn and ranks.active and device.type != "cuda":   # SyncBatchNorm's kernels: CUDA (and a few others) only
-        raise ConfigError("trainer.sync_bn=true: SyncBatchNorm runs on GPUs only; on CPUs use sync_bn=false "
-                          "(or model.bn_eval=true for batch statistics that do not depend on the split)")
+        raise ConfigError(
+            f"trainer.batch_size={batch_size}: the global batch must divide by the {ranks.world} "
+            "ranks "
+            f"(each rank takes batch_size / world size)"
+        )
+    # SyncBatchNorm's kernels: CUDA (and a few others) only
+    if sync_bn and ranks.active and device.type != "cuda":
+        raise ConfigError(
+            "trainer.sync_bn=true: SyncBatchNorm runs on GPUs only; on CPUs use sync_bn=false "
+            "(or model.bn_eval=true for batch statistics that do not depend on the split)"
+        )
     per_rank = batch_size // ranks.world
     if per_rank % ghost_splits:
         raise ConfigError(f"trick.ghost_splits={ghost_splits}: must divide each rank's batch, "
@@ -194,19 +235,31 @@ def check(batch_size: int, sync_bn: bool, device: torch.device, ranks: Ranks,
     return per_rank
 
 
-def wrap(model: torch.nn.Module, device: torch.device, sync_bn: bool, ranks: Ranks) -> torch.nn.Module:
-    """The model the training loop runs: DDP-wrapped (BatchNorm synchronised if asked) under several ranks.
-    Gradients are averaged across ranks during backward, so the precision policy (GradScaler's unscale, the
-    o2 copy into fp32 masters) sees the averaged gradients on every rank and every rank steps alike."""
+def wrap(
+    model: torch.nn.Module, device: torch.device, sync_bn: bool, ranks: Ranks
+) -> torch.nn.Module:
+    """The model the training loop runs: DDP-wrapped (BatchNorm synchronised if asked) under several
+    ranks. Gradients are averaged across ranks during backward, so the precision policy
+    (GradScaler's unscale, the o2 copy into fp32 masters) sees the averaged gradients on every rank
+    and every rank steps alike."""
     if not ranks.active:
         return model
     if sync_bn:
         plain = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
-        special = sorted({type(m).__name__ for m in model.modules()
-                          if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and type(m) not in plain})
+        special = sorted(
+            {
+                type(m).__name__
+                for m in model.modules()
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and type(m) not in plain
+            }
+        )
         if special:   # convert_sync_batchnorm would replace them with plain SyncBatchNorm, silently
-            raise ConfigError(f"trainer.sync_bn=true: {', '.join(special)} would become plain SyncBatchNorm, losing "
-                              "its own statistics (ghost BN: per split of each rank's batch); use trainer.sync_bn=false")
+            raise ConfigError(
+                f"trainer.sync_bn=true: {', '.join(special)} would become plain SyncBatchNorm, "
+                "losing "
+                "its own statistics (ghost BN: per split of each rank's batch); use "
+                "trainer.sync_bn=false"
+            )
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     from torch.nn.parallel import DistributedDataParallel
 
@@ -214,8 +267,9 @@ def wrap(model: torch.nn.Module, device: torch.device, sync_bn: bool, ranks: Ran
 
 
 def mute_other_ranks() -> None:
-    """Before Hydra starts (train.py): ranks other than 0 print nothing, so a bad override or config error is said
-    once, by rank 0; `quiet_unless_main` gives them their stderr back when the job starts (for real crashes)."""
+    """Before Hydra starts (train.py): ranks other than 0 print nothing, so a bad override or config
+    error is said once, by rank 0; `quiet_unless_main` gives them their stderr back when the job
+    starts (for real crashes)."""
     if not from_env().main:
         sys.stdout = sys.stderr = open(os.devnull, "w")
 
@@ -224,11 +278,12 @@ SAID = "mixprec_error_said"
 
 
 def error_said(ranks: Ranks, store=None, wait_s: float = 30.0) -> bool:
-    """The error that ends a job is said once, by rank 0, but torchrun stops every rank as soon as one exits with
-    an error: a rank other than 0 that failed first could have rank 0 stopped before it says its line. So rank 0
-    marks in the process group's store that it said it (True), and the other ranks wait for that mark, up to
-    `wait_s` (True: rank 0 said it, or is gone; False: rank 0 did not fail alike, and this rank's error is its own
-    to say). Without a process group: True on rank 0, False elsewhere."""
+    """The error that ends a job is said once, by rank 0, but torchrun stops every rank as soon as
+    one exits with an error: a rank other than 0 that failed first could have rank 0 stopped before
+    it says its line. So rank 0 marks in the process group's store that it said it (True), and the
+    other ranks wait for that mark, up to `wait_s` (True: rank 0 said it, or is gone; False: rank 0
+    did not fail alike, and this rank's error is its own to say). Without a process group: True on
+    rank 0, False elsewhere."""
     if store is None:
         if not (ranks.active and tdist.is_initialized()):
             return ranks.main
@@ -248,13 +303,15 @@ def error_said(ranks: Ranks, store=None, wait_s: float = 30.0) -> bool:
 
 
 def quiet_unless_main(ranks: Ranks) -> None:
-    """Ranks other than 0 print nothing to stdout (rank 0 speaks for the job); their stderr stays for real crashes."""
+    """Ranks other than 0 print nothing to stdout (rank 0 speaks for the job); their stderr stays
+    for real crashes."""
     if not ranks.main:
         sys.stdout, sys.stderr = open(os.devnull, "w"), sys.__stderr__
 
 
 def spread(params, ranks: Ranks) -> float:
-    """The largest difference of any weight between two ranks (0.0: every rank holds the same weights)."""
+    """The largest difference of any weight between two ranks (0.0: every rank holds the same
+    weights)."""
     flat = torch.cat([p.detach().float().reshape(-1) for p in params])
     high, low = flat.clone(), flat.clone()
     tdist.all_reduce(high, op=tdist.ReduceOp.MAX)

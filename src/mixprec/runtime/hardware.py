@@ -1,5 +1,5 @@
-"""Hardware: pick the device, set the math flags (TF32, cudnn.benchmark, determinism), describe the machine,
-and match the chosen GPU profile against the GPU that is really there."""
+"""Hardware: pick the device, set the math flags (TF32, cudnn.benchmark, determinism), describe the
+machine, and match the chosen GPU profile against the GPU that is really there."""
 from __future__ import annotations
 
 import contextlib
@@ -23,15 +23,17 @@ log = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 
 
-JOBS_IN_PROCESS = 0   # a sweep's jobs share one process: the first pays lazy CUDA init and cold autotuning caches
-CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")   # the values torch.use_deterministic_algorithms accepts for cuBLAS
+# a sweep's jobs share one process: the first pays lazy CUDA init and cold autotuning caches
+JOBS_IN_PROCESS = 0
+# the values torch.use_deterministic_algorithms accepts for cuBLAS
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
 
 
 def select_device(name: str, option: str = "trainer.device") -> torch.device:
-    """The job's device, always with an index on an accelerator (set_device refuses a device without one:
-    torch/accelerator/_utils.py:25 and torch/_utils.py:920, "Expected a torch.device with a specified index").
-    auto: the build's accelerator (torch.accelerator) when one is visible, else the CPU. `option`: how the user
-    chose it (a script's `--device`), for the error message."""
+    """The job's device, always with an index on an accelerator (set_device refuses a device without
+    one: torch/accelerator/_utils.py:25 and torch/_utils.py:920, "Expected a torch.device with a
+    specified index"). auto: the build's accelerator (torch.accelerator) when one is visible, else
+    the CPU. `option`: how the user chose it (a script's `--device`), for the error message."""
     if name == "cpu":
         return torch.device("cpu")
     if name == "auto":
@@ -49,15 +51,17 @@ def select_device(name: str, option: str = "trainer.device") -> torch.device:
                           f"{option}=auto or cpu")
     index = 0 if device.index is None else device.index
     if index >= module.device_count():
-        raise ConfigError(f"{option}={name}: only {module.device_count()} {device.type} device(s) visible "
-                          f"(cuda:0..cuda:{module.device_count() - 1}); CUDA_VISIBLE_DEVICES chooses which")
+        raise ConfigError(
+            f"{option}={name}: only {module.device_count()} {device.type} device(s) visible "
+            f"(cuda:0..cuda:{module.device_count() - 1}); CUDA_VISIBLE_DEVICES chooses which"
+        )
     return torch.device(device.type, index)
 
 
 def configure(device: torch.device, trainer: TrainerConfig, seed: int) -> list[str]:
     """Seed every RNG and set the global math flags the trainer config asks for (the precision's are
-    precision.modes.configure's); make `device` the current device and start its memory peak. Returns notes
-    on what this device cannot honour."""
+    precision.modes.configure's); make `device` the current device and start its memory peak.
+    Returns notes on what this device cannot honour."""
     global JOBS_IN_PROCESS
     JOBS_IN_PROCESS += 1
     notes = []
@@ -69,7 +73,8 @@ def configure(device: torch.device, trainer: TrainerConfig, seed: int) -> list[s
     torch.backends.cudnn.benchmark = trainer.cudnn_benchmark and not trainer.deterministic
     torch.backends.cudnn.deterministic = trainer.deterministic
     random.seed(seed)
-    torch.manual_seed(seed)   # every device's generator (torch/random.py manual_seed seeds cuda too)
+    # every device's generator (torch/random.py manual_seed seeds cuda too)
+    torch.manual_seed(seed)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device)
         torch.accelerator.reset_peak_memory_stats(device)
@@ -78,16 +83,21 @@ def configure(device: torch.device, trainer: TrainerConfig, seed: int) -> list[s
 
 
 def _cublas_deterministic(device: torch.device) -> list[str]:
-    """Deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG set before CUDA initialises in this process ("CUDA only
-    checks the variable when the runtime initializes": torch/testing/_internal/common_utils.py:2746). Set it
-    while that is still ahead; once CUDA runs (an earlier job of a sweep), say that it is too late. The variable
-    stays set: the workspace it configured stays in use for the rest of the process."""
+    """Deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG set before CUDA initialises in this
+    process ("CUDA only checks the variable when the runtime initializes":
+    torch/testing/_internal/common_utils.py:2746). Set it while that is still ahead; once CUDA runs
+    (an earlier job of a sweep), say that it is too late. The variable stays set: the workspace it
+    configured stays in use for the rest of the process."""
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") in CUBLAS_DETERMINISTIC:
         return []
-    if device.type == "cuda" and torch.cuda.is_initialized():   # CUDA-only branch (README, tests/test_gpu.py)
-        return ["trainer.deterministic=true: CUDA was initialised earlier in this process without "
-                "CUBLAS_WORKSPACE_CONFIG, so cuBLAS GEMMs may not be deterministic; start the process with "
-                "CUBLAS_WORKSPACE_CONFIG=:4096:8 (e.g. before a sweep)"]
+    # CUDA-only branch (README, tests/test_gpu.py)
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        return [
+            "trainer.deterministic=true: CUDA was initialised earlier in this process without "
+            "CUBLAS_WORKSPACE_CONFIG, so cuBLAS GEMMs may not be deterministic; start the process "
+            "with "
+            "CUBLAS_WORKSPACE_CONFIG=:4096:8 (e.g. before a sweep)"
+        ]
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
     return []
 
@@ -99,12 +109,14 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     return torch.get_device_module(device).get_device_capability(device)
 
 
-ARCH = re.compile(r"(sm|compute)_(\d+)([a-z]?)")   # torch.cuda.get_arch_list(): sm_90, sm_90a, sm_100f, compute_90
+# torch.cuda.get_arch_list(): sm_90, sm_90a, sm_100f, compute_90
+ARCH = re.compile(r"(sm|compute)_(\d+)([a-z]?)")
 
 
 def parse_arch(name: str) -> tuple[str, int, str] | None:
-    """'sm_90a' -> ('sm', 90, 'a'): kind (sm: compiled kernels; compute: PTX), number (10 * major + minor), suffix
-    ('a': arch-specific, that GPU only; 'f': that family). None for a name of another form."""
+    """'sm_90a' -> ('sm', 90, 'a'): kind (sm: compiled kernels; compute: PTX), number (10 * major +
+    minor), suffix ('a': arch-specific, that GPU only; 'f': that family). None for a name of another
+    form."""
     m = ARCH.fullmatch(name)
     return None if m is None else (m[1], int(m[2]), m[3])
 
@@ -139,14 +151,14 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-# -- memory: the job's peak, and the steady-state training peak -------------------------------------------------
+# -- memory: the job's peak, and the steady-state training peak ------------------------------------
 _MEMORY: dict = {}   # device -> the peak before the steady-state mark (None until the mark)
 
 
 def mark_steady(device: torch.device) -> None:
-    """Start the steady-state memory peak (where the warm-up steps end): what came before (the resident dataset,
-    cuDNN autotuning workspaces, the first steps' allocator growth) is kept aside. No sync needed: the caching
-    allocator counts on the host, when work is queued."""
+    """Start the steady-state memory peak (where the warm-up steps end): what came before (the
+    resident dataset, cuDNN autotuning workspaces, the first steps' allocator growth) is kept aside.
+    No sync needed: the caching allocator counts on the host, when work is queued."""
     if device.type != "cpu":
         _MEMORY[device] = torch.accelerator.max_memory_allocated(device)
         torch.accelerator.reset_peak_memory_stats(device)
@@ -154,8 +166,9 @@ def mark_steady(device: torch.device) -> None:
 
 def memory_metrics(device: torch.device) -> dict:
     """peak_memory_mb: the job's peak since configure() (dataset, autotuning, training, evaluation);
-    peak_memory_steady_mb: the peak after the warm-up steps (training and evaluation; None without a mark or on a
-    CPU); peak_memory_kind: what was measured (max allocated by tensors on the device, or the CPU process's RSS)."""
+    peak_memory_steady_mb: the peak after the warm-up steps (training and evaluation; None without a
+    mark or on a CPU); peak_memory_kind: what was measured (max allocated by tensors on the device,
+    or the CPU process's RSS)."""
     if device.type == "cpu":
         return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "peak_memory_steady_mb": None, "peak_memory_kind": "process_peak_rss"}
@@ -185,14 +198,16 @@ def describe(device: torch.device) -> dict:
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "torch_threads": torch.get_num_threads(),
-        "job_in_process": JOBS_IN_PROCESS,   # 1: the process's first job (lazy init and autotuning in its warm-up)
+        # 1: the process's first job (lazy init and autotuning in its warm-up)
+        "job_in_process": JOBS_IN_PROCESS,
     }
     if device.type != "cpu":
         props = torch.get_device_module(device).get_device_properties(device)
         env.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
                    gpu_memory_gb=round(props.total_memory / 2**30, 1))
     env["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    env["versions"] = installed()   # the key packages; the report flags those that differ from constraints.txt
+    # the key packages; the report flags those that differ from constraints.txt
+    env["versions"] = installed()
     env.update(git_state())
     return env
 
@@ -200,7 +215,9 @@ def describe(device: torch.device) -> dict:
 def git_state() -> dict:
     def git(*args):
         try:
-            out = subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=10)
+            out = subprocess.run(
+                ["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=10
+            )
             return out.stdout.strip() if out.returncode == 0 else None
         except (OSError, subprocess.SubprocessError):
             return None
@@ -210,21 +227,31 @@ def git_state() -> dict:
 
 
 def gpu_profile(gpu: GpuConfig, device_name: str) -> dict:
-    """The profile to use for MFU, or why none is used. A profile matches a device by its full name as the driver
-    reports it (get_device_properties(...).name: "NVIDIA H100 80GB HBM3" is the SXM card, "NVIDIA H100 PCIe" and
-    "NVIDIA H100 NVL" are not), case and surrounding spaces aside; one that does not match is reported
-    (matched: false) and its peaks are not used. gpu=auto uses the profile of conf/gpu/ that matches the device
-    (device_name "cpu": a CPU job, no profile)."""
+    """The profile to use for MFU, or why none is used. A profile matches a device by its full name
+    as the driver reports it (get_device_properties(...).name: "NVIDIA H100 80GB HBM3" is the SXM
+    card, "NVIDIA H100 PCIe" and "NVIDIA H100 NVL" are not), case and surrounding spaces aside; one
+    that does not match is reported (matched: false) and its peaks are not used. gpu=auto uses the
+    profile of conf/gpu/ that matches the device (device_name "cpu": a CPU job, no profile)."""
     if gpu.name == "auto":
         return auto_profile(device_name)
     names = list(gpu.match)
     matched = _matches(gpu, device_name)
-    info = {"name": gpu.name, "matched": matched, "peak_tflops": dict(gpu.peak_tflops) if matched else None,
-            "memory_gb": gpu.memory_gb, "bandwidth_gbs": gpu.bandwidth_gbs, "source": gpu.source}
+    info = {
+        "name": gpu.name,
+        "matched": matched,
+        "peak_tflops": dict(gpu.peak_tflops) if matched else None,
+        "memory_gb": gpu.memory_gb,
+        "bandwidth_gbs": gpu.bandwidth_gbs,
+        "source": gpu.source,
+    }
     if not matched:
-        info["note"] = (f"gpu={gpu.name} is for devices named {' or '.join(repr(n) for n in names)} but this job ran "
-                        f"on '{device_name}': its peak numbers are not used (add the name to conf/gpu/{gpu.name}.yaml "
-                        "only if it is the same card)")
+        info["note"] = (
+            f"gpu={gpu.name} is for devices named {' or '.join(repr(n) for n in names)} but this "
+            "job ran "
+            f"on '{device_name}': its peak numbers are not used (add the name to "
+            f"conf/gpu/{gpu.name}.yaml "
+            "only if it is the same card)"
+        )
     return info
 
 
@@ -241,22 +268,27 @@ def known_profiles() -> list[GpuConfig]:
 
 
 def auto_profile(device_name: str) -> dict:
-    """gpu=auto: the named profile whose `match` holds this device's name (chosen_by: auto), or, for a GPU no
-    profile knows, no peaks and a note saying how to add one (job.warn_if_slow logs it, one line)."""
+    """gpu=auto: the named profile whose `match` holds this device's name (chosen_by: auto), or, for
+    a GPU no profile knows, no peaks and a note saying how to add one (job.warn_if_slow logs it, one
+    line)."""
     if device_name == "cpu":
         return {"name": "auto", "matched": None, "peak_tflops": None,
                 "note": "a CPU job: no GPU profile, no MFU"}
     for gpu in known_profiles():
         if _matches(gpu, device_name):
             return {**gpu_profile(gpu, device_name), "chosen_by": "auto"}
-    note = (f"gpu=auto: no profile in conf/gpu/ matches '{device_name}', so MFU is not shown; add a profile with "
-            "its datasheet's dense peaks and this name in `match`")
+    note = (
+        f"gpu=auto: no profile in conf/gpu/ matches '{device_name}', so MFU is not shown; add a "
+        "profile with "
+        "its datasheet's dense peaks and this name in `match`"
+    )
     return {"name": "auto", "matched": False, "peak_tflops": None, "note": note}
 
 
 def mfu(metrics: dict, profile: dict, peak_kind: str, world: int = 1) -> float | None:
-    """Model FLOP utilisation: 3 x forward FLOPs per sample x steady samples/s (global, all ranks) over `world`
-    GPUs' dense peak for the precision's math (None without a matched profile or a known peak)."""
+    """Model FLOP utilisation: 3 x forward FLOPs per sample x steady samples/s (global, all ranks)
+    over `world` GPUs' dense peak for the precision's math (None without a matched profile or a
+    known peak)."""
     peak = (profile.get("peak_tflops") or {}).get(peak_kind)
     flops = metrics.get("train_flops_per_sample")
     if not peak or not flops or not metrics.get("throughput"):
@@ -265,10 +297,11 @@ def mfu(metrics: dict, profile: dict, peak_kind: str, world: int = 1) -> float |
 
 
 def flatten_rnns(module: nn.Module) -> int:
-    """Compact the weights of every nn.RNNBase in `module` into the one chunk cuDNN takes (flatten_parameters; a
-    no-op off CUDA). A copy (prewarm's deepcopy), a checkpoint load that swaps the parameters (emulation) or a dtype
-    change can leave them apart, and cuDNN then compacts them again at every call ("RNN module weights are not part
-    of single contiguous chunk of memory"). Called after each of those; returns how many RNNs it saw."""
+    """Compact the weights of every nn.RNNBase in `module` into the one chunk cuDNN takes
+    (flatten_parameters; a no-op off CUDA). A copy (prewarm's deepcopy), a checkpoint load that
+    swaps the parameters (emulation) or a dtype change can leave them apart, and cuDNN then compacts
+    them again at every call ("RNN module weights are not part of single contiguous chunk of
+    memory"). Called after each of those; returns how many RNNs it saw."""
     rnns = [m for m in module.modules() if isinstance(m, nn.RNNBase)]
     for m in rnns:
         with _cudnn_dtype_accepted(m.all_weights[0][0]):
@@ -278,10 +311,11 @@ def flatten_rnns(module: nn.Module) -> int:
 
 @contextlib.contextmanager
 def _cudnn_dtype_accepted(weight: torch.Tensor):
-    """flatten_parameters takes only torch.backends.cudnn.CUDNN_TENSOR_DTYPES (fp32, fp16, fp64) while ATen's own
-    test (torch.cudnn_is_acceptable, which decides whether the RNN runs cuDNN) may take bf16 too (no dtype test in
-    recent torch): bf16 weights then ran cuDNN uncompacted. The weight's dtype is accepted for the call in that case
-    only; if cuDNN cannot flatten it, a warning says so and the weights stay as they were."""
+    """flatten_parameters takes only torch.backends.cudnn.CUDNN_TENSOR_DTYPES (fp32, fp16, fp64)
+    while ATen's own test (torch.cudnn_is_acceptable, which decides whether the RNN runs cuDNN) may
+    take bf16 too (no dtype test in recent torch): bf16 weights then ran cuDNN uncompacted. The
+    weight's dtype is accepted for the call in that case only; if cuDNN cannot flatten it, a warning
+    says so and the weights stay as they were."""
     dtypes = torch.backends.cudnn.CUDNN_TENSOR_DTYPES
     extra = (weight.is_cuda and weight.dtype not in dtypes and torch.cudnn_is_acceptable(weight))
     if extra:
@@ -289,8 +323,11 @@ def _cudnn_dtype_accepted(weight: torch.Tensor):
     try:
         yield
     except RuntimeError as e:
-        log.warning(f"mixprec: cuDNN could not compact the {weight.dtype} RNN weights ({str(e).splitlines()[0]}); "
-                    "it copies them at every call")
+        log.warning(
+            f"mixprec: cuDNN could not compact the {weight.dtype} RNN weights "
+            f"({str(e).splitlines()[0]}); "
+            "it copies them at every call"
+        )
     finally:
         if extra:
             dtypes.discard(weight.dtype)

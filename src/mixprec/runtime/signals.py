@@ -1,5 +1,6 @@
-"""Stopping a job cleanly: SIGTERM/SIGINT ask the training loop to stop after the current step (it writes a
-checkpoint first, checkpoint.py), and the command that continues an interrupted job or sweep."""
+"""Stopping a job cleanly: SIGTERM/SIGINT ask the training loop to stop after the current step (it
+writes a checkpoint first, checkpoint.py), and the command that continues an interrupted job or
+sweep."""
 from __future__ import annotations
 
 import logging
@@ -12,9 +13,9 @@ log = logging.getLogger(__name__)
 
 
 class StopSignals:
-    """While active, SIGTERM/SIGINT ask the job to stop after the current step (the engine writes a checkpoint
-    first); a second signal acts at once (SIGINT: KeyboardInterrupt; SIGTERM: the default, terminate).
-    Calling the object returns the first signal's name, or None."""
+    """While active, SIGTERM/SIGINT ask the job to stop after the current step (the engine writes a
+    checkpoint first); a second signal acts at once (SIGINT: KeyboardInterrupt; SIGTERM: the
+    default, terminate). Calling the object returns the first signal's name, or None."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -31,8 +32,11 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.signum = signum
-        log.warning(f"mixprec: {signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
-                    "(send it again to stop at once)")
+        log.warning(
+            f"mixprec: {signal.Signals(signum).name}: stopping after this step and writing a "
+            "checkpoint "
+            "(send it again to stop at once)"
+        )
 
     def __enter__(self) -> "StopSignals":
         try:
@@ -51,8 +55,11 @@ class StopSignals:
 
 
 def resume_hint(out_dir: Path, sweep_dir: Path | None) -> str:
-    """The command that continues this job (or its sweep): the same arguments, trainer.resume=auto and the dir."""
+    """The command that continues this job (or its sweep): the same arguments, trainer.resume=auto
+    and the dir."""
     drop = ("trainer.resume=", "hydra.run.dir=", "hydra.sweep.dir=", "+trainer.resume=")
     args = [a for a in sys.argv[1:] if not a.startswith(drop)]
     where = f"hydra.sweep.dir={sweep_dir}" if sweep_dir else f"hydra.run.dir={out_dir}"
-    return " ".join(shlex.quote(a) for a in ["python", "train.py", *args, "trainer.resume=auto", where])
+    return " ".join(
+        shlex.quote(a) for a in ["python", "train.py", *args, "trainer.resume=auto", where]
+    )

@@ -1,8 +1,10 @@
-"""The versions a job runs with, against the ones the test suite last passed with (constraints.txt at the root).
+"""The versions a job runs with, against the ones the test suite last passed with (constraints.txt
+at the root).
 
-`installed()` is what summary.json records (env.versions); `read_constraints()` reads the pins the README's set-up
-command installs; `differences()` says which recorded versions are not the pinned ones (the report flags the job).
-A local version label (torch's `+cu130`) is the wheel's build, not another release: it is left out of the comparison.
+`installed()` is what summary.json records (env.versions); `read_constraints()` reads the pins the
+README's set-up command installs; `differences()` says which recorded versions are not the pinned
+ones (the report flags the job). A local version label (torch's `+cu130`) is the wheel's build, not
+another release: it is left out of the comparison.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from importlib import metadata
 from pathlib import Path
 
 CONSTRAINTS = Path(__file__).resolve().parents[3] / "constraints.txt"
-# the packages whose versions a job's numbers depend on (the rest of constraints.txt is what they pull in)
+# the packages whose versions a job's numbers depend on (the rest of constraints.txt is what they
+# pull in)
 KEY_PACKAGES = ("torch", "torchvision", "torchao", "numpy", "hydra-core", "omegaconf", "wandb")
 
 
@@ -20,8 +23,8 @@ def canonical(name: str) -> str:
 
 
 def read_constraints(path: Path | None = None) -> dict[str, str]:
-    """{package (canonical name): pinned version} of the `name==version` lines; {} without the file (an install
-    from a wheel rather than the repository)."""
+    """{package (canonical name): pinned version} of the `name==version` lines; {} without the file
+    (an install from a wheel rather than the repository)."""
     path = CONSTRAINTS if path is None else Path(path)
     if not path.is_file():
         return {}
@@ -49,8 +52,8 @@ def release(version: str | None) -> str | None:
 
 
 def differences(versions: dict | None, pins: dict[str, str] | None = None) -> list[str]:
-    """'torch 2.15.0 (pinned 2.14.1)' for each recorded version that is not its pin; packages not recorded, not
-    installed or not pinned are left out."""
+    """'torch 2.15.0 (pinned 2.14.1)' for each recorded version that is not its pin; packages not
+    recorded, not installed or not pinned are left out."""
     pins = read_constraints() if pins is None else pins
     out = []
     for name, version in (versions or {}).items():

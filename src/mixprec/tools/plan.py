@@ -1,10 +1,11 @@
-"""The reproduction plan (plan.yaml beside this file): load it, predict each sweep's minutes from a calibration,
-cut it to a time budget, and render it as a table. scripts/reproduce.py runs it.
+"""The reproduction plan (plan.yaml beside this file): load it, predict each sweep's minutes from a
+calibration, cut it to a time budget, and render it as a table. scripts/reproduce.py runs it.
 
 A sweep's jobs are the cartesian product of its `grid`; each job's time is predicted as
     overhead + steps x seconds per step + evaluations x seconds per evaluation
-with seconds per step from the calibration's steady throughput (warm-up steps excluded), steps from the job's
-epochs and the real split's size (plan `datasets`), evaluation time scaled from the stand-in's test split.
+with seconds per step from the calibration's steady throughput (warm-up steps excluded), steps from
+the job's epochs and the real split's size (plan `datasets`), evaluation time scaled from the
+stand-in's test split.
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ class Plan:
         return replace(self, articles=tuple(arts))
 
     def smoked(self) -> "Plan":
-        """The same plan with every sweep's smoke overrides: a grid key given there (key=a,b) narrows the grid."""
+        """The same plan with every sweep's smoke overrides: a grid key given there (key=a,b)
+        narrows the grid."""
         arts = []
         for a in self.articles:
             sweeps = []
@@ -139,20 +141,35 @@ def load_plan(path: Path | None = None) -> Plan:
                                 dict(a.get("not_reproduced") or {}), str(a.get("measured", "")),
                                 _stand_ins(a.get("stand_ins"), f"{where}.stand_ins")))
     cal = {"warmup_steps": 2, "timed_steps": 3, **(data.get("calibration") or {})}
-    return Plan(tuple(articles), dict(data.get("datasets") or {}), cal, _flat(data.get("smoke_common")), path)
+    return Plan(
+        tuple(articles),
+        dict(data.get("datasets") or {}),
+        cal,
+        _flat(data.get("smoke_common")),
+        path,
+    )
 
 
 def _stand_ins(data, where: str) -> dict:
-    """A published value compared with other runs than its own `match` (a smaller model, other data), and why."""
+    """A published value compared with other runs than its own `match` (a smaller model, other
+    data), and why."""
     data = data or {}
-    if not isinstance(data, dict) or not all(isinstance(v, dict) and isinstance(v.get("match"), dict) and v.get("why")
-                                             for v in data.values()):
-        raise PlanError(f"{where}: a mapping of published value id -> {{match: {{key: value}}, why: text}}")
+    if not isinstance(data, dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("match"), dict) and v.get("why")
+        for v in data.values()
+    ):
+        raise PlanError(
+            f"{where}: a mapping of published value id -> {{match: {{key: value}}, why: text}}"
+        )
     return {str(k): {"match": dict(v["match"]), "why": str(v["why"])} for k, v in data.items()}
 
 
 def _sweep(article: str, s: dict, where: str) -> Sweep:
-    if not isinstance(s, dict) or not s.get("name") or s.get("command") not in ("train", "max_batch"):
+    if (
+        not isinstance(s, dict)
+        or not s.get("name")
+        or s.get("command") not in ("train", "max_batch")
+    ):
         raise PlanError(f"{where}: needs a name and command: train or max_batch")
     grid = s.get("grid") or {}
     if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
@@ -164,26 +181,39 @@ def _sweep(article: str, s: dict, where: str) -> Sweep:
         elif isinstance(c, dict) and len(c) == 1 and next(iter(c)) in CUT_KINDS:
             kind, val = next(iter(c.items()))
             if kind == "grid":
-                if not isinstance(val, dict) or any(k not in grid or not set(map(str, v)) <= set(map(str, grid[k]))
-                                                    for k, v in val.items()):
-                    raise PlanError(f"{where}.cuts: {c}: a grid cut keeps a subset of the grid's own values")
+                if not isinstance(val, dict) or any(
+                    k not in grid or not set(map(str, v)) <= set(map(str, grid[k]))
+                    for k, v in val.items()
+                ):
+                    raise PlanError(
+                        f"{where}.cuts: {c}: a grid cut keeps a subset of the grid's own values"
+                    )
                 val = {k: tuple(map(str, v)) for k, v in val.items()}
             elif not isinstance(val, int) or val < 1:
                 raise PlanError(f"{where}.cuts: {c}: {kind} must be a positive integer")
             cuts.append({kind: val})
         else:
             raise PlanError(f"{where}.cuts: {c!r}; a cut is drop, or one of {', '.join(CUT_KINDS)}")
-    return Sweep(article=article, name=str(s["name"]), command=s["command"], overrides=_flat(s.get("overrides")),
-                 grid={k: tuple(map(str, v)) for k, v in grid.items()}, cuts=tuple(cuts),
-                 stand_in=_flat(s.get("stand_in")), smoke=_flat(s.get("smoke")), dataset=s.get("dataset"),
-                 predicted_s=s.get("predicted_s"))
+    return Sweep(
+        article=article,
+        name=str(s["name"]),
+        command=s["command"],
+        overrides=_flat(s.get("overrides")),
+        grid={k: tuple(map(str, v)) for k, v in grid.items()},
+        cuts=tuple(cuts),
+        stand_in=_flat(s.get("stand_in")),
+        smoke=_flat(s.get("smoke")),
+        dataset=s.get("dataset"),
+        predicted_s=s.get("predicted_s"),
+    )
 
 
-# ---------------------------------------------------------------------------------------------------- commands
+# ----------------------------------------------------------------------------------------- commands
 
 
 def merge_overrides(*groups) -> list[str]:
-    """Overrides in order, a later value of the same key replacing an earlier one (in the earlier one's place)."""
+    """Overrides in order, a later value of the same key replacing an earlier one (in the earlier
+    one's place)."""
     out: dict[str, str] = {}
     for o in (o for g in groups for o in g):
         out[o.lstrip("+~").partition("=")[0]] = o
@@ -194,20 +224,21 @@ def override_keys(overrides: list[str]) -> list[str]:
     return [o.lstrip("+~").partition("=")[0] for o in overrides]
 
 
-# ---------------------------------------------------------------------------------------------------- prediction
+# --------------------------------------------------------------------------------------- prediction
 
 
 @dataclass
 class JobCost:
-    """A job's calibrated cost: seconds per training step, per evaluation pass, and fixed per job."""
+    """A job's calibrated cost: seconds per training step, per evaluation pass, and fixed per
+    job."""
     step_s: float
     eval_s: float
     overhead_s: float
 
 
 def steps_per_epoch(config: dict, datasets: dict) -> int:
-    """Training steps in one epoch of the job's data: the real split's size (plan `datasets`) or the synthetic
-    set's own; a text corpus is cut into batch columns walked in bptt windows."""
+    """Training steps in one epoch of the job's data: the real split's size (plan `datasets`) or the
+    synthetic set's own; a text corpus is cut into batch columns walked in bptt windows."""
     ds, tr = config["dataset"], config["trainer"]
     n = (datasets.get(ds["name"]) or {}).get("train") or ds.get("train_size") or 1
     if ds["name"] in ("wikitext2", "synthetic_text"):
@@ -221,9 +252,12 @@ def test_size(config: dict, datasets: dict) -> int:
 
 
 def samples_per_step(config: dict) -> int:
-    """What the job's throughput counts per step: images, or tokens (batch x bptt) for a language model."""
+    """What the job's throughput counts per step: images, or tokens (batch x bptt) for a language
+    model."""
     ds, tr = config["dataset"], config["trainer"]
-    return tr["batch_size"] * (ds.get("bptt", 35) if ds["name"] in ("wikitext2", "synthetic_text") else 1)
+    return tr["batch_size"] * (
+        ds.get("bptt", 35) if ds["name"] in ("wikitext2", "synthetic_text") else 1
+    )
 
 
 def job_wall_s(summary: dict) -> float | None:
@@ -245,21 +279,28 @@ def cost_from_summary(summary: dict) -> JobCost | None:
     evals = max(1, math.ceil(steps / spe))
     eval_s = (m.get("eval_time_s") or 0.0) / evals / max(1, test_size(cfg, {}))   # per test sample
     busy = (m.get("train_time_s") or 0.0) + (m.get("eval_time_s") or 0.0)
-    overhead = max(0.0, (job_wall_s(summary) or busy) - busy)   # building the model and data, writing records
+    # building the model and data, writing records
+    overhead = max(0.0, (job_wall_s(summary) or busy) - busy)
     return JobCost(step_s=step_s, eval_s=eval_s, overhead_s=overhead)
 
 
 def predict_job(config: dict, cost: JobCost, datasets: dict) -> float:
-    """Seconds for one job of this config (the run's own epochs and max_steps) at the calibrated cost."""
+    """Seconds for one job of this config (the run's own epochs and max_steps) at the calibrated
+    cost."""
     spe = steps_per_epoch(config, datasets)
     tr = config["trainer"]
-    steps = tr["epochs"] * spe if tr.get("max_steps") is None else min(tr["epochs"] * spe, tr["max_steps"])
+    steps = (
+        tr["epochs"] * spe
+        if tr.get("max_steps") is None
+        else min(tr["epochs"] * spe, tr["max_steps"])
+    )
     evals = math.ceil(steps / spe)
     return cost.overhead_s + steps * cost.step_s + evals * cost.eval_s * test_size(config, datasets)
 
 
 def mean_cost(costs: list[JobCost]) -> JobCost | None:
-    """The cost of a job of the sweep that was not calibrated itself: the mean of those that were."""
+    """The cost of a job of the sweep that was not calibrated itself: the mean of those that
+    were."""
     if not costs:
         return None
     n = len(costs)
@@ -267,11 +308,12 @@ def mean_cost(costs: list[JobCost]) -> JobCost | None:
                    sum(c.overhead_s for c in costs) / n)
 
 
-# ---------------------------------------------------------------------------------------------------- cutting
+# ------------------------------------------------------------------------------------------ cutting
 
 
 def apply_cut(sweep: Sweep, cut, configs: list[dict]) -> Sweep | None:
-    """The sweep with one more cut, or None when the cut changes nothing (epochs already at most that)."""
+    """The sweep with one more cut, or None when the cut changes nothing (epochs already at most
+    that)."""
     if cut == "drop":
         return replace(sweep, dropped=True, applied=sweep.applied + ("dropped",))
     kind, val = next(iter(cut.items()))
@@ -290,13 +332,17 @@ def apply_cut(sweep: Sweep, cut, configs: list[dict]) -> Sweep | None:
     was = "/".join(sorted({str(n) for n in now}, key=lambda x: (len(x), x)))
     said = f"epochs {was}->{val}" if kind == "epochs" else f"steps <= {val}"
     over = f"trainer.{key}={val}"
-    return replace(sweep, overrides=tuple(merge_overrides(sweep.overrides, [over])), applied=sweep.applied + (said,))
+    return replace(
+        sweep,
+        overrides=tuple(merge_overrides(sweep.overrides, [over])),
+        applied=sweep.applied + (said,),
+    )
 
 
 def fit(sweeps: list, predict, budget_s: float | None) -> list:
-    """Cut the plan until its predicted seconds fit `budget_s`: the sweep predicted longest takes its next cut
-    (in plan order), a sweep is dropped only when no sweep has another kind of cut left; until the total fits or
-    no cut is left. predict(sweep) -> (seconds, job configs)."""
+    """Cut the plan until its predicted seconds fit `budget_s`: the sweep predicted longest takes
+    its next cut (in plan order), a sweep is dropped only when no sweep has another kind of cut
+    left; until the total fits or no cut is left. predict(sweep) -> (seconds, job configs)."""
     sweeps = list(sweeps)
     if budget_s is None:
         return sweeps
@@ -305,8 +351,11 @@ def fit(sweeps: list, predict, budget_s: float | None) -> list:
         times = [0.0 if s.dropped else predict(s)[0] for s in sweeps]
         if sum(times) <= budget_s:
             return sweeps
-        order = sorted((i for i, s in enumerate(sweeps) if not s.dropped and next_cut[i] < len(s.cuts)),
-                       key=lambda i: (sweeps[i].cuts[next_cut[i]] == "drop", -times[i]))   # drops come last
+        order = sorted(
+            (i for i, s in enumerate(sweeps) if not s.dropped and next_cut[i] < len(s.cuts)),
+            # drops come last
+            key=lambda i: (sweeps[i].cuts[next_cut[i]] == "drop", -times[i]),
+        )
         if not order:
             return sweeps
         i = order[0]
@@ -319,7 +368,7 @@ def fit(sweeps: list, predict, budget_s: float | None) -> list:
                 break
 
 
-# ---------------------------------------------------------------------------------------------------- text
+# --------------------------------------------------------------------------------------------- text
 
 
 def parse_duration(text: str) -> float:
@@ -327,7 +376,9 @@ def parse_duration(text: str) -> float:
     t = text.strip().lower()
     if re.fullmatch(r"\d+(\.\d+)?", t):
         return float(t) * 60
-    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?:in)?)?(?:(\d+(?:\.\d+)?)s)?", t)
+    parts = re.fullmatch(
+        r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?:in)?)?(?:(\d+(?:\.\d+)?)s)?", t
+    )
     if not t or not parts or not any(parts.groups()):
         raise PlanError(f"--budget {text!r}: not a duration; write e.g. 60m, 1h30m, 90s")
     h, m, s = (float(g or 0) for g in parts.groups())
@@ -337,13 +388,17 @@ def parse_duration(text: str) -> float:
 def minutes(seconds: float | None, lower_bound: bool = False) -> str:
     if seconds is None:
         return "?"
-    return (">= " if lower_bound else "") + (f"{seconds / 60:.1f}" if seconds < 6000 else f"{seconds / 60:.0f}")
+    return (">= " if lower_bound else "") + (
+        f"{seconds / 60:.1f}" if seconds < 6000 else f"{seconds / 60:.0f}"
+    )
 
 
 def table(headers: list[str], rows: list[list]) -> str:
     """A plain aligned text table (the plan as printed)."""
     rows = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
@@ -357,10 +412,16 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
 def full_command(s: Sweep) -> str:
     """The sweep's command at full fidelity, as a user would type it."""
     words = [*s.overrides, *(f"{k}={','.join(v)}" for k, v in s.grid.items())]
-    return ("python scripts/max_batch.py " if s.command == "max_batch" else "python train.py -m ") + " ".join(words)
+    return (
+        "python scripts/max_batch.py " if s.command == "max_batch" else "python train.py -m "
+    ) + " ".join(words)
 
 
 def readme_table(plan: Plan) -> str:
-    """The README's reproductions table: per article, what it measured and its sweeps' full-fidelity commands."""
-    rows = [[a.title, a.measured, "<br>".join(f"`{full_command(s)}`" for s in a.sweeps)] for a in plan.articles]
+    """The README's reproductions table: per article, what it measured and its sweeps' full-fidelity
+    commands."""
+    rows = [
+        [a.title, a.measured, "<br>".join(f"`{full_command(s)}`" for s in a.sweeps)]
+        for a in plan.articles
+    ]
     return markdown_table(["article", "what it measured", "commands (full fidelity)"], rows)

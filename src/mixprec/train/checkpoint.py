@@ -1,23 +1,26 @@
-"""Checkpoints and resume: a job's full training state on disk, so an interrupted job continues exactly.
+"""Checkpoints and resume: a job's full training state on disk, so an interrupted job continues
+exactly.
 
-`checkpoint.pt` (in the job's output dir) is written atomically at every epoch end but the last, and mid-epoch when
-the job gets SIGTERM/SIGINT (after the current step). It holds the engine's LoopState (step counters, epoch
-records, the kind's accumulators such as best accuracy and time to target, loss-scale min/max, clock totals, the
-position in the epoch, the open log window), every registered part's state_dict (model, optimizer, lr schedule,
-precision policy: loss scaler and fp32 master weights; the training loader: its data order at the epoch's start
-and its place in the epoch; a trick or a job kind adds its own, e.g. `saver.parts["ema"] = ema`, the language
-model's hidden state), every RNG state (python, numpy, torch CPU and the job's GPU), the config and the W&B run id.
-"Exactly" on a GPU needs trainer.deterministic=true: with cudnn.benchmark (the default) the resumed process
-autotunes again and may pick other cuDNN algorithms, whose sums round differently (a different, equally valid run).
-A SIGKILL (no handler can run) loses the work since the last epoch end. A completed job's checkpoint is deleted;
-its final weights stay in `model_fp32.pt` (fp32 whatever the training precision; `load_fp32_model` rebuilds the
-model from the job's summary and loads them).
+`checkpoint.pt` (in the job's output dir) is written atomically at every epoch end but the last, and
+mid-epoch when the job gets SIGTERM/SIGINT (after the current step). It holds the engine's LoopState
+(step counters, epoch records, the kind's accumulators such as best accuracy and time to target,
+loss-scale min/max, clock totals, the position in the epoch, the open log window), every registered
+part's state_dict (model, optimizer, lr schedule, precision policy: loss scaler and fp32 master
+weights; the training loader: its data order at the epoch's start and its place in the epoch; a
+trick or a job kind adds its own, e.g. `saver.parts["ema"] = ema`, the language model's hidden
+state), every RNG state (python, numpy, torch CPU and the job's GPU), the config and the W&B run id.
+"Exactly" on a GPU needs trainer.deterministic=true: with cudnn.benchmark (the default) the resumed
+process autotunes again and may pick other cuDNN algorithms, whose sums round differently (a
+different, equally valid run). A SIGKILL (no handler can run) loses the work since the last epoch
+end. A completed job's checkpoint is deleted; its final weights stay in `model_fp32.pt` (fp32
+whatever the training precision; `load_fp32_model` rebuilds the model from the job's summary and
+loads them).
 
-`trainer.resume=auto`: a job whose summary.json says completed or diverged is final and skipped (nothing is
-rewritten); otherwise (running = killed, interrupted, failed) it continues from its checkpoint when there is one,
-else starts over. metrics.jsonl is cut back to the rows up to the checkpoint's step, so no row appears twice.
-The config must be the checkpoint's (config_diff), except a default batch that has moved since
-(keep_default_batch: the checkpoint's batch is kept).
+`trainer.resume=auto`: a job whose summary.json says completed or diverged is final and skipped
+(nothing is rewritten); otherwise (running = killed, interrupted, failed) it continues from its
+checkpoint when there is one, else starts over. metrics.jsonl is cut back to the rows up to the
+checkpoint's step, so no row appears twice. The config must be the checkpoint's (config_diff),
+except a default batch that has moved since (keep_default_batch: the checkpoint's batch is kept).
 """
 from __future__ import annotations
 
@@ -40,36 +43,45 @@ from ..records import METRICS, SUMMARY, atomic_file
 
 CHECKPOINT = "checkpoint.pt"
 WEIGHTS = "model_fp32.pt"
-FORMAT = 3   # 2: the loop state is loop.LoopState.state_dict(); the loader's place is the part "data";
+# 2: the loop state is loop.LoopState.state_dict(); the loader's place is the part "data";
+FORMAT = 3
              # 3: "rng" is a list, one entry per rank
 FINAL = ("completed", "diverged")        # a job in these states is done: resume=auto skips it
-VOLATILE = ("trainer.resume", "trainer.device", "logger")   # config that may differ between a run and its resume
+# config that may differ between a run and its resume
+VOLATILE = ("trainer.resume", "trainer.device", "logger")
 
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint or summary.json that cannot be used; the message names the file and what to do."""
+    """A checkpoint or summary.json that cannot be used; the message names the file and what to
+    do."""
 
 
-# -- what a job dir holds --------------------------------------------------------------------------------------
+# -- what a job dir holds --------------------------------------------------------------------------
 def prior_summary(out_dir: Path) -> dict | None:
-    """The summary.json already in out_dir (None when there is none); CheckpointError when it is unreadable."""
+    """The summary.json already in out_dir (None when there is none); CheckpointError when it is
+    unreadable."""
     path = Path(out_dir) / SUMMARY
     if not path.exists():
         return None
     try:
         summary = json.loads(path.read_text())
-    except (ValueError, OSError) as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise CheckpointError(f"{path}: not a readable summary.json ({e}); move it away to re-run that job") from None
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(
+            f"{path}: not a readable summary.json ({e}); move it away to re-run that job"
+        ) from None
     if not isinstance(summary, dict) or not isinstance(summary.get("status"), str):
-        raise CheckpointError(f"{path}: not a mixprec summary (no status); move it away to re-run that job")
+        raise CheckpointError(
+            f"{path}: not a mixprec summary (no status); move it away to re-run that job"
+        )
     return summary
 
 
 def read(out_dir: Path, config: dict, device_type: str) -> dict | None:
-    """The job's checkpoint (None when there is none), checked to belong to this config and kind of device."""
+    """The job's checkpoint (None when there is none), checked to belong to this config and kind of
+    device."""
     path = Path(out_dir) / CHECKPOINT
     if not path.exists():
         return None
@@ -79,15 +91,24 @@ def read(out_dir: Path, config: dict, device_type: str) -> dict | None:
     except Exception as e:   # truncated, garbage, or not a torch file: the reason is one line
         msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: not a readable checkpoint ({msg}); {fix}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or not {"loop", "parts", "rng", "config"} <= set(ckpt):
+    if (
+        not isinstance(ckpt, dict)
+        or ckpt.get("format") != FORMAT
+        or not {"loop", "parts", "rng", "config"} <= set(ckpt)
+    ):
         raise CheckpointError(f"{path}: not a mixprec checkpoint (format {FORMAT}); {fix}")
-    if ckpt.get("device_type") != device_type:   # the RNG and data-order states are per kind of device
-        raise CheckpointError(f"{path}: written on {ckpt.get('device_type')}, this job runs on {device_type}; "
-                              f"resume on the same kind of device, or {fix}")
+    # the RNG and data-order states are per kind of device
+    if ckpt.get("device_type") != device_type:
+        raise CheckpointError(
+            f"{path}: written on {ckpt.get('device_type')}, this job runs on {device_type}; "
+            f"resume on the same kind of device, or {fix}"
+        )
     diff = config_diff(ckpt["config"], config)
     if diff:
-        raise CheckpointError(f"{path}: written by a different config ({diff}); resume with the job's own "
-                              f"overrides, or {fix}")
+        raise CheckpointError(
+            f"{path}: written by a different config ({diff}); resume with the job's own "
+            f"overrides, or {fix}"
+        )
     return ckpt
 
 
@@ -122,7 +143,8 @@ def keep_default_batch(cfg, out_dir: Path) -> int | None:
 
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> str | None:
-    """The first setting that differs between two plain configs (ignoring VOLATILE ones), as 'key: old -> new'."""
+    """The first setting that differs between two plain configs (ignoring VOLATILE ones), as 'key:
+    old -> new'."""
     for key in sorted(set(old) | set(new)):
         name = prefix + key
         if name in VOLATILE:
@@ -138,8 +160,9 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> str | None:
 
 
 def prepare_dir(out_dir: Path, ckpt: dict | None) -> bool:
-    """Make out_dir's records match where the job starts: cut metrics.jsonl back to the checkpoint's step (all
-    rows when starting over), remove a stale checkpoint and leftover temp files. True when it held records."""
+    """Make out_dir's records match where the job starts: cut metrics.jsonl back to the checkpoint's
+    step (all rows when starting over), remove a stale checkpoint and leftover temp files. True when
+    it held records."""
     out_dir = Path(out_dir)
     held = (out_dir / SUMMARY).exists() or (out_dir / METRICS).exists()
     for tmp in out_dir.glob(".*.tmp"):
@@ -151,7 +174,8 @@ def prepare_dir(out_dir: Path, ckpt: dict | None) -> bool:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the complete rows of metrics.jsonl up to `step` (a killed writer may leave half a last line)."""
+    """Keep the complete rows of metrics.jsonl up to `step` (a killed writer may leave half a last
+    line)."""
     if not path.exists():
         return
     keep = []
@@ -167,19 +191,25 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 def resumed_info(ckpt: dict, prior: dict | None) -> dict:
-    """What the summary says about a resume: from which step/epoch, and all earlier resumes of the job."""
+    """What the summary says about a resume: from which step/epoch, and all earlier resumes of the
+    job."""
     loop = ckpt["loop"]
-    this = {"from_step": loop["step"], "from_epoch": loop["epoch"] + loop["batch"] / max(loop["steps_per_epoch"], 1),
-            "mid_epoch": loop["batch"] > 0, "previous_status": (prior or {}).get("status"),
-            "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    this = {
+        "from_step": loop["step"],
+        "from_epoch": loop["epoch"] + loop["batch"] / max(loop["steps_per_epoch"], 1),
+        "mid_epoch": loop["batch"] > 0,
+        "previous_status": (prior or {}).get("status"),
+        "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     return {**this, "history": [*ckpt.get("resumes", []), this]}
 
 
-# -- saving and restoring ----------------------------------------------------------------------------------------
+# -- saving and restoring --------------------------------------------------------------------------
 def _job_accelerator(device_type: str | None = None) -> torch.device | None:
-    """The device this job's accelerator RNG lives on: the current one (hardware.configure makes the job's device
-    current), None when no accelerator is visible or the job runs on another device type (`device_type`, e.g. a
-    CPU job on a GPU machine: asking for CUDA's RNG state would initialise CUDA for nothing)."""
+    """The device this job's accelerator RNG lives on: the current one (hardware.configure makes the
+    job's device current), None when no accelerator is visible or the job runs on another device
+    type (`device_type`, e.g. a CPU job on a GPU machine: asking for CUDA's RNG state would
+    initialise CUDA for nothing)."""
     acc = torch.accelerator.current_accelerator(check_available=True)
     if acc is None or (device_type is not None and acc.type != device_type):
         return None
@@ -187,15 +217,19 @@ def _job_accelerator(device_type: str | None = None) -> torch.device | None:
 
 
 def rng_state(device_type: str | None = None) -> dict:
-    """Every RNG state of this process: python, numpy, torch CPU, and the job's own accelerator device (not every
-    visible GPU by index: a resume on another device restores it onto its own device) when the job runs on it
-    (`device_type`; None: whatever accelerator is visible). Under DDP the checkpoint holds one such state per rank,
-    and each rank restores its own (tests/test_ddp.py)."""
+    """Every RNG state of this process: python, numpy, torch CPU, and the job's own accelerator
+    device (not every visible GPU by index: a resume on another device restores it onto its own
+    device) when the job runs on it (`device_type`; None: whatever accelerator is visible). Under
+    DDP the checkpoint holds one such state per rank, and each rank restores its own
+    (tests/test_ddp.py)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     acc = _job_accelerator(device_type)
-    return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), int(pos), int(has_gauss), float(gauss)),
-            "torch": torch.get_rng_state(),
-            "accelerator": None if acc is None else torch.get_device_module(acc).get_rng_state(acc)}
+    return {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.copy()), int(pos), int(has_gauss), float(gauss)),
+        "torch": torch.get_rng_state(),
+        "accelerator": None if acc is None else torch.get_device_module(acc).get_rng_state(acc),
+    }
 
 
 def set_rng_state(state: dict, device_type: str | None = None) -> None:
@@ -209,8 +243,9 @@ def set_rng_state(state: dict, device_type: str | None = None) -> None:
 
 
 class Checkpointer:
-    """Writes out_dir/checkpoint.pt from the registered parts (name -> object with state_dict/load_state_dict)
-    and the engine's loop state; `meta` (config, W&B run id, earlier resumes) is stored alongside."""
+    """Writes out_dir/checkpoint.pt from the registered parts (name -> object with
+    state_dict/load_state_dict) and the engine's loop state; `meta` (config, W&B run id, earlier
+    resumes) is stored alongside."""
 
     def __init__(self, out_dir: Path, meta: dict, ranks: Ranks = SINGLE):
         self.path = Path(out_dir) / CHECKPOINT
@@ -220,30 +255,43 @@ class Checkpointer:
         self.seconds = 0.0        # time spent writing checkpoints (never inside the training clock)
 
     def save(self, loop) -> None:
-        """Write the checkpoint: the loop state (loop.LoopState), every part's state and every rank's RNG states.
-        Every rank calls it (the RNG states are gathered, a collective); rank 0 writes the file."""
+        """Write the checkpoint: the loop state (loop.LoopState), every part's state and every
+        rank's RNG states. Every rank calls it (the RNG states are gathered, a collective); rank 0
+        writes the file."""
         t0 = time.perf_counter()
         rngs = self.ranks.gather(rng_state(self.meta.get("device_type")))
         if not self.ranks.main:
             return
-        data = {"format": FORMAT, **self.meta, "loop": loop.state_dict(),
-                "parts": {name: part.state_dict() for name, part in self.parts.items()}, "rng": rngs,
-                "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        data = {
+            "format": FORMAT,
+            **self.meta,
+            "loop": loop.state_dict(),
+            "parts": {name: part.state_dict() for name, part in self.parts.items()},
+            "rng": rngs,
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         with atomic_file(self.path) as f:
             torch.save(data, f)
         self.seconds += time.perf_counter() - t0
 
     def restore(self, ckpt: dict, loop) -> None:
-        """Load the loop state (an loop.LoopState), every part (the loader its place in the epoch) and the RNG
-        states: call it last, just before training."""
+        """Load the loop state (an loop.LoopState), every part (the loader its place in the epoch)
+        and the RNG states: call it last, just before training."""
         missing = sorted(set(self.parts) - set(ckpt["parts"]))
         if missing:
-            raise CheckpointError(f"{self.path}: holds no state for {', '.join(missing)}; delete it to start over")
-        if len(ckpt["rng"]) != self.ranks.world:   # each rank's RNG states and its slice of the data are its own
-            raise CheckpointError(f"{self.path}: written by {len(ckpt['rng'])} rank(s), this job has {self.ranks.world}; "
-                                  "resume with as many ranks, or delete it to start over")
+            raise CheckpointError(
+                f"{self.path}: holds no state for {', '.join(missing)}; delete it to start over"
+            )
+        # each rank's RNG states and its slice of the data are its own
+        if len(ckpt["rng"]) != self.ranks.world:
+            raise CheckpointError(
+                f"{self.path}: written by {len(ckpt['rng'])} rank(s), this job has "
+                f"{self.ranks.world}; "
+                "resume with as many ranks, or delete it to start over"
+            )
         for name, part in self.parts.items():
-            if isinstance(part, torch.nn.Module):   # the model: emulation swaps its parameters' contents on load
+            # the model: emulation swaps its parameters' contents on load
+            if isinstance(part, torch.nn.Module):
                 emulation.load_module_state(part, ckpt["parts"][name])
                 flatten_rnns(part)
             else:
@@ -263,8 +311,9 @@ def save_weights(out_dir: Path, state_dict: dict, num_classes: int) -> dict:
 
 
 def load_fp32_model(run_dir: Path):
-    """An fp32 model with a finished job's final weights, rebuilt from its summary.json config (for evaluation).
-    Returns (model, config). CheckpointError, naming the file, when the run has no usable weights."""
+    """An fp32 model with a finished job's final weights, rebuilt from its summary.json config (for
+    evaluation). Returns (model, config). CheckpointError, naming the file, when the run has no
+    usable weights."""
     from ..config import validate
     from ..models import build_model
     from ..models.resnet9 import resnet9_options
@@ -272,18 +321,29 @@ def load_fp32_model(run_dir: Path):
     run_dir = Path(run_dir)
     summary = prior_summary(run_dir)
     if summary is None or not summary.get("weights"):
-        raise CheckpointError(f"{run_dir}: no final weights recorded (summary.json status "
-                              f"{(summary or {}).get('status')}); only a finished job has {WEIGHTS}")
+        raise CheckpointError(
+            f"{run_dir}: no final weights recorded (summary.json status "
+            f"{(summary or {}).get('status')}); only a finished job has {WEIGHTS}"
+        )
     config = validate(summary["config"])
     options = {}
-    if config.model.arch == "resnet9":   # the whitening filters are in the saved weights: any tensor of their shape
-        options = resnet9_options(config.trick, torch.zeros(27, 3, 3, 3) if config.trick.whitening else None)
-    # the saved weights are the whole model: no ImageNet weights need be read to rebuild a pretrained one
-    model = build_model(dataclasses.replace(config.model, pretrained=False), summary["weights"]["num_classes"],
-                        **options)
+    # the whitening filters are in the saved weights: any tensor of their shape
+    if config.model.arch == "resnet9":
+        options = resnet9_options(
+            config.trick, torch.zeros(27, 3, 3, 3) if config.trick.whitening else None
+        )
+    # the saved weights are the whole model: no ImageNet weights need be read to rebuild a
+    # pretrained one
+    model = build_model(
+        dataclasses.replace(config.model, pretrained=False),
+        summary["weights"]["num_classes"],
+        **options,
+    )
     path = run_dir / summary["weights"]["file"]
     try:
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     except Exception as e:
-        raise CheckpointError(f"{path}: not loadable into {config.model.arch} ({str(e).splitlines()[0][:200]})") from None
+        raise CheckpointError(
+            f"{path}: not loadable into {config.model.arch} ({str(e).splitlines()[0][:200]})"
+        ) from None
     return model.float().eval(), config

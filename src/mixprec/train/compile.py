@@ -1,4 +1,5 @@
-"""trainer.compile: the training model through torch.compile, compiled and warmed up before the clock starts.
+"""trainer.compile: the training model through torch.compile, compiled and warmed up before the
+clock starts.
 
 `compile_model(net, mode)` wraps the module the loop trains (the DDP wrapper under several ranks) in
 torch.compile with the chosen mode: `default` (inductor), `max-autotune` (inductor, Triton kernels
@@ -18,9 +19,9 @@ One process, many jobs (a Hydra sweep): dynamo's caches are per process and keye
 that every job's model shares, so each compiled job would add its graphs to the earlier jobs' until
 dynamo's recompile limit, and from then on run eagerly. `reset_compile_state(device)` starts each
 job afresh (job.train_job calls it first; a script that compiles several models in one process
-should call it between them): dynamo's caches, the CUDA-graph trees and their memory pools, the device's cached
-blocks. `GraphWatch` records what a job's compilation did: the graphs dynamo compiled
-(`compiled_graphs`) and the calls of the compiled model after the warm-up that ran eagerly
+should call it between them): dynamo's caches, the CUDA-graph trees and their memory pools, the
+device's cached blocks. `GraphWatch` records what a job's compilation did: the graphs dynamo
+compiled (`compiled_graphs`) and the calls of the compiled model after the warm-up that ran eagerly
 (`eager_calls`, said in one warning line and in the sweep table when not 0).
 
 Stop signals: inductor compiles Triton kernels in a pool of worker processes, in the job's process
@@ -69,9 +70,14 @@ from .warmup import Warmup
 log = logging.getLogger(__name__)
 
 GRAPH_MODES = ("reduce-overhead", "max-autotune")   # the modes that run CUDA graphs
-RNN_EAGER = ("the RNN language models run eagerly: torch.compile does not trace nn.LSTM/GRU/RNN (dynamo graph-breaks "
-             "around them, torch._dynamo.config.allow_rnn), cuDNN already runs each layer as one fused kernel, and "
-             "their hidden state carried from window to window would be a CUDA graph's output kept across steps")
+RNN_EAGER = (
+    "the RNN language models run eagerly: torch.compile does not trace nn.LSTM/GRU/RNN (dynamo "
+    "graph-breaks "
+    "around them, torch._dynamo.config.allow_rnn), cuDNN already runs each layer as one fused "
+    "kernel, and "
+    "their hidden state carried from window to window would be a CUDA graph's output kept across "
+    "steps"
+)
 
 
 def compile_model(net: nn.Module, mode: str, backend="inductor") -> nn.Module:
@@ -161,19 +167,22 @@ class GraphWatch:
 
 
 def mark_step(mode: str) -> None:
-    """A new CUDA-graph step begins (the previous step's graph outputs may be overwritten from here on)."""
+    """A new CUDA-graph step begins (the previous step's graph outputs may be overwritten from here
+    on)."""
     if mode in GRAPH_MODES:
         torch.compiler.cudagraph_mark_step_begin()
 
 
 def calls_per_shape(mode: str) -> int:
-    """Calls that leave nothing for the clock: 1 compiles; CUDA graphs record on the 2nd call and replay from the 3rd."""
+    """Calls that leave nothing for the clock: 1 compiles; CUDA graphs record on the 2nd call and
+    replay from the 3rd."""
     return 3 if mode in GRAPH_MODES else 1 if mode != "none" else 0
 
 
 class GraphCalls:
-    """An evaluation model whose every call starts a CUDA-graph step and returns a clone, so that an output kept
-    past the next call (flip TTA's first logits) is not overwritten by it. train()/eval() reach the model."""
+    """An evaluation model whose every call starts a CUDA-graph step and returns a clone, so that an
+    output kept past the next call (flip TTA's first logits) is not overwritten by it.
+    train()/eval() reach the model."""
 
     def __init__(self, model: nn.Module, mode: str):
         self.model, self.mode = model, mode
@@ -190,7 +199,8 @@ class GraphCalls:
 
 
 def warm_compile(net: nn.Module, policy, mode: str, warmup: Warmup) -> float:
-    """Compile and warm `net` for every shape of `warmup`, training and evaluation; leave its state as it was."""
+    """Compile and warm `net` for every shape of `warmup`, training and evaluation; leave its state
+    as it was."""
     if mode == "none":
         return 0.0
     device = policy.device
@@ -200,7 +210,8 @@ def warm_compile(net: nn.Module, policy, mode: str, warmup: Warmup) -> float:
     accelerator = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=accelerator):
         gen = torch.Generator(device=device).manual_seed(0)
-        for _ in range(2 if mode in GRAPH_MODES else 1):   # see warm_compile's note on a second pass
+        # see warm_compile's note on a second pass
+        for _ in range(2 if mode in GRAPH_MODES else 1):
             for shape in warmup.train_shapes:
                 warm_training(net, policy, mode, warmup, warmup.batch(shape, gen, device))
                 warmup.shapes.append((True, shape))
@@ -214,8 +225,11 @@ def warm_compile(net: nn.Module, policy, mode: str, warmup: Warmup) -> float:
     return time.perf_counter() - start
 
 
-def warm_evaluation(net: nn.Module, policy, mode: str, warmup: Warmup, gen: torch.Generator) -> None:
-    """The no-grad eval-mode forward of each evaluation shape, as many times as `mode` needs; back in training mode."""
+def warm_evaluation(
+    net: nn.Module, policy, mode: str, warmup: Warmup, gen: torch.Generator
+) -> None:
+    """The no-grad eval-mode forward of each evaluation shape, as many times as `mode` needs; back
+    in training mode."""
     net.eval()
     with torch.no_grad():
         for shape in warmup.eval_shapes:

@@ -20,9 +20,10 @@ from .tricks import cross_entropy, tta_logits
 
 def evaluate(model, batches, policy: PrecisionPolicy, tta: bool = False,
              compile_mode: str = "none") -> tuple[float, float, float | None]:
-    """Mean cross-entropy and accuracy over every sample of `batches` (no label smoothing), and with tta the
-    accuracy of the mean logits of each image and its mirror (None without). Under CUDA graphs (compile_mode)
-    each call of the model is a graph step of its own, its output cloned out of the graph's pool (GraphCalls)."""
+    """Mean cross-entropy and accuracy over every sample of `batches` (no label smoothing), and with
+    tta the accuracy of the mean logits of each image and its mirror (None without). Under CUDA
+    graphs (compile_mode) each call of the model is a graph step of its own, its output cloned out
+    of the graph's pool (GraphCalls)."""
     model = GraphCalls(model, compile_mode) if compile_mode in GRAPH_MODES else model
     model.eval()
     loss_sum = torch.zeros((), device=policy.device, dtype=torch.float64)
@@ -45,9 +46,10 @@ def evaluate(model, batches, policy: PrecisionPolicy, tta: bool = False,
 @dataclass
 class ImageSteps:
     """An image classifier's part of the loop: its training step, its evaluation, its final metrics.
-    ema: a tricks.EMA, updated after every optimizer step and evaluated instead of the model. tta: test accuracy
-    (and time to target) from flip test-time augmentation; the final evaluation reports both. setup_time_s:
-    preparation timed apart from training (the whitening fit), reported beside train_time_s. bn_eval: BatchNorm stays in eval."""
+    ema: a tricks.EMA, updated after every optimizer step and evaluated instead of the model. tta:
+    test accuracy (and time to target) from flip test-time augmentation; the final evaluation
+    reports both. setup_time_s: preparation timed apart from training (the whitening fit), reported
+    beside train_time_s. bn_eval: BatchNorm stays in eval."""
     model: nn.Module
     schedule: object
     test_batches: object
@@ -66,14 +68,19 @@ class ImageSteps:
 
     def step(self, x, y, loop: Loop, state: LoopState):
         """One batch trained; returns (its mean loss, its correct count, its size) on the device."""
-        mark_step(loop.trainer.compile)   # CUDA graphs: a new step (nothing compiled is kept past it)
+        # CUDA graphs: a new step (nothing compiled is kept past it)
+        mark_step(loop.trainer.compile)
         loop.probe.before_step(state.step + 1, loop.policy)
-        loop.probe.see_batch(state.step + 1, x, y, loop.policy)   # step 1 only: a blank batch, one label
+        # step 1 only: a blank batch, one label
+        loop.probe.see_batch(state.step + 1, x, y, loop.policy)
         out = forward(self.model, x, loop.policy)
         loss = cross_entropy(out, y, self.label_smoothing, summed=self.loss_sum)
-        correct = (out.detach().argmax(1) == y).sum()   # eager ops on the step's output, before the next step
-        inner = getattr(self.model, "module", self.model)   # the probe replays a batch on one rank: not through DDP
-        train_step(loss, loop, state, replay=functools.partial(forward, inner, x, loop.policy))   # no closure
+        # eager ops on the step's output, before the next step
+        correct = (out.detach().argmax(1) == y).sum()
+        # the probe replays a batch on one rank: not through DDP
+        inner = getattr(self.model, "module", self.model)
+        # no closure
+        train_step(loss, loop, state, replay=functools.partial(forward, inner, x, loop.policy))
         if self.ema is not None:
             self.ema.update(self.model)
         self.schedule.step()
@@ -84,8 +91,13 @@ class ImageSteps:
 
     def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
         b = state.best
-        loss, plain, tta = evaluate(self.model if self.ema is None else self.ema.model, self.test_batches,
-                                    loop.policy, tta=self.tta or final, compile_mode=loop.trainer.compile)
+        loss, plain, tta = evaluate(
+            self.model if self.ema is None else self.ema.model,
+            self.test_batches,
+            loop.policy,
+            tta=self.tta or final,
+            compile_mode=loop.trainer.compile,
+        )
         acc = tta if self.tta else plain
         b.update(test_loss=loss, test_acc=acc, acc_plain=plain, acc_tta=tta,
                  best_acc=acc if b.get("best_acc") is None else max(b["best_acc"], acc))
@@ -96,10 +108,14 @@ class ImageSteps:
 
     def metrics(self, state: LoopState, loop: Loop) -> dict:
         b, done = state.best, loop.status == "completed"
-        return {"final_test_acc": b.get("test_acc") if done else None,
-                "final_test_loss": b.get("test_loss") if done else None,
-                "final_test_acc_no_tta": b.get("acc_plain") if done else None,
-                "final_test_acc_tta": b.get("acc_tta") if done else None,
-                "best_test_acc": b.get("best_acc"), "setup_time_s": self.setup_time_s,
-                "time_to_target_s": b.get("time_to_target"), "epochs_to_target": b.get("epochs_to_target"),
-                "target_acc": loop.trainer.target_acc}
+        return {
+            "final_test_acc": b.get("test_acc") if done else None,
+            "final_test_loss": b.get("test_loss") if done else None,
+            "final_test_acc_no_tta": b.get("acc_plain") if done else None,
+            "final_test_acc_tta": b.get("acc_tta") if done else None,
+            "best_test_acc": b.get("best_acc"),
+            "setup_time_s": self.setup_time_s,
+            "time_to_target_s": b.get("time_to_target"),
+            "epochs_to_target": b.get("epochs_to_target"),
+            "target_acc": loop.trainer.target_acc,
+        }

@@ -1,20 +1,21 @@
-"""The language model's part of the shared training loop (loop.fit): truncated BPTT over a batchified token
-stream, as PyTorch's word_language_model.
+"""The language model's part of the shared training loop (loop.fit): truncated BPTT over a
+batchified token stream, as PyTorch's word_language_model.
 
-Each epoch walks the training stream (batchify: [nbatch, batch] on the device) in bptt windows (TokenWindows),
-the hidden state starting at zeros and carried from window to window, cut from the previous window's graph
-(repackage_hidden) so that backward stops at the window's start. A step is step.train_step: backward of the
-(scaled) loss, then PrecisionPolicy.step: unscale, clip the global norm to trainer.grad_clip (the fp32 master
-gradients under master weights), step. After each epoch the validation and test splits are scored in
-perplexity, exp(mean cross-entropy per token), with the hidden state carried across their windows too; a
-`plateau` schedule then divides the lr by its factor when the validation loss did not improve (the example's
-rule; per-step schedules are stepped per window instead). The test perplexity of the best validation epoch is
-the example's reported number (it reloads the best model and scores the test split).
+Each epoch walks the training stream (batchify: [nbatch, batch] on the device) in bptt windows
+(TokenWindows), the hidden state starting at zeros and carried from window to window, cut from the
+previous window's graph (repackage_hidden) so that backward stops at the window's start. A step is
+step.train_step: backward of the (scaled) loss, then PrecisionPolicy.step: unscale, clip the global
+norm to trainer.grad_clip (the fp32 master gradients under master weights), step. After each epoch
+the validation and test splits are scored in perplexity, exp(mean cross-entropy per token), with the
+hidden state carried across their windows too; a `plateau` schedule then divides the lr by its
+factor when the validation loss did not improve (the example's rule; per-step schedules are stepped
+per window instead). The test perplexity of the best validation epoch is the example's reported
+number (it reloads the best model and scores the test split).
 
-Timing, the non-finite policy, checkpoints, stop signals and resume are the shared loop's: TrainClock (eval
-excluded), throughput in tokens/s without the first trainer.warmup_steps windows, one host sync per
-trainer.log_every windows; a checkpoint holds the hidden state and the windows' position, so a run stopped in
-the middle of an epoch continues exactly.
+Timing, the non-finite policy, checkpoints, stop signals and resume are the shared loop's:
+TrainClock (eval excluded), throughput in tokens/s without the first trainer.warmup_steps windows,
+one host sync per trainer.log_every windows; a checkpoint holds the hidden state and the windows'
+position, so a run stopped in the middle of an epoch continues exactly.
 
 The forward of a window is step.lm_forward, under the policy's recurrent_autocast (oneDNN's LSTM off
 under a CPU's autocast: precision/policy.py says why).
@@ -41,9 +42,12 @@ def perplexity(loss: float) -> float:
     return math.inf if loss > 709.0 else math.exp(loss)
 
 
-def evaluate(model, source: torch.Tensor, bptt: int, policy: PrecisionPolicy, compile_mode: str = "none") -> float:
-    """Mean cross-entropy per token over every target of a batchified split: ((rows - 1) x columns) tokens. Each
-    window is a CUDA-graph step of its own under a graph mode (only its loss, an eager op's output, is kept)."""
+def evaluate(
+    model, source: torch.Tensor, bptt: int, policy: PrecisionPolicy, compile_mode: str = "none"
+) -> float:
+    """Mean cross-entropy per token over every target of a batchified split: ((rows - 1) x columns)
+    tokens. Each window is a CUDA-graph step of its own under a graph mode (only its loss, an eager
+    op's output, is kept)."""
     model.eval()
     hidden = model.init_hidden(source.size(1))
     total = torch.zeros((), device=source.device, dtype=torch.float64)
@@ -57,16 +61,18 @@ def evaluate(model, source: torch.Tensor, bptt: int, policy: PrecisionPolicy, co
 
 
 def carried(hidden, device: torch.device):
-    """The hidden state without its graph, on `device` (what a checkpoint holds and a resume restores)."""
+    """The hidden state without its graph, on `device` (what a checkpoint holds and a resume
+    restores)."""
     return repackage_hidden(hidden).to(device) if isinstance(hidden, torch.Tensor) else \
         tuple(carried(h, device) for h in hidden)
 
 
 @dataclass
 class LMSteps:
-    """A language model's part of the shared loop (loop.fit): a step is one bptt window, the hidden state
-    carried from window to window (from zeros at each epoch's start; a checkpoint holds it, so a run stopped
-    mid-epoch continues with it); after each epoch the validation and test perplexity and the plateau rule."""
+    """A language model's part of the shared loop (loop.fit): a step is one bptt window, the hidden
+    state carried from window to window (from zeros at each epoch's start; a checkpoint holds it, so
+    a run stopped mid-epoch continues with it); after each epoch the validation and test perplexity
+    and the plateau rule."""
     model: nn.Module
     schedule: object
     valid_source: torch.Tensor
@@ -87,10 +93,19 @@ class LMSteps:
             self.hidden = self.model.init_hidden(self.columns)
 
     def step(self, x, y, loop: Loop, state: LoopState):
-        mark_step(loop.trainer.compile)   # CUDA graphs: a new step (the GPT, compiled, carries no hidden state)
+        # CUDA graphs: a new step (the GPT, compiled, carries no hidden state)
+        mark_step(loop.trainer.compile)
         loop.probe.before_step(state.step + 1, loop.policy)
-        start, (loss, _, self.hidden) = self.hidden, lm_forward(self.model, x, y, self.hidden, loop.policy)
-        train_step(loss, loop, state, replay=functools.partial(lm_forward, self.model, x, y, start, loop.policy))
+        start, (loss, _, self.hidden) = (
+            self.hidden,
+            lm_forward(self.model, x, y, self.hidden, loop.policy),
+        )
+        train_step(
+            loss,
+            loop,
+            state,
+            replay=functools.partial(lm_forward, self.model, x, y, start, loop.policy),
+        )
         if not self.plateau:
             self.schedule.step()
         return loss.detach(), None, y.numel()
@@ -102,8 +117,12 @@ class LMSteps:
         mode = loop.trainer.compile
         valid_loss = evaluate(self.model, self.valid_source, self.bptt, loop.policy, mode)
         test_loss = evaluate(self.model, self.test_source, self.bptt, loop.policy, mode)
-        record = {"valid_loss": valid_loss, "valid_ppl": perplexity(valid_loss), "test_loss": test_loss,
-                  "test_ppl": perplexity(test_loss)}
+        record = {
+            "valid_loss": valid_loss,
+            "valid_ppl": perplexity(valid_loss),
+            "test_loss": test_loss,
+            "test_ppl": perplexity(test_loss),
+        }
         best = state.best.get("record")
         if best is None or valid_loss < best["valid_loss"]:
             state.best["record"] = {**record, "epoch": state.epoch + 1}
@@ -116,19 +135,29 @@ class LMSteps:
     def metrics(self, state: LoopState, loop: Loop) -> dict:
         final = state.epochs[-1] if state.epochs and loop.status == "completed" else {}
         best = state.best.get("record")
-        rnn_dtype = getattr(self.model, "rnn_dtype", None)   # what the recurrent layers really ran in (models/rnnlm.py)
-        return {"tokens": state.samples,
-                "final_valid_loss": final.get("valid_loss"), "final_valid_ppl": final.get("valid_ppl"),
-                "final_test_loss": final.get("test_loss"), "final_test_ppl": final.get("test_ppl"),
-                "best_valid_ppl": best and best["valid_ppl"], "best_valid_epoch": best and best["epoch"],
-                "test_ppl_at_best_valid": best and best["test_ppl"],
-                "final_test_acc": None,   # a language model has no accuracy: perplexity instead
-                "best_test_acc": None, "final_lr": loop.lr, "throughput_unit": "tokens/s",
-                "rnn_dtype": rnn_dtype and str(rnn_dtype).removeprefix("torch."),
-                "rnn_cudnn": getattr(self.model, "rnn_cudnn", None)}
+        # what the recurrent layers really ran in (models/rnnlm.py)
+        rnn_dtype = getattr(self.model, "rnn_dtype", None)
+        return {
+            "tokens": state.samples,
+            "final_valid_loss": final.get("valid_loss"),
+            "final_valid_ppl": final.get("valid_ppl"),
+            "final_test_loss": final.get("test_loss"),
+            "final_test_ppl": final.get("test_ppl"),
+            "best_valid_ppl": best and best["valid_ppl"],
+            "best_valid_epoch": best and best["epoch"],
+            "test_ppl_at_best_valid": best and best["test_ppl"],
+            "final_test_acc": None,  # a language model has no accuracy: perplexity instead
+            "best_test_acc": None,
+            "final_lr": loop.lr,
+            "throughput_unit": "tokens/s",
+            "rnn_dtype": rnn_dtype and str(rnn_dtype).removeprefix("torch."),
+            "rnn_cudnn": getattr(self.model, "rnn_cudnn", None),
+        }
 
     def state_dict(self) -> dict:
-        return {"hidden": None if self.hidden is None else carried(self.hidden, torch.device("cpu"))}
+        return {
+            "hidden": None if self.hidden is None else carried(self.hidden, torch.device("cpu"))
+        }
 
     def load_state_dict(self, state: dict) -> None:
         device = next(self.model.parameters()).device

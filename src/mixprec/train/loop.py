@@ -1,45 +1,52 @@
-"""The one training loop every job runs (image and language model), the training clock and the non-finite
-policy; the step itself is step.py's.
+"""The one training loop every job runs (image and language model), the training clock and the
+non-finite policy; the step itself is step.py's.
 
-The loop: `fit(steps, batches, loop, state)` runs epochs (`run_epoch`: the training steps; `end_epoch`: the
-record, evaluation, checkpoint and stop check) from where `state` (LoopState: counters, accumulators, clock
-totals, place in the epoch, open log window) is. `steps` supplies the job kind's part: `images.ImageSteps`,
-`lm.LMSteps` for language models (hidden state, truncated BPTT, perplexity); each gives start_epoch,
-step (one batch: forward, loss, train_step, schedule), row, evaluate and metrics. `loop` (Loop) holds what the
-run trains with: policy, optimizer, trainer config, total steps, log, checkpoint writer, stop check, ranks.
+The loop: `fit(steps, batches, loop, state)` runs epochs (`run_epoch`: the training steps;
+`end_epoch`: the record, evaluation, checkpoint and stop check) from where `state` (LoopState:
+counters, accumulators, clock totals, place in the epoch, open log window) is. `steps` supplies the
+job kind's part: `images.ImageSteps`, `lm.LMSteps` for language models (hidden state, truncated
+BPTT, perplexity); each gives start_epoch, step (one batch: forward, loss, train_step, schedule),
+row, evaluate and metrics. `loop` (Loop) holds what the run trains with: policy, optimizer, trainer
+config, total steps, log, checkpoint writer, stop check, ranks.
 
 What is timed: `TrainClock` measures training only (forward, backward, step, and the on-device batch
-preparation, as DAWNBench counts it); evaluation is timed separately and never included. Every clock reading
-synchronizes the device first, so queued GPU work is always counted. Steady-state throughput leaves out the
-first `trainer.warmup_steps` steps (cuDNN autotuning, allocator growth, lazy init); the summary says so.
-Host syncs in the loop (tests/test_speed.py counts them), exactly these:
-  - every `trainer.log_every` steps and at an epoch's end: the window flush, one transfer (`to_host`) of one
-    vector: the window's losses, its correct count, the weights' finiteness (one inf-norm per tensor, in one
-    foreach call) and, for fused steps, their found-inf flags and scales (the skip count and the scale follow);
-    the progress bar shows the mean loss it read. A non-finite event adds the probe's attribution (a replay);
-  - per step, only under a dynamic loss scale (amp, o1, o2 dynamic, fastai_fp16) with a non-fused optimizer:
-    one, GradScaler's found-inf check before the optimizer step; a fused optimizer (CUDA's `auto`) skips itself
-    on the device and its flag is read at the flush (PrecisionPolicy.step(defer=True)), none per step, except
-    under probe=ranges, which reads it at once to attribute the skip;
-  - per step, only under on_nonfinite=skip without a dynamic loss scale: one, the loss check before backward;
-  - once, at step 1: the input check (probe.see_batch: a blank or constant batch, one label, a first layer that
-    outputs zeros; numerics/probe.py);
-so at most one per step in every mode (two at step 1), and none between log steps after step 1 in fp32, tf32,
-bf16, static-scale modes and amp with a fused optimizer.
-Under DDP the stop flag (a small CPU all-reduce, dist.agreed_stop) is agreed every `trainer.log_every` steps, so a
-signal stops the run at the next log step; the clock's barriers come at epoch ends only.
+preparation, as DAWNBench counts it); evaluation is timed separately and never included. Every clock
+reading synchronizes the device first, so queued GPU work is always counted. Steady-state throughput
+leaves out the first `trainer.warmup_steps` steps (cuDNN autotuning, allocator growth, lazy init);
+the summary says so. Host syncs in the loop (tests/test_speed.py counts them), exactly these:
+  - every `trainer.log_every` steps and at an epoch's end: the window flush, one transfer
+    (`to_host`) of one vector: the window's losses, its correct count, the weights' finiteness (one
+    inf-norm per tensor, in one foreach call) and, for fused steps, their found-inf flags and scales
+    (the skip count and the scale follow); the progress bar shows the mean loss it read. A
+    non-finite event adds the probe's attribution (a replay);
+  - per step, only under a dynamic loss scale (amp, o1, o2 dynamic, fastai_fp16) with a non-fused
+    optimizer: one, GradScaler's found-inf check before the optimizer step; a fused optimizer
+    (CUDA's `auto`) skips itself on the device and its flag is read at the flush
+    (PrecisionPolicy.step(defer=True)), none per step, except under probe=ranges, which reads it at
+    once to attribute the skip;
+  - per step, only under on_nonfinite=skip without a dynamic loss scale: one, the loss check before
+    backward;
+  - once, at step 1: the input check (probe.see_batch: a blank or constant batch, one label, a first
+    layer that outputs zeros; numerics/probe.py);
+so at most one per step in every mode (two at step 1), and none between log steps after step 1 in
+fp32, tf32, bf16, static-scale modes and amp with a fused optimizer.
+Under DDP the stop flag (a small CPU all-reduce, dist.agreed_stop) is agreed every
+`trainer.log_every` steps, so a signal stops the run at the next log step; the clock's barriers come
+at epoch ends only.
 
-Checkpoints (checkpoint.py writes them): `loop.checkpoint(state)` is called at each epoch end (except the last)
-and when `loop.stop()` returns a reason (SIGTERM/SIGINT, signals.py): then mid-epoch, after the current step.
-Resuming happens before `fit` is called: the checkpoint restores the LoopState and every part, the training
-loader included, which continues the epoch at its next batch (data.Resumable): the loop never skips batches.
-After a resume the first `warmup_steps` steps are excluded from throughput again.
+Checkpoints (checkpoint.py writes them): `loop.checkpoint(state)` is called at each epoch end
+(except the last) and when `loop.stop()` returns a reason (SIGTERM/SIGINT, signals.py): then
+mid-epoch, after the current step. Resuming happens before `fit` is called: the checkpoint restores
+the LoopState and every part, the training loader included, which continues the epoch at its next
+batch (data.Resumable): the loop never skips batches. After a resume the first `warmup_steps` steps
+are excluded from throughput again.
 
-Under DDP (`ranks`, src/mixprec/runtime/dist.py) each rank trains on its slice of every global batch: the logged loss and
-accuracy are summed over the ranks at each host sync (so every rank takes the same stop decision), samples are
-counted for the global batch (throughput = global samples/s), and the clock waits for every rank (a barrier
-after each device sync). Evaluation: every rank evaluates the whole test set (the weights are the same on all
-ranks, so the numbers are; no communication, and the wall time is that of one rank alone).
+Under DDP (`ranks`, src/mixprec/runtime/dist.py) each rank trains on its slice of every global
+batch: the logged loss and accuracy are summed over the ranks at each host sync (so every rank takes
+the same stop decision), samples are counted for the global batch (throughput = global samples/s),
+and the clock waits for every rank (a barrier after each device sync). Evaluation: every rank
+evaluates the whole test set (the weights are the same on all ranks, so the numbers are; no
+communication, and the wall time is that of one rank alone).
 """
 from __future__ import annotations
 
@@ -61,13 +68,17 @@ from ..runtime.hardware import mark_steady, synchronize
 from ..precision.policy import Deferred, PrecisionPolicy, by_dtype
 from ..numerics.probe import Attribution
 
-# GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the torch.amp
-# recipe); PyTorch's warning about a scheduler step before an optimizer step says nothing useful then.
-warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
+# GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the
+# torch.amp recipe); PyTorch's warning about a scheduler step before an optimizer step says nothing
+# useful then.
+warnings.filterwarnings(
+    "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+)
 
 
 class TrainClock:
-    """Accumulates training time; each start/stop/mark synchronizes the device before reading the clock."""
+    """Accumulates training time; each start/stop/mark synchronizes the device before reading the
+    clock."""
 
     def __init__(self, device: torch.device, barrier=lambda: None):
         self.device = device
@@ -113,8 +124,10 @@ class Window:
     correct: list = field(default_factory=list)
     samples: int = 0
     t0: float = field(default_factory=time.perf_counter)
-    deferred: list = field(default_factory=list)   # (step, precision.Deferred) of fused steps, read at the flush
-    correct_total: int | None = None               # the window's correct count, as the flush read it
+    # (step, precision.Deferred) of fused steps, read at the flush
+    deferred: list = field(default_factory=list)
+    # the window's correct count, as the flush read it
+    correct_total: int | None = None
 
     def add(self, loss: torch.Tensor, correct: torch.Tensor | None, n: int) -> None:
         self.losses.append(loss)
@@ -129,31 +142,44 @@ class Window:
 
     @classmethod
     def restore(cls, state: dict, device: torch.device) -> "Window":
-        return cls(state["first_step"], [t.to(device) for t in state["losses"]], [t.to(device) for t in state["correct"]],
-                   state["samples"], time.perf_counter() - state["elapsed"],
-                   [(step, Deferred(f.to(device), s.to(device))) for step, f, s in state.get("deferred", [])])
+        return cls(
+            state["first_step"],
+            [t.to(device) for t in state["losses"]],
+            [t.to(device) for t in state["correct"]],
+            state["samples"],
+            time.perf_counter() - state["elapsed"],
+            [
+                (step, Deferred(f.to(device), s.to(device)))
+                for step, f, s in state.get("deferred", [])
+            ],
+        )
 
 
 @dataclass
 class LoopState:
-    """Where a run is and what it has counted: all a checkpoint needs of the loop (the parts save the rest)."""
+    """Where a run is and what it has counted: all a checkpoint needs of the loop (the parts save
+    the rest)."""
     step: int = 0
-    samples: int = 0               # training samples (tokens for a language model) of the global batches
+    # training samples (tokens for a language model) of the global batches
+    samples: int = 0
     steady_samples: int = 0        # those after the warm-up
     skipped: int = 0               # optimizer steps the loss scaler skipped
     nonfinite_steps: int = 0
     nonfinite: dict | None = None  # the first non-finite event
     scale_min: float | None = None
     scale_max: float | None = None
-    train_time: float = 0.0        # the clock's totals (setup time included), saved at each checkpoint
+    # the clock's totals (setup time included), saved at each checkpoint
+    train_time: float = 0.0
     steady_time: float = 0.0
     epoch: int = 0                 # the epoch in progress (0-based) ...
     batch: int = 0                 # ... and its batches done
     steps_per_epoch: int = 0
-    epoch_time: float = 0.0        # training time of the epoch in progress so far (an earlier process's too)
+    # training time of the epoch in progress so far (an earlier process's too)
+    epoch_time: float = 0.0
     window: dict | None = None     # the open log window of an epoch stopped in the middle
     epochs: list = field(default_factory=list)   # the epoch records
-    best: dict = field(default_factory=dict)     # the job kind's accumulators (best accuracy, time to target, ...)
+    # the job kind's accumulators (best accuracy, time to target, ...)
+    best: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         return copy.deepcopy(dataclasses.asdict(self))
@@ -165,26 +191,32 @@ class LoopState:
 
 @dataclass
 class Loop:
-    """What a run trains with besides its state and its kind's steps; status/reason say how it ended."""
+    """What a run trains with besides its state and its kind's steps; status/reason say how it
+    ended."""
     policy: PrecisionPolicy
     optimizer: torch.optim.Optimizer
     trainer: TrainerConfig
     total_steps: int
     log: Callable = lambda row: None
-    checkpoint: Callable | None = None   # checkpoint(state): every rank calls it (rank 0 writes the file)
+    # checkpoint(state): every rank calls it (rank 0 writes the file)
+    checkpoint: Callable | None = None
     stop: Callable = lambda: None        # the name of a stop signal received, else None
     ranks: Ranks = SINGLE
     progress: bool = True
-    probe: Attribution = field(default_factory=Attribution)   # the numerics probe's calls (numerics/probe.py)
+    # the numerics probe's calls (numerics/probe.py)
+    probe: Attribution = field(default_factory=Attribution)
     status: str = "completed"
     reason: str | None = None
     warm_at: int = 0
-    window: Window | None = None   # the open log window (train_step adds a fused step's deferred outcome to it)
-    busy: object = None   # busy.BusyMeter on a single-process CUDA job: the GPU's share of a steady step
+    # the open log window (train_step adds a fused step's deferred outcome to it)
+    window: Window | None = None
+    # busy.BusyMeter on a single-process CUDA job: the GPU's share of a steady step
+    busy: object = None
 
     def __post_init__(self):
         self.clock = TrainClock(self.policy.device, self.ranks.barrier)
-        self.probe.optimizer = self.optimizer   # read at a non-finite event only (Adam's state: numerics/probe.py)
+        # read at a non-finite event only (Adam's state: numerics/probe.py)
+        self.probe.optimizer = self.optimizer
 
     @property
     def lr(self) -> float:
@@ -198,7 +230,9 @@ class Loop:
 
 def total_steps(trainer: TrainerConfig, steps_per_epoch: int) -> int:
     """The run's optimizer steps: every epoch's, or trainer.max_steps if fewer."""
-    return min(trainer.epochs * steps_per_epoch, trainer.max_steps or trainer.epochs * steps_per_epoch)
+    return min(
+        trainer.epochs * steps_per_epoch, trainer.max_steps or trainer.epochs * steps_per_epoch
+    )
 
 
 def to_host(vector: torch.Tensor) -> list:
@@ -207,9 +241,10 @@ def to_host(vector: torch.Tensor) -> list:
 
 
 def finite_flag(tensors: list) -> torch.Tensor:
-    """1.0 when every element of every tensor is finite, else 0.0, on the device, in a few ops: the inf-norm
-    (max |x|) of each tensor in one foreach call per dtype (inf or NaN when any element is; never an overflow of
-    finite values, as a 2-norm or a sum in fp16 could), then one isfinite over their stack."""
+    """1.0 when every element of every tensor is finite, else 0.0, on the device, in a few ops: the
+    inf-norm (max |x|) of each tensor in one foreach call per dtype (inf or NaN when any element is;
+    never an overflow of finite values, as a 2-norm or a sum in fp16 could), then one isfinite over
+    their stack."""
     if not tensors:
         return torch.ones(1)
     norms = [n for (group,) in by_dtype(tensors) for n in torch._foreach_norm(group, float("inf"))]
@@ -217,14 +252,15 @@ def finite_flag(tensors: list) -> torch.Tensor:
 
 
 def read_window(window: Window, loop: Loop) -> tuple[list, bool, list]:
-    """One transfer of everything the flush reads: the window's losses (averaged over ranks: the global batches'),
-    its correct count (summed over ranks; into window.correct_total), whether the stepped weights are finite, and
-    the fused steps' deferred (found-inf flag, scale) pairs. Returns (losses, weights finite, [(step, skipped,
-    scale)])."""
+    """One transfer of everything the flush reads: the window's losses (averaged over ranks: the
+    global batches'), its correct count (summed over ranks; into window.correct_total), whether the
+    stepped weights are finite, and the fused steps' deferred (found-inf flag, scale) pairs. Returns
+    (losses, weights finite, [(step, skipped, scale)])."""
     n, world = len(window.losses), loop.ranks.world
     summed = [torch.stack(window.losses).float() / world]
     if window.correct:
-        summed.append(torch.stack(window.correct).sum().float().reshape(1))   # summed over ranks, not averaged
+        # summed over ranks, not averaged
+        summed.append(torch.stack(window.correct).sum().float().reshape(1))
     params = loop.policy.stepped_params()
     device = params[0].device if params else window.losses[0].device
     parts = [loop.ranks.sum_(torch.cat(summed)), finite_flag(params).to(device)]
@@ -239,7 +275,8 @@ def read_window(window: Window, loop: Loop) -> tuple[list, bool, list]:
 
 
 def settle_deferred(deferred: list, state: LoopState, loop: Loop) -> None:
-    """The fused steps' skips and scales, as read at the flush: counted, attributed, the host's scale set."""
+    """The fused steps' skips and scales, as read at the flush: counted, attributed, the host's
+    scale set."""
     for step, skipped, scale in deferred:
         if skipped:
             state.skipped += 1
@@ -250,15 +287,16 @@ def settle_deferred(deferred: list, state: LoopState, loop: Loop) -> None:
 
 
 def scale_before(deferred: list, step: int, loop: Loop) -> float:
-    """The scale a deferred step used: the one after the step before it (the host's copy before the window)."""
+    """The scale a deferred step used: the one after the step before it (the host's copy before the
+    window)."""
     earlier = [scale for s, _, scale in deferred if s < step]
     return earlier[-1] if earlier else loop.policy.scale_value
 
 
 def check_window(window: Window, state: LoopState, loop: Loop) -> tuple[float, str | None]:
-    """The non-finite check on the window's one transfer (read_window): the losses, then the stepped weights.
-    Returns the mean of the finite losses and what went non-finite (None when all is finite); counts it and
-    records the first, with the probe's first non-finite module."""
+    """The non-finite check on the window's one transfer (read_window): the losses, then the stepped
+    weights. Returns the mean of the finite losses and what went non-finite (None when all is
+    finite); counts it and records the first, with the probe's first non-finite module."""
     losses, weights_finite, deferred = read_window(window, loop)
     settle_deferred(deferred, state, loop)
     bad = [i for i, v in enumerate(losses) if not math.isfinite(v)]
@@ -269,7 +307,8 @@ def check_window(window: Window, state: LoopState, loop: Loop) -> tuple[float, s
         state.nonfinite_steps += len(bad)
     elif not weights_finite:
         bad_step = state.step
-        what = f"weights became non-finite by step {bad_step} (checked every {loop.trainer.log_every} steps)"
+        what = (f"weights became non-finite by step {bad_step} (checked every "
+                f"{loop.trainer.log_every} steps)")
         state.nonfinite_steps += 1
     if bad_step is not None and state.nonfinite is None:
         what = "; ".join(filter(None, (what, loop.probe.on_nonfinite(bad_step))))
@@ -279,8 +318,9 @@ def check_window(window: Window, state: LoopState, loop: Loop) -> tuple[float, s
 
 
 def flush(steps, window: Window, loop: Loop, state: LoopState) -> float:
-    """Sync once (read_window's one transfer): check the window's losses and the weights, count the fused steps'
-    skips; log a row; on_nonfinite=stop ends the run. Returns the window's mean loss (for the progress bar)."""
+    """Sync once (read_window's one transfer): check the window's losses and the weights, count the
+    fused steps' skips; log a row; on_nonfinite=stop ends the run. Returns the window's mean loss
+    (for the progress bar)."""
     loss, what = check_window(window, state, loop)
     elapsed = time.perf_counter() - window.t0
     loop.log({"kind": "train", "step": state.step, "epoch": state.epoch + 1, "loss": loss,
@@ -292,17 +332,23 @@ def flush(steps, window: Window, loop: Loop, state: LoopState) -> float:
 
 
 def fit(steps, batches, loop: Loop, state: LoopState) -> dict:
-    """Every job's training loop, image or language model (`steps` supplies the kind's step, evaluation and
-    metrics): epochs from where `state` is (a checkpoint's place: it and the loader's position are restored
-    before this is called) to the end, a divergence or a stop signal (then a checkpoint is written first)."""
+    """Every job's training loop, image or language model (`steps` supplies the kind's step,
+    evaluation and metrics): epochs from where `state` is (a checkpoint's place: it and the loader's
+    position are restored before this is called) to the end, a divergence or a stop signal (then a
+    checkpoint is written first)."""
     state.steps_per_epoch = len(batches)
     if state.step == 0:
         state.scale_min = state.scale_max = loop.policy.scale_value
     loop.clock.total, loop.clock.steady = state.train_time, state.steady_time
-    loop.warm_at = state.step + loop.trainer.warmup_steps   # warm-up is excluded again in a resumed process
+    # warm-up is excluded again in a resumed process
+    loop.warm_at = state.step + loop.trainer.warmup_steps
     if loop.busy is not None:
         loop.busy.start(loop.clock.steady)
-    while loop.status == "completed" and state.epoch < loop.trainer.epochs and state.step < loop.total_steps:
+    while (
+        loop.status == "completed"
+        and state.epoch < loop.trainer.epochs
+        and state.step < loop.total_steps
+    ):
         run_epoch(steps, batches, loop, state)
         if loop.status == "interrupted":
             loop.save(state)   # mid-epoch: the loader knows its place, the state the rest
@@ -314,13 +360,24 @@ def fit(steps, batches, loop: Loop, state: LoopState) -> dict:
 
 
 def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
-    """The training steps of one epoch, from batch state.batch (a resumed epoch: the loader continues there) to
-    its end, the run's last step, a divergence or a stop signal (loop.status then says which)."""
+    """The training steps of one epoch, from batch state.batch (a resumed epoch: the loader
+    continues there) to its end, the run's last step, a divergence or a stop signal (loop.status
+    then says which)."""
     tr, n_ranks = loop.trainer, loop.ranks.world
     steps.start_epoch(state.batch)
-    bar = tqdm(total=min(state.steps_per_epoch, state.batch + loop.total_steps - state.step), initial=state.batch,
-               desc=f"epoch {state.epoch + 1}/{tr.epochs}", disable=not loop.progress, leave=False, dynamic_ncols=True)
-    window = Window.restore(state.window, loop.policy.device) if state.window else Window(first_step=state.step + 1)
+    bar = tqdm(
+        total=min(state.steps_per_epoch, state.batch + loop.total_steps - state.step),
+        initial=state.batch,
+        desc=f"epoch {state.epoch + 1}/{tr.epochs}",
+        disable=not loop.progress,
+        leave=False,
+        dynamic_ncols=True,
+    )
+    window = (
+        Window.restore(state.window, loop.policy.device)
+        if state.window
+        else Window(first_step=state.step + 1)
+    )
     loop.window = window
     loop.clock.start()
     for x, y in batches:
@@ -337,13 +394,20 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
         bar.update(1)
         if state.step == loop.warm_at:
             loop.clock.mark_warm()
-        if state.step % tr.log_every == 0 or state.batch == state.steps_per_epoch or state.step >= loop.total_steps:
-            bar.set_postfix(loss=f"{flush(steps, window, loop, state):.3f}",
-                            rate=f"{window.samples / max(time.perf_counter() - window.t0, 1e-9):.0f}")
+        if (
+            state.step % tr.log_every == 0
+            or state.batch == state.steps_per_epoch
+            or state.step >= loop.total_steps
+        ):
+            bar.set_postfix(
+                loss=f"{flush(steps, window, loop, state):.3f}",
+                rate=f"{window.samples / max(time.perf_counter() - window.t0, 1e-9):.0f}",
+            )
             window = loop.window = Window(first_step=state.step + 1)
         if loop.status != "completed" or state.step >= loop.total_steps:
             break
-        if loop.ranks.active and state.step % tr.log_every:   # DDP: the stop flag's all-reduce every log_every steps
+        # DDP: the stop flag's all-reduce every log_every steps
+        if loop.ranks.active and state.step % tr.log_every:
             continue
         why = loop.stop()
         if why:
@@ -356,9 +420,16 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
 
 
 def end_epoch(steps, loop: Loop, state: LoopState) -> None:
-    """The epoch's record (evaluated unless the run diverged), then between epochs a checkpoint and the stop check."""
-    record = {"kind": "epoch", "epoch": state.epoch + 1, "step": state.step, "epoch_time_s": state.epoch_time,
-              "train_time_s": loop.clock.total, "lr": loop.lr}
+    """The epoch's record (evaluated unless the run diverged), then between epochs a checkpoint and
+    the stop check."""
+    record = {
+        "kind": "epoch",
+        "epoch": state.epoch + 1,
+        "step": state.step,
+        "epoch_time_s": state.epoch_time,
+        "train_time_s": loop.clock.total,
+        "lr": loop.lr,
+    }
     if loop.busy is not None:
         record.update(loop.busy.epoch_record(loop.clock.steady))
     if loop.status == "completed":
@@ -368,16 +439,23 @@ def end_epoch(steps, loop: Loop, state: LoopState) -> None:
     state.epochs.append(record)
     loop.log(record)
     state.epoch, state.batch, state.epoch_time = state.epoch + 1, 0, 0.0
-    if loop.status == "completed" and state.step < loop.total_steps and state.epoch < loop.trainer.epochs:
+    if (
+        loop.status == "completed"
+        and state.step < loop.total_steps
+        and state.epoch < loop.trainer.epochs
+    ):
         loop.save(state)
         why = loop.stop()
-        if why:   # a signal during evaluation: the checkpoint just written holds everything
-            loop.status, loop.reason = "interrupted", f"{why} after step {state.step} (epoch {state.epoch} done)"
+        if why:  # a signal during evaluation: the checkpoint just written holds everything
+            loop.status, loop.reason = (
+                "interrupted",
+                f"{why} after step {state.step} (epoch {state.epoch} done)",
+            )
 
 
 def loop_metrics(state: LoopState, loop: Loop) -> dict:
-    """The metrics every training loop reports (image and language model): steps, timing, throughput (steady
-    state when there is one, warm-up excluded), the loss-scale range."""
+    """The metrics every training loop reports (image and language model): steps, timing, throughput
+    (steady state when there is one, warm-up excluded), the loss-scale range."""
     clock = loop.clock
     steady = clock.steady > 0 and state.steady_samples > 0
     return {

@@ -1,5 +1,5 @@
-"""Optimizers, the piecewise-linear learning-rate schedule, fastai 1.0's one-cycle (cosine lr and momentum), and
-the plateau rule of the language models."""
+"""Optimizers, the piecewise-linear learning-rate schedule, fastai 1.0's one-cycle (cosine lr and
+momentum), and the plateau rule of the language models."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,75 +10,117 @@ from ..precision.modes import resolve_impl
 
 
 def impl_kwargs(impl: str, params: list) -> dict:
-    """optimizer.impl as torch.optim's flags. auto: fused where every parameter is a floating-point CUDA tensor
-    (SGD, Adam and AdamW all have fused CUDA kernels for fp32, fp16 and bf16), foreach elsewhere; fused, foreach and
-    loop (a Python loop over the parameters: foreach=False) as asked. A fused step under GradScaler takes the scale
-    and the found-inf flag on the device (torch/amp/grad_scaler.py: `_step_supports_amp_scaling`)."""
-    tensors = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else list(params)
-    impl = resolve_impl(impl, bool(tensors) and all(p.is_cuda and p.is_floating_point() for p in tensors))
+    """optimizer.impl as torch.optim's flags. auto: fused where every parameter is a floating-point
+    CUDA tensor (SGD, Adam and AdamW all have fused CUDA kernels for fp32, fp16 and bf16), foreach
+    elsewhere; fused, foreach and loop (a Python loop over the parameters: foreach=False) as asked.
+    A fused step under GradScaler takes the scale and the found-inf flag on the device
+    (torch/amp/grad_scaler.py: `_step_supports_amp_scaling`)."""
+    tensors = (
+        [p for g in params for p in g["params"]]
+        if params and isinstance(params[0], dict)
+        else list(params)
+    )
+    impl = resolve_impl(
+        impl, bool(tensors) and all(p.is_cuda and p.is_floating_point() for p in tensors)
+    )
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
 
 
-# optimizer.decay=auto: what each model family's own recipe decays. The GPT decays its matmul and embedding weights
-# only (nanoGPT's configure_optimizers: `p.dim() >= 2`; GPT-2, minGPT and the usual transformer recipes alike); the
-# image models and the RNN language models keep their articles' rule, weight decay on every parameter (fastai 1.0's
-# bn_wd=True, Page's ladder, PyTorch's word_language_model has none).
+# optimizer.decay=auto: what each model family's own recipe decays. The GPT decays its matmul and
+# embedding weights only (nanoGPT's configure_optimizers: `p.dim() >= 2`; GPT-2, minGPT and the
+# usual transformer recipes alike); the image models and the RNN language models keep their
+# articles' rule, weight decay on every parameter (fastai 1.0's bn_wd=True, Page's ladder, PyTorch's
+# word_language_model has none).
 DECAY_AUTO = {"gpt": "matrices"}
 
 
 def decay_mode(decay: str, arch: str) -> str:
-    """optimizer.decay with auto resolved for the model: 'all' or 'matrices' (no decay on 1-D tensors)."""
+    """optimizer.decay with auto resolved for the model: 'all' or 'matrices' (no decay on 1-D
+    tensors)."""
     return DECAY_AUTO.get(arch, "all") if decay == "auto" else decay
 
 
-def param_groups(model: torch.nn.Module, model_params: list, stepped: list, cfg: OptimizerConfig, arch: str,
-                 bn_bias_lr: float = 1.0) -> tuple[list[dict], dict]:
-    """The optimizer's parameter groups and what summary.json records of them. `stepped[i]` is what the optimizer
-    steps for model_params[i] (the parameter, or its fp32 master copy). optimizer.decay=matrices (the GPT's auto):
-    tensors of fewer than 2 dimensions (biases, LayerNorm/BatchNorm gains and shifts) get weight decay 0, the
-    matmul and embedding weights optimizer.weight_decay. trick.bn_bias_lr != 1: BatchNorm biases at lr * factor
-    and their weight decay divided by it (Page's step 7). Groups: decayed, not decayed, BatchNorm biases."""
+def param_groups(
+    model: torch.nn.Module,
+    model_params: list,
+    stepped: list,
+    cfg: OptimizerConfig,
+    arch: str,
+    bn_bias_lr: float = 1.0,
+) -> tuple[list[dict], dict]:
+    """The optimizer's parameter groups and what summary.json records of them. `stepped[i]` is what
+    the optimizer steps for model_params[i] (the parameter, or its fp32 master copy).
+    optimizer.decay=matrices (the GPT's auto): tensors of fewer than 2 dimensions (biases,
+    LayerNorm/BatchNorm gains and shifts) get weight decay 0, the matmul and embedding weights
+    optimizer.weight_decay. trick.bn_bias_lr != 1: BatchNorm biases at lr * factor and their weight
+    decay divided by it (Page's step 7). Groups: decayed, not decayed, BatchNorm biases."""
     mode = decay_mode(cfg.decay, arch)
     names = {id(p): n for n, p in model.named_parameters()}
     bn_biases = set()
     if bn_bias_lr != 1.0:
-        bn_biases = {id(m.bias) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+        bn_biases = {
+            id(m.bias)
+            for m in model.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        }
     split: dict[str, list] = {"decay": [], "no_decay": [], "bn_bias": []}
     for p, s in zip(model_params, stepped):
-        kind = "bn_bias" if id(p) in bn_biases else "decay" if mode == "all" or p.dim() >= 2 else "no_decay"
+        kind = (
+            "bn_bias"
+            if id(p) in bn_biases
+            else "decay"
+            if mode == "all" or p.dim() >= 2
+            else "no_decay"
+        )
         split[kind].append((names.get(id(p), "?"), s))
-    settings = {"decay": {}, "no_decay": {"weight_decay": 0.0},
-                "bn_bias": {"lr": cfg.lr * bn_bias_lr,
-                            "weight_decay": (cfg.weight_decay if mode == "all" else 0.0) / bn_bias_lr}}
+    settings = {
+        "decay": {},
+        "no_decay": {"weight_decay": 0.0},
+        "bn_bias": {
+            "lr": cfg.lr * bn_bias_lr,
+            "weight_decay": (cfg.weight_decay if mode == "all" else 0.0) / bn_bias_lr,
+        },
+    }
     groups, record = [], []
     for kind, members in split.items():
         if not members:
             continue
         groups.append({"params": [s for _, s in members], **settings[kind]})
-        record.append({"kind": kind, "weight_decay": settings[kind].get("weight_decay", cfg.weight_decay),
-                       "lr": settings[kind].get("lr", cfg.lr), "tensors": len(members),
-                       "numel": sum(s.numel() for _, s in members),
-                       **({"names": [n for n, _ in members]} if kind != "decay" else {})})
+        record.append(
+            {
+                "kind": kind,
+                "weight_decay": settings[kind].get("weight_decay", cfg.weight_decay),
+                "lr": settings[kind].get("lr", cfg.lr),
+                "tensors": len(members),
+                "numel": sum(s.numel() for _, s in members),
+                **({"names": [n for n, _ in members]} if kind != "decay" else {}),
+            }
+        )
     return groups, {"decay": mode, "groups": record}
 
 
 def build_optimizer(cfg: OptimizerConfig, params: list) -> torch.optim.Optimizer:
-    """The optimizer of `cfg` over `params` (tensors or param groups), in the implementation optimizer.impl picks."""
+    """The optimizer of `cfg` over `params` (tensors or param groups), in the implementation
+    optimizer.impl picks."""
     try:
         optimizer = _build(cfg, params, impl_kwargs(cfg.impl, params))
-    except RuntimeError as e:   # fused=True on parameters its kernels do not take
-        raise ConfigError(f"optimizer.impl={cfg.impl}: {str(e).splitlines()[0]}; use optimizer.impl=auto or foreach") from None
+    except RuntimeError as e:  # fused=True on parameters its kernels do not take
+        raise ConfigError(
+            f"optimizer.impl={cfg.impl}: {str(e).splitlines()[0]}; use optimizer.impl=auto or "
+            "foreach"
+        ) from None
     if isinstance(optimizer, torch.optim.SGD):
         zero_fused_momentum_buffers(optimizer)
     return optimizer
 
 
 def zero_fused_momentum_buffers(optimizer: torch.optim.SGD) -> None:
-    """Give fused SGD's momentum buffers zeros before its first step. Without them torch's _fused_sgd makes them
-    with torch.empty_like and sets them on its first step only; a step GradScaler skips (found_inf: the kernel
-    returns early) leaves them as allocated, and every later step treats that garbage as momentum. From zeros, the
-    first step's buffer is momentum * 0 + grad = grad, bit for bit what the first-step kernel stores (dampening is 0:
-    not an option here), so fused keeps its speed and a skipped first step changes nothing."""
+    """Give fused SGD's momentum buffers zeros before its first step. Without them torch's
+    _fused_sgd makes them with torch.empty_like and sets them on its first step only; a step
+    GradScaler skips (found_inf: the kernel returns early) leaves them as allocated, and every later
+    step treats that garbage as momentum. From zeros, the first step's buffer is momentum * 0 + grad
+    = grad, bit for bit what the first-step kernel stores (dampening is 0: not an option here), so
+    fused keeps its speed and a skipped first step changes nothing."""
     for group in optimizer.param_groups:
         if not group.get("fused") or group["momentum"] == 0:
             continue
@@ -89,47 +131,70 @@ def zero_fused_momentum_buffers(optimizer: torch.optim.SGD) -> None:
 
 
 def _build(cfg: OptimizerConfig, params: list, impl: dict) -> torch.optim.Optimizer:
-    # The optimizer's state takes the dtype of the tensors it steps: fp16 under precision=half (the fp16-Adam
-    # pitfall), fp32 under master weights.
+    # The optimizer's state takes the dtype of the tensors it steps: fp16 under precision=half (the
+    # fp16-Adam pitfall), fp32 under master weights.
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                weight_decay=cfg.weight_decay, **impl)
-    # adamw is fastai 1.0's default optimizer when betas are (0.9, 0.99): opt_func=AdamW=partial(optim.Adam,
-    # betas=(0.9,0.99)) (torch_core.py:63) wrapped in OptimWrapper(true_wd=True, bn_wd=True) (basic_train.py:137-141),
-    # whose step multiplies every trainable weight, BatchNorm's included, by 1 - wd * lr before Adam's step
-    # (callback.py:38-47): exactly torch.optim.AdamW's decoupled weight decay.
+    # adamw is fastai 1.0's default optimizer when betas are (0.9, 0.99):
+    # opt_func=AdamW=partial(optim.Adam, betas=(0.9,0.99)) (torch_core.py:63) wrapped in
+    # OptimWrapper(true_wd=True, bn_wd=True) (basic_train.py:137-141), whose step multiplies every
+    # trainable weight, BatchNorm's included, by 1 - wd * lr before Adam's step (callback.py:38-47):
+    # exactly torch.optim.AdamW's decoupled weight decay.
     cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
-    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl)
+    return cls(
+        params,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        **impl,
+    )
 
 
 def build_schedule(cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, total_steps: int):
-    """LambdaLR multiplying optimizer.lr by the piecewise-linear curve through (knots, values), knots being
-    fractions of total_steps. Stepped once per optimizer step.
-    schedule=plateau: PyTorch's word_language_model rule instead, stepped once per epoch with the validation
-    loss (`schedule.step(valid_loss)`): the lr is divided by cfg.factor after every epoch whose validation loss
-    is not below the best so far (ReduceLROnPlateau, patience 0, threshold 0), however small it already is
-    (eps 0: the example's `lr /= 4.0` has no floor, where PyTorch's default eps would stop dividing)."""
+    """LambdaLR multiplying optimizer.lr by the piecewise-linear curve through (knots, values),
+    knots being fractions of total_steps. Stepped once per optimizer step.
+    schedule=plateau: PyTorch's word_language_model rule instead, stepped once per epoch with the
+    validation loss (`schedule.step(valid_loss)`): the lr is divided by cfg.factor after every epoch
+    whose validation loss is not below the best so far (ReduceLROnPlateau, patience 0, threshold 0),
+    however small it already is (eps 0: the example's `lr /= 4.0` has no floor, where PyTorch's
+    default eps would stop dividing)."""
     if cfg.name == "plateau":
-        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=1 / cfg.factor, patience=0,
-                                                          threshold=0.0, eps=0.0)
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, mode="min", factor=1 / cfg.factor, patience=0, threshold=0.0, eps=0.0
+        )
     if cfg.name == "fastai_onecycle":
-        return FastaiOneCycle(optimizer, total_steps, cfg.div_factor, cfg.pct_start, cfg.final_div, tuple(cfg.moms))
+        return FastaiOneCycle(
+            optimizer, total_steps, cfg.div_factor, cfg.pct_start, cfg.final_div, tuple(cfg.moms)
+        )
     knots = np.asarray(cfg.knots, dtype=np.float64) * max(total_steps, 1)
     values = np.asarray(cfg.values, dtype=np.float64)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(np.interp(step, knots, values)))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: float(np.interp(step, knots, values))
+    )
 
 
 def annealing_cos(start: float, end: float, pct: float) -> float:
-    """fastai 1.0's annealing_cos (callback.py:308-311): cosine from start (pct 0) to end (pct 1)."""
+    """fastai 1.0's annealing_cos (callback.py:308-311): cosine from start (pct 0) to end (pct
+    1)."""
     return end + (start - end) / 2 * (np.cos(np.pi * pct) + 1)
 
 
-def fastai_onecycle_values(step: int, total_steps: int, lr_max: float, div_factor: float, pct_start: float,
-                           final_div: float, moms: tuple) -> tuple[float, float]:
-    """(lr, momentum) for the optimizer step after `step` steps, as fastai 1.0.42's OneCycleScheduler sets them
-    (one_cycle.py:21-43): phase 1, a1 = int(n * pct_start) steps, lr lr_max/div -> lr_max and momentum moms[0] ->
-    moms[1]; phase 2, the other n - a1 steps, lr lr_max -> lr_max/div/final_div and momentum moms[1] -> moms[0]; both
-    cosine. fastai's Stepper counts from 1 after each batch, so step k of a phase gets pct k / n_phase."""
+def fastai_onecycle_values(
+    step: int,
+    total_steps: int,
+    lr_max: float,
+    div_factor: float,
+    pct_start: float,
+    final_div: float,
+    moms: tuple,
+) -> tuple[float, float]:
+    """(lr, momentum) for the optimizer step after `step` steps, as fastai 1.0.42's
+    OneCycleScheduler sets them (one_cycle.py:21-43): phase 1, a1 = int(n * pct_start) steps, lr
+    lr_max/div -> lr_max and momentum moms[0] -> moms[1]; phase 2, the other n - a1 steps, lr lr_max
+    -> lr_max/div/final_div and momentum moms[1] -> moms[0]; both cosine. fastai's Stepper counts
+    from 1 after each batch, so step k of a phase gets pct k / n_phase."""
     a1 = int(total_steps * pct_start)
     a2 = total_steps - a1
     low = lr_max / div_factor
@@ -141,12 +206,20 @@ def fastai_onecycle_values(step: int, total_steps: int, lr_max: float, div_facto
 
 
 class FastaiOneCycle:
-    """fastai's fit_one_cycle as a per-step schedule: sets each param group's lr (its initial lr is taken as the max
-    lr, so group multipliers are kept) and momentum: Adam/AdamW's beta1 (fastai's OptimWrapper.mom sets betas[0],
-    callback.py:69-75), or SGD's momentum. state_dict/load_state_dict carry the step count (checkpoints)."""
+    """fastai's fit_one_cycle as a per-step schedule: sets each param group's lr (its initial lr is
+    taken as the max lr, so group multipliers are kept) and momentum: Adam/AdamW's beta1 (fastai's
+    OptimWrapper.mom sets betas[0], callback.py:69-75), or SGD's momentum.
+    state_dict/load_state_dict carry the step count (checkpoints)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, div_factor: float, pct_start: float,
-                 final_div: float, moms: tuple):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_steps: int,
+        div_factor: float,
+        pct_start: float,
+        final_div: float,
+        moms: tuple,
+    ):
         self.optimizer, self.total_steps = optimizer, max(total_steps, 1)
         self.args = (div_factor, pct_start, final_div, moms)
         self.max_lrs = [g.setdefault("initial_lr", g["lr"]) for g in optimizer.param_groups]

@@ -3,21 +3,24 @@ and new_dawn.py:51-57 run `warmup_cudnn` on random batches before `Timer(...)` s
 bag_of_tricks.ipynb cell 27 on one training batch), so cuDNN's autotuning (`cudnn.benchmark`), lazy
 CUDA initialisation and the allocator's growth are not timed.
 
-`prewarm(...)` runs N full training steps (forward, backward, unscale and optimizer step) on random inputs of the
-training batch's shape, through a throwaway deep copy of the model, the precision policy (loss scaler, master
-weights) and a fresh optimizer of the same kind over the copied parameters. The run itself is left exactly as it
-was: its model, optimizer, scaler and loader are not touched (the loader is not advanced), and every RNG the step
-could draw from (python, numpy, torch CPU and the accelerator's) is saved and restored. Page's warm-up ran forward
-and backward only, on the real model (so his BatchNorm running statistics saw the random batches); this one also
-warms the optimizer step and leaves the real model untouched. `prewarm_lm` does the same for a language model (a
-window of random tokens, the hidden state from zeros). `trainer.prewarm_steps: auto` is 3 on an accelerator and 0 on
-a CPU (TrainerConfig.prewarm_for). Compilation (trainer.compile) is warmed separately, on the real compiled module
-(train/compile.py), and timed as compile_time_s.
+`prewarm(...)` runs N full training steps (forward, backward, unscale and optimizer step) on random
+inputs of the training batch's shape, through a throwaway deep copy of the model, the precision
+policy (loss scaler, master weights) and a fresh optimizer of the same kind over the copied
+parameters. The run itself is left exactly as it was: its model, optimizer, scaler and loader are
+not touched (the loader is not advanced), and every RNG the step could draw from (python, numpy,
+torch CPU and the accelerator's) is saved and restored. Page's warm-up ran forward and backward
+only, on the real model (so his BatchNorm running statistics saw the random batches); this one also
+warms the optimizer step and leaves the real model untouched. `prewarm_lm` does the same for a
+language model (a window of random tokens, the hidden state from zeros). `trainer.prewarm_steps:
+auto` is 3 on an accelerator and 0 on a CPU (TrainerConfig.prewarm_for). Compilation
+(trainer.compile) is warmed separately, on the real compiled module (train/compile.py), and timed as
+compile_time_s.
 
-Memory: the copies are freed when `run_prewarm` returns, and the job then calls `reset_peak` once prewarm and the
-compile warm-up are done (job.py), so that the device's peak (peak_memory_mb, hardware.memory_metrics) counts the
-run's own tensors, not the throwaway copy of model, optimizer and master weights (nor the warm-up's batches).
-On a CPU the peak is the process's maximum RSS, which cannot be reset: a CPU job's peak includes them.
+Memory: the copies are freed when `run_prewarm` returns, and the job then calls `reset_peak` once
+prewarm and the compile warm-up are done (job.py), so that the device's peak (peak_memory_mb,
+hardware.memory_metrics) counts the run's own tensors, not the throwaway copy of model, optimizer
+and master weights (nor the warm-up's batches). On a CPU the peak is the process's maximum RSS,
+which cannot be reset: a CPU job's peak includes them.
 """
 from __future__ import annotations
 
@@ -35,22 +38,43 @@ from .step import backward_and_step, image_loss, lm_loss
 from .warmup import ImageBatch, TokenBatch
 
 
-def prewarm(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, steps: int, batch_size: int,
-            image_shape: tuple, num_classes: int, channels_last: bool = False, grad_clip: float | None = None) -> float:
-    """An image job's prewarm: `steps` untimed training steps on copies; the seconds they took (0.0 when steps == 0)."""
+def prewarm(
+    model: torch.nn.Module,
+    policy,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    batch_size: int,
+    image_shape: tuple,
+    num_classes: int,
+    channels_last: bool = False,
+    grad_clip: float | None = None,
+) -> float:
+    """An image job's prewarm: `steps` untimed training steps on copies; the seconds they took (0.0
+    when steps == 0)."""
     batch = functools.partial(ImageBatch(image_shape, num_classes, channels_last), batch_size)
     return run_prewarm(model, policy, optimizer, steps, batch, image_loss, grad_clip)
 
 
-def prewarm_lm(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, steps: int, bptt: int,
-               columns: int, vocab_size: int, grad_clip: float | None = None) -> float:
+def prewarm_lm(
+    model: torch.nn.Module,
+    policy,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    bptt: int,
+    columns: int,
+    vocab_size: int,
+    grad_clip: float | None = None,
+) -> float:
     """A language model's prewarm: `steps` windows of random tokens, the hidden state from zeros."""
     batch = functools.partial(TokenBatch(vocab_size), (bptt, columns))
     return run_prewarm(model, policy, optimizer, steps, batch, lm_loss, grad_clip)
 
 
-def run_prewarm(model, policy, optimizer, steps: int, batch, loss, grad_clip: float | None) -> float:
-    """`steps` steps of `loss(net, pol, *batch(generator, device))` on copies of model, policy and optimizer."""
+def run_prewarm(
+    model, policy, optimizer, steps: int, batch, loss, grad_clip: float | None
+) -> float:
+    """`steps` steps of `loss(net, pol, *batch(generator, device))` on copies of model, policy and
+    optimizer."""
     if steps <= 0:
         return 0.0
     device = policy.device
@@ -60,10 +84,17 @@ def run_prewarm(model, policy, optimizer, steps: int, batch, loss, grad_clip: fl
     accelerator = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=accelerator):
         memo: dict = {}
-        net, pol = copy.deepcopy((model, policy), memo)   # one memo: the copied policy holds the copied weights
-        flatten_rnns(net)   # the copy's RNN weights are separate tensors: cuDNN would compact them every call
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [memo[id(p)] for p in g["params"]]}
-                  for g in optimizer.param_groups]
+        # one memo: the copied policy holds the copied weights
+        net, pol = copy.deepcopy((model, policy), memo)
+        # the copy's RNN weights are separate tensors: cuDNN would compact them every call
+        flatten_rnns(net)
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [memo[id(p)] for p in g["params"]],
+            }
+            for g in optimizer.param_groups
+        ]
         opt = type(optimizer)(groups)
         x, y = batch(torch.Generator(device=device).manual_seed(0), device)
         net.train()
@@ -71,14 +102,16 @@ def run_prewarm(model, policy, optimizer, steps: int, batch, loss, grad_clip: fl
             backward_and_step(loss(net, pol, x, y), pol, opt, grad_clip)
             opt.zero_grad(set_to_none=True)
         synchronize(device)
-        del net, pol, opt, groups, memo, x, y   # the copies go now (reset_peak then forgets their memory)
+        # the copies go now (reset_peak then forgets their memory)
+        del net, pol, opt, groups, memo, x, y
     random.setstate(py_state)
     np.random.set_state(np_state)
     return time.perf_counter() - start
 
 
 def reset_peak(device: torch.device) -> None:
-    """Start the device's memory peak afresh (after prewarm's copies are freed and compilation is done): the peak
-    from here is that of what is allocated now and of the run. Nothing to reset on a CPU (its peak is the RSS)."""
+    """Start the device's memory peak afresh (after prewarm's copies are freed and compilation is
+    done): the peak from here is that of what is allocated now and of the run. Nothing to reset on a
+    CPU (its peak is the RSS)."""
     if device.type != "cpu":
         torch.accelerator.reset_peak_memory_stats(device)

@@ -1,11 +1,12 @@
 """The training step on one screen: forward under autocast, the loss, the scaled backward, then the
 optimizer step (unscale, clip, step, update the loss scale) and zero_grad.
 
-Every job runs it: an image job's step (images.ImageSteps), a language model's bptt window (lm.LMSteps),
-prewarm's throwaway steps and scripts/benchmark.py's cells; compile's warm-up runs its losses. What each
-call does in each precision mode is the policy's (precision/policy.py): autocast() picks the autocast
-dtype (or CUDA's policy, emulated), cast_input the weights' dtype, backward scales the loss, step
-unscales (into the fp32 masters under master weights), clips, steps and updates the scale.
+Every job runs it: an image job's step (images.ImageSteps), a language model's bptt window
+(lm.LMSteps), prewarm's throwaway steps and scripts/benchmark.py's cells; compile's warm-up runs its
+losses. What each call does in each precision mode is the policy's (precision/policy.py): autocast()
+picks the autocast dtype (or CUDA's policy, emulated), cast_input the weights' dtype, backward
+scales the loss, step unscales (into the fp32 masters under master weights), clips, steps and
+updates the scale.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def image_infer(net, policy: PrecisionPolicy, x: torch.Tensor, y: torch.Tensor) 
 
 def lm_forward(model, x: torch.Tensor, y: torch.Tensor, hidden, policy: PrecisionPolicy):
     """One bptt window: the hidden state cut from the previous window's graph, the forward under the
-    policy's recurrent autocast, and the mean cross-entropy per token in fp32. Returns (loss, logits,
-    next hidden state)."""
+    policy's recurrent autocast, and the mean cross-entropy per token in fp32. Returns (loss,
+    logits, next hidden state)."""
     hidden = repackage_hidden(hidden)
     with policy.recurrent_autocast():
         out, hidden = model(x, hidden)
@@ -48,8 +49,14 @@ def lm_loss(net, policy: PrecisionPolicy, x: torch.Tensor, y: torch.Tensor) -> t
     return lm_forward(net, x, y, net.init_hidden(x.size(1)), policy)[0]
 
 
-def backward_and_step(loss: torch.Tensor, policy: PrecisionPolicy, optimizer, grad_clip: float | None,
-                      defer: bool = False, after_backward=lambda: None) -> bool | Deferred:
+def backward_and_step(
+    loss: torch.Tensor,
+    policy: PrecisionPolicy,
+    optimizer,
+    grad_clip: float | None,
+    defer: bool = False,
+    after_backward=lambda: None,
+) -> bool | Deferred:
     """The scaled backward, then unscale, clip, step and update; True when the loss scaler skipped
     the step (a Deferred: a fused step's outcome, still on the device)."""
     policy.backward(loss)   # scaler.scale(loss).backward()
@@ -59,19 +66,28 @@ def backward_and_step(loss: torch.Tensor, policy: PrecisionPolicy, optimizer, gr
 
 def train_step(loss: torch.Tensor, loop, state, replay=None) -> None:
     """One batch's backward and optimizer step, then zero_grad. Under on_nonfinite=skip a non-finite
-    loss skips both (all ranks alike); under a dynamic loss scale that check is GradScaler's own, so no
-    second sync is made. replay: the step's forward again, for the probe's attribution of a
+    loss skips both (all ranks alike); under a dynamic loss scale that check is GradScaler's own, so
+    no second sync is made. replay: the step's forward again, for the probe's attribution of a
     non-finite value (loop.probe, numerics/probe.py)."""
     policy, tr, probe, step = loop.policy, loop.trainer, loop.probe, state.step + 1
     nonfinite = tr.on_nonfinite == "skip" and not policy.skips_overflow
     if nonfinite and loop.ranks.any(not torch.isfinite(loss)):
         if state.nonfinite is None:
             seen = (f"loss {loss.item()} (step skipped)", probe.on_nonfinite(step, replay))
-            state.nonfinite = {"step": step, "what": "; ".join(filter(None, seen)), "policy": "skip"}
+            state.nonfinite = {
+                "step": step,
+                "what": "; ".join(filter(None, seen)),
+                "policy": "skip",
+            }
     else:
-        skipped = backward_and_step(loss, policy, loop.optimizer, tr.grad_clip,
-                                    defer=probe.defers_skips and loop.window is not None,
-                                    after_backward=lambda: probe.after_backward(step, loss, policy, replay))
+        skipped = backward_and_step(
+            loss,
+            policy,
+            loop.optimizer,
+            tr.grad_clip,
+            defer=probe.defers_skips and loop.window is not None,
+            after_backward=lambda: probe.after_backward(step, loss, policy, replay),
+        )
         if isinstance(skipped, Deferred):   # a fused step: its flag and scale wait for the flush
             loop.window.deferred.append((step, skipped))
         else:

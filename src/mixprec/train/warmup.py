@@ -1,6 +1,7 @@
 """Random batches and the shapes to warm, built once for both warm-ups before the clock: prewarm's
-throwaway steps (prewarm.py: one batch of the training shape) and compile's warm-up (compile.py: every
-training and evaluation shape the compiled model will see). Their losses are the step's (step.py)."""
+throwaway steps (prewarm.py: one batch of the training shape) and compile's warm-up (compile.py:
+every training and evaluation shape the compiled model will see). Their losses are the step's
+(step.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,16 +14,18 @@ from .step import image_infer, image_loss, lm_loss
 
 @dataclass
 class Warmup:
-    """The shapes a run's compiled model will see and how to make a batch of each. `batch(shape, generator,
-    device)` -> (x, y); `loss(net, policy, x, y)` -> the training loss; `infer(net, policy, x, y)` the evaluation
-    forward (run under no_grad in eval mode). bn_eval: BatchNorm stays in eval mode while training."""
+    """The shapes a run's compiled model will see and how to make a batch of each. `batch(shape,
+    generator, device)` -> (x, y); `loss(net, policy, x, y)` -> the training loss; `infer(net,
+    policy, x, y)` the evaluation forward (run under no_grad in eval mode). bn_eval: BatchNorm stays
+    in eval mode while training."""
     train_shapes: list
     eval_shapes: list
     batch: Callable
     loss: Callable
     infer: Callable
     bn_eval: bool = False
-    shapes: list = field(default_factory=list)   # filled by warm_compile: (training?, shape) in the order warmed
+    # filled by warm_compile: (training?, shape) in the order warmed
+    shapes: list = field(default_factory=list)
 
 
 @dataclass
@@ -51,21 +54,32 @@ class TokenBatch:
 
 def image_warmup(batch: int, eval_batch: int, test_size: int, image_shape: tuple, num_classes: int,
                  channels_last: bool = False, bn_eval: bool = False) -> Warmup:
-    """An image job's shapes: the training batch (the training loaders drop a last partial batch), the evaluation
-    batch and the test set's last, partial, one."""
-    return Warmup([batch], split_shapes(test_size, eval_batch), ImageBatch(image_shape, num_classes, channels_last),
-                  image_loss, image_infer, bn_eval)
+    """An image job's shapes: the training batch (the training loaders drop a last partial batch),
+    the evaluation batch and the test set's last, partial, one."""
+    return Warmup(
+        [batch],
+        split_shapes(test_size, eval_batch),
+        ImageBatch(image_shape, num_classes, channels_last),
+        image_loss,
+        image_infer,
+        bn_eval,
+    )
 
 
 def split_shapes(n: int, size: int) -> list[int]:
-    """The lengths of the slices of n things cut into `size`s: `size` (or n if fewer), then any remainder."""
+    """The lengths of the slices of n things cut into `size`s: `size` (or n if fewer), then any
+    remainder."""
     return [min(n, size)] + ([n % size] if n > size and n % size else [])
 
 
 def lm_warmup(train_rows: int, columns: int, eval_rows: list[int], eval_columns: int, bptt: int,
               vocab_size: int) -> Warmup:
-    """A language model's windows: bptt rows and the last window's (a batchified stream of `rows` rows has
-    rows - 1 targets per column), in training (train_rows x columns) and in evaluation (each split's rows)."""
+    """A language model's windows: bptt rows and the last window's (a batchified stream of `rows`
+    rows has rows - 1 targets per column), in training (train_rows x columns) and in evaluation
+    (each split's rows)."""
     train = [(r, columns) for r in split_shapes(train_rows - 1, bptt)]
-    evals = sorted({(r, eval_columns) for rows in eval_rows for r in split_shapes(rows - 1, bptt)}, reverse=True)
+    evals = sorted(
+        {(r, eval_columns) for rows in eval_rows for r in split_shapes(rows - 1, bptt)},
+        reverse=True,
+    )
     return Warmup(train, evals, TokenBatch(vocab_size), lm_loss, lm_loss)
