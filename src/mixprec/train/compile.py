@@ -58,6 +58,8 @@ import gc
 import logging
 import signal
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -65,7 +67,6 @@ from torch import nn
 from ..runtime.hardware import synchronize
 from ..runtime.signals import StopSignals
 from ..models import set_bn_eval
-from .warmup import Warmup
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,22 @@ class GraphCalls:
 
     def eval(self):
         return self.model.eval()
+
+
+@dataclass
+class Warmup:
+    """The shapes a run's compiled model will see and how to make a batch of each. `batch(shape,
+    generator, device)` -> (x, y); `loss(net, policy, x, y)` -> the training loss; `infer(net,
+    policy, x, y)` the evaluation forward (run under no_grad in eval mode). bn_eval: BatchNorm stays
+    in eval mode while training."""
+    train_shapes: list
+    eval_shapes: list
+    batch: Callable
+    loss: Callable
+    infer: Callable
+    bn_eval: bool = False
+    # filled by warm_compile: (training?, shape) in the order warmed
+    shapes: list = field(default_factory=list)
 
 
 def warm_compile(net: nn.Module, policy, mode: str, warmup: Warmup) -> float:

@@ -4,28 +4,12 @@ every training and evaluation shape the compiled model will see). Their losses a
 (step.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
+from .compile import Warmup
 from .step import image_infer, image_loss, lm_loss
-
-
-@dataclass
-class Warmup:
-    """The shapes a run's compiled model will see and how to make a batch of each. `batch(shape,
-    generator, device)` -> (x, y); `loss(net, policy, x, y)` -> the training loss; `infer(net,
-    policy, x, y)` the evaluation forward (run under no_grad in eval mode). bn_eval: BatchNorm stays
-    in eval mode while training."""
-    train_shapes: list
-    eval_shapes: list
-    batch: Callable
-    loss: Callable
-    infer: Callable
-    bn_eval: bool = False
-    # filled by warm_compile: (training?, shape) in the order warmed
-    shapes: list = field(default_factory=list)
 
 
 @dataclass
