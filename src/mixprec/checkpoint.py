@@ -106,6 +106,8 @@ def keep_default_batch(cfg, out_dir: Path) -> int | None:
     path = Path(out_dir) / CHECKPOINT
     if not (isinstance(default, str) and RESOLVER in default and path.exists()):
         return None
+    if set_batch(Path(out_dir) / SUMMARY):   # the user's batch then, dropped now: a change, refused
+        return None
     try:   # mmap: only the pickled structure is read, not the tensors
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         saved = ckpt["config"]["trainer"]["batch_size"]
@@ -119,6 +121,16 @@ def keep_default_batch(cfg, out_dir: Path) -> int | None:
              f"trainer.batch_size={saved} (the default is {now} now; a default is not a change to "
              f"the job: to train at {now}, start over with trainer.resume=never)")
     return saved
+
+
+def set_batch(summary_file: Path) -> bool:
+    """Whether the job that wrote this summary.json set trainer.batch_size by an override (True
+    when the file cannot be read: then nothing is taken for a default)."""
+    try:
+        overrides = json.loads(summary_file.read_text()).get("overrides") or []
+    except (OSError, ValueError):
+        return True
+    return any(o.lstrip("+~").split("=", 1)[0] == "trainer.batch_size" for o in overrides)
 
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> str | None:

@@ -68,6 +68,7 @@ from .signals import StopSignals
 
 log = logging.getLogger(__name__)
 
+POOL_WAIT_S = 120   # the longest wait for inductor's compile workers to start (start_compile_workers)
 GRAPH_MODES = ("reduce-overhead", "max-autotune")   # the modes that run CUDA graphs
 RNN_EAGER = ("the RNN language models run eagerly: torch.compile does not trace nn.LSTM/GRU/RNN (dynamo graph-breaks "
              "around them, torch._dynamo.config.allow_rnn), cuDNN already runs each layer as one fused kernel, and "
@@ -104,11 +105,17 @@ def start_compile_workers() -> None:
     mask is restored: none is lost. A pool started earlier in the process is kept as it is."""
     if not hasattr(signal, "pthread_sigmask"):   # Windows: inductor compiles in the process there
         return
-    from torch._inductor.async_compile import maybe_warm_pool
+    from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
 
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, StopSignals.SIGNALS)
     try:
         maybe_warm_pool()
+        # until the pool is ready inductor compiles in this process (its ptxas in the job's
+        # process group, in reach of a SIGTERM): wait for it, outside the training clock
+        AsyncCompile.wait_pool_ready(timeout=POOL_WAIT_S)
+    except TimeoutError:
+        log.warning(f"mixprec: note: inductor's compile workers were not ready after {POOL_WAIT_S} s; "
+                    "compiling in this process")
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
@@ -292,10 +299,13 @@ def image_infer(net, policy, x, y):
 
 
 def image_warmup(batch: int, eval_batch: int, test_size: int, image_shape: tuple, num_classes: int,
-                 channels_last: bool = False, bn_eval: bool = False) -> Warmup:
+                 channels_last: bool = False, bn_eval: bool = False,
+                 evaluates: bool = True) -> Warmup:
     """An image job's shapes: the training batch (the training loaders drop a last partial batch), the evaluation
-    batch and the test set's last, partial, one."""
-    return Warmup([batch], split_shapes(test_size, eval_batch), ImageBatch(image_shape, num_classes, channels_last),
+    batch and the test set's last, partial, one. evaluates=False (an EMA job, which evaluates the EMA's
+    own, uncompiled copy): no evaluation shape, so no graph is compiled that no call would use."""
+    eval_shapes = split_shapes(test_size, eval_batch) if evaluates else []
+    return Warmup([batch], eval_shapes, ImageBatch(image_shape, num_classes, channels_last),
                   image_loss, image_infer, bn_eval)
 
 

@@ -379,7 +379,8 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     refuse_emulated_compile(config, policy)
     compile_s, watch = compile_and_warm(steps, net, policy, tr.compile, image_warmup(
         min(tr.batch_size // ranks.world, len(data.train_y) // ranks.world), tr.eval_batch_size, len(data.test_y),
-        train_batches.image_shape, data.num_classes, tr.channels_last, config.model.bn_eval))
+        train_batches.image_shape, data.num_classes, tr.channels_last, config.model.bn_eval,
+        evaluates=ema is None))   # an EMA job evaluates ema.model, eagerly
     info = {"model": model, "parts": {} if ema is None else {"ema": ema}, "final": model if ema is None else ema.model,
             "num_classes": data.num_classes, "optimizer": groups, "compiled": watch,
             "metrics": {"params": n_params, "forward_flops_per_sample": flops, "prewarm_time_s": prewarm_s,
