@@ -220,8 +220,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench_ladder_ops: {e}") from None
     print(
         f"ATen ops per steady training step (CPU, batch {args.batch}, {args.measure} steps after "
-        f"{args.warm}; "
-        f"overrides: {' '.join(overrides) or 'none'})"
+        f"{args.warm}; overrides: {' '.join(overrides) or 'none'})"
     )
     print(table(rows))
     if args.json:

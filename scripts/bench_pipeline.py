@@ -93,8 +93,8 @@ def main() -> int:
             else f"{os.cpu_count()} CPU cores, torch threads: {torch.get_num_threads()}")
     print(
         f"data      {cfg.name}: {len(data.train_y):,} train images, uint8 "
-        f"{'x'.join(map(str, data.train_x.shape[1:]))}"
-        f" -> {cfg.image_size}x{cfg.image_size}, augment {aug}, normalised"
+        f"{'x'.join(map(str, data.train_x.shape[1:]))} -> {cfg.image_size}x{cfg.image_size}, "
+        f"augment {aug}, normalised"
     )
     print(
         f"batches   {args.batch_size} per step, {args.epochs} epoch(s), "

@@ -116,8 +116,8 @@ def refusal(config: Config) -> str | None:
     if p.param_dtype != "float32" or p.master_weights or p.loss_scale not in ("dynamic", "none"):
         return (
             "the hand-written loop covers the autocast family (fp32, tf32, amp, amp_bf16, o0, "
-            "o1), not "
-            f"precision={p.name} (low-precision weights, master weights or a static loss scale)"
+            f"o1), not precision={p.name} (low-precision weights, master weights or a static loss "
+            "scale)"
         )
     if t != type(t)():
         return (

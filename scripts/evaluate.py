@@ -39,9 +39,8 @@ def main(argv=None) -> int:
         return 2
     print(
         f"trained in {r['precision']}; fp32 evaluation of model_fp32.pt: test acc "
-        f"{r['test_acc']:.4f} "
-        f"(the job recorded {r['recorded_test_acc']:.4f}), test loss {r['test_loss']:.4f} "
-        f"(recorded {r['recorded_test_loss']:.4f})"
+        f"{r['test_acc']:.4f} (the job recorded {r['recorded_test_acc']:.4f}), test loss "
+        f"{r['test_loss']:.4f} (recorded {r['recorded_test_loss']:.4f})"
     )
     print(json.dumps(r))
     return 0

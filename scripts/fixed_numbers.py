@@ -93,8 +93,8 @@ def run_case(name: str, out: Path) -> dict:
     summary_file = out / "summary.json"
     if not summary_file.exists():
         raise SystemExit(
-            f"fixed_numbers: case {name} wrote no summary.json (exit {r.returncode}):\n"
-            f"{r.stderr[-2000:]}"
+            f"fixed_numbers: case {name} wrote no summary.json (exit "
+            f"{r.returncode}):\n{r.stderr[-2000:]}"
         )
     summary = json.loads(summary_file.read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]

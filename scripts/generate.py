@@ -53,8 +53,7 @@ def load(run_dir: Path, data_dir: str | None = None, device: str = "cpu"):
     if not weights or not (run_dir / weights["file"]).is_file():
         raise RunError(
             f"{run_dir}: no {WEIGHTS} (status {records.status(summary)}); only a completed job "
-            "leaves its "
-            "final weights"
+            "leaves its final weights"
         )
     config = validate(summary["config"])
     dataset = (

@@ -32,7 +32,7 @@ if not hardware.has_kernels_for(arch, (major, minor)):   # sm_90a, sm_100f and c
 PY
 
 echo "== pytest -m gpu"   # every gpu-marked test of tests/ (tests/test_gpu_speed.py checks none is left out)
-python -m pytest -m gpu -q -p no:cacheprovider tests/
+python -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests/
 tests=$?
 
 echo "== one short job per precision mode"

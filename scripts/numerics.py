@@ -225,9 +225,8 @@ def verdict(name: str, config: Config, ranges: dict, run: dict, errors: dict) ->
         has = (
             (
                 "it has none: of the non-zero activation gradients "
-                f"{100 * below['subnormal']:.1f}% are fp16 "
-                f"subnormals and {100 * below['lost']:.1f}% round to 0 "
-                f"({100 * (errors['zeroed'] or 0):.1f}% "
+                f"{100 * below['subnormal']:.1f}% are fp16 subnormals and "
+                f"{100 * below['lost']:.1f}% round to 0 ({100 * (errors['zeroed'] or 0):.1f}% "
                 "observed zeroed in this run)"
             )
             if k_min > 0
@@ -266,9 +265,8 @@ def markdown(
         f"`{command}`",
         "",
         f"One batch of {config.trainer.batch_size} on {device}, same weights (seed {config.seed}); "
-        "errors are "
-        "relative to fp32: ||y - y_fp32|| / ||y_fp32||. fp16 columns: what fp16 would do to the "
-        "fp32 run's "
+        "errors are relative to fp32: ||y - y_fp32|| / ||y_fp32||. fp16 columns: what fp16 would "
+        "do to the fp32 run's "
         "values (overflow beyond 65504; lost = rounds to 0, below 2^-25).",
         "",
         "## Verdicts",

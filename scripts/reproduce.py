@@ -156,10 +156,8 @@ def record_command(out: Path, what: str, cmd: list[str]) -> None:
     if not path.exists():
         path.write_text(
             "# Commands run\n\nEvery command this folder's results came from, in order (run from "
-            "the "
-            "repository root; the commands of a resumed plan are listed again, a command with no "
-            "exit "
-            "line was stopped).\n"
+            "the repository root; the commands of a resumed plan are listed again, a command with "
+            "no exit line was stopped).\n"
         )
     with path.open("a") as f:
         f.write(
@@ -540,10 +538,8 @@ def estimate(plan, args, profiles: list[str]) -> int:
     )
     print(
         f"FLOP estimate (not measured): minutes of the full-fidelity plan at {MFU:.0%} of each "
-        "profile's dense "
-        "peak for the job's precision (fp32 where the profile has no peak for it); training and "
-        "evaluation "
-        "FLOPs only (no data loading, start-up, launch overhead)\n"
+        "profile's dense peak for the job's precision (fp32 where the profile has no peak for "
+        "it); training and evaluation FLOPs only (no data loading, start-up, launch overhead)\n"
     )
     print(P.table(["article", "sweep", "jobs", *[f"{p} min" for p in profiles]], rows))
     return 0
@@ -668,10 +664,8 @@ def write_plan_md(out: Path, state: dict) -> None:
         + P.markdown_table(heads, rows)
         + "\n\nPredicted minutes come from the calibration (a few timed steps "
         "per job on this device, warm-up excluded); `>=` where the calibration was stopped as too "
-        "slow, "
-        "`(estimate)` where no step of the sweep could be timed. Cuts are applied in the order the "
-        "plan lists "
-        "them (src/mixprec/tools/plan.yaml).\n"
+        "slow, `(estimate)` where no step of the sweep could be timed. Cuts are applied in the "
+        "order the plan lists them (src/mixprec/tools/plan.yaml).\n"
     )
     write_text_atomic(out / "plan.md", text)
     write_json_atomic(out / STATE, state)
@@ -908,8 +902,7 @@ def reproduce(plan, args, argv: list[str]) -> int:
     if not env["gpus"] and not args.smoke:
         log(
             "no GPU here: the plan runs on the CPU, fp16/bf16 emulated on fp32 kernels "
-            "(precision.emulate=auto): "
-            "accuracy as on a GPU, times are CPU times"
+            "(precision.emulate=auto): accuracy as on a GPU, times are CPU times"
         )
     write_environment(args.out, env, args)
     state = load_or_plan(plan, args, env)

@@ -266,8 +266,8 @@ def test_text_data_in_train_py_is_a_clear_config_error(tmp_path):
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (
         s["error"].startswith(
-            "config error: dataset=synthetic_text is a text corpus: it trains a language "
-            "model (model=lstm"
+            "config error: dataset=synthetic_text is a text corpus: it trains a language model "
+            "(model=lstm"
         )
         and "traceback" not in s
     )

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from helpers import ROOT, load_script
+from mixprec import cli
 
 ORDER = ["fp8_wide", "table_eager", "table_compiled", "page10", "gpt"]
 ALL = {"cifar10": True, "wikitext2": True}
@@ -68,7 +69,8 @@ def test_the_questions_come_in_order_of_value_each_with_its_budget(tmp_path):
     assert "--compiles default,reduce-overhead" in cmd["table_compiled"]
     assert by["table_compiled"]["graphs"] == 4
     assert "trick=page_10_tta seed=0 trainer.compile=none,reduce-overhead" in cmd["page10"]
-    assert by["page10"]["graphs"] == 2   # the reduce-overhead job's training and evaluation graphs
+    # the reduce-overhead job's training graph (its EMA evaluates eagerly)
+    assert by["page10"]["graphs"] == 1
     assert "precision=fp32,amp_bf16,fp8 trainer.compile=none" in cmd["gpt"]
     assert "dataset.data_dir=/data" in cmd["page10"] and "dataset.data_dir=/data" in cmd["gpt"]
 
@@ -105,10 +107,12 @@ def test_pages_accuracy_is_skipped_in_one_line_without_cifar10(tmp_path):
     assert skipped == [gs.PAGE_SKIPPED]
     assert gs.PAGE_SKIPPED == ("Page's accuracy: skipped (CIFAR-10 absent: the jobs ran on "
                                "dataset=synthetic).")
-    assert "- Page's step 10: - s eager, - s under reduce-overhead (target <= 4 s)\n" in without
+    assert ("- Page's step 10 on his clock (training + data preparation, as dawn.py timed it; his "
+            "26 s): - s (- s training) eager, - s (- s training) under reduce-overhead "
+            "(target <= 4 s)\n") in without
     assert "Page's accuracy: skipped" not in with_cifar
-    assert ("- s under reduce-overhead (target <= 4 s); test accuracy - eager, - under CUDA graphs"
-            in with_cifar)
+    assert ("- s (- s training) under reduce-overhead (target <= 4 s); test accuracy - eager, "
+            "- under CUDA graphs" in with_cifar)
     # the test accuracy column: fp8_wide's, gpt's and, with CIFAR-10, Page's
     assert with_cifar.count("| test acc |") == 3 and without.count("| test acc |") == 2
 
@@ -154,12 +158,12 @@ def test_the_speed_check_dry_run_counts_its_graphs_and_writes_every_file(tmp_pat
     budget = json.loads((out / "budget.json").read_text())
     assert [s["name"] for s in budget["steps"]] == ORDER
     assert all(s["outcome"] == "ok" for s in budget["steps"])
-    # each step compiled the graphs its budget assumes: fp8_wide 4, table_compiled 4, page10 2
+    # each step compiled the graphs its budget assumes: fp8_wide 4, table_compiled 4, page10 1
     assert ([(s["graphs_counted"], s["graphs"]) for s in budget["steps"]]
-            == [(4, 4), (0, 0), (4, 4), (2, 2), (0, 0)])
+            == [(4, 4), (0, 0), (4, 4), (1, 1), (0, 0)])
     assert not list(out.glob("*/*/*.pt"))   # the jobs' weights are not kept
     table = json.loads((out / "table_eager" / "table.json").read_text())
-    assert table["complete"] and len(table["rows"]) == 4
+    assert table["complete"] and len(table["rows"]) == 6
     compiled = json.loads((out / "table_compiled" / "table.json").read_text())
     assert {r["compile"] for r in compiled["rows"]} == {"default", "reduce-overhead"}
     page = {r["compile"]: r for r in gs.job_rows(out, "page10")}
@@ -172,3 +176,15 @@ def test_the_speed_check_dry_run_counts_its_graphs_and_writes_every_file(tmp_pat
                  "## Page's step 10", "## GPT 12 x 768, eager",
                  "| fp8_wide | fp8 against amp_bf16, 2 x 4096 GPT, compiled | 128 (40 + 4 x 22)"):
         assert part in summary, part
+
+
+def test_a_bad_override_fails_in_one_line_before_any_step(tmp_path, capsys):
+    """A typo among the user's overrides ends the check before any step, in one line, in a dry run
+    too (whose tiny sizes leave most overrides out of its commands)."""
+    gs = load_script("gpu_speed")
+    out = tmp_path / "check"
+    code = cli.run("gpu_speed", gs.main, ["--dry-run", "--out", str(out), "dataset.datadir=/data"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("gpu_speed: config error: dataset.datadir: no such key")
+    assert not out.exists()   # nothing ran, nothing written

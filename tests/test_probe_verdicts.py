@@ -138,8 +138,8 @@ def test_page_8px_blank_input_is_a_backward_overflow_in_pure_fp16(tmp_path, capl
     assert (e["step"], e["pass"], e["module"], e["tensor"], e["what"], e["limit"]) == (
         1, "backward", "layer2.pool", "act_grad", "overflow", 65504.0)
     assert s["reason"].startswith(
-        "loss became nan at step 2; first non-finite: step 1 backward, layer2.pool "
-        "act_grad: overflow past 65504 (float16)"
+        "loss became nan at step 2; first non-finite: step 1 backward, layer2.pool act_grad: "
+        "overflow past 65504 (float16)"
     )
     if probe == "ranges":
         assert s["numerics"]["worst_overflow"][0]["layer"] == "layer2.pool"

@@ -68,8 +68,7 @@ def test_readme_reproductions_table_is_the_plan():
     table = P.readme_table(P.load_plan())
     assert table in readme, (
         "README's reproductions table differs from src/mixprec/tools/plan.yaml; regenerate it "
-        "with: "
-        "python -c 'from mixprec.tools.plan import *; print(readme_table(load_plan()))'"
+        "with: python -c 'from mixprec.tools.plan import *; print(readme_table(load_plan()))'"
     )
     # every command the table lists is one of the plan's (a hand count of the plan file's sweeps)
     n_sweeps = sum(len(a["sweeps"]) for a in yaml.safe_load(P.PLAN_FILE.read_text())["articles"])

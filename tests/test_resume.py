@@ -561,6 +561,18 @@ def test_an_older_default_batch_resumes_with_its_batch_and_says_so(tmp_path, cap
     assert len(notes) == 1 and "the default is 64 now" in notes[0], notes
 
 
+def test_a_batch_the_user_set_then_is_not_taken_for_a_default(tmp_path, capsys):
+    """A job run with trainer.batch_size=16, resumed without it: the user changed the config (the
+    batch is the default now), refused as any change, not resumed at 16 as a moved default."""
+    base = [o for o in TINY if not o.startswith(("trainer.batch_size", "trainer.max_steps"))]
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit):
+        fail_at_the_end(mp)
+        run_tiny(tmp_path, *EPOCHS2, "trainer.batch_size=16", base=base)
+    with pytest.raises(SystemExit):
+        run_tiny(tmp_path, *EPOCHS2, "trainer.resume=auto", base=base)
+    assert "written by a different config (trainer.batch_size: 16 -> 64)" in capsys.readouterr().err
+
+
 def test_a_checkpoint_is_refused_when_the_user_sets_another_batch(tmp_path, failed_job, capsys):
     shutil.copy(failed_job / CHECKPOINT, tmp_path / CHECKPOINT)   # at TINY's batch, 16
     with pytest.raises(SystemExit):

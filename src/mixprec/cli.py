@@ -61,8 +61,7 @@ def hydra_message(e: BaseException) -> str:
         key = bad_key[1]
         return (
             f"{key}: no such key in the config; check its spelling (python train.py --cfg job "
-            "prints every "
-            f"key), or add a new key with +{key}=..."
+            f"prints every key), or add a new key with +{key}=..."
         )
     cause = e.__cause__
     if cause is not None and str(cause).strip():

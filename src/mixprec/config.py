@@ -204,8 +204,7 @@ class ModelConfig:
             if getattr(self, name) and not torchvision_resnet:
                 raise ConfigError(
                     f"model.{name}=true: only the torchvision ResNets (resnet18..resnet152) have "
-                    "it "
-                    f"(model={self.arch})"
+                    f"it (model={self.arch})"
                 )
         if self.head == "fastai" and not torchvision_resnet:
             raise ConfigError(
@@ -266,8 +265,7 @@ class DatasetConfig:
             elif value is not None:
                 raise ConfigError(
                     f"dataset.{name}={value}: only synthetic data has a size; {self.name} splits "
-                    "are "
-                    "used whole (trainer.max_steps makes a short run)"
+                    "are used whole (trainer.max_steps makes a short run)"
                 )
         _at_least(self, "image_size", 8, section="dataset")
         _at_least(self, "crop_padding", 0, section="dataset")
@@ -296,16 +294,15 @@ class DatasetConfig:
         if self.augment and not self.is_text and self.crop_padding >= 32:
             raise ConfigError(
                 f"dataset.crop_padding={self.crop_padding}: the random crop reflect-pads the "
-                "stored "
-                "32 px images, so the padding must be less than 32 (Page used 4)"
+                "stored 32 px images, so the padding must be less than 32 (Page used 4)"
             )
         if self.augment and self.cutout == self.image_size and not self.cutout_on_purpose:
             raise ConfigError(
                 f"dataset.cutout={self.cutout} is as large as "
-                f"dataset.image_size={self.image_size}: it "
-                f"blanks every image; scale it (dataset.cutout={max(self.image_size // 4, 1)}, a "
-                "quarter of the side as Page's 8 of 32), set dataset.cutout=0, or "
-                "dataset.cutout_on_purpose=true if blank inputs are meant"
+                f"dataset.image_size={self.image_size}: it blanks every image; scale it "
+                f"(dataset.cutout={max(self.image_size // 4, 1)}, a quarter of the side as Page's "
+                "8 of 32), set dataset.cutout=0, or dataset.cutout_on_purpose=true if blank "
+                "inputs are meant"
             )
 
     @property
@@ -361,8 +358,8 @@ class PrecisionConfig:
         if self.clip_scaled_model_grads and self.loss_scale == "dynamic":
             raise ConfigError(
                 "precision.clip_scaled_model_grads=true with loss_scale=dynamic: the clip "
-                "threshold would "
-                "apply to a scale that changes; use a static loss scale (a number) or none"
+                "threshold would apply to a scale that changes; use a static loss scale (a "
+                "number) or none"
             )
         if (
             self.loss_scale == "dynamic"
@@ -371,9 +368,8 @@ class PrecisionConfig:
         ):
             raise ConfigError(
                 f"precision.loss_scale=dynamic with param_dtype={self.param_dtype}: GradScaler "
-                "needs fp32 gradients; "
-                "set precision.master_weights=true (apex O2) or a static loss scale (a number) or "
-                "none"
+                "needs fp32 gradients; set precision.master_weights=true (apex O2) or a static "
+                "loss scale (a number) or none"
             )
 
     @property
@@ -447,8 +443,8 @@ class ScheduleConfig:
         k = list(self.knots)
         if len(k) < 2 or len(k) != len(self.values):
             raise ConfigError(
-                "schedule.knots/values: need two or more knots and one value per knot "
-                f"(got {len(k)} and {len(self.values)})"
+                "schedule.knots/values: need two or more knots and one value per knot (got "
+                f"{len(k)} and {len(self.values)})"
             )
         if k[0] != 0.0 or k[-1] != 1.0 or any(b < a for a, b in zip(k, k[1:])):
             raise ConfigError(
@@ -459,8 +455,7 @@ class ScheduleConfig:
         if not (self.div_factor > 0 and self.final_div > 0 and 0 < self.pct_start < 1):
             raise ConfigError(
                 f"schedule: div_factor={self.div_factor} and final_div={self.final_div} must be > "
-                "0, "
-                f"pct_start={self.pct_start} in (0, 1)"
+                f"0, pct_start={self.pct_start} in (0, 1)"
             )
         if len(self.moms) != 2 or not all(0 <= m < 1 for m in self.moms):
             raise ConfigError(f"schedule.moms={list(self.moms)}: must be two momenta in [0, 1)")
@@ -583,25 +578,22 @@ class Config:
         if lm and not text:
             raise ConfigError(
                 f"model={self.model.arch} is a language model: it needs a text dataset "
-                "(dataset=wikitext2 "
-                f"or synthetic_text), not dataset={self.dataset.name}"
+                f"(dataset=wikitext2 or synthetic_text), not dataset={self.dataset.name}"
             )
         if text and not lm:
             raise ConfigError(
                 f"dataset={self.dataset.name} is a text corpus: it trains a language model "
-                "(model=lstm, "
-                f"gru, rnn_tanh, rnn_relu or gpt), not model={self.model.arch}"
+                f"(model=lstm, gru, rnn_tanh, rnn_relu or gpt), not model={self.model.arch}"
             )
         if self.schedule.name == "plateau" and not lm:
             raise ConfigError(
                 "schedule=plateau anneals on a validation loss, which only language-model jobs "
-                "have; "
-                "choose onecycle, piecewise or constant"
+                "have; choose onecycle, piecewise or constant"
             )
         if lm and self.trainer.target_acc is not None:
             raise ConfigError(
-                "trainer.target_acc: a language model is scored in perplexity, not accuracy; leave "
-                "it null"
+                "trainer.target_acc: a language model is scored in perplexity, not accuracy; "
+                "leave it null"
             )
 
 

@@ -492,86 +492,38 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
     hardware.synchronize(device)
     preprocess_s = time.perf_counter() - start
     whitening, setup_s = tricks.fit_whitening(t, data, device) if resnet9 else (None, 0.0)
-    model = build_model(
-        config.model, data.num_classes, **(resnet9_options(t, whitening) if resnet9 else {})
-    )
+    options = resnet9_options(t, whitening) if resnet9 else {}
+    model = build_model(config.model, data.num_classes, **options)
     flops = forward_flops(model, torch.zeros(1, *train_batches.image_shape))
     n_params = sum(p.numel() for p in model.parameters())
     built = build_trained(model, config, device, t.bn_bias_lr, tr.channels_last,
-                          # DDP under several ranks
-                          wrap=lambda m: dist.wrap(m, device, tr.sync_bn, ranks))
-    model, net, policy, optimizer, groups = (
-        built.model,
-        built.net,
-        built.policy,
-        built.optimizer,
-        built.groups,
-    )
+                          wrap=lambda m: dist.wrap(m, device, tr.sync_bn, ranks))   # DDP: ranks > 1
+    model, net, policy, optimizer = built.model, built.net, built.policy, built.optimizer
     schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(train_batches)))
     ema = tricks.EMA(model, t.ema_momentum, t.ema_every) if t.ema else None
-    steps = images.ImageSteps(
-        net,
-        schedule,
-        test_batches,
-        label_smoothing=t.label_smoothing,
-        loss_sum=t.loss_sum,
-        ema=ema,
-        tta=t.tta,
-        bn_eval=config.model.bn_eval,
-        setup_time_s=setup_s,
-    )
+    steps = images.ImageSteps(net, schedule, test_batches, label_smoothing=t.label_smoothing,
+                              loss_sum=t.loss_sum, ema=ema, tta=t.tta, bn_eval=config.model.bn_eval,
+                              setup_time_s=setup_s)
     # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py),
     # then the compilation of the model the loop trains, also before the clock (train/compile.py)
-    prewarm_s = prewarm(
-        model,
-        policy,
-        optimizer,
-        tr.prewarm_for(device.type),
-        tr.batch_size // ranks.world,
-        train_batches.image_shape,
-        data.num_classes,
-        tr.channels_last,
-        tr.grad_clip,
-    )
+    batch = tr.batch_size // ranks.world
+    prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_for(device.type), batch,
+                        train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
     modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
-    compile_s, watch = compile_and_warm(
-        steps,
-        net,
-        policy,
-        tr.compile,
-        image_warmup(
-            min(tr.batch_size // ranks.world, len(data.train_y) // ranks.world),
-            tr.eval_batch_size,
-            len(data.test_y),
-            train_batches.image_shape,
-            data.num_classes,
-            tr.channels_last,
-            config.model.bn_eval,
-        ),
-    )
-    info = {
-        "model": model,
-        "parts": {} if ema is None else {"ema": ema},
-        "final": model if ema is None else ema.model,
-        "num_classes": data.num_classes,
-        "optimizer": groups,
-        "compiled": watch,
-        "metrics": {
-            "params": n_params,
-            "forward_flops_per_sample": flops,
-            "prewarm_time_s": prewarm_s,
-            "preprocess_time_s": preprocess_s,
-            "compile_time_s": compile_s,
-            "train_flops_per_sample": None if flops is None else 3 * flops,
-        },
-        "data": {
-            **data.info,
-            "train": len(data.train_y),
-            "test": len(data.test_y),
-            "mean": data.mean,
-            "std": data.std,
-        },
-    }
+    shapes = image_warmup(min(batch, len(data.train_y) // ranks.world), tr.eval_batch_size,
+                          len(data.test_y), train_batches.image_shape, data.num_classes,
+                          tr.channels_last, config.model.bn_eval,
+                          evaluates=ema is None)   # an EMA job evaluates ema.model, eagerly
+    compile_s, watch = compile_and_warm(steps, net, policy, tr.compile, shapes)
+    info = {"model": model, "parts": {} if ema is None else {"ema": ema},
+            "final": model if ema is None else ema.model, "num_classes": data.num_classes,
+            "optimizer": built.groups, "compiled": watch,
+            "metrics": {"params": n_params, "forward_flops_per_sample": flops,
+                        "prewarm_time_s": prewarm_s, "preprocess_time_s": preprocess_s,
+                        "compile_time_s": compile_s,
+                        "train_flops_per_sample": None if flops is None else 3 * flops},
+            "data": {**data.info, "train": len(data.train_y), "test": len(data.test_y),
+                     "mean": data.mean, "std": data.std}}
     return steps, train_batches, policy, optimizer, info
 
 

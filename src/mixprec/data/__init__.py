@@ -27,8 +27,8 @@ def build_image_data(cfg: DatasetConfig) -> ImageData:
     if cfg.is_text:
         raise ConfigError(
             f"dataset={cfg.name}: a text corpus, not images; "
-            "mixprec.data.wikitext.load_text_corpus "
-            "serves it (language models: model=lstm, gru, rnn_tanh, rnn_relu)"
+            "mixprec.data.wikitext.load_text_corpus serves it (language models: model=lstm, gru, "
+            "rnn_tanh, rnn_relu)"
         )
     if cfg.name == "synthetic":
         return synthetic_images(cfg)

@@ -178,11 +178,9 @@ def _locate(spec: CifarSpec, root: Path, download: bool, urls: tuple) -> list[Pa
     )
     raise DataError(
         f"{spec.title} not found in {root}: expected {spec.folder}/ with {', '.join(spec.files)} "
-        "(the official python "
-        f"version) or {spec.archive}{lacking}; {why}. Get {spec.url} (md5 {spec.md5}) and unpack "
-        f"it in {root}, or "
-        f"point dataset.data_dir or ${ENV_DATA_DIR} at a folder that has it, or run without data "
-        "with dataset=synthetic"
+        f"(the official python version) or {spec.archive}{lacking}; {why}. Get {spec.url} (md5 "
+        f"{spec.md5}) and unpack it in {root}, or point dataset.data_dir or ${ENV_DATA_DIR} at a "
+        "folder that has it, or run without data with dataset=synthetic"
         + (f" dataset.num_classes={spec.num_classes}" if spec.num_classes != 10 else "")
     )
 
@@ -226,8 +224,7 @@ def _read_archive(spec: CifarSpec, archive: Path) -> dict:
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         raise DataError(
             f"{archive}: not a readable .tar.gz ({type(e).__name__}: {e}); the file is truncated "
-            "or "
-            f"corrupt: delete it and fetch {spec.url} again"
+            f"or corrupt: delete it and fetch {spec.url} again"
         ) from None
     missing = [name for name, f in wanted.items() if f not in out]
     if missing:
@@ -252,8 +249,8 @@ class _Unpickler(pickle.Unpickler):
         if (module, name) in self.allowed:
             return self.allowed[module, name]
         raise pickle.UnpicklingError(
-            f"refusing to load {module}.{name}: a CIFAR file holds only numpy arrays, "
-            "lists and strings"
+            f"refusing to load {module}.{name}: a CIFAR file holds only numpy arrays, lists and "
+            "strings"
         )
 
 

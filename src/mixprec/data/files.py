@@ -143,7 +143,6 @@ class ArrayCache:
                 (self.folder / entry["file"]).unlink(missing_ok=True)
             log.warning(
                 f"mixprec: note: no cache written in {self.folder} ({type(e).__name__}: "
-                f"{e.strerror or e}); "
-                "the data is decoded again next time"
+                f"{e.strerror or e}); the data is decoded again next time"
             )
             return False

@@ -85,12 +85,10 @@ def load_wikitext2(data_dir: str | None = None, download: bool = True, urls=()) 
     if missing:
         raise DataError(
             f"Wikitext-2 not found: {folder} lacks {', '.join(missing)} (expected train.txt, "
-            "valid.txt, test.txt: the "
-            f"tokenized files of PyTorch's word_language_model example); {why}. Get them from "
-            f"{OFFICIAL_URL} into "
-            f"{folder}, or point dataset.data_dir or ${ENV_DATA_DIR} at a folder that has "
-            f"{FOLDER}/, or run without "
-            "data with dataset=synthetic_text"
+            "valid.txt, test.txt: the tokenized files of PyTorch's word_language_model example); "
+            f"{why}. Get them from {OFFICIAL_URL} into {folder}, or point dataset.data_dir or "
+            f"${ENV_DATA_DIR} at a folder that has {FOLDER}/, or run without data with "
+            "dataset=synthetic_text"
         )
     cache = ArrayCache(root / "mixprec-cache" / "wikitext2", signature(paths))
     cached = cache.load()

@@ -39,10 +39,9 @@ def imagenet_weights(arch: str):
         except Exception as e:  # offline, or a broken download (removed by torch.hub)
             raise ConfigError(
                 f"model.pretrained=true: {path} is missing and could not be downloaded "
-                f"({str(e).splitlines()[0][:120]}); fetch it once where there is network "
-                "(python -c \"import torchvision; "
-                f"torchvision.models.{arch}(weights='IMAGENET1K_V1')\"), "
-                f"copy it there (or set TORCH_HOME), or set model.pretrained=false"
+                f"({str(e).splitlines()[0][:120]}); fetch it once where there is network (python "
+                f"-c \"import torchvision; torchvision.models.{arch}(weights='IMAGENET1K_V1')\"), "
+                "copy it there (or set TORCH_HOME), or set model.pretrained=false"
             ) from None
     return weights
 

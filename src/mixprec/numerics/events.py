@@ -125,6 +125,5 @@ def warn(findings: list[dict], step: int) -> None:
     for f in findings:
         log.warning(
             f"mixprec: warning: step {step}: {f['what']} ({f['detail']}): the run will not learn "
-            "from "
-            "this input; check the data and augmentation (dataset.cutout, crop) settings"
+            "from this input; check the data and augmentation (dataset.cutout, crop) settings"
         )

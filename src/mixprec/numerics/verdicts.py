@@ -134,8 +134,7 @@ def backward_overflow_fp16(e, n, rows, ctx):
         return None
     line = (
         f"backward overflow in pure fp16 ({where(e)}): a gradient passed {e['limit']:.6g} with "
-        "neither fp32 "
-        "master gradients nor a loss scale that backs off"
+        "neither fp32 master gradients nor a loss scale that backs off"
     )
     return verdict("backward_overflow_fp16", line, e, [cite(e, rows)],
                    "fp32 master gradients and a dynamic loss scale (precision=amp or precision=o2)")
@@ -154,8 +153,7 @@ def bn_eval_half(e, n, rows, ctx):
     went = "overflowed" if e["what"] == "overflow" else "went NaN"
     line = (
         f"BatchNorm in half precision in eval mode ({where(e)}): its output {went} in "
-        f"{e['dtype']}, normalised "
-        "by running statistics it does not update"
+        f"{e['dtype']}, normalised by running statistics it does not update"
     )
     return verdict(
         "bn_eval_half",
@@ -203,15 +201,12 @@ def adam_eps_zero(e, n, rows, ctx):
     if grad is not None:
         cites.append(
             f"numerics.jsonl step {grad['step']} grad {grad['name']} (finite, absmax "
-            f"{grad['absmax']:.3g}, "
-            f"zero {grad['zero']:.3g})"
+            f"{grad['absmax']:.3g}, zero {grad['zero']:.3g})"
         )
     line = (
         f"Adam's eps={ctx['eps']:g} is 0 in {stepped} ({where(e)}): the update divided by sqrt(v) "
-        "+ eps = 0 "
-        "where the second moment underflowed to 0 (0/0 = NaN), from a finite gradient (foreach and "
-        "for-loop Adam "
-        f"add eps in {stepped}; fused Adam computes in fp32)"
+        "+ eps = 0 where the second moment underflowed to 0 (0/0 = NaN), from a finite gradient "
+        f"(foreach and for-loop Adam add eps in {stepped}; fused Adam computes in fp32)"
     )
     return verdict(
         "adam_eps_zero",
@@ -253,8 +248,7 @@ def scale_backoff(e, n, rows, ctx):
     e = {"step": a["step"], "pass": "backward", "module": module}
     cites = [
         f"summary numerics.skipped_steps: steps {a['step']}-{b['step']} skipped at scales "
-        f"{a['scale']:g} .. "
-        f"{b['scale']:g}, "
+        f"{a['scale']:g} .. {b['scale']:g}, "
         + (
             f"non-finite gradients in {len(b['nonfinite_grads'])} parameters"
             if b["nonfinite_grads"] is not None
@@ -274,8 +268,7 @@ def scale_backoff(e, n, rows, ctx):
     line = (
         f"the dynamic loss scale keeps backing off (steps {a['step']}-{b['step']} skipped, scale "
         f"{a['scale']:g} -> {b['scale']:g}; {named}): the gradients are non-finite at every scale "
-        "tried, so "
-        "the scale is not the cause"
+        "tried, so the scale is not the cause"
     )
     return verdict(
         "scale_backoff",
@@ -320,8 +313,7 @@ def underflow_verdict(step: int, at: list[dict], frac: float, rows: list[dict]) 
     )
     line = (
         f"gradients lost to underflow ({where(e)}): {frac:.0%} of the non-zero activation "
-        "gradients were below "
-        f"fp16's smallest normal 2^-14 (the smaller ones already 0); {scale}"
+        f"gradients were below fp16's smallest normal 2^-14 (the smaller ones already 0); {scale}"
     )
     cites = [
         f"numerics.jsonl step {step} act_grad {worst['name']} (fp16 subnormal "

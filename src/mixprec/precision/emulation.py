@@ -192,8 +192,7 @@ def out_dtypes(func, flat: list, args, kwargs) -> list:
                 _FALLBACKS.add(func)
                 log.warning(
                     f"emulation: {func} has no meta kernel; its fp32 outputs take the dtype it was "
-                    "asked "
-                    "for, else its inputs' low dtype"
+                    "asked for, else its inputs' low dtype"
                 )
             found = None
         _OUT_DTYPES[key] = found

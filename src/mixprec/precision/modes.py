@@ -57,9 +57,9 @@ def hazards(
             found.append(
                 f"optimizer.eps={optimizer.eps:g} rounds to 0 in {stepped} (smallest subnormal "
                 f"{tiniest:.3g}): where Adam's second moment underflows to 0 its update is 0/0 = "
-                "NaN "
-                f"(foreach and for-loop Adam add eps in {stepped}; fused Adam computes in fp32); "
-                "keep the optimizer state in fp32 (amp, o2) or raise eps (1e-4 works in fp16)"
+                f"NaN (foreach and for-loop Adam add eps in {stepped}; fused Adam computes in "
+                "fp32); keep the optimizer state in fp32 (amp, o2) or raise eps (1e-4 works in "
+                "fp16)"
             )
     return found
 
@@ -89,9 +89,8 @@ def precision_notes(precision: PrecisionConfig, cap: tuple[int, int] | None) -> 
     if "bfloat16" in (precision.autocast_dtype, precision.param_dtype):
         notes.append(
             f"precision={precision.name}: bfloat16 has no tensor-core support below compute "
-            "capability 8.0 "
-            f"(this GPU: {cap[0]}.{cap[1]}); it runs emulated, slower than fp32: use amp (fp16) "
-            "here"
+            f"capability 8.0 (this GPU: {cap[0]}.{cap[1]}); it runs emulated, slower than fp32: "
+            "use amp (fp16) here"
         )
     if precision.tf32:
         notes.append(
@@ -116,10 +115,9 @@ def refuse_emulated_compile(precision: PrecisionConfig, compile_mode: str, emula
     refused."""
     if emulated and compile_mode != "none":
         raise ConfigError(
-            f"trainer.compile={compile_mode}: emulated {low_dtype(precision)} "
-            "(precision.emulate) runs eagerly; use trainer.compile=none, or "
-            "precision.emulate=false "
-            "for the native kernels"
+            f"trainer.compile={compile_mode}: emulated {low_dtype(precision)} (precision.emulate) "
+            "runs eagerly; use trainer.compile=none, or precision.emulate=false for the native "
+            "kernels"
         )
 
 
@@ -130,13 +128,12 @@ def say_notes(precision: PrecisionConfig, device: torch.device, emulated: bool) 
     if emulated:
         log.info(
             f"mixprec: note: {low} emulated on fp32 kernels with CUDA's rounding and autocast "
-            "policy "
-            "(precision.emulate): its losses and accuracies are a GPU's, its timings are fp32 "
-            "timings"
+            "policy (precision.emulate): its losses and accuracies are a GPU's, its timings are "
+            "fp32 timings"
         )
     elif device.type == "cpu" and low in ("float16", "bfloat16"):
         log.info(
             f"mixprec: note: {low} on a CPU without native support (AVX512-FP16/AMX) runs "
-            "PyTorch's slow "
-            "reference kernels, often 10-50x slower than fp32: CPU timings say nothing about GPUs"
+            "PyTorch's slow reference kernels, often 10-50x slower than fp32: CPU timings say "
+            "nothing about GPUs"
         )

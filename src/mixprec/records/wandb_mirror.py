@@ -61,10 +61,8 @@ class WandbMirror:
                 if "is in use" not in str(e) or waited >= IN_USE_WAIT_S:
                     raise RuntimeError(
                         f"W&B could not start the run ({str(e).splitlines()[0]}); if a killed "
-                        "job's "
-                        "W&B service (wandb-core) still holds it, end that process; logger=none "
-                        "runs "
-                        "without W&B"
+                        "job's W&B service (wandb-core) still holds it, end that process; "
+                        "logger=none runs without W&B"
                     ) from None
                 time.sleep(2.0)
                 waited += 2.0

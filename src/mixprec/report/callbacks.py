@@ -41,8 +41,7 @@ class SweepTable(Callback):
         if ladder:  # a sweep over Page's ladder steps: per step, beside the article's V100 times
             print(
                 "\nPage's ladder (article: one V100, each step's fixed-schedule time, step 1's "
-                "with its data "
-                "preparation: time+prep s; statistics over all runs):\n"
+                "with its data preparation: time+prep s; statistics over all runs):\n"
                 + format_table([ladder_cells(r) for r in ladder], LADDER_COLUMNS)
             )
         for p in problems:

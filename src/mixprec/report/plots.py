@@ -378,9 +378,8 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                 "caption": "Training time per ladder step: the article's staircase against the "
                            "reproduced one "
                 "(Page's times are each step's whole fixed schedule, eval excluded, with a mean "
-                "final "
-                "accuracy of the target over his runs; ours: the same time, mean over seeds; the "
-                "ladder table gives the fraction of runs that reached the target)."
+                "final accuracy of the target over his runs; ours: the same time, mean over "
+                "seeds; the ladder table gives the fraction of runs that reached the target)."
                 + (EMULATED_LADDER if staircase[-1] else ""),
             }
         )

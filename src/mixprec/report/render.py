@@ -213,9 +213,8 @@ def document(data: dict) -> Doc:
         if unpinned:
             d.p(
                 f"**Versions:** {unpinned} job(s) ran with package versions other than the tested "
-                "ones "
-                "(constraints.txt; the README's set-up command installs them): see the versions "
-                "column."
+                "ones (constraints.txt; the README's set-up command installs them): see the "
+                "versions column."
             )
         unrecorded = exp["jobs"] - sum(r["jobs"] for r in exp["env"])
         if unrecorded:
@@ -287,10 +286,9 @@ def document(data: dict) -> Doc:
             d.h(3, "Ladder")
             d.p(
                 "Per ladder step, as the sweep's console table: statistics over all the step's "
-                "runs (seeds); "
-                "Page s and Page ep: the article's V100 time and epochs for that step (step 1's 75 "
-                "s on his clock, "
-                "started before the data's padding and normalisation: compare it with time+prep s)."
+                "runs (seeds); Page s and Page ep: the article's V100 time and epochs for that "
+                "step (step 1's 75 s on his clock, started before the data's padding and "
+                "normalisation: compare it with time+prep s)."
             )
             d.table(
                 [h for _, h, _ in LADDER_COLUMNS],
@@ -302,8 +300,7 @@ def document(data: dict) -> Doc:
             d.h(3, "Perplexity per epoch")
             d.p(
                 "Validation and test perplexity after each epoch (metrics.jsonl epoch rows), mean "
-                "over the completed "
-                "runs of each model and precision."
+                "over the completed runs of each model and precision."
             )
             d.table(PPL_HEADS, [ppl_cells(r) for r in exp["perplexity"]])
         if exp["comparisons"]:
@@ -330,8 +327,7 @@ def document(data: dict) -> Doc:
             d.h(3, "Numerics verdicts")
             d.p(
                 "What the numerics probe's rules read from each job's measurements "
-                "(src/mixprec/numerics/verdicts.py), "
-                "and the rows each verdict came from."
+                "(src/mixprec/numerics/verdicts.py), and the rows each verdict came from."
             )
             d.table(
                 ["job", "model", "precision", "status", "verdict", "from"],
@@ -408,13 +404,11 @@ def parity_section(d: Doc, rows: list[dict]) -> None:
     """Accuracy against fp32 seed by seed (analyse.parity_rows)."""
     d.h(3, "Accuracy against fp32, seed by seed")
     d.p(
-        "Test accuracy: mean ± sample standard deviation [min, max] over the seeds that completed. "
-        "Difference: each "
-        "seed's accuracy minus the fp32 job's with the same seed and settings, in points; its mean "
-        "and 95% "
-        "confidence interval (Student's t, n - 1 degrees of freedom). An interval that excludes 0 "
-        "is a real "
-        "difference at these sizes; one that includes 0 is not evidence of parity beyond its width."
+        "Test accuracy: mean ± sample standard deviation [min, max] over the seeds that "
+        "completed. Difference: each seed's accuracy minus the fp32 job's with the same seed and "
+        "settings, in points; its mean and 95% confidence interval (Student's t, n - 1 degrees of "
+        "freedom). An interval that excludes 0 is a real difference at these sizes; one that "
+        "includes 0 is not evidence of parity beyond its width."
     )
     d.table(PARITY_HEADS, [parity_cells(r) for r in rows])
 
@@ -487,18 +481,15 @@ def reference_section(d: Doc, sec: dict) -> None:
 
 APEX_NOTE = (
     "published test ppl: NVIDIA apex's word_language_model README (published/apex_word_lm.yaml), "
-    "shown beside "
-    "the runs of the model, precision and loss scale it was reported for, with the epochs it was "
-    "reported "
-    "at; test ppl here = the test perplexity of the best-validation epoch, as the example reports "
-    "it"
+    "shown beside the runs of the model, precision and loss scale it was reported for, with the "
+    "epochs it was reported at; test ppl here = the test perplexity of the best-validation epoch, "
+    "as the example reports it"
 )
 
 FP8_EMULATED_NOTE = (
     "fp8(emulated): no FP8 tensor cores on this device (a CPU, or a GPU before compute capability "
     "8.9): torchao emulated the float8 matmuls in fp32, so its loss is FP8's but its time, "
-    "tokens/s "
-    "and speed-up are not FP8 timings"
+    "tokens/s and speed-up are not FP8 timings"
 )
 
 
@@ -512,18 +503,15 @@ def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
 
 EMULATED_NOTE = (
     "(emulated): fp16/bf16 rounding emulated on fp32 kernels (precision.emulate, "
-    "docs/numerics.md): its "
-    "loss and accuracy are a GPU's numerics, its time and samples/s are fp32 timings on this "
-    "device, and "
-    "no speed-up is shown"
+    "docs/numerics.md): its loss and accuracy are a GPU's numerics, its time and samples/s are "
+    "fp32 timings on this device, and no speed-up is shown"
 )
 
 
 HOST_BOUND_NOTE = (
     f"host-bound: GPU busy below {busy.HOST_BOUND:.0%} of a steady step (GPU busy column; "
-    "docs/speed.md): "
-    "the GPU waited for Python, so a speed-up measured there says little about the precision; "
-    f"use {busy.ADVICE}. GPU busy '-': not measured (a CPU job)"
+    "docs/speed.md): the GPU waited for Python, so a speed-up measured there says little about "
+    f"the precision; use {busy.ADVICE}. GPU busy '-': not measured (a CPU job)"
 )
 
 
@@ -626,9 +614,8 @@ def job_block(summary: dict) -> str:
         f"throughput  {_fmt(m.get('throughput'), '.1f')} {m.get('throughput_unit', 'samples/s')} "
         f"({warm})",
         f"perplexity  valid final {_fmt(m.get('final_valid_ppl'), '.2f')}, best "
-        f"{_fmt(m.get('best_valid_ppl'), '.2f')} "
-        f"(epoch {m.get('best_valid_epoch')}); test final {_fmt(m.get('final_test_ppl'), '.2f')}, "
-        "at best valid "
+        f"{_fmt(m.get('best_valid_ppl'), '.2f')} (epoch {m.get('best_valid_epoch')}); test final "
+        f"{_fmt(m.get('final_test_ppl'), '.2f')}, at best valid "
         f"{_fmt(m.get('test_ppl_at_best_valid'), '.2f')}"
         if records.is_language_model(summary)
         else f"accuracy    final {_fmt(m.get('final_test_acc'), '.4f')}, best "
@@ -648,16 +635,14 @@ def job_block(summary: dict) -> str:
         r = summary["resumed"]
         lines.append(
             f"resumed     at step {r['from_step']} (epoch {r['from_epoch']:.2f}), "
-            f"{len(r['history'])} time(s); "
-            "the time before is included"
+            f"{len(r['history'])} time(s); the time before is included"
         )
     fp8 = summary.get("fp8")
     if fp8:
         lines.append(
             f"fp8         recipe {fp8['recipe']}, {len(fp8['float8_layers'])} Linear layers in "
-            "float8, "
-            f"{len(fp8['bf16_layers'])} in bf16 ({', '.join(fp8['bf16_layers']) or 'none'}); "
-            "fp8_emulated: "
+            f"float8, {len(fp8['bf16_layers'])} in bf16 "
+            f"({', '.join(fp8['bf16_layers']) or 'none'}); fp8_emulated: "
             + (
                 f"true ({fp8['emulation_reason']}: the time above is not an FP8 time)"
                 if fp8["fp8_emulated"]
@@ -666,18 +651,16 @@ def job_block(summary: dict) -> str:
         )
     if summary.get("arithmetic") == "emulated":
         lines.append(
-            "numerics    emulated: fp16/bf16 rounding on fp32 kernels with CUDA's autocast policy; "
-            "the "
-            "losses are a GPU's, the time above is an fp32 time on this device, not a "
+            "numerics    emulated: fp16/bf16 rounding on fp32 kernels with CUDA's autocast "
+            "policy; the losses are a GPU's, the time above is an fp32 time on this device, not a "
             "low-precision one"
         )
     if m.get("gpu_busy_fraction") is not None:
         lines.append(
             f"GPU busy    {100 * m['gpu_busy_fraction']:.0f}% of a steady step "
-            f"({_fmt(m.get('gpu_step_ms'), '.2f')}"
-            f" of {_fmt(m.get('wall_step_ms'), '.2f')} ms; batch "
-            f"{records.lookup(summary, 'trainer.batch_size')}, "
-            f"compile {records.lookup(summary, 'trainer.compile')})"
+            f"({_fmt(m.get('gpu_step_ms'), '.2f')} of {_fmt(m.get('wall_step_ms'), '.2f')} ms; "
+            f"batch {records.lookup(summary, 'trainer.batch_size')}, compile "
+            f"{records.lookup(summary, 'trainer.compile')})"
             + (f": {busy.note(m['gpu_busy_fraction'])}" if m.get("host_bound") else "")
         )
     if m.get("mfu") is not None:

@@ -53,9 +53,8 @@ def build(data: dict, jobs, entity: str, project: str, title: str = "mixprec rep
     blocks = [
         wr.P(
             f"Made by scripts/make_report.py from {data['jobs']} job(s) under "
-            f"{', '.join(data['inputs'])}. "
-            "Speed-up = fp32 training time / the run's, for the fp32 run with the same other "
-            "settings."
+            f"{', '.join(data['inputs'])}. Speed-up = fp32 training time / the run's, for the fp32 "
+            "run with the same other settings."
         )
     ]
     for exp in data["experiments"]:
@@ -173,8 +172,8 @@ def publish(data: dict, jobs) -> tuple[str | None, str]:
         report = build(data, jobs, entity, project)
         report.save()
         return report.url, (
-            f"saved in {entity}/{project} "
-            "(offline runs show once uploaded: wandb sync <job dir>/wandb/offline-run-*)"
+            f"saved in {entity}/{project} (offline runs show once uploaded: wandb sync <job "
+            "dir>/wandb/offline-run-*)"
         )
     except Exception as e:
         return (

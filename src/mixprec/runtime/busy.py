@@ -42,8 +42,7 @@ MAX_INVALID = 4
 
 ADVICE = (
     "a bigger trainer.batch_size, or trainer.compile=reduce-overhead (CUDA graphs) / default "
-    "(fewer "
-    "kernels)"
+    "(fewer kernels)"
 )
 
 
@@ -68,8 +67,7 @@ def note(fraction: float | None) -> str | None:
         return None
     return (
         f"host-bound: the GPU was busy {100 * fraction:.0f}% of a step, so its speed-up measures "
-        "Python's "
-        f"launch overhead more than the precision; use {ADVICE}"
+        f"Python's launch overhead more than the precision; use {ADVICE}"
     )
 
 

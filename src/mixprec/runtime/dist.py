@@ -189,8 +189,7 @@ def device_name(name: str, ranks: Ranks) -> str:
     if name.startswith("cuda:"):
         raise ConfigError(
             f"trainer.device={name}: under DDP each rank uses cuda:LOCAL_RANK; use "
-            "trainer.device=auto or cuda "
-            "(and CUDA_VISIBLE_DEVICES to choose the GPUs)"
+            "trainer.device=auto or cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs)"
         )
     acc = torch.accelerator.current_accelerator(check_available=True)
     if name == "cpu" or acc is None or name not in ("auto", acc.type):
@@ -200,10 +199,8 @@ def device_name(name: str, ranks: Ranks) -> str:
     if per_node > count:
         raise ConfigError(
             f"{per_node} ranks on this node but {count} {acc.type} device(s) visible: NCCL takes "
-            "one GPU "
-            f"per rank; start at most {count} (torchrun --nproc_per_node={count}), or train on the "
-            "CPU "
-            "with trainer.device=cpu"
+            f"one GPU per rank; start at most {count} (torchrun --nproc_per_node={count}), or "
+            "train on the CPU with trainer.device=cpu"
         )
     return f"{acc.type}:{ranks.local_rank}"
 
@@ -217,20 +214,19 @@ def check(batch_size: int, sync_bn: bool, device: torch.device, ranks: Ranks,
     if batch_size % ranks.world:
         raise ConfigError(
             f"trainer.batch_size={batch_size}: the global batch must divide by the {ranks.world} "
-            "ranks "
-            f"(each rank takes batch_size / world size)"
+            "ranks (each rank takes batch_size / world size)"
         )
     # SyncBatchNorm's kernels: CUDA (and a few others) only
     if sync_bn and ranks.active and device.type != "cuda":
         raise ConfigError(
-            "trainer.sync_bn=true: SyncBatchNorm runs on GPUs only; on CPUs use sync_bn=false "
-            "(or model.bn_eval=true for batch statistics that do not depend on the split)"
+            "trainer.sync_bn=true: SyncBatchNorm runs on GPUs only; on CPUs use sync_bn=false (or "
+            "model.bn_eval=true for batch statistics that do not depend on the split)"
         )
     per_rank = batch_size // ranks.world
     if per_rank % ghost_splits:
         raise ConfigError(f"trick.ghost_splits={ghost_splits}: must divide each rank's batch, "
                           f"trainer.batch_size={batch_size} / {ranks.world} ranks = {per_rank} "
-                          f"(ghost BN splits each rank's batch); use a batch that divides by "
+                          "(ghost BN splits each rank's batch); use a batch that divides by "
                           f"{ghost_splits * ranks.world}, or fewer splits")
     return per_rank
 
@@ -256,8 +252,7 @@ def wrap(
         if special:   # convert_sync_batchnorm would replace them with plain SyncBatchNorm, silently
             raise ConfigError(
                 f"trainer.sync_bn=true: {', '.join(special)} would become plain SyncBatchNorm, "
-                "losing "
-                "its own statistics (ghost BN: per split of each rank's batch); use "
+                "losing its own statistics (ghost BN: per split of each rank's batch); use "
                 "trainer.sync_bn=false"
             )
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

@@ -95,8 +95,7 @@ def _cublas_deterministic(device: torch.device) -> list[str]:
         return [
             "trainer.deterministic=true: CUDA was initialised earlier in this process without "
             "CUBLAS_WORKSPACE_CONFIG, so cuBLAS GEMMs may not be deterministic; start the process "
-            "with "
-            "CUBLAS_WORKSPACE_CONFIG=:4096:8 (e.g. before a sweep)"
+            "with CUBLAS_WORKSPACE_CONFIG=:4096:8 (e.g. before a sweep)"
         ]
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
     return []
@@ -247,10 +246,8 @@ def gpu_profile(gpu: GpuConfig, device_name: str) -> dict:
     if not matched:
         info["note"] = (
             f"gpu={gpu.name} is for devices named {' or '.join(repr(n) for n in names)} but this "
-            "job ran "
-            f"on '{device_name}': its peak numbers are not used (add the name to "
-            f"conf/gpu/{gpu.name}.yaml "
-            "only if it is the same card)"
+            f"job ran on '{device_name}': its peak numbers are not used (add the name to "
+            f"conf/gpu/{gpu.name}.yaml only if it is the same card)"
         )
     return info
 
@@ -279,8 +276,7 @@ def auto_profile(device_name: str) -> dict:
             return {**gpu_profile(gpu, device_name), "chosen_by": "auto"}
     note = (
         f"gpu=auto: no profile in conf/gpu/ matches '{device_name}', so MFU is not shown; add a "
-        "profile with "
-        "its datasheet's dense peaks and this name in `match`"
+        "profile with its datasheet's dense peaks and this name in `match`"
     )
     return {"name": "auto", "matched": False, "peak_tflops": None, "note": note}
 
@@ -325,8 +321,7 @@ def _cudnn_dtype_accepted(weight: torch.Tensor):
     except RuntimeError as e:
         log.warning(
             f"mixprec: cuDNN could not compact the {weight.dtype} RNN weights "
-            f"({str(e).splitlines()[0]}); "
-            "it copies them at every call"
+            f"({str(e).splitlines()[0]}); it copies them at every call"
         )
     finally:
         if extra:

@@ -34,8 +34,7 @@ class StopSignals:
         self.signum = signum
         log.warning(
             f"mixprec: {signal.Signals(signum).name}: stopping after this step and writing a "
-            "checkpoint "
-            "(send it again to stop at once)"
+            "checkpoint (send it again to stop at once)"
         )
 
     def __enter__(self) -> "StopSignals":

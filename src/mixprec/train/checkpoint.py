@@ -100,14 +100,14 @@ def read(out_dir: Path, config: dict, device_type: str) -> dict | None:
     # the RNG and data-order states are per kind of device
     if ckpt.get("device_type") != device_type:
         raise CheckpointError(
-            f"{path}: written on {ckpt.get('device_type')}, this job runs on {device_type}; "
-            f"resume on the same kind of device, or {fix}"
+            f"{path}: written on {ckpt.get('device_type')}, this job runs on {device_type}; resume "
+            f"on the same kind of device, or {fix}"
         )
     diff = config_diff(ckpt["config"], config)
     if diff:
         raise CheckpointError(
-            f"{path}: written by a different config ({diff}); resume with the job's own "
-            f"overrides, or {fix}"
+            f"{path}: written by a different config ({diff}); resume with the job's own overrides, "
+            f"or {fix}"
         )
     return ckpt
 
@@ -127,6 +127,8 @@ def keep_default_batch(cfg, out_dir: Path) -> int | None:
     path = Path(out_dir) / CHECKPOINT
     if not (isinstance(default, str) and RESOLVER in default and path.exists()):
         return None
+    if set_batch(Path(out_dir) / SUMMARY):   # the user's batch then, dropped now: a change, refused
+        return None
     try:   # mmap: only the pickled structure is read, not the tensors
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         saved = ckpt["config"]["trainer"]["batch_size"]
@@ -140,6 +142,16 @@ def keep_default_batch(cfg, out_dir: Path) -> int | None:
              f"trainer.batch_size={saved} (the default is {now} now; a default is not a change to "
              f"the job: to train at {now}, start over with trainer.resume=never)")
     return saved
+
+
+def set_batch(summary_file: Path) -> bool:
+    """Whether the job that wrote this summary.json set trainer.batch_size by an override (True
+    when the file cannot be read: then nothing is taken for a default)."""
+    try:
+        overrides = json.loads(summary_file.read_text()).get("overrides") or []
+    except (OSError, ValueError):
+        return True
+    return any(o.lstrip("+~").split("=", 1)[0] == "trainer.batch_size" for o in overrides)
 
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> str | None:
@@ -286,8 +298,7 @@ class Checkpointer:
         if len(ckpt["rng"]) != self.ranks.world:
             raise CheckpointError(
                 f"{self.path}: written by {len(ckpt['rng'])} rank(s), this job has "
-                f"{self.ranks.world}; "
-                "resume with as many ranks, or delete it to start over"
+                f"{self.ranks.world}; resume with as many ranks, or delete it to start over"
             )
         for name, part in self.parts.items():
             # the model: emulation swaps its parameters' contents on load

@@ -70,14 +70,14 @@ from ..models import set_bn_eval
 
 log = logging.getLogger(__name__)
 
+# the longest wait for inductor's compile workers to start (start_compile_workers)
+POOL_WAIT_S = 120
 GRAPH_MODES = ("reduce-overhead", "max-autotune")   # the modes that run CUDA graphs
 RNN_EAGER = (
     "the RNN language models run eagerly: torch.compile does not trace nn.LSTM/GRU/RNN (dynamo "
-    "graph-breaks "
-    "around them, torch._dynamo.config.allow_rnn), cuDNN already runs each layer as one fused "
-    "kernel, and "
-    "their hidden state carried from window to window would be a CUDA graph's output kept across "
-    "steps"
+    "graph-breaks around them, torch._dynamo.config.allow_rnn), cuDNN already runs each layer as "
+    "one fused kernel, and their hidden state carried from window to window would be a CUDA "
+    "graph's output kept across steps"
 )
 
 
@@ -111,11 +111,19 @@ def start_compile_workers() -> None:
     mask is restored: none is lost. A pool started earlier in the process is kept as it is."""
     if not hasattr(signal, "pthread_sigmask"):   # Windows: inductor compiles in the process there
         return
-    from torch._inductor.async_compile import maybe_warm_pool
+    from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
 
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, StopSignals.SIGNALS)
     try:
         maybe_warm_pool()
+        # until the pool is ready inductor compiles in this process (its ptxas in the job's
+        # process group, in reach of a SIGTERM): wait for it, outside the training clock
+        AsyncCompile.wait_pool_ready(timeout=POOL_WAIT_S)
+    except TimeoutError:
+        log.warning(
+            f"mixprec: note: inductor's compile workers were not ready after {POOL_WAIT_S} s; "
+            "compiling in this process"
+        )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 

@@ -37,17 +37,15 @@ class TokenBatch:
 
 
 def image_warmup(batch: int, eval_batch: int, test_size: int, image_shape: tuple, num_classes: int,
-                 channels_last: bool = False, bn_eval: bool = False) -> Warmup:
+                 channels_last: bool = False, bn_eval: bool = False,
+                 evaluates: bool = True) -> Warmup:
     """An image job's shapes: the training batch (the training loaders drop a last partial batch),
-    the evaluation batch and the test set's last, partial, one."""
-    return Warmup(
-        [batch],
-        split_shapes(test_size, eval_batch),
-        ImageBatch(image_shape, num_classes, channels_last),
-        image_loss,
-        image_infer,
-        bn_eval,
-    )
+    the evaluation batch and the test set's last, partial, one. evaluates=False (an EMA job, which
+    evaluates the EMA's own, uncompiled copy): no evaluation shape, so no graph is compiled that no
+    call would use."""
+    eval_shapes = split_shapes(test_size, eval_batch) if evaluates else []
+    return Warmup([batch], eval_shapes, ImageBatch(image_shape, num_classes, channels_last),
+                  image_loss, image_infer, bn_eval)
 
 
 def split_shapes(n: int, size: int) -> list[int]:
