@@ -1,4 +1,4 @@
-"""Emulated fp16/bf16 (precision.emulate, numerics/emulation.py) against fp32 on this device:
+"""Emulated fp16/bf16 (precision.emulate, precision/emulation.py) against fp32 on this device:
 training step time.
 
   python scripts/bench_emulation.py [--models resnet18,lstm] [--precisions amp,half,amp_bf16]

@@ -1,4 +1,4 @@
-"""Emulated fp16/bf16 (numerics/emulation.py) against the real dtypes, op by op and model by model.
+"""Emulated fp16/bf16 (precision/emulation.py) against the real dtypes, op by op and model by model.
 
 The reference is the CPU's own float16/bfloat16 kernels (slow but exact IEEE: each op computes in
 fp32 and rounds its output, as CUDA's do), under the same CUDA autocast policy

@@ -124,7 +124,7 @@ def test_page_8px_blank_input_is_a_backward_overflow_in_pure_fp16(tmp_path, capl
     """The issue's case: at 8 px Page's cutout blanks every image; BatchNorm over all-zero
     activations divides the backward by sqrt(eps) per layer and CELU passes it on: at step 1 the
     backward overflows fp16 at layer2.pool. Under probe=none the divergence is replayed under
-    probe=ranges (numerics/replay.py) to say the same."""
+    probe=ranges (tools/replay.py) to say the same."""
     s = run_tiny(
         tmp_path,
         *PAGE8,

@@ -555,9 +555,8 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
         )
     corpus = load_text_corpus(config.dataset)
     train_source = batchify(corpus.train, tr.batch_size, device)
-    valid_source, test_source = (
-        batchify(ids, tr.eval_batch_size, device) for ids in (corpus.valid, corpus.test)
-    )
+    valid_source, test_source = (batchify(ids, tr.eval_batch_size, device)
+                                 for ids in (corpus.valid, corpus.test))
     windows = TokenWindows(train_source, bptt)
     model = build_model(config.model, corpus.vocab_size)
     flops = model.flops_per_token(bptt)
@@ -566,55 +565,20 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     model, policy, optimizer, groups = built.model, built.policy, built.optimizer, built.groups
     schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(windows)))
     steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=tr.batch_size)
-    prewarm_s = prewarm_lm(
-        model,
-        policy,
-        optimizer,
-        tr.prewarm_for(device.type),
-        bptt,
-        tr.batch_size,
-        corpus.vocab_size,
-        tr.grad_clip,
-    )
+    prewarm_s = prewarm_lm(model, policy, optimizer, tr.prewarm_for(device.type), bptt,
+                           tr.batch_size, corpus.vocab_size, tr.grad_clip)
     modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
-    compile_s, watch = compile_and_warm(
-        steps,
-        model,
-        policy,
-        tr.compile,
-        lm_warmup(
-            len(train_source),
-            tr.batch_size,
-            [len(valid_source), len(test_source)],
-            tr.eval_batch_size,
-            bptt,
-            corpus.vocab_size,
-        ),
-    )
-    info = {
-        "model": model,
-        "parts": {"hidden": steps},
-        "final": model,
-        "num_classes": corpus.vocab_size,
-        "optimizer": groups,
-        "compiled": watch,
-        "metrics": {
-            "params": n_params,
-            "forward_flops_per_sample": flops,
-            "train_flops_per_sample": 3 * flops,
-            "flops_per": "token",
-            "prewarm_time_s": prewarm_s,
-            "compile_time_s": compile_s,
-        },
-        "data": {
-            **corpus.info,
-            "vocab_size": corpus.vocab_size,
-            "train_tokens": len(corpus.train),
-            "valid_tokens": len(corpus.valid),
-            "test_tokens": len(corpus.test),
-            "bptt": bptt,
-        },
-    }
+    shapes = lm_warmup(len(train_source), tr.batch_size, [len(valid_source), len(test_source)],
+                       tr.eval_batch_size, bptt, corpus.vocab_size)
+    compile_s, watch = compile_and_warm(steps, model, policy, tr.compile, shapes)
+    info = {"model": model, "parts": {"hidden": steps}, "final": model,
+            "num_classes": corpus.vocab_size, "optimizer": groups, "compiled": watch,
+            "metrics": {"params": n_params, "forward_flops_per_sample": flops,
+                        "train_flops_per_sample": 3 * flops, "flops_per": "token",
+                        "prewarm_time_s": prewarm_s, "compile_time_s": compile_s},
+            "data": {**corpus.info, "vocab_size": corpus.vocab_size,
+                     "train_tokens": len(corpus.train), "valid_tokens": len(corpus.valid),
+                     "test_tokens": len(corpus.test), "bptt": bptt}}
     return steps, windows, policy, optimizer, info
 
 

@@ -49,14 +49,8 @@ def lm_loss(net, policy: PrecisionPolicy, x: torch.Tensor, y: torch.Tensor) -> t
     return lm_forward(net, x, y, net.init_hidden(x.size(1)), policy)[0]
 
 
-def backward_and_step(
-    loss: torch.Tensor,
-    policy: PrecisionPolicy,
-    optimizer,
-    grad_clip: float | None,
-    defer: bool = False,
-    after_backward=lambda: None,
-) -> bool | Deferred:
+def backward_and_step(loss: torch.Tensor, policy: PrecisionPolicy, optimizer, grad_clip,
+                      defer: bool = False, after_backward=lambda: None) -> bool | Deferred:
     """The scaled backward, then unscale, clip, step and update; True when the loss scaler skipped
     the step (a Deferred: a fused step's outcome, still on the device)."""
     policy.backward(loss)   # scaler.scale(loss).backward()
@@ -74,20 +68,12 @@ def train_step(loss: torch.Tensor, loop, state, replay=None) -> None:
     if nonfinite and loop.ranks.any(not torch.isfinite(loss)):
         if state.nonfinite is None:
             seen = (f"loss {loss.item()} (step skipped)", probe.on_nonfinite(step, replay))
-            state.nonfinite = {
-                "step": step,
-                "what": "; ".join(filter(None, seen)),
-                "policy": "skip",
-            }
+            what = "; ".join(filter(None, seen))
+            state.nonfinite = {"step": step, "what": what, "policy": "skip"}
     else:
-        skipped = backward_and_step(
-            loss,
-            policy,
-            loop.optimizer,
-            tr.grad_clip,
-            defer=probe.defers_skips and loop.window is not None,
-            after_backward=lambda: probe.after_backward(step, loss, policy, replay),
-        )
+        defer = probe.defers_skips and loop.window is not None
+        probed = lambda: probe.after_backward(step, loss, policy, replay)
+        skipped = backward_and_step(loss, policy, loop.optimizer, tr.grad_clip, defer, probed)
         if isinstance(skipped, Deferred):   # a fused step: its flag and scale wait for the flush
             loop.window.deferred.append((step, skipped))
         else:
