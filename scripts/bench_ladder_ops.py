@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec import cli, job as run
+from mixprec import cli, job
 from mixprec.runtime import dist
 from mixprec.train import loop as engine
 from mixprec.config import ConfigError, validate
@@ -152,7 +152,7 @@ def count_step_ops(
     torch.manual_seed(config.seed)
     device = torch.device("cpu")
     with emulation.numerics(False):
-        steps, batches, policy, optimizer, _ = run.image_parts(config, device, dist.SINGLE)
+        steps, batches, policy, optimizer, _ = job.image_parts(config, device, dist.SINGLE)
         loop = engine.Loop(
             policy,
             optimizer,

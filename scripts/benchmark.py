@@ -2,7 +2,7 @@
 
   python scripts/benchmark.py overhead [train.py overrides] [--compile MODE]   e.g. model=resnet18
   precision=amp
-      mixprec's training loop (engine.fit through mixprec.job.train_and_record, records and all)
+      mixprec's training loop (loop.fit through mixprec.job.train_and_record, records and all)
       against the loop a user would write by hand for the same job: same model, batch, data on the
       device, optimizer (class and optimizer.impl kernels), schedule, autocast/GradScaler, grad
       clipping, channels_last and compile mode; a job the hand loop cannot mirror (low-precision
@@ -17,7 +17,7 @@
           --batches 64,256 --compiles none,default [overrides] --out DIR
       the speed table, one cell per (image model, precision, batch, compile mode): each model
       is built once, each cell trains a copy of it the way a job does (the precision policy,
-      channels_last, optimizer, compile mode) and steps it with a job's loop (engine.fit: the
+      channels_last, optimizer, compile mode) and steps it with a job's loop (loop.fit: the
       engine's step, the log window and its one flush, the training clock, the busy meter) on
       one synthetic batch on the device, in the job's memory layout: --warmup steps out of the
       steady clock (10; compilation and cuDNN autotuning fall there), then --steps steady steps
@@ -280,7 +280,7 @@ def cell_config(config: Config, warmup: int, steps: int) -> Config:
 
 
 def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> tuple:
-    """What a job of this cell's config trains with (run.image_parts' policy, model preparation,
+    """What a job of this cell's config trains with (job.image_parts' policy, model preparation,
     channels_last, optimizer, compile mode and its refusal of an emulated compile; its busy meter),
     on a copy of the base model; returns the engine's steps and loop, and the loop's state."""
     from mixprec.train.compile import compile_model
@@ -301,7 +301,7 @@ def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> t
 
 def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.device, warmup: int,
               steps: int) -> dict:
-    """One cell, stepped as a job steps (engine.fit: the log window and its flush, the training
+    """One cell, stepped as a job steps (loop.fit: the log window and its flush, the training
     clock, the busy meter's sampled steps) on one synthetic batch on the device, in the layout a
     job's pipeline gives (data.pipelines.in_layout): `warmup` steps out of the steady clock
     (compilation and autotuning fall there), then `steps` steady ones. Speed: the job's steady
@@ -443,7 +443,7 @@ def table_markdown(result: dict) -> str:
     lines = [f"# Speed table ({result['device']}, torch {result['torch']})", "",
              f"{result['warmup']} untimed steps (compilation included), then {result['steps']} "
              "timed steps per cell, synthetic batch on the device in the job's memory layout, "
-             "stepped as a job steps (engine.fit: the log window and its flush, the training "
+             "stepped as a job steps (loop.fit: the log window and its flush, the training "
              "clock). GPU busy: the GPU's own time for a step over its wall time (docs/speed.md); "
              f"'-': not measured (CPU). {len(rows)} cells in {result['total_s']:.1f} s"
              + ("." if result["complete"] else " (incomplete: stopped before the last cell)."), "",

@@ -92,7 +92,7 @@ def located(extra: list[str]) -> list[str]:
 
 def lm_graphs(train_tokens: int, eval_tokens: int, batch: int, bptt: int) -> int:
     """The graphs one compiled language-model job makes: one per window shape it warms
-    (compiled.warm_compile; a batchified split of n rows has n - 1 targets per column: full windows
+    (compile.warm_compile; a batchified split of n rows has n - 1 targets per column: full windows
     and a last, shorter one), training and evaluation (valid and test are the same size here)."""
     return (len(split_shapes(train_tokens // batch - 1, bptt))
             + len(split_shapes(eval_tokens // batch - 1, bptt)))

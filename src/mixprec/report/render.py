@@ -113,7 +113,8 @@ class Doc:
         e = html.escape
         out = [
             f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{e(title)}</title><style>'
-            "body{font-family:system-ui,sans-serif;max-width:1250px;margin:auto;padding:1em;color:#222}"
+            "body{font-family:system-ui,sans-serif;max-width:1250px;margin:auto;padding:1em;"
+            "color:#222}"
             "table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid "
             "#ccc;"
             "padding:3px 7px;text-align:left;vertical-align:top}th{background:#f2f2f2}"
