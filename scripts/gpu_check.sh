@@ -24,11 +24,11 @@ print(f"torch {env['torch']}  CUDA {env['cuda']}  cuDNN {env['cudnn']}  python {
 print(f"device {env['device']}: {env['device_name']}, capability {env['capability']}, {env['gpu_memory_gb']} GB")
 if device.type == "cpu":
     raise SystemExit("gpu_check: no GPU is visible (torch.accelerator); nothing to check")
-arch = torch.cuda.get_arch_list()   # CUDA-only (README: CUDA-only branches): the kernels this wheel carries
+arch = torch.cuda.get_arch_list()   # CUDA-only (docs/gpus.md: CUDA-only branches): the kernels this wheel carries
 major, minor = map(int, env["capability"].split("."))
 print(f"wheel kernels {arch}")
 if not hardware.has_kernels_for(arch, (major, minor)):   # sm_90a, sm_100f and compute_90 parsed too
-    raise SystemExit(f"gpu_check: this torch build has no kernels for sm_{major}{minor}; see README (older GPUs)")
+    raise SystemExit(f"gpu_check: this torch build has no kernels for sm_{major}{minor}; see docs/gpus.md (older GPUs)")
 PY
 
 echo "== pytest -m gpu"   # every gpu-marked test of tests/ (tests/test_gpu_speed.py checks none is left out)
