@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, compose_config, run_cli
+from helpers import ROOT, compose_config, load_script, run_cli
 from mixprec.config import validate
 from mixprec.models import set_bn_eval, small_cnn
 from mixprec.precision.modes import hazards
@@ -31,6 +31,9 @@ def test_adam_in_pure_fp16_diverges_for_real_and_says_why(tiny, tmp_path):
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["status"] == "diverged" and 1 <= on_disk["nonfinite"]["step"] <= 3
     assert "optimizer.eps=1e-08 rounds to 0 in float16" in on_disk["reason"]
+    # the verdict (docs/numerics.md, adam_eps_zero; measured under probe=ranges: the slow
+    # tests/test_probe_verdicts.py::test_adam_in_pure_fp16_is_eps_at_zero_measured)
+    assert on_disk["verdict"]["mechanism"] == "adam_eps_zero", on_disk["verdict"]
     # conf/pitfall/adam_fp16.yaml
     finding = validate(compose_config("pitfall=adam_fp16")).case.finding
     assert "eps=1e-8 rounds to 0 in fp16" in finding
@@ -228,6 +231,17 @@ def test_max_batch_without_a_gpu_says_so():
         "(--device cpu runs the probes on the CPU, as a check that they run)")
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on machines without a GPU"
+)
+def test_max_batch_without_a_gpu_says_so_in_this_process(capsys):
+    """The quick loop's twin of the subprocess test above: max_batch.py's main, in this process."""
+    assert load_script("max_batch").main(["model=resnet50", "precision=fp32,amp"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "max_batch: no GPU is visible here; the search measures GPU memory, so it needs one "
+        "(--device cpu runs the probes on the CPU, as a check that they run)")
+
+
 @pytest.mark.parametrize("precision", ["o2", "half"])
 @pytest.mark.slow
 def test_saved_weights_are_fp32_and_reproduce_the_runs_accuracy(tiny, tmp_path, precision):
@@ -248,6 +262,21 @@ def test_saved_weights_are_fp32_and_reproduce_the_runs_accuracy(tiny, tmp_path, 
     )
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.splitlines()[-1])
+    assert result["recorded_test_acc"] == s["metrics"]["final_test_acc"]
+    assert abs(result["test_acc"] - s["metrics"]["final_test_acc"]) <= 0.001   # within 0.1 points
+    assert result["test_loss"] == pytest.approx(s["metrics"]["final_test_loss"], rel=0.01)
+
+
+def test_an_o2_job_saves_fp32_weights_that_evaluate_scores_as_the_job_did(tiny, tmp_path, capsys):
+    """The quick loop's guard of the two promises above (docs/pitfalls.md: saved weights are fp32,
+    under o2 the fp32 masters; evaluate.py reproduces the recorded accuracy): a 2-step o2 job, and
+    evaluate.py's main in this process instead of a subprocess."""
+    s = tiny("precision=o2")
+    state = torch.load(tmp_path / "model_fp32.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    capsys.readouterr()
+    assert load_script("evaluate").main([str(tmp_path), "--device", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert result["recorded_test_acc"] == s["metrics"]["final_test_acc"]
     assert abs(result["test_acc"] - s["metrics"]["final_test_acc"]) <= 0.001   # within 0.1 points
     assert result["test_loss"] == pytest.approx(s["metrics"]["final_test_loss"], rel=0.01)

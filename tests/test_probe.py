@@ -235,6 +235,17 @@ def test_probe_none_registers_no_hooks(tmp_path, hook_count):
     )
 
 
+def test_a_probe_none_job_registers_no_hook(tmp_path, hook_count):
+    """The quick loop's guard of "probe=none registers no hook at all" (docs/numerics.md; the test
+    above, which also runs a probed job, is slow): one tiny amp job, and the counter's own check on
+    a module and a tensor instead of a second job."""
+    s = run_tiny(tmp_path, *TINY8, "probe=none", "precision=amp")
+    assert s["status"] == "completed" and hook_count == [] and not (tmp_path / NUMERICS).exists()
+    nn.Linear(1, 1).register_forward_hook(lambda *a: None)
+    torch.zeros(1, requires_grad=True).register_hook(lambda g: g)
+    assert hook_count == ["register_forward_hook", "register_hook"]
+
+
 class Scale(nn.Module):
     def __init__(self, factor: float):
         super().__init__()

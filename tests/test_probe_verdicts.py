@@ -210,6 +210,27 @@ def test_a_layer_multiplying_by_1e6_in_fp16_is_a_forward_overflow(tmp_path):
     assert "passed 65504 (float16)" in v["line"] and n["worst_overflow"][0]["layer"] == "1"
 
 
+def test_a_static_scale_past_fp16s_range_is_a_backward_overflow(tmp_path):
+    """The quick loop's guard of `backward_overflow_fp16` (the Page 8 px jobs above are slow): a
+    static loss scale of 1e9 on fp16 weights, no masters, makes the logits' gradient inf."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(256, 10))
+    half = PrecisionConfig(
+        name="half", param_dtype="float16", keep_bn_fp32=False, loss_scale=1e9
+    )
+    result, n, rows = fit(model, half, tmp_path, steps=2)
+    v = judged(result, n, rows, half)
+    assert (v["mechanism"], v["step"], v["pass"], v["module"]) == (
+        "backward_overflow_fp16",
+        1,
+        "backward",
+        "2",
+    ), v
+    assert "precision=amp" in v["line"] and v["cites"][0].startswith(
+        "numerics.jsonl step 1 act_grad 2"
+    )
+
+
 def test_batchnorm_in_eval_mode_in_half_precision(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -14,6 +14,40 @@ from mixprec.report.published import load_sources
 CPU_PLAN = ROOT / "src" / "mixprec" / "tools" / "plan_cpu.yaml"
 
 
+def diagonal_jobs(sweep) -> list[dict]:
+    """As few jobs as the longest value list of the sweep's grid, the j-th taking each key's j-th
+    value (cyclically): every value the grid sets is in one of them."""
+    n = max((len(v) for v in sweep.grid.values()), default=1)
+    return [{k: v[j % len(v)] for k, v in sweep.grid.items()} for j in range(n)]
+
+
+def test_every_value_of_the_cpu_plan_composes_and_every_published_value_is_accounted_for():
+    """The quick loop's twin of the slow test below: each value of each sweep's grid composed and
+    validated once (37 jobs) instead of every job of the product (93), as reproduce.py's
+    job_configs composes a job."""
+    reproduce = load_script("reproduce")
+    plan = P.load_plan(CPU_PLAN)
+    args = reproduce.parse(["--plan-file", str(CPU_PLAN), "dataset.data_dir=/nowhere"])
+    sources = {s.id: s for s in load_sources()}
+    assert {a.id for a in plan.articles} == set(sources)
+    precisions = set()
+    for a in plan.articles:
+        for s in a.sweeps:
+            over = reproduce.sweep_overrides(plan, s, args)
+            for job in diagonal_jobs(s):
+                c = reproduce.compose(
+                    tuple(P.merge_overrides(over, [f"{k}={v}" for k, v in job.items()]))
+                )
+                assert c["trainer"]["device"] == "auto"
+                validate_job(c)
+                precisions |= {c["precision"]["name"]} if s is plan.sweeps[0] else set()
+        ids = {v.id for v in sources[a.id].values}
+        assert set(a.not_reproduced) <= ids and set(a.stand_ins) <= ids, a.id
+    assert precisions == {"fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2",
+                          "o3", "fastai_fp16", "apex_fp16"}
+
+
+@pytest.mark.slow   # 93 compositions; the quick twin above composes each grid value once
 def test_the_cpu_plan_composes_every_job_and_accounts_for_every_published_value():
     reproduce = load_script("reproduce")
     plan = P.load_plan(CPU_PLAN)

@@ -515,9 +515,10 @@ def failed_job(tmp_path_factory):
     (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "not a readable checkpoint"),
     (lambda p: p.write_bytes(b"\x00garbage" * 100), "not a readable checkpoint"),
     (lambda p: torch.save({"weights": torch.zeros(3)}, p), "not a mixprec checkpoint"),
-    (None, "written by a different config (optimizer.lr: 0.1 -> 0.05)"),
+    # a second, complete job: slow; the refusal of a changed config is in the quick loop below
+    pytest.param(None, "written by a different config (optimizer.lr: 0.1 -> 0.05)",
+                 marks=pytest.mark.slow),
 ])
-@pytest.mark.slow
 def test_a_bad_checkpoint_gives_one_line_naming_the_file(
     tmp_path, failed_job, capsys, damage, expect
 ):
@@ -561,13 +562,12 @@ def test_an_older_default_batch_resumes_with_its_batch_and_says_so(tmp_path, cap
     assert len(notes) == 1 and "the default is 64 now" in notes[0], notes
 
 
-def test_a_batch_the_user_set_then_is_not_taken_for_a_default(tmp_path, capsys):
-    """A job run with trainer.batch_size=16, resumed without it: the user changed the config (the
-    batch is the default now), refused as any change, not resumed at 16 as a moved default."""
+def test_a_batch_the_user_set_then_is_not_taken_for_a_default(tmp_path, failed_job, capsys):
+    """A job run with trainer.batch_size=16 (failed_job: TINY sets it), resumed without it: the user
+    changed the config (the batch is the default now), refused as any change, not resumed at 16 as
+    a moved default."""
     base = [o for o in TINY if not o.startswith(("trainer.batch_size", "trainer.max_steps"))]
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit):
-        fail_at_the_end(mp)
-        run_tiny(tmp_path, *EPOCHS2, "trainer.batch_size=16", base=base)
+    shutil.copytree(failed_job, tmp_path, dirs_exist_ok=True)
     with pytest.raises(SystemExit):
         run_tiny(tmp_path, *EPOCHS2, "trainer.resume=auto", base=base)
     assert "written by a different config (trainer.batch_size: 16 -> 64)" in capsys.readouterr().err
@@ -578,6 +578,21 @@ def test_a_checkpoint_is_refused_when_the_user_sets_another_batch(tmp_path, fail
     with pytest.raises(SystemExit):
         run_tiny(tmp_path, *EPOCHS2, "trainer.resume=auto", "trainer.batch_size=32")
     assert "written by a different config (trainer.batch_size: 16 -> 32)" in capsys.readouterr().err
+
+
+def test_a_job_resumed_from_its_epoch_1_checkpoint_ends_as_the_uninterrupted_run(
+    tmp_path, failed_job
+):
+    """The quick loop's guard of "a resumed run gives the same metrics and bit-identical weights"
+    (docs/checkpoints.md; the SIGKILL and SIGTERM tests above, in subprocesses, are slow):
+    failed_job's epoch-1 checkpoint resumed in this process, against the same 2 epochs run
+    through."""
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(failed_job, run_dir)
+    s = run_tiny(run_dir, *EPOCHS2, "trainer.resume=auto")
+    assert s["resumed"]["from_step"] == 4 and not s["resumed"]["mid_epoch"]
+    assert run_tiny(tmp_path / "through", *EPOCHS2)["status"] == "completed"
+    assert_same_run(run_dir, tmp_path / "through")
 
 
 @pytest.mark.slow
@@ -601,7 +616,6 @@ def test_a_run_without_final_weights_is_refused_by_name(tmp_path, monkeypatch):
         load_fp32_model(tmp_path)
 
 
-@pytest.mark.slow
 def test_the_training_clock_syncs_the_device_at_every_reading(tiny, monkeypatch):
     calls = []
     monkeypatch.setattr(mixprec.train.loop, "synchronize", lambda device: calls.append(device.type))

@@ -96,9 +96,13 @@ def reset_compile_state(device: torch.device | None = None) -> None:
     """Forget every earlier compilation of this process, as a new process would start: dynamo's code
     caches and guards (torch._dynamo.reset, which also resets the CUDA-graph trees when CUDA is
     initialised), then the objects they kept alive, then the device's cached blocks (the graphs'
-    memory pools among them)."""
+    memory pools among them). The cycle collector runs only when dynamo converted a frame since its
+    last reset: a full collection of a large process is slow, and without a compilation there is
+    nothing of dynamo's to free (a finished job frees its own model without it)."""
+    compiled = getattr(torch._dynamo.convert_frame, "FRAME_COUNTER", 1) != 0
     torch._dynamo.reset()
-    gc.collect()
+    if compiled:
+        gc.collect()
     module = None if device is None else torch.get_device_module(device)
     if hasattr(module, "empty_cache"):
         module.empty_cache()
