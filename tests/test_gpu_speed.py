@@ -120,16 +120,16 @@ def test_pages_accuracy_is_skipped_in_one_line_without_cifar10(tmp_path):
 def test_a_step_out_of_time_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
     gs = load_script("gpu_speed")
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    slow = gs.step("slow", "a step that overruns", sleep, [], run_s=11)
-    quick = gs.step("quick", "the next question", [sys.executable, "-c", "pass"], [], run_s=11)
+    slow = gs.step("slow", "a step that overruns", sleep, [], run_s=10)
+    quick = gs.step("quick", "the next question", [sys.executable, "-c", "pass"], [], run_s=10)
     monkeypatch.setattr(gs, "plan", lambda out, dry, extra, present: [slow, quick])
     monkeypatch.setattr(gs, "environment", lambda dry: {"device_name": "NVIDIA H200"})
     assert gs.main(["--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "budget.json").read_text())["steps"]
     assert [(r["name"], r["outcome"]) for r in rows] == [("slow", "timed out"), ("quick", "ok")]
-    assert rows[0]["seconds"] < 11 and rows[0]["limit_s"] == 11
+    assert rows[0]["seconds"] < 10 and rows[0]["limit_s"] == 10
     budget = (tmp_path / "budget.md").read_text()
-    assert "| slow | a step that overruns | 11 (11 + 0 x 0) | 11 | 0 | - |" in budget
+    assert "| slow | a step that overruns | 10 (10 + 0 x 0) | 10 | 0 | - |" in budget
 
 
 def test_the_default_folder_is_one_git_keeps():
