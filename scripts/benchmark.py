@@ -75,7 +75,9 @@ def compose(overrides: list[str]) -> tuple[Config, dict]:
     config)."""
     cfg = cli.compose(["logger=none", *overrides], return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
-    return validate(cfg), {"choices": choices, "overrides": overrides, "config": plain_config(cfg)}
+    config = validate(cfg)
+    modes.check_installed(config.precision)   # fp8's torchao, before any cell is timed
+    return config, {"choices": choices, "overrides": overrides, "config": plain_config(cfg)}
 
 
 def sized(overrides: list[str], steps: int, warmup: int) -> list[str]:

@@ -105,6 +105,7 @@ def run_job(cfg: DictConfig) -> dict:
         checkpoint.keep_default_batch(cfg, job.out)   # a resume keeps a default batch that moved
         summary["config"] = plain_config(cfg)
         config = validate_job(cfg)
+        modes.check_installed(config.precision)   # fp8's torchao: one line before any work
         prior = final_prior(config, job)
         if prior is not None:
             return prior

@@ -1,7 +1,7 @@
-"""What a precision mode decides besides the policy's four decisions (policy.py): its dtypes,
-whether its fp16/bf16 arithmetic is emulated, the hazards its optimizer meets, the TF32 flags and
-the notes on what a device cannot give it, the peak its math runs at (MFU), the refusal to compile
-an emulated mode, and the notes a job says about it."""
+"""What a precision mode decides besides the policy's four decisions (policy.py): the packages it
+needs installed, its dtypes, whether its fp16/bf16 arithmetic is emulated, the hazards its optimizer
+meets, the TF32 flags and the notes on what a device cannot give it, the peak its math runs at
+(MFU), the refusal to compile an emulated mode, and the notes a job says about it."""
 from __future__ import annotations
 
 import logging
@@ -11,10 +11,19 @@ import torch
 
 from ..config import ConfigError, OptimizerConfig, PrecisionConfig, TrainerConfig
 from ..runtime import hardware
+from . import fp8
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_installed(cfg: PrecisionConfig) -> None:
+    """What the mode needs from this installation, asked before any work (config.validate checks
+    the values, which need no package): precision=fp8's torchao. A missing one: one ConfigError
+    line saying what to install."""
+    if cfg.fp8_recipe is not None:
+        fp8.require_torchao()
 
 
 def low_dtype(cfg: PrecisionConfig) -> str | None:
