@@ -249,8 +249,8 @@ def dtypes_seen(model, policy) -> tuple[dict, torch.Tensor]:
 
 def test_emulated_cuda_autocast_with_the_recurrent_layers():
     """Emulated (CUDA's policy): every RNN kind runs in fp16 under amp (cuDNN's autocast cast), in
-    fp32 under amp_bf16 (RNNModel takes it out of autocast, as on a GPU); the decoder in the
-    autocast dtype."""
+    fp32 under amp_bf16 (the policy tells RNNModel to run it outside autocast, as on a GPU); the
+    decoder in the autocast dtype."""
     for name, rnn_dtype, dec in (
         ("amp", torch.float16, torch.float16),
         ("amp_bf16", torch.float32, torch.bfloat16),
@@ -259,13 +259,40 @@ def test_emulated_cuda_autocast_with_the_recurrent_layers():
         assert policy.emulated
         for kind in ("lstm", "gru", "rnn_tanh"):
             with emulation.numerics(True):
-                model = RNNModel(kind, 20, 8, 8, 2)
+                model = policy.prepare_model(RNNModel(kind, 20, 8, 8, 2))
                 seen, _ = dtypes_seen(model, policy)
             assert seen == {"encoder": torch.float32, "rnn": rnn_dtype, "decoder": dec}, (
                 name,
                 kind,
             )
             assert model.rnn_dtype == rnn_dtype
+
+
+def test_the_policy_decides_where_the_recurrent_layers_run_and_the_model_only_obeys():
+    """The bf16 cuDNN-RNN rule is the precision policy's: outside autocast under CUDA autocast to
+    bf16, real (a CUDA device) or emulated, nowhere else; the model runs what it is told, whatever
+    autocast it finds (told nothing, it leaves the RNN to emulated bf16 autocast: cuDNN's fp16)."""
+    cuda = torch.device("cuda")   # no GPU needed: the policy's decision reads the device's type
+    told = {
+        (name, device.type): PrecisionPolicy(
+            validate(compose_config(*f"precision={name}".split())).precision, device
+        ).rnn_outside_autocast
+        for name in ("fp32", "amp", "amp_bf16", "amp_bf16 precision.emulate=false", "bf16")
+        for device in (CPU, cuda)
+    }
+    assert {k for k, outside in told.items() if outside} == {
+        ("amp_bf16", "cpu"),
+        ("amp_bf16", "cuda"),
+        ("amp_bf16 precision.emulate=false", "cuda"),
+    }
+    policy = precision("amp_bf16")
+    with emulation.numerics(True):
+        model = RNNModel("gru", 20, 8, 8, 2)
+        assert not model.rnn_outside_autocast
+        seen, _ = dtypes_seen(model, policy)
+        assert seen["rnn"] == torch.float16   # not told: autocast's cuDNN RNN cast
+        assert policy.prepare_model(model).rnn_outside_autocast
+        assert dtypes_seen(model, policy)[0]["rnn"] == torch.float32
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh", "rnn_relu"])

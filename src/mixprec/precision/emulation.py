@@ -475,16 +475,6 @@ def autocast_off(device_type: str):
         _STATE["enabled"] = was
 
 
-def cuda_autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype CUDA autocast runs in here: the emulated one, else the real one on a CUDA device,
-    else None."""
-    return (
-        autocast_dtype(device_type)
-        if _STATE["dtype"] is not None or device_type == "cuda"
-        else None
-    )
-
-
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The active autocast dtype, emulated or real (None without autocast)."""
     if _STATE["dtype"] is not None:

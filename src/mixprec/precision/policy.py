@@ -175,9 +175,22 @@ class PrecisionPolicy:
                         m.float()
         if self.cfg.fp8_recipe is not None:
             self.fp8 = fp8.convert(model, self.cfg.fp8_recipe, self.device)
+        # a recurrent language model (models/rnnlm.py) is told where its recurrent layers run
+        if hasattr(model, "rnn_outside_autocast"):
+            model.rnn_outside_autocast = self.rnn_outside_autocast
         # cuDNN's one chunk, whatever the dtype change left (runtime/hardware.py)
         flatten_rnns(model)
         return model
+
+    @property
+    def rnn_outside_autocast(self) -> bool:
+        """Whether a recurrent model runs its recurrent layers outside autocast, in their weights'
+        dtype: under CUDA autocast to bf16, real or emulated. There autocast sends every RNN to
+        cuDNN in fp16 whatever the autocast dtype (aten/src/ATen/cudnn/AutocastRNN.cpp casts input,
+        hidden state and flat weights to half), which would be fp16 with no loss scale; outside it
+        the RNN runs in fp32 and the label's bf16 holds for the rest (the decoder)."""
+        cuda_policy = self.emulated or self.device.type == "cuda"
+        return self.autocast_dtype == torch.bfloat16 and cuda_policy
 
     # -- 3. what the optimizer steps ---------------------------------------------------------------
     def optimizer_params(self, model: nn.Module) -> list[torch.Tensor]:
