@@ -22,6 +22,7 @@ from mixprec.models.resnet9 import GhostBatchNorm
 from mixprec.models.rnnlm import RNNModel
 from mixprec.precision import emulation
 from mixprec.precision import modes
+from mixprec.precision.state import load_module_state
 
 pytestmark = pytest.mark.gpu
 GPU_TINY = [o for o in TINY if not o.startswith("trainer.device")]   # trainer.device=auto: the GPU
@@ -209,14 +210,14 @@ def test_the_gpu_rng_state_round_trips_on_the_jobs_device():
 
 @pytest.mark.parametrize("emulate", [False, True], ids=["plain", "emulated"])
 def test_an_lstm_checkpoint_loads_on_the_gpu_into_flat_cudnn_weights(emulate):
-    """checkpoint restores a model through emulation.load_module_state, which drops an RNN's weak
-    references to its weights around the load and rebuilds them (on a GPU: cuDNN's one flat weight
-    buffer). The loaded LSTM gives the saved one's output, with no warning that its weights are not
-    one contiguous chunk."""
+    """checkpoint restores a model through precision.state.load_module_state, which drops an RNN's
+    weak references to its weights around the load and rebuilds them (on a GPU: cuDNN's one flat
+    weight buffer). The loaded LSTM gives the saved one's output, with no warning that its weights
+    are not one contiguous chunk."""
     torch.manual_seed(0)
     saved, loaded = nn.LSTM(8, 16, 2).to(CUDA0), nn.LSTM(8, 16, 2).to(CUDA0)
     with emulation.numerics(emulate):
-        emulation.load_module_state(loaded, saved.state_dict())
+        load_module_state(loaded, saved.state_dict())
     x = torch.randn(5, 3, 8, device=CUDA0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

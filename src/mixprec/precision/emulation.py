@@ -498,18 +498,3 @@ def numerics(emulate: bool):
             yield
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
-
-
-def load_module_state(module: torch.nn.Module, state: dict) -> None:
-    """module.load_state_dict(state), also under `numerics` (where loading swaps each parameter's
-    contents too): an RNN keeps weak references to its weights, which torch.utils.swap_tensors
-    refuses to swap, so they are dropped before the load and rebuilt after it, as RNNBase._apply
-    does around .to() and .half()."""
-    rnns = [m for m in module.modules() if isinstance(m, torch.nn.RNNBase)]
-    for m in rnns:
-        m._flat_weight_refs = []
-    try:
-        module.load_state_dict(state)
-    finally:
-        for m in rnns:
-            m._init_flat_weights()

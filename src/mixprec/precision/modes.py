@@ -16,6 +16,11 @@ from . import fp8
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The modes of conf/precision/ in the order tables and plots list them, each plot colour following
+# its place (report/plots.py): fp32 first (the baseline), torch's modes, apex's opt levels, fp8, the
+# articles' modes. A mode not named here is listed after them, by name, in a colour of its own.
+MODES = ("fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3", "fp8",
+         "fastai_fp16", "apex_fp16", "apex_fp16_2018")
 
 
 def check_installed(cfg: PrecisionConfig) -> None:

@@ -38,7 +38,7 @@ import torch
 from ..runtime.defaults import RESOLVER
 from ..runtime.dist import SINGLE, Ranks
 from ..runtime.hardware import flatten_rnns
-from ..precision import emulation
+from ..precision.state import load_module_state
 from ..records import METRICS, SUMMARY, atomic_file
 
 CHECKPOINT = "checkpoint.pt"
@@ -301,9 +301,9 @@ class Checkpointer:
                 f"{self.ranks.world}; resume with as many ranks, or delete it to start over"
             )
         for name, part in self.parts.items():
-            # the model: emulation swaps its parameters' contents on load
+            # the model: emulated numerics swap its parameters' contents on load
             if isinstance(part, torch.nn.Module):
-                emulation.load_module_state(part, ckpt["parts"][name])
+                load_module_state(part, ckpt["parts"][name])
                 flatten_rnns(part)
             else:
                 part.load_state_dict(ckpt["parts"][name])
