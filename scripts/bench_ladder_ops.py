@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import cli, job
 from mixprec.runtime import dist
-from mixprec.train import loop as engine
+from mixprec.train.loop import Loop, LoopState, Window, flush, total_steps
 from mixprec.config import ConfigError, validate
 from mixprec.models.resnet9 import GhostBatchNorm
 from mixprec.precision import emulation
@@ -153,16 +153,16 @@ def count_step_ops(
     device = torch.device("cpu")
     with emulation.numerics(False):
         steps, batches, policy, optimizer, _ = job.image_parts(config, device, dist.SINGLE)
-        loop = engine.Loop(
+        loop = Loop(
             policy,
             optimizer,
             config.trainer,
-            engine.total_steps(config.trainer, len(batches)),
+            total_steps(config.trainer, len(batches)),
             progress=False,
         )
-        state, counter = engine.LoopState(steps_per_epoch=len(batches)), OpCounter()
+        state, counter = LoopState(steps_per_epoch=len(batches)), OpCounter()
         steps.start_epoch(0)
-        window, it = engine.Window(), iter(batches)
+        window, it = Window(), iter(batches)
         for i in range(warm + measure):
             with counter if i >= warm else contextlib.nullcontext():
                 x, y = next(it)
@@ -171,7 +171,7 @@ def count_step_ops(
             window.add(loss, correct, n)
         views = counter.views
         with counter:   # one flush per log_every steps: its ops per step
-            engine.flush(steps, window, loop, state)
+            flush(steps, window, loop, state)
     flush_ops = counter.parts.pop("flush", 0)
     per_step = {p: counter.parts.get(p, 0) / measure for p in PARTS if p != "flush"}
     per_step["flush"] = flush_ops / config.trainer.log_every

@@ -309,19 +309,19 @@ def counted_calls(monkeypatch, *targets) -> dict:
     (["precision=fp32"], 0),
 ])
 def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides, per_step):
-    """A cell runs a job's loop (engine.fit: a log window, its one flush): tests/test_speed.py's
+    """A cell runs a job's loop (loop.fit: a log window, its one flush): tests/test_speed.py's
     sync count for a job, here for a cell: 0 syncs in a steady fused-amp step, and the window
     flushed as a job flushes it."""
     from test_speed import SyncCounter
 
     import mixprec.train.images as images
-    import mixprec.train.loop as engine
+    from mixprec.train import loop
     from mixprec.numerics.probe import Attribution
 
     counter = SyncCounter(monkeypatch)
     counter.off_during(monkeypatch, Attribution, "see_batch")   # step 1's input check, once a run
     counter.on_during(monkeypatch, images.ImageSteps, "step")
-    calls = counted_calls(monkeypatch, (images.ImageSteps, "step"), (engine, "flush"))
+    calls = counted_calls(monkeypatch, (images.ImageSteps, "step"), (loop, "flush"))
     cfg, _ = bench.compose([*TINY, "dataset.image_size=8", *overrides])
     base, shape, classes = bench.build_base(cfg, torch.device("cpu"))
     cell = bench.time_cell(cfg, base, shape, classes, torch.device("cpu"), 2, 4)
@@ -372,10 +372,10 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
     """An OOM in one cell's step and a compile error in others: each recorded with its error, dynamo
     reset and the device's cache emptied after each (the failed cell's model freed first), the other
     cells timed; table.json and table.md name every failed cell."""
-    import mixprec.train.compile as compiled
+    from mixprec.train import compile
     import mixprec.train.images as images
 
-    forward, compile_model = images.forward, compiled.compile_model
+    forward, compile_model = images.forward, compile.compile_model
     resets, emptied, failed_models = [], [], []
 
     def oom_at_fp32_batch_4(model, x, policy):
@@ -389,7 +389,7 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
             raise RuntimeError(COMPILE_ERROR)
         return compile_model(model, mode)
     monkeypatch.setattr(images, "forward", oom_at_fp32_batch_4)
-    monkeypatch.setattr(compiled, "compile_model", compile_error)
+    monkeypatch.setattr(bench, "compile_model", compile_error)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
     monkeypatch.setattr(torch.cpu, "empty_cache",
                         lambda: emptied.append([m() for m in failed_models]), raising=False)

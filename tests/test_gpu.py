@@ -13,7 +13,7 @@ from torch import nn
 from helpers import TINY, compose_config, run_tiny, load_script
 from mixprec.train import checkpoint, prewarm
 from mixprec import data
-from mixprec.precision import policy as precision
+from mixprec.precision.policy import PrecisionPolicy
 from mixprec.config import validate
 from mixprec.train.loop import LoopState, TrainClock
 from mixprec.models import small_cnn
@@ -48,7 +48,7 @@ def test_o2_weights_equal_their_masters_after_a_step():
             "precision=o2", "precision.init_scale=1", "optimizer=sgd", "optimizer.lr=0.5"
         )
     )
-    policy = precision.PrecisionPolicy(config.precision, CUDA0)
+    policy = PrecisionPolicy(config.precision, CUDA0)
     model = policy.prepare_model(small_cnn(8, 10))
     opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
     x, y = torch.randn(16, 3, 32, 32, device=CUDA0), torch.randint(0, 10, (16,), device=CUDA0)
@@ -70,7 +70,7 @@ def test_tf32_then_fp32_jobs_in_one_process_record_their_flags(tmp_path):
 
 def test_an_amp_step_syncs_the_host_at_most_once():
     config = validate(compose_config("precision=amp", "optimizer=sgd"))
-    policy = precision.PrecisionPolicy(config.precision, CUDA0)
+    policy = PrecisionPolicy(config.precision, CUDA0)
     model = policy.prepare_model(small_cnn(8, 10))
     opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
     x, y = torch.randn(16, 3, 32, 32, device=CUDA0), torch.randint(0, 10, (16,), device=CUDA0)
@@ -107,7 +107,7 @@ def test_an_amp_step_syncs_the_host_at_most_once():
     ],
 )
 def test_the_rnn_runs_in_the_dtype_it_records(mode, rnn_dtype, cudnn):
-    policy = precision.PrecisionPolicy(
+    policy = PrecisionPolicy(
         validate(compose_config(f"precision={mode}")).precision, CUDA0
     )
     model = policy.prepare_model(RNNModel("lstm", 50, 16, 16, 2))
@@ -232,7 +232,7 @@ def test_an_rnn_job_never_runs_uncompacted_weights(mode):
     every call. bf16 weights too: flatten_parameters refuses bf16 (CUDNN_TENSOR_DTYPES) where ATen's
     RNN runs it on cuDNN (the H200 warning)."""
     config = validate(compose_config(f"precision={mode}", "model=lstm", "optimizer.momentum=0"))
-    policy = precision.PrecisionPolicy(config.precision, CUDA0)
+    policy = PrecisionPolicy(config.precision, CUDA0)
     tokens = torch.randint(0, 50, (7, 4), device=CUDA0)
     with warnings.catch_warnings():
         warnings.filterwarnings(

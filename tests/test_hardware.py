@@ -9,7 +9,7 @@ from helpers import ROOT, compose_config, load_script, run_tiny
 from mixprec.train import checkpoint
 from mixprec import data
 from mixprec.runtime import dist, hardware
-from mixprec.precision import policy as precision
+from mixprec.precision.policy import PrecisionPolicy
 from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.train.loop import LoopState
 from mixprec.models import small_cnn
@@ -159,7 +159,7 @@ def test_every_profile_names_only_cards_of_its_memory_and_no_card_has_two_profil
 
 
 def test_gpu_auto_on_an_unknown_card_logs_one_line_and_shows_no_mfu(caplog):
-    from mixprec import job as run
+    from mixprec import job
 
     config = validate(compose_config("gpu=auto", "trainer.device=cpu"))
     profile = hardware.gpu_profile(config.gpu, "NVIDIA L4")
@@ -168,7 +168,7 @@ def test_gpu_auto_on_an_unknown_card_logs_one_line_and_shows_no_mfu(caplog):
         hardware.mfu({"train_flops_per_sample": 3e9, "throughput": 2000.0}, profile, "fp32") is None
     )
     with caplog.at_level("INFO"):
-        run.warn_if_slow(config, torch.device("cpu"), profile)
+        job.warn_if_slow(config, torch.device("cpu"), profile)
     lines = [r.message for r in caplog.records if "NVIDIA L4" in r.message]
     assert len(lines) == 1 and "no profile in conf/gpu/ matches 'NVIDIA L4'" in lines[0]
     # a CPU job: no profile, nothing logged
@@ -207,7 +207,7 @@ def test_o2_copies_masters_back_one_dtype_per_foreach_call(monkeypatch):
         )
     )
     torch.manual_seed(0)
-    policy = precision.PrecisionPolicy(config.precision, torch.device("cpu"))
+    policy = PrecisionPolicy(config.precision, torch.device("cpu"))
     model = policy.prepare_model(small_cnn(4, 10))
     opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
     # conv fp16, BN fp32
@@ -234,7 +234,7 @@ def test_the_loss_scale_is_followed_on_the_host_as_gradscaler_moves_it():
         init_scale=8.0,
         growth_interval=2,
     )
-    policy = precision.PrecisionPolicy(cfg, torch.device("cpu"))
+    policy = PrecisionPolicy(cfg, torch.device("cpu"))
     w = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD(policy.optimizer_params(nn.ParameterList([w])), lr=0.1)
     skipped = []
@@ -393,7 +393,7 @@ def test_kernels_count_for_their_major_version_and_ptx_for_later_gpus(arch, cap,
 
 def test_fp32_weights_are_cpu_copies():
     config = validate(compose_config("precision=o2"))
-    policy = precision.PrecisionPolicy(config.precision, torch.device("cpu"))
+    policy = PrecisionPolicy(config.precision, torch.device("cpu"))
     model = policy.prepare_model(small_cnn(4, 10))
     policy.optimizer_params(model)
     state = policy.fp32_state_dict(model)

@@ -11,7 +11,8 @@ from mixprec.precision import emulation
 from torch import nn
 
 from helpers import ROOT, compose_config, run_cli, run_tiny, load_script
-from mixprec.train import loop as engine, lm as lm_engine
+from mixprec.train.loop import Loop, LoopState, fit, total_steps
+from mixprec.train import lm
 from mixprec.config import ConfigError, validate
 from mixprec.train.optim import build_schedule
 from mixprec.precision.policy import PrecisionPolicy
@@ -78,18 +79,18 @@ def precision(name):
 def train_lm(
     model, policy, optimizer, schedule, train, valid, test, trainer, bptt, log=lambda row: None
 ):
-    """The shared loop (engine.fit) with a language model's steps, as a job runs it."""
+    """The shared loop (loop.fit) with a language model's steps, as a job runs it."""
     windows = TokenWindows(train, bptt)
-    loop = engine.Loop(
+    loop = Loop(
         policy,
         optimizer,
         trainer,
-        engine.total_steps(trainer, len(windows)),
+        total_steps(trainer, len(windows)),
         log=log,
         progress=False,
     )
-    steps = lm_engine.LMSteps(model, schedule, valid, test, bptt, columns=train.size(1))
-    return engine.fit(steps, windows, loop, engine.LoopState())
+    steps = lm.LMSteps(model, schedule, valid, test, bptt, columns=train.size(1))
+    return fit(steps, windows, loop, LoopState())
 
 
 def test_windows_and_targets_line_up():
@@ -200,17 +201,17 @@ def test_perplexity_is_exp_of_the_mean_loss_per_token():
     # 14 rows, targets x + 1; windows of 5, 5, 3 rows
     source = batchify(torch.arange(29), 2)
     policy = precision("fp32")
-    loss = lm_engine.evaluate(Fixed(q, vocab), source, 5, policy)
+    loss = lm.evaluate(Fixed(q, vocab), source, 5, policy)
     # every input that has a target, each counted once
     targets_from = source[:-1].flatten()
     expected = -torch.log(q[targets_from].double()).mean().item()
     assert loss == pytest.approx(expected, rel=1e-6)
-    assert lm_engine.perplexity(loss) == pytest.approx(math.exp(expected), rel=1e-6)
+    assert lm.perplexity(loss) == pytest.approx(math.exp(expected), rel=1e-6)
     uniform = Fixed(torch.full((vocab,), 1 / vocab), vocab)
-    assert lm_engine.perplexity(lm_engine.evaluate(uniform, source, 5, policy)) == pytest.approx(
+    assert lm.perplexity(lm.evaluate(uniform, source, 5, policy)) == pytest.approx(
         vocab, rel=1e-5
     )
-    assert lm_engine.perplexity(1e4) == math.inf and math.isnan(lm_engine.perplexity(math.nan))
+    assert lm.perplexity(1e4) == math.inf and math.isnan(lm.perplexity(math.nan))
 
 
 def test_what_cpu_autocast_does_with_the_recurrent_layers():
@@ -595,7 +596,7 @@ def test_rnn_weights_are_compacted_after_a_checkpoint_load(tmp_path, monkeypatch
             models = [m.half() for m in models]
         saver = Checkpointer(tmp_path, meta={})
         saver.parts["model"] = models[0]
-        state = engine.LoopState()
+        state = LoopState()
         saver.save(state)
     # as checkpoint.read: before the numerics
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)

@@ -11,7 +11,7 @@ from helpers import TINY, compose_config, run_tiny
 from test_probe import Scale
 from mixprec.train import loop as engine
 from mixprec.config import ConfigError, PrecisionConfig, ProbeConfig, TrainerConfig, validate
-from mixprec.numerics import events as ev
+from mixprec.numerics import events
 from mixprec.numerics import verdicts
 from mixprec.numerics.probe import NUMERICS, build_probe
 from mixprec.precision.policy import PrecisionPolicy
@@ -106,14 +106,15 @@ def test_a_cutout_as_large_as_the_image_is_refused_in_one_line_unless_meant():
 
 def test_batch_findings():
     y = torch.arange(4)
-    assert [f["what"] for f in ev.batch_findings(torch.zeros(4, 3, 8, 8), y)] == ["batch all zeros"]
-    assert [f["what"] for f in ev.batch_findings(torch.full((4, 3, 8, 8), 0.5), y)] == [
+    blank = events.batch_findings(torch.zeros(4, 3, 8, 8), y)
+    assert [f["what"] for f in blank] == ["batch all zeros"]
+    assert [f["what"] for f in events.batch_findings(torch.full((4, 3, 8, 8), 0.5), y)] == [
         "batch constant"
     ]
     each = torch.arange(4.0).view(4, 1, 1, 1).expand(4, 3, 8, 8)
-    assert [f["what"] for f in ev.batch_findings(each, torch.zeros(4, dtype=torch.long))] == [
+    assert [f["what"] for f in events.batch_findings(each, torch.zeros(4, dtype=torch.long))] == [
         "every image constant", "labels constant"]
-    assert ev.batch_findings(torch.randn(4, 3, 8, 8), y) == []
+    assert events.batch_findings(torch.randn(4, 3, 8, 8), y) == []
 
 
 # -- each verdict made to happen -------------------------------------------------------------------
@@ -311,7 +312,7 @@ def test_blank_inputs_that_do_not_diverge_are_the_verdict(tmp_path):
 def test_no_rule_fits_says_so(tmp_path):
     n = {
         "first_nonfinite": {
-            **ev.event(3, "forward", "3", "float32", "NaN"),
+            **events.event(3, "forward", "3", "float32", "NaN"),
             "module_type": "NanFrom",
         },
         "inputs": [],
@@ -372,7 +373,7 @@ def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path)
     from mixprec.tools import replay
 
     cfg = validate(compose_config(*TINY8, "probe=none"))
-    e = {**ev.event(2, "update", "0", "float16", None), "tensor": "weights"}
+    e = {**events.event(2, "update", "0", "float16", None), "tensor": "weights"}
     summary = {
         "status": "diverged",
         "nonfinite": {"step": 2},

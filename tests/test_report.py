@@ -562,7 +562,7 @@ def test_a_source_with_no_matching_job_takes_one_line(tmp_path):
     and against a source that lists it but whose values match none of its jobs: each such source
     is one line naming the commands that run its jobs (the plan's sweeps), not a table of
     "missing" rows; in report.md and in the W&B Report's table alike."""
-    from mixprec.tools import plan as P
+    from mixprec.tools import plan
     from mixprec.report.wandb_report import _comparison_markdown
 
     write_job(tmp_path / "runs", "fp32", "fp32", 10.0, emulated=False)
@@ -571,9 +571,9 @@ def test_a_source_with_no_matching_job_takes_one_line(tmp_path):
     md = (tmp_path / "report" / "report.md").read_text()
     assert "missing: no run yet" not in md and "### fastai_2080ti" not in md
     (fastai,) = [line for line in md.splitlines() if "fastai_2080ti" in line]
-    article = next(a for a in P.load_plan().articles if a.id == "fastai_2080ti")
+    article = next(a for a in plan.load_plan().articles if a.id == "fastai_2080ti")
     assert fastai.startswith("- `fastai_2080ti` (") and "no job here matches its" in fastai
-    assert all(f"`{P.full_command(s)}`" in fastai for s in article.sweeps)
+    assert all(f"`{plan.full_command(s)}`" in fastai for s in article.sweeps)
     assert sum("no job here matches" in line for line in md.splitlines()) == 5   # the 5 shipped
 
     published = tmp_path / "published"

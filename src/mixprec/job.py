@@ -336,7 +336,7 @@ def open_mirror(
     run."""
     if config.logger.name != "wandb" or config.logger.mode == "disabled":
         return None
-    from .records.wandb_mirror import WandbMirror
+    from .records.wandb_mirror import WandbMirror   # lazy: wandb (optional, slow to import)
 
     mirror = WandbMirror(
         config.logger,
