@@ -314,7 +314,7 @@ def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides
     flushed as a job flushes it."""
     from test_speed import SyncCounter
 
-    import mixprec.train.images as images
+    from mixprec.train import images
     from mixprec.train import loop
     from mixprec.numerics.probe import Attribution
 
@@ -333,7 +333,7 @@ def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides
 def layouts_seen(monkeypatch) -> list:
     """Records the memory layout of every batch the loop's forward gets (images.forward: the
     step's)."""
-    import mixprec.train.images as images
+    from mixprec.train import images
 
     seen, forward = [], images.forward
 
@@ -373,7 +373,7 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
     reset and the device's cache emptied after each (the failed cell's model freed first), the other
     cells timed; table.json and table.md name every failed cell."""
     from mixprec.train import compile
-    import mixprec.train.images as images
+    from mixprec.train import images
 
     forward, compile_model = images.forward, compile.compile_model
     resets, emptied, failed_models = [], [], []
@@ -429,7 +429,7 @@ def test_a_cuda_table_cell_makes_no_sync_in_an_amp_step_and_measures_gpu_busy(be
     reads found-inf at once gave '-'), its peak memory too."""
     import warnings
 
-    import mixprec.train.images as images
+    from mixprec.train import images
     step = images.ImageSteps.step
 
     def watched(*args, **kwargs):
