@@ -153,7 +153,10 @@ def count_step_ops(
     torch.manual_seed(config.seed)
     device = torch.device("cpu")
     with emulation.numerics(False):
-        steps, batches, policy, optimizer, _ = job.image_parts(config, device, dist.SINGLE)
+        # one process: each rank's batch is the whole batch
+        steps, batches, policy, optimizer, _ = job.image_parts(
+            config, device, dist.SINGLE, config.trainer.batch_size
+        )
         loop = engine.Loop(
             policy,
             optimizer,
