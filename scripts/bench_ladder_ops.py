@@ -15,9 +15,9 @@ job's own parts (job.image_parts: loaders, model, policy, optimizer, schedule, E
 loop.run_epoch drives them: the next batch, ImageSteps.step, and every trainer.log_every steps the
 flush (amortised per step). --warm steps run uncounted first (the optimizer's state is made at the
 first step). Parts: data (the batch's augmentation and normalisation), forward (of which ghost BN:
-GhostBatchNorm.forward), loss, backward, precision (the policy's step: casts, loss scaling),
-optimizer, ema, schedule, bookkeeping (the step's detached loss and correct count), flush (the log
-window's checks, per step), other.
+GhostBatchNorm.forward), loss, backward, precision (step.py's loss scaler and policy lines: casts,
+loss scaling, master copies, clipping), optimizer, ema, schedule, bookkeeping (the step's detached
+loss and correct count), flush (the log window's checks, per step), other.
 """
 from __future__ import annotations
 
@@ -63,8 +63,9 @@ RULES = [
     ("torch/optim/lr_scheduler.py", None, "schedule"),
     ("mixprec/train/optim.py", None, "schedule"),
     ("torch/optim/", None, "optimizer"),
-    ("mixprec/precision/policy.py", {"backward"}, "backward"),
+    ("torch/_tensor.py", {"backward"}, "backward"),
     ("mixprec/precision/policy.py", None, "precision"),
+    ("mixprec/train/step.py", {"backward_and_step"}, "precision"),
     ("mixprec/train/step.py", {"forward"}, "forward"),
     ("mixprec/train/loop.py", {"flush", "check_window", "all_finite", "row"}, "flush"),
     ("mixprec/train/images.py", {"step"}, "bookkeeping"),
@@ -152,7 +153,10 @@ def count_step_ops(
     torch.manual_seed(config.seed)
     device = torch.device("cpu")
     with emulation.numerics(False):
-        steps, batches, policy, optimizer, _ = job.image_parts(config, device, dist.SINGLE)
+        # one process: each rank's batch is the whole batch
+        steps, batches, policy, optimizer, _ = job.image_parts(
+            config, device, dist.SINGLE, config.trainer.batch_size
+        )
         loop = Loop(
             policy,
             optimizer,

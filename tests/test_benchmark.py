@@ -331,17 +331,17 @@ def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides
 
 
 def layouts_seen(monkeypatch) -> list:
-    """Records the memory layout of every batch the loop's forward gets (images.forward: the
-    step's)."""
-    from mixprec.train import images
+    """Records the memory layout of every batch the loop's forward gets (step.forward, which the
+    step's image_forward calls)."""
+    from mixprec.train import step
 
-    seen, forward = [], images.forward
+    seen, forward = [], step.forward
 
     def recorded(model, x, policy):
         nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
         seen.append("channels_last" if nhwc else "nchw" if x.is_contiguous() else "other")
         return forward(model, x, policy)
-    monkeypatch.setattr(images, "forward", recorded)
+    monkeypatch.setattr(step, "forward", recorded)
     return seen
 
 
@@ -373,9 +373,9 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
     reset and the device's cache emptied after each (the failed cell's model freed first), the other
     cells timed; table.json and table.md name every failed cell."""
     from mixprec.train import compile
-    from mixprec.train import images
+    from mixprec.train import step
 
-    forward, compile_model = images.forward, compile.compile_model
+    forward, compile_model = step.forward, compile.compile_model
     resets, emptied, failed_models = [], [], []
 
     def oom_at_fp32_batch_4(model, x, policy):
@@ -388,7 +388,7 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
         if mode == "default":
             raise RuntimeError(COMPILE_ERROR)
         return compile_model(model, mode)
-    monkeypatch.setattr(images, "forward", oom_at_fp32_batch_4)
+    monkeypatch.setattr(step, "forward", oom_at_fp32_batch_4)
     monkeypatch.setattr(bench, "compile_model", compile_error)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
     monkeypatch.setattr(torch.cpu, "empty_cache",
@@ -415,7 +415,7 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
     md = (out / "table.md").read_text()
     assert md.count("| failed |") == 5 and "Failed cells (5)" in md
     assert f"- small_cnn fp32 batch 4 compile none: OutOfMemoryError: {OOM}" in md
-    monkeypatch.setattr(images, "forward", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(step, "forward", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):   # a user's Ctrl-C still ends the table
         bench.main(["table", "--models", "small_cnn", "--precisions", "fp32", "--batches", "4",
                     *TINY, "dataset.image_size=8", "--steps", "1", "--warmup", "1"])

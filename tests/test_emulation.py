@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.precision import emulation
 from mixprec.precision.emulation import Emulated
+from mixprec.train.step import backward_and_step
 
 LOW = [torch.float16, torch.bfloat16]
 aten = torch.ops.aten
@@ -618,8 +619,7 @@ def train_losses(
                 with policy.autocast():
                     out = model(policy.cast_input(x))
                 loss = F.cross_entropy(out.float(), y)
-            policy.backward(loss)
-            policy.step(opt)
+            backward_and_step(loss, policy, opt)
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
     return losses

@@ -18,6 +18,7 @@ from mixprec.config import validate
 from mixprec.train.loop import LoopState, TrainClock
 from mixprec.models import small_cnn
 from mixprec.train.optim import build_optimizer
+from mixprec.train.step import backward_and_step
 from mixprec.models.resnet9 import GhostBatchNorm
 from mixprec.models.rnnlm import RNNModel
 from mixprec.precision import emulation
@@ -52,8 +53,8 @@ def test_o2_weights_equal_their_masters_after_a_step():
     model = policy.prepare_model(small_cnn(8, 10))
     opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
     x, y = torch.randn(16, 3, 32, 32, device=CUDA0), torch.randint(0, 10, (16,), device=CUDA0)
-    policy.backward(nn.functional.cross_entropy(model(policy.cast_input(x)).float(), y))
-    assert policy.step(opt) is False
+    loss = nn.functional.cross_entropy(model(policy.cast_input(x)).float(), y)
+    assert backward_and_step(loss, policy, opt) is False
     # BN stays fp32
     assert {p.dtype for p in policy.model_params} == {torch.float16, torch.float32}
     for p, master in zip(policy.model_params, policy.master_params):
@@ -78,8 +79,7 @@ def test_an_amp_step_syncs_the_host_at_most_once():
     def step():
         with policy.autocast():
             out = model(policy.cast_input(x))
-        policy.backward(nn.functional.cross_entropy(out.float(), y))
-        policy.step(opt)
+        backward_and_step(nn.functional.cross_entropy(out.float(), y), policy, opt)
         opt.zero_grad(set_to_none=True)
 
     for _ in range(3):   # warm-up: lazy init, autotuning

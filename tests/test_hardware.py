@@ -14,6 +14,7 @@ from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.train.loop import LoopState
 from mixprec.models import small_cnn
 from mixprec.train.optim import build_optimizer
+from mixprec.train.step import backward_and_step
 from mixprec.models.resnet9 import GhostBatchNorm, ResNet9
 from mixprec.precision import modes
 
@@ -218,8 +219,8 @@ def test_o2_copies_masters_back_one_dtype_per_foreach_call(monkeypatch):
         torch, "_foreach_copy_", lambda dst, src: (calls.append((dst, src)), real(dst, src))[1]
     )
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
-    policy.backward(nn.functional.cross_entropy(model(policy.cast_input(x)).float(), y))
-    assert policy.step(opt) is False
+    loss = nn.functional.cross_entropy(model(policy.cast_input(x)).float(), y)
+    assert backward_and_step(loss, policy, opt) is False
     assert len(calls) == 2 and all(len({t.dtype for t in dst}) == 1 for dst, _ in calls)
     # every weight = its master in its dtype
     for p, master in zip(policy.model_params, policy.master_params):
@@ -240,8 +241,7 @@ def test_the_loss_scale_is_followed_on_the_host_as_gradscaler_moves_it():
     skipped = []
     for bad in [False, False, True, False, True, True, False, False, False]:
         loss = (w * (float("inf") if bad else 1.0)).sum()
-        policy.backward(loss)
-        skipped.append(policy.step(opt))
+        skipped.append(backward_and_step(loss, policy, opt))
         opt.zero_grad()
         # GradScaler's own value (a sync: the test only)
         assert policy.scale_value == policy.scaler.get_scale()

@@ -146,10 +146,14 @@ def test_clipping_under_a_loss_scale_clips_the_unscaled_gradient(name):
     policy.prepare_model(model)
     optimizer = torch.optim.SGD(policy.optimizer_params(model), lr=1.0)
     g = torch.tensor([3e-3, 4e-3])
-    policy.backward((model.w.float() * g).sum())
-    assert policy.scale_value > 1
-    assert model.w.grad.float().norm().item() == pytest.approx(5e-3 * policy.scale_value, rel=1e-3)
-    assert not policy.step(optimizer, grad_clip=1e-3)
+    scale = policy.scale_value
+    assert scale > 1
+    norms = []   # the model's gradient norm after the backward, still scaled
+    seen = lambda: norms.append(model.w.grad.float().norm().item())
+    assert not step.backward_and_step(
+        (model.w.float() * g).sum(), policy, optimizer, grad_clip=1e-3, after_backward=seen
+    )
+    assert norms == [pytest.approx(5e-3 * scale, rel=1e-3)]
     stepped = policy.stepped_params()[0]
     assert stepped.dtype == torch.float32 and torch.allclose(
         stepped.detach(), -g / 5, rtol=2e-3, atol=0

@@ -15,6 +15,7 @@ from mixprec.config import PrecisionConfig, ProbeConfig, TrainerConfig
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.numerics.probe import NUMERICS, build_probe
 from mixprec.train import images
+from mixprec.train.step import backward_and_step
 
 CPU = torch.device("cpu")
 TINY8 = [*TINY, "dataset.image_size=8", "trainer.device=cpu"]
@@ -256,9 +257,8 @@ def manual_steps(model, policy, probe, loss_fn, steps=1, lr=0.0):
         with policy.autocast():
             out = model(policy.cast_input(x))
         loss = loss_fn(out.float())
-        policy.backward(loss)
-        probe.after_backward(step, loss, policy, lambda: model(x))
-        skipped = policy.step(opt)
+        probed = lambda: probe.after_backward(step, loss, policy, lambda: model(x))
+        skipped = backward_and_step(loss, policy, opt, after_backward=probed)
         probe.after_step(step, policy, skipped)
         opt.zero_grad(set_to_none=True)
     probe.close()
@@ -406,9 +406,8 @@ def test_a_skipped_step_lists_the_parameters_with_nonfinite_gradients(tmp_path):
     probe = build_probe(ProbeConfig(name="none"), model, tmp_path)
     probe.before_step(1, policy)
     loss = (model(x.half()).float() ** 2).mean() / 2
-    policy.backward(loss)
-    probe.after_backward(1, loss, policy, None)
-    skipped = policy.step(opt)
+    probed = lambda: probe.after_backward(1, loss, policy, None)
+    skipped = backward_and_step(loss, policy, opt, after_backward=probed)
     probe.after_step(1, policy, skipped)
     assert skipped
     assert probe.summary()["skipped_steps"] == [

@@ -13,6 +13,7 @@ from mixprec.config import ConfigError, validate
 from mixprec.models import small_cnn
 from mixprec.train.optim import build_optimizer
 from mixprec.precision.policy import PrecisionPolicy
+from mixprec.train.step import backward_and_step
 from mixprec.numerics.probe import Attribution
 
 SMALL = [
@@ -219,14 +220,13 @@ def test_a_fused_step_under_gradscaler_still_reports_its_skip():
     before = [p.detach().clone() for p in model.parameters()]
     with policy.autocast():
         loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-    policy.backward(loss * float("inf"))
-    assert policy.step(opt) is True and policy.scale_value == 65536.0 / 2
+    assert backward_and_step(loss * float("inf"), policy, opt) is True
+    assert policy.scale_value == 65536.0 / 2
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     opt.zero_grad(set_to_none=True)
     with policy.autocast():
         loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-    policy.backward(loss)
-    assert policy.step(opt) is False
+    assert backward_and_step(loss, policy, opt) is False
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
