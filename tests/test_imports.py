@@ -175,7 +175,6 @@ LAZY = {
     ("mixprec.cli", "mixprec.data.files"): NO_TORCH,
     ("mixprec.cli", "mixprec.train.checkpoint"): NO_TORCH,
     ("mixprec.job", "mixprec.records.wandb_mirror"): OPTIONAL_WANDB,
-    ("mixprec.job", "mixprec.config"): "evaluate_saved's, to move with that function's rewrite",
     ("mixprec.precision.fp8", "torchao.float8"): "torchao: optional (the fp8 extra)",
     ("mixprec.precision.fp8", "torchao.float8.float8_linear"): "torchao: optional (the fp8 extra)",
     ("mixprec.records.wandb_mirror", "wandb"): OPTIONAL_WANDB,
