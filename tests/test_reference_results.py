@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from helpers import ROOT, load_script
-from mixprec.tools import plan as P
+from mixprec.tools.plan import PlanError, load_plan, merge_overrides
 from mixprec.config import validate_job
 from mixprec.report.analyse import paired_difference, t975
 from mixprec.report.published import load_sources
@@ -26,7 +26,7 @@ def test_every_value_of_the_cpu_plan_composes_and_every_published_value_is_accou
     validated once (37 jobs) instead of every job of the product (93), as reproduce.py's
     job_configs composes a job."""
     reproduce = load_script("reproduce")
-    plan = P.load_plan(CPU_PLAN)
+    plan = load_plan(CPU_PLAN)
     args = reproduce.parse(["--plan-file", str(CPU_PLAN), "dataset.data_dir=/nowhere"])
     sources = {s.id: s for s in load_sources()}
     assert {a.id for a in plan.articles} == set(sources)
@@ -36,7 +36,7 @@ def test_every_value_of_the_cpu_plan_composes_and_every_published_value_is_accou
             over = reproduce.sweep_overrides(plan, s, args)
             for job in diagonal_jobs(s):
                 c = reproduce.compose(
-                    tuple(P.merge_overrides(over, [f"{k}={v}" for k, v in job.items()]))
+                    tuple(merge_overrides(over, [f"{k}={v}" for k, v in job.items()]))
                 )
                 assert c["trainer"]["device"] == "auto"
                 validate_job(c)
@@ -50,7 +50,7 @@ def test_every_value_of_the_cpu_plan_composes_and_every_published_value_is_accou
 @pytest.mark.slow   # 93 compositions; the quick twin above composes each grid value once
 def test_the_cpu_plan_composes_every_job_and_accounts_for_every_published_value():
     reproduce = load_script("reproduce")
-    plan = P.load_plan(CPU_PLAN)
+    plan = load_plan(CPU_PLAN)
     args = reproduce.parse(["--plan-file", str(CPU_PLAN), "dataset.data_dir=/nowhere"])
     sources = {s.id: s for s in load_sources()}
     assert {a.id for a in plan.articles} == set(sources)
@@ -85,8 +85,8 @@ def test_the_cpu_plan_composes_every_job_and_accounts_for_every_published_value(
 def test_a_stand_in_needs_a_match_and_a_reason(tmp_path):
     bad = tmp_path / "plan.yaml"
     bad.write_text("articles: [{id: a, sweeps: [], stand_ins: {x: {match: {precision: amp}}}}]\n")
-    with pytest.raises(P.PlanError, match=r"stand_ins: a mapping of published value id -> \{match"):
-        P.load_plan(bad)
+    with pytest.raises(PlanError, match=r"stand_ins: a mapping of published value id -> \{match"):
+        load_plan(bad)
 
 
 def test_paired_difference_is_students_interval():
@@ -107,7 +107,7 @@ def test_calibration_on_stand_in_data_leaves_out_the_users_data_dir(tmp_path):
     """The stand-in is synthetic data, which has no data_dir: `reproduce.py dataset.data_dir=/data`
     must not fail its calibration (it did: "Key 'data_dir' is not in struct")."""
     reproduce = load_script("reproduce")
-    plan = P.load_plan(CPU_PLAN).only(["half_pitfalls"])
+    plan = load_plan(CPU_PLAN).only(["half_pitfalls"])
     args = reproduce.parse(["--plan-file", str(CPU_PLAN), "dataset.data_dir=/nowhere", "seed=3"])
     args.calibrate, commands = "first", []
     reproduce.spawn = lambda cmd, *a, **k: (commands.append(cmd), (0, 1.0))[1]
