@@ -349,3 +349,48 @@ def test_fp8_all_gather_gpt_compiled_on_two_ranks(tmp_path):
     assert s["metrics"]["compiled_graphs"] >= 1 and s["metrics"]["eager_calls"] == 0
     losses = rows(tmp_path / "fp8")
     assert losses[-1] < losses[0]
+
+
+GPU_GPT = [o for o in GPT_TINY if not o.startswith("trainer.device")]   # auto: the GPU
+ADAMW = ["optimizer=adamw", "optimizer.lr=3e-3"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "amp_bf16", "amp", "o2", "apex_fp16", "fp8"])
+def test_gpu_one_rank_fsdp_job_per_precision_mode(tmp_path, mode):
+    """A 1-GPU FSDP job (NCCL in a 1-rank group) per mode FSDP expresses: it completes on cuda:0 in
+    native arithmetic and trains; fp8 all-gathers in float8 (emulated matmuls below sm_89)."""
+    s = run_tiny(tmp_path, f"precision={mode}", *FSDP, *ADAMW, base=GPU_GPT)
+    assert s["status"] == "completed", s.get("error")
+    assert s["env"]["device"] == "cuda:0" and s["arithmetic"] == "native"
+    losses = rows(tmp_path)
+    assert losses[-1] < losses[0]
+    if mode == "fp8":
+        native = torch.cuda.get_device_capability(0) >= (8, 9)
+        assert s["fp8"]["fsdp_float8_all_gather"] is True and s["fp8"]["fp8_emulated"] is not native
+
+
+@pytest.mark.gpu
+def test_gpu_one_rank_fsdp_fp32_equals_one_process(tmp_path):
+    one = run_tiny(tmp_path / "one", *SGD, base=GPU_GPT)
+    solo = run_tiny(tmp_path / "solo", *SGD, *FSDP, base=GPU_GPT)
+    assert one["status"] == solo["status"] == "completed"
+    assert rows(tmp_path / "solo") == pytest.approx(rows(tmp_path / "one"), rel=1e-6, abs=0)
+    assert_same_weights(weights(tmp_path / "solo"), weights(tmp_path / "one"), atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL across 2 GPUs needs 2 GPUs")
+def test_gpu_two_nccl_ranks_fsdp_equal_one_process_and_skip_alike(tmp_path):
+    """The CPU tests' assertions on 2 GPUs (NCCL): fp32 FSDP against one process, and fp16 loss
+    scaling skipping the steps and scales of one process."""
+    two = job([*GPU_GPT, *SGD, *FSDP], tmp_path / "two", tmp_path)
+    assert two["distributed"]["backend"] == "nccl"
+    assert run_tiny(tmp_path / "one", *SGD, base=GPU_GPT)["status"] == "completed"
+    assert rows(tmp_path / "two") == pytest.approx(rows(tmp_path / "one"), rel=1e-5, abs=0)
+    assert_same_weights(weights(tmp_path / "two"), weights(tmp_path / "one"), atol=1e-5)
+    amp = ["precision=amp", "precision.init_scale=16777216", "precision.growth_interval=2",
+           "trainer.log_every=1", "trainer.max_steps=8", *ADAMW]
+    job([*GPU_GPT, *amp, *FSDP], tmp_path / "amp2", tmp_path)
+    run_tiny(tmp_path / "amp1", *amp, base=GPU_GPT)
+    assert rows(tmp_path / "amp2", "loss_scale") == rows(tmp_path / "amp1", "loss_scale")
