@@ -394,3 +394,31 @@ def test_gpu_two_nccl_ranks_fsdp_equal_one_process_and_skip_alike(tmp_path):
     job([*GPU_GPT, *amp, *FSDP], tmp_path / "amp2", tmp_path)
     run_tiny(tmp_path / "amp1", *amp, base=GPU_GPT)
     assert rows(tmp_path / "amp2", "loss_scale") == rows(tmp_path / "amp1", "loss_scale")
+
+
+def test_resnet_stages_and_gpt_blocks_are_units_and_batchnorm_computes_in_fp32(tmp_path):
+    """One rank (FSDP's path, a 1-rank group): torchvision ResNet-18 is sharded per stage and its
+    BatchNorm layers (precision=amp_bf16 keeps them fp32) are fp32 units, so in the forward a
+    stage's convolutions see bf16 weights, BatchNorm fp32 weights, and the root returns fp32
+    logits; the GPT's units are its blocks."""
+    from mixprec.models import build_model
+
+    config = validate(compose_config("logger=none", *FSDP, "model=resnet18", "precision=amp_bf16"))
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build_model(config.model, 10)
+        assert [name for name, m in model.named_children() if m in shard.units(model)] == \
+            ["layer1", "layer2", "layer3", "layer4"]
+        shard.shard(model, config.precision, torch.device("cpu"))
+        seen = {}
+        for name in ("layer1.0.conv1", "layer1.0.bn1", "bn1", "fc"):
+            model.get_submodule(name).register_forward_hook(
+                lambda m, args, out, name=name: seen.__setitem__(name, m.weight.dtype))
+        out = model(torch.randn(2, 3, 32, 32))
+        assert seen == {"layer1.0.conv1": torch.bfloat16, "layer1.0.bn1": torch.float32,
+                        "bn1": torch.float32, "fc": torch.bfloat16}
+        assert out.dtype == torch.float32
+        gpt = GPT(64, 3, 2, 32, 16)
+        assert shard.units(gpt) == list(gpt.blocks)
+    finally:
+        tdist.destroy_process_group()
