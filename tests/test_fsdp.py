@@ -1,5 +1,5 @@
 """trainer.strategy=fsdp (FSDP2, train/shard.py, precision/sharded.py) on the CPU: real jobs on 2
-gloo ranks under torchrun, 2 forked gloo ranks for what one job cannot show (per-rank bytes, an
+gloo ranks under torchrun, 2 spawned gloo ranks for what one job cannot show (per-rank bytes, an
 overflow in one rank's shard), and the one-line refusals."""
 import json
 import os
@@ -112,9 +112,10 @@ def test_fsdp_fp32_equals_ddp_exactly_and_one_process(tmp_path):
 
 
 def on_ranks(fn, *args, world=2):
-    """fn(rank, *args) on `world` forked gloo ranks."""
+    """fn(rank, *args) on `world` gloo ranks, spawned: a fork of this process after an in-process
+    FSDP job (its gloo group's threads) can hang."""
     torch.multiprocessing.start_processes(_rank_main, args=(world, free_port(), fn, args),
-                                          nprocs=world, start_method="fork")
+                                          nprocs=world, start_method="spawn")
 
 
 def _rank_main(rank, world, port, fn, args):
