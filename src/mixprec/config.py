@@ -49,12 +49,19 @@ class TrainerConfig:
     prewarm_steps: Union[int, Literal["auto"]] = "auto"
     # torch.compile mode (train/compile.py)
     compile: Literal["none", "default", "max-autotune", "reduce-overhead"] = "none"
+    # how the ranks share the model: auto = DDP under torchrun, one process otherwise; fsdp = FSDP2
+    # (fully_shard: parameters, gradients and optimizer state sharded), also on one rank
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp"
 
     def prewarm_for(self, device_type: str) -> int:
         """prewarm_steps, with auto resolved: 3 on an accelerator (autotuning, lazy init), 0 on a
-        CPU."""
+        CPU and under FSDP (prewarm's deep copy of a sharded model is not one it can step)."""
         return (
-            (0 if device_type == "cpu" else 3)
+            (0 if device_type == "cpu" or self.sharded else 3)
             if self.prewarm_steps == "auto"
             else self.prewarm_steps
         )
@@ -306,6 +313,9 @@ class PrecisionConfig:
     # are copied to the masters and unscaled, the threshold applying to the scaled norm: apex
     # word_language_model main.py@28bdc04e:180
     clip_scaled_model_grads: bool = False
+    # trainer.strategy=fsdp only: the dtype gradients are reduced in across ranks (FSDP's
+    # MixedPrecisionPolicy.reduce_dtype); null = float32, the rule for sharded jobs
+    reduce_dtype: Optional[Literal["float32", "bfloat16"]] = None
 
     def check(self) -> None:
         if self.fp8_recipe is not None:
@@ -539,11 +549,52 @@ class Config:
 
     def check(self) -> None:
         self.trick.check_for(self.model.arch, self.trainer.batch_size)
+        self.check_strategy()
         if self.model.arch == "gpt" and self.dataset.bptt > self.model.block_size:
             raise ConfigError(
                 f"dataset.bptt={self.dataset.bptt}: a gpt window must fit its context, "
                 f"model.block_size={self.model.block_size}; lower bptt or raise block_size"
             )
+
+    def check_strategy(self) -> None:
+        """What FSDP (trainer.strategy=fsdp) cannot express, refused in one line before any work:
+        its parameters are fp32 shards (the masters) that it casts to the mode's low dtype for
+        compute, so a mode without fp32 masters, one whose arithmetic is emulated, or one that
+        clips the low-precision copies has no meaning there; see docs/fsdp.md."""
+        p, tr, name = self.precision, self.trainer, f"precision={self.precision.name}"
+        if not tr.sharded:
+            if p.reduce_dtype is not None:
+                raise ConfigError(
+                    f"precision.reduce_dtype={p.reduce_dtype}: only sharded jobs choose it "
+                    "(trainer.strategy=fsdp); DDP reduces gradients in their own dtype"
+                )
+            return
+        refusals = (
+            (self.model.arch in RNN_KINDS, f"model={self.model.arch}: FSDP shards the GPT and "
+             "the image models; a recurrent model trains in one process (trainer.strategy=auto)"),
+            (p.param_dtype != "float32" and not p.master_weights,
+             f"{name}: its weights live in {p.param_dtype} without fp32 masters, but FSDP's "
+             "sharded parameters are the fp32 masters; use precision=amp_bf16 (bfloat16) or amp "
+             "(float16)"),
+            (p.clip_scaled_model_grads, f"{name}: it clips the fp16 model's scaled gradients, "
+             "which FSDP does not keep apart from the fp32 masters; use precision=apex_fp16"),
+            (p.emulate is True, f"{name} with precision.emulate=true: FSDP casts the weights to "
+             "real fp16/bf16 tensors, which the emulation cannot wrap; use precision.emulate=auto "
+             "(native fp16/bf16 kernels under FSDP)"),
+            (self.trick.ema, "trick.ema=true: the averaged copy of a sharded model is not "
+             "supported under trainer.strategy=fsdp; use trick.ema=false"),
+            (tr.sync_bn, "trainer.sync_bn=true: SyncBatchNorm is DDP's; under "
+             "trainer.strategy=fsdp use sync_bn=false"),
+            (tr.resume == "auto", "trainer.resume=auto: a sharded job's checkpoint holds "
+             "rank 0's shards only, which no job can resume from; use trainer.resume=never"),
+            (self.probe.name == "ranges", "probe=ranges: the probe's hooks read whole layers, "
+             "which FSDP holds as shards; under trainer.strategy=fsdp use probe=none"),
+            (tr.prewarm_steps not in ("auto", 0), f"trainer.prewarm_steps={tr.prewarm_steps}: "
+             "prewarm steps a deep copy, which a sharded model cannot be; use prewarm_steps=0"),
+        )
+        for refused, line in refusals:
+            if refused:
+                raise ConfigError(line)
 
     def check_task(self) -> None:
         """What validates field by field but cannot make one job: a model and a dataset of different

@@ -41,7 +41,7 @@ from .report.render import job_block
 from .runtime import busy, dist, hardware, logs
 from .runtime.signals import StopSignals, resume_hint
 from .tools import replay
-from .train import checkpoint, images, loop, tricks
+from .train import checkpoint, images, loop, shard, tricks
 from .train.build import build_trained
 from .train.compile import (
     RNN_EAGER,
@@ -205,10 +205,13 @@ def train_and_record(
     """Run one validated job, write its records (rank 0), and return its summary (failed jobs
     included)."""
     device = hardware.select_device(dist.device_name(config.trainer.device, ranks))
-    per_rank = dist.check(config.trainer.batch_size, config.trainer.sync_bn, device, ranks,
-                          config.trick.ghost_splits if config.trick.ghost_bn else 1)
-    # joins the job's process group (torchrun's is joined already, in train.py)
-    made = dist.init(ranks)
+    tr = config.trainer
+    per_rank = dist.check(tr.batch_size, tr.sync_bn, device, ranks,
+                          config.trick.ghost_splits if config.trick.ghost_bn else 1,
+                          sharded=tr.sharded)
+    # joins the job's process group (torchrun's is joined already, in train.py; FSDP on one rank
+    # makes its own)
+    made = dist.init(ranks, sharded=tr.sharded)
     try:   # from here a SIGTERM/SIGINT stops the job (torchrun forwards a SIGTERM to every rank)
         with StopSignals() as stop:
             return record_training(config, summary, out_dir, group, name, device, ranks,
@@ -228,7 +231,8 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     profile = hardware.gpu_profile(
         config.gpu, env["device_name"] if device.type != "cpu" else "cpu"
     )
-    emulated = emulates(config.precision, device)
+    # under FSDP the weights are cast to real fp16/bf16 tensors (precision/sharded.py)
+    emulated = emulates(config.precision, device) and not config.trainer.sharded
     summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
                    hazards=hazards(config.precision, config.optimizer, device.type),
                    arithmetic="emulated" if emulated else "native")
@@ -388,10 +392,10 @@ def train_job(
 ) -> dict:
     """Build the job's parts (image or language model), restore a checkpoint into them, and run the
     shared loop. per_rank: each rank's batch (dist.check's)."""
-    if config.model.is_language_model and ranks.active:
+    if config.model.is_language_model and ranks.active and not config.trainer.sharded:
         raise ConfigError(
-            "model=" + config.model.arch + ": language models train in one process here; "
-            "torchrun/DDP covers the image models"
+            "model=" + config.model.arch + ": language models train in one process here, or the "
+            "gpt sharded (trainer.strategy=fsdp); torchrun/DDP covers the image models"
         )
     build = language_model_parts if config.model.is_language_model else image_parts
     reset_compile_state(device)   # an earlier job of this process (a sweep's) leaves nothing
@@ -447,7 +451,9 @@ def run_parts(
             "per_rank_batch": per_rank,
             "sync_bn": tr.sync_bn,
             "backend": dist.backend_for(device),
-            "weight_spread": dist.spread(policy.stepped_params(), ranks),
+            "strategy": "fsdp" if tr.sharded else "ddp",
+            # FSDP's ranks hold different shards: no copies to compare
+            "weight_spread": None if tr.sharded else dist.spread(policy.stepped_params(), ranks),
         }
     result["metrics"].update(info.pop("metrics"), **info.pop("compiled").finish())
     m = result["metrics"]
@@ -457,9 +463,12 @@ def run_parts(
     # precision=fp8: the float8 and bf16 Linear layers, emulated or not (else None)
     result["fp8"] = policy.fp8
     final = info.pop("final")   # the weights that were evaluated: the EMA's if any
-    if result["status"] in checkpoint.FINAL and ranks.main:
-        result["weights"] = checkpoint.save_weights(recorder.out_dir, policy.fp32_state_dict(final),
-                                                    info.pop("num_classes"))
+    # under FSDP gathering the weights is a collective: every rank takes part, rank 0 saves them
+    if result["status"] in checkpoint.FINAL and (ranks.main or tr.sharded):
+        weights = policy.fp32_state_dict(final)
+        if ranks.main:
+            result["weights"] = checkpoint.save_weights(recorder.out_dir, weights,
+                                                        info.pop("num_classes"))
     # its weight-decay groups
     return {**result, "data": info["data"], "optimizer": info["optimizer"]}
 
@@ -467,8 +476,10 @@ def run_parts(
 @contextlib.contextmanager
 def probed(config: Config, model, recorder: Recorder, ranks: dist.Ranks):
     """The job's numerics probe (numerics/probe.py): rank 0 records numerics.jsonl; closed however
-    training ends."""
-    probe = build_probe(config.probe, model, recorder.out_dir if ranks.main else None)
+    training ends. Under FSDP it sees no model (its layers hold shards outside their unit's
+    forward): skips are counted, not attributed to parameters."""
+    probe = build_probe(config.probe, None if config.trainer.sharded else model,
+                        recorder.out_dir if ranks.main else None)
     try:
         yield probe
     finally:
@@ -492,7 +503,7 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_ran
     flops = forward_flops(model, torch.zeros(1, *train_batches.image_shape))
     n_params = sum(p.numel() for p in model.parameters())
     built = build_trained(model, config, device, t.bn_bias_lr, tr.channels_last,
-                          wrap=lambda m: dist.wrap(m, device, tr.sync_bn, ranks))   # DDP: ranks > 1
+                          wrap=wrapper(config, device, ranks))
     model, net, policy, optimizer = built.model, built.net, built.policy, built.optimizer
     schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(train_batches)))
     ema = tricks.EMA(model, t.ema_momentum, t.ema_every) if t.ema else None
@@ -521,6 +532,14 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_ran
     return steps, train_batches, policy, optimizer, info
 
 
+def wrapper(config: Config, device: torch.device, ranks: dist.Ranks):
+    """What wraps the trained model: FSDP's sharding (trainer.strategy=fsdp), else DDP under several
+    ranks, else nothing."""
+    if config.trainer.sharded:
+        return lambda m: shard.shard(m, config.precision, device)
+    return lambda m: dist.wrap(m, device, config.trainer.sync_bn, ranks)
+
+
 def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode: str,
                      warmup) -> tuple:
     """The loop's model (steps.model) compiled in `mode` and warmed for `warmup`'s shapes before the
@@ -540,7 +559,7 @@ def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode:
 
 def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_rank: int):
     """A word-level language model on a text corpus (see train/lm.py); throughput and FLOPs are per
-    token. One process (train_job refuses ranks): per_rank is the whole batch."""
+    token. per_rank: each rank's columns (the whole batch in one process; FSDP's ranks split it)."""
     tr, bptt = config.trainer, config.dataset.bptt
     if tr.compile != "none" and config.model.arch != "gpt":
         raise ConfigError(
@@ -548,14 +567,17 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
             "trainer.compile=none (the GPT and the image models compile)"
         )
     corpus = load_text_corpus(config.dataset)
-    train_source = batchify(corpus.train, per_rank, device)
+    # under FSDP each rank trains on its columns of the global batch; every rank scores the whole
+    # validation and test splits (the same forwards: FSDP's all-gathers are collectives)
+    train_source = batchify(corpus.train, tr.batch_size, device)[
+        :, ranks.rank * per_rank:(ranks.rank + 1) * per_rank].contiguous()
     valid_source, test_source = (batchify(ids, tr.eval_batch_size, device)
                                  for ids in (corpus.valid, corpus.test))
     windows = TokenWindows(train_source, bptt)
     model = build_model(config.model, corpus.vocab_size)
     flops = model.flops_per_token(bptt)
     n_params = sum(p.numel() for p in model.parameters())
-    built = build_trained(model, config, device)
+    built = build_trained(model, config, device, wrap=wrapper(config, device, ranks))
     model, policy, optimizer, groups = built.model, built.policy, built.optimizer, built.groups
     schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(windows)))
     steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=per_rank)

@@ -41,7 +41,7 @@ def image_loaders(
     each global batch (the test batches are whole: every rank evaluates the full test set)."""
     if shard[1] > 1 and cfg.pipeline != "device":
         raise ConfigError(
-            f"dataset.pipeline={cfg.pipeline}: not sharded across DDP ranks; use "
+            f"dataset.pipeline={cfg.pipeline}: not sharded across ranks (DDP or FSDP); use "
             "dataset.pipeline=device"
         )
     if shard[1] > 1 and len(data.train_y) < trainer.batch_size:

@@ -82,9 +82,11 @@ def kept_in_bf16(model: nn.Module) -> dict[str, str]:
     return kept
 
 
-def convert(model: nn.Module, recipe: str, device: torch.device) -> dict:
+def convert(model: nn.Module, recipe: str, device: torch.device, fsdp: bool = False) -> dict:
     """Swap the model's eligible Linear layers for Float8Linear in place; returns what the summary
-    records."""
+    records. fsdp (trainer.strategy=fsdp): FSDP2 all-gathers their weights in float8, cast with the
+    scales precomputed after each optimizer step (precompute_scales); torchao has it for the
+    tensorwise recipe only."""
     float8, Float8Linear = require_torchao()
     why = emulation_reason(device)
     config = dataclasses.replace(
@@ -92,6 +94,7 @@ def convert(model: nn.Module, recipe: str, device: torch.device) -> dict:
         emulate=why is not None,
         # tokens per step need not be a multiple of 16
         pad_inner_dim=why is None,
+        enable_fsdp_float8_all_gather=fsdp and recipe == "tensorwise",
     )
     kept = kept_in_bf16(model)
     float8.convert_to_float8_training(
@@ -101,7 +104,16 @@ def convert(model: nn.Module, recipe: str, device: torch.device) -> dict:
     for name in converted:
         model.get_submodule(name).register_forward_pre_hook(_autocast_input)
     return {"recipe": recipe, "fp8_emulated": why is not None, "emulation_reason": why,
-            "float8_layers": converted, "bf16_layers": kept}
+            "float8_layers": converted, "bf16_layers": kept,
+            **({"fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather} if fsdp else {})}
+
+
+def precompute_scales(model: nn.Module) -> None:
+    """After an optimizer step under FSDP's FP8 all-gather: every float8 weight's scale for the
+    next all-gather, computed at once for all of them (one all-reduce of their amaxes), as torchao
+    intends (torchao.float8.precompute_float8_dynamic_scale_for_fsdp)."""
+    float8, _ = require_torchao()
+    float8.precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def _autocast_input(module: nn.Module, args: tuple):

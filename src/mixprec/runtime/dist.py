@@ -124,20 +124,18 @@ def from_env() -> Ranks:
     return SINGLE
 
 
-def init(ranks: Ranks) -> bool:
-    """Join the job's process group (if it has several ranks and none is joined yet); True when this
-    call made it."""
+def init(ranks: Ranks, sharded: bool = False) -> bool:
+    """Join the job's process group (if it has several ranks, or is sharded: FSDP needs a group,
+    one rank's own in-memory one outside torchrun, and none is joined yet); True when this call
+    made it."""
     global _MADE_HERE
-    if not ranks.active:
+    if not (ranks.active or sharded):
         return False
     if not tdist.is_initialized():
-        tdist.init_process_group(
-            backend(),
-            init_method="env://",
-            rank=ranks.rank,
-            world_size=ranks.world,
-            timeout=TIMEOUT,
-        )
+        where = (dict(init_method="env://") if ranks.active
+                 else dict(store=tdist.HashStore()))
+        tdist.init_process_group(backend(), rank=ranks.rank, world_size=ranks.world,
+                                 timeout=TIMEOUT, **where)
         _MADE_HERE = True
     return _MADE_HERE
 
@@ -207,11 +205,16 @@ def device_name(name: str, ranks: Ranks) -> str:
 
 
 def check(batch_size: int, sync_bn: bool, device: torch.device, ranks: Ranks,
-          ghost_splits: int = 1) -> int:
-    """The per-rank batch (the configured batch is the global one); ConfigError for what DDP cannot
-    do. ghost_splits (trick.ghost_bn): ghost BN splits each rank's batch, so they must divide the
-    per-rank batch (config.py checks the global one; this is before any work, where the layer would
-    raise only in its first forward)."""
+          ghost_splits: int = 1, sharded: bool = False) -> int:
+    """The per-rank batch (the configured batch is the global one); ConfigError for what DDP or
+    FSDP (sharded) cannot do. ghost_splits (trick.ghost_bn): ghost BN splits each rank's batch, so
+    they must divide the per-rank batch (config.py checks the global one; this is before any work,
+    where the layer would raise only in its first forward)."""
+    if sharded and not tdist.is_available():
+        raise ConfigError(
+            "trainer.strategy=fsdp: this PyTorch build has no torch.distributed (FSDP2 shards "
+            "through it); install a build with it, or use trainer.strategy=auto"
+        )
     if batch_size % ranks.world:
         raise ConfigError(
             f"trainer.batch_size={batch_size}: the global batch must divide by the {ranks.world} "

@@ -13,7 +13,9 @@ from torch import nn
 from ..config import Config
 from ..precision.modes import check_installed
 from ..precision.policy import PrecisionPolicy
+from ..precision.sharded import ShardedPolicy
 from .optim import build_optimizer, param_groups
+from .shard import after_steps
 
 
 @dataclass
@@ -30,17 +32,23 @@ class Trained:
 def build_trained(model: nn.Module, config: Config, device: torch.device, bn_bias_lr: float = 1.0,
                   channels_last: bool = False, wrap: Callable = lambda model: model) -> Trained:
     """The policy casts the model (weights' dtype, BatchNorm in fp32, float8 Linear layers) on
-    `device`; then channels_last, then `wrap` (DDP, which broadcasts rank 0's weights), and only
-    then the stepped tensors (fp32 masters cloned from the final weights), their groups and the
-    optimizer."""
+    `device`; then channels_last, then `wrap` (DDP, which broadcasts rank 0's weights; FSDP's
+    fully_shard, which makes the parameters DTensor shards), and only then the stepped tensors
+    (fp32 masters cloned from the final weights; FSDP's shards), their groups and the optimizer."""
     check_installed(config.precision)   # a script's build, as a job's start: before the model
-    policy = PrecisionPolicy(config.precision, device)
+    sharded = config.trainer.sharded
+    policy = (ShardedPolicy if sharded else PrecisionPolicy)(config.precision, device)
     model = policy.prepare_model(model)
-    if channels_last:
+    # FSDP shards contiguous parameters only: its convolutions take the channels_last layout from
+    # their inputs (the image pipelines make them channels_last)
+    if channels_last and not sharded:
         model = model.to(memory_format=torch.channels_last)
     net = wrap(model)
     stepped = policy.optimizer_params(model)  # first: it sets policy.model_params
     params, groups = param_groups(
         model, policy.model_params, stepped, config.optimizer, config.model.arch, bn_bias_lr
     )
-    return Trained(model, net, policy, build_optimizer(config.optimizer, params), groups)
+    optimizer = build_optimizer(config.optimizer, params)
+    if sharded:
+        after_steps(model, optimizer, policy.fp8)
+    return Trained(model, net, policy, optimizer, groups)

@@ -67,6 +67,7 @@ from ..runtime.dist import SINGLE, Ranks
 from ..runtime.hardware import mark_steady, synchronize
 from ..precision.policy import Deferred, PrecisionPolicy, by_dtype
 from ..numerics.probe import Attribution
+from .shard import local
 
 # GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the
 # torch.amp recipe); PyTorch's warning about a scheduler step before an optimizer step says nothing
@@ -261,16 +262,18 @@ def read_window(window: Window, loop: Loop) -> tuple[list, bool, list]:
     if window.correct:
         # summed over ranks, not averaged
         summed.append(torch.stack(window.correct).sum().float().reshape(1))
-    params = loop.policy.stepped_params()
+    # this rank's part of the weights (FSDP: its shards), the flags summed: world = all finite
+    params = [local(p) for p in loop.policy.stepped_params()]
     device = params[0].device if params else window.losses[0].device
-    parts = [loop.ranks.sum_(torch.cat(summed)), finite_flag(params).to(device)]
+    summed.append(finite_flag(params).to(window.losses[0].device))
+    parts = [loop.ranks.sum_(torch.cat(summed))]
     parts += [t.to(device) for _, d in window.deferred for t in d]
     host = to_host(torch.cat(parts))
     if window.correct:
         window.correct_total = round(host[n])
     rest = host[n + bool(window.correct):]
     pairs = rest[1:]
-    return host[:n], rest[0] == 1.0, [(step, pairs[2 * i] > 0, pairs[2 * i + 1])
+    return host[:n], rest[0] == world, [(step, pairs[2 * i] > 0, pairs[2 * i + 1])
                                       for i, (step, _) in enumerate(window.deferred)]
 
 

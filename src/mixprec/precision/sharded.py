@@ -1,0 +1,106 @@
+"""Precision modes under FSDP2 (trainer.strategy=fsdp): each mode as a `MixedPrecisionPolicy`.
+
+FSDP keeps every parameter as an fp32 shard (a DTensor): those shards are the master weights, the
+optimizer steps them and its state is sharded alike. Before each unit's forward FSDP all-gathers
+the shards and casts them to `param_dtype`, the mode's low dtype; after backward it reduce-scatters
+the gradients in `reduce_dtype` (precision.reduce_dtype; float32 unless set) and hands each rank its
+shard of them in fp32. So a mode maps to:
+
+  fp32, tf32, o0            param_dtype None (no cast), no loss scale
+  amp_bf16                  param_dtype bfloat16
+  amp, o1, o2               param_dtype float16, dynamic loss scale (ShardedGradScaler)
+  apex_fp16, fastai_fp16    param_dtype float16, their static loss scale
+  fp8                       param_dtype bfloat16, torchao's float8 Linear layers with the FP8
+                            all-gather of their weights (tensorwise recipe)
+
+Autocast is off under FSDP (as in torchtitan, whose maybe_enable_amp leaves mixed precision to
+fully_shard): param_dtype already gives each matmul low-precision weights and activations, and
+autocast on top would cast them again, op by op, and run its fp32 ops (norms, softmax) on weights
+that FSDP has already rounded. What differs from the one-process autocast mode is what autocast
+would have kept in fp32: under FSDP the activations between units are in the low dtype too
+(docs/fsdp.md). The root unit returns fp32 outputs (output_dtype) so the loss is computed in fp32,
+as autocast computes it. BatchNorm layers of a mode with keep_bn_fp32 are units of their own whose
+weights stay fp32. Modes without fp32 masters (half, o3, bf16) and the other combinations FSDP
+cannot express are refused by the schema (config.Config.check_strategy).
+
+The loss scaler of the fp16 modes is torch's ShardedGradScaler: each rank unscales only its shard
+of the gradients, and ShardedGradScaler all-reduces the found-inf flag, so that every rank skips
+the same steps (GradScaler would let a rank whose shard is finite step while another skips).
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch import nn
+
+from ..config import PrecisionConfig
+from . import fp8
+from .modes import DTYPES, low_dtype
+from .policy import PrecisionPolicy
+
+
+def param_dtype(cfg: PrecisionConfig) -> torch.dtype | None:
+    """The dtype FSDP computes in (None: the parameters' fp32): the mode's low dtype."""
+    low = low_dtype(cfg)
+    return None if low is None else DTYPES[low]
+
+
+def reduce_dtype(cfg: PrecisionConfig) -> torch.dtype:
+    """The dtype gradients are reduced in across ranks: precision.reduce_dtype, float32 if null."""
+    return DTYPES[cfg.reduce_dtype or "float32"]
+
+
+def mixed_precision(cfg: PrecisionConfig, root: bool = False) -> MixedPrecisionPolicy:
+    """The MixedPrecisionPolicy of one FSDP unit; the root's returns fp32 outputs (the loss in
+    fp32)."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype(cfg), reduce_dtype=reduce_dtype(cfg),
+                                output_dtype=torch.float32 if root else None)
+
+
+def keeps_fp32(cfg: PrecisionConfig, module: nn.Module) -> bool:
+    """Whether `module` is a BatchNorm the mode keeps in fp32 (its own unit, no cast)."""
+    return (cfg.keep_bn_fp32 and param_dtype(cfg) is not None
+            and isinstance(module, nn.modules.batchnorm._BatchNorm))
+
+
+def fp32_unit(cfg: PrecisionConfig) -> MixedPrecisionPolicy:
+    """The policy of a unit kept in fp32 (a BatchNorm under keep_bn_fp32): no cast."""
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype(cfg))
+
+
+class ShardedPolicy(PrecisionPolicy):
+    """The precision policy of a sharded job: the weights stay fp32 (FSDP's shards; it casts them,
+    see above), no autocast, no input cast, no separate masters, ShardedGradScaler for a dynamic
+    loss scale, and fp8's float8 Linear layers with FP8 all-gather."""
+    sharded = True
+
+    def __init__(self, cfg: PrecisionConfig, device: torch.device):
+        super().__init__(cfg, device)
+        self.emulated = False
+        self.compute_dtype = param_dtype(cfg)
+        self.param_dtype = torch.float32
+        self.autocast_dtype = None
+        if cfg.loss_scale == "dynamic":
+            self.scaler = ShardedGradScaler(device.type, init_scale=cfg.init_scale,
+                                            growth_interval=cfg.growth_interval)
+            self.scale_value = self.scaler.get_scale()
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        if self.cfg.fp8_recipe is not None:
+            self.fp8 = fp8.convert(model, self.cfg.fp8_recipe, self.device, fsdp=True)
+        return model
+
+    def optimizer_params(self, model: nn.Module) -> list[torch.Tensor]:
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        return self.model_params
+
+    def fp32_state_dict(self, model: nn.Module) -> dict:
+        """The whole model's weights in fp32 on the CPU, gathered from every rank's shards: a
+        collective that every rank calls; rank 0 gets the weights, the others an empty dict."""
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return {k: v.float() if v.is_floating_point() else v for k, v in full.items()}

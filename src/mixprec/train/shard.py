@@ -1,0 +1,65 @@
+"""trainer.strategy=fsdp: the trained model sharded with FSDP2 (torch.distributed.fsdp.fully_shard).
+
+Units, innermost first (each is all-gathered before its forward and freed after, its gradients
+reduce-scattered after its backward): a BatchNorm that the mode keeps in fp32 (its own fp32 unit),
+each GPT block, each ResNet stage (torchvision's layer1..layer4), then the root, which holds the
+rest (embeddings and the tied head, the stem, the classifier). Each unit's MixedPrecisionPolicy is
+the precision mode's (precision/sharded.py). The mesh is one dimension over every rank of the job
+(a 1-rank job is FSDP's code path on one rank). fully_shard turns the parameters into DTensor shards
+in place, so the optimizer must be built after it, on them (train/build.py's order).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..config import PrecisionConfig
+from ..models.gpt import GPT
+from ..precision import fp8, sharded
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The sub-modules sharded as units of their own: the GPT's blocks, a ResNet's stages."""
+    if isinstance(model, GPT):
+        return list(model.blocks)
+    return [m for name, m in model.named_children() if name.startswith("layer")]
+
+
+def shard(model: nn.Module, cfg: PrecisionConfig, device: torch.device) -> nn.Module:
+    """fully_shard `model` in place over every rank of the job (see above); returns it."""
+    mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
+    for m in model.modules():
+        if sharded.keeps_fp32(cfg, m):
+            fully_shard(m, mesh=mesh, mp_policy=sharded.fp32_unit(cfg))
+    for unit in units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=sharded.mixed_precision(cfg))
+    return fully_shard(model, mesh=mesh, mp_policy=sharded.mixed_precision(cfg, root=True))
+
+
+def after_steps(model: nn.Module, optimizer: torch.optim.Optimizer, fp8_info: dict | None) -> None:
+    """Under FP8 all-gather: the float8 weights' scales precomputed after every optimizer step
+    (an optimizer step hook: a step the loss scaler skips leaves the weights, and so the scales,
+    as they were)."""
+    if fp8_info and fp8_info.get("fsdp_float8_all_gather"):
+        optimizer.register_step_post_hook(lambda *_: fp8.precompute_scales(model))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds (its shard of a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The bytes of parameters, gradients (as they are now: none after zero_grad) and optimizer
+    state that this rank holds: with N ranks about 1/N of one process's."""
+    size = lambda t: local(t).numel() * local(t).element_size()   # noqa: E731
+    params = {id(p): p for p in model.parameters()}.values()   # a tied weight once
+    state = [v for s in optimizer.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"params": sum(size(p) for p in params),
+            "grads": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(size(v) for v in state)}
