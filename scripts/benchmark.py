@@ -18,7 +18,7 @@
       the speed table, one cell per (image model, precision, batch, compile mode): each model
       is built once, each cell trains a copy of it the way a job does (the precision policy,
       channels_last, optimizer, compile mode) and steps it with a job's loop (loop.fit: the
-      engine's step, the log window and its one flush, the training clock, the busy meter) on
+      step.py's step, the log window and its one flush, the training clock, the busy meter) on
       one synthetic batch on the device, in the job's memory layout: --warmup steps out of the
       steady clock (10; compilation and cuDNN autotuning fall there), then --steps steady steps
       (30), a few of them sampled for the GPU's own time (busy.py, CUDA only). Per cell:
@@ -284,7 +284,7 @@ def cell_config(config: Config, warmup: int, steps: int) -> Config:
 def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> tuple:
     """What a job of this cell's config trains with (job.image_parts' policy, model preparation,
     channels_last, optimizer, compile mode and its refusal of an emulated compile; its busy meter),
-    on a copy of the base model; returns the engine's steps and loop, and the loop's state."""
+    on a copy of the base model; returns the cell's steps and loop, and the loop's state."""
     tr = config.trainer
     modes.configure(device, tr, config.precision, config.seed)
     modes.refuse_emulated_compile(

@@ -424,7 +424,7 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
 @pytest.mark.gpu
 def test_a_cuda_table_cell_makes_no_sync_in_an_amp_step_and_measures_gpu_busy(bench, monkeypatch):
     """CUDA's own count, as test_speed.test_cuda_syncs_per_step counts a job's:
-    torch.cuda.set_sync_debug_mode("warn") during the engine's steps of an amp cell
+    torch.cuda.set_sync_debug_mode("warn") during the loop's steps of an amp cell
     (optimizer.impl=auto: fused on CUDA): none; and its GPU busy fraction is measured (a step that
     reads found-inf at once gave '-'), its peak memory too."""
     import warnings

@@ -176,7 +176,7 @@ def test_tables_and_report_say_batch_compile_and_host_bound(tmp_path):
 def test_sampling_stops_after_max_invalid_samples_and_leaves_the_clock_whole():
     from fakes import FakeClock
 
-    class Clock:   # engine.TrainClock's exclude, recorded
+    class Clock:   # loop.TrainClock's exclude, recorded
         excluded = 0.0
 
         def exclude(self, seconds):
@@ -190,7 +190,7 @@ def test_sampling_stops_after_max_invalid_samples_and_leaves_the_clock_whole():
             if meter.wants(True):
                 sampled += 1
                 meter.sample(lambda: setattr(clock, "now", clock.now + 0.01), (), train)
-            meter.tick()   # as engine.run_epoch: every steady step, sampled or not
+            meter.tick()   # as loop.run_epoch: every steady step, sampled or not
         meter.epoch_record(1.0)
     assert sampled == busy.MAX_INVALID and meter.invalid == busy.MAX_INVALID
     assert meter.metrics(1.0)["gpu_busy_fraction"] is None

@@ -1,4 +1,4 @@
-"""One job, wired end to end: config -> hardware -> data -> model -> precision policy -> engine ->
+"""One job, wired end to end: config -> hardware -> data -> model -> precision policy -> loop ->
 records.
 
 This is the only module that puts the parts together; each part takes plain values from the

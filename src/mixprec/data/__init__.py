@@ -1,5 +1,5 @@
 """Data: the image datasets (images.py: synthetic; cifar.py: CIFAR-10/100 from the official
-archives), the text corpus (wikitext.py), the two batch pipelines that feed the engine
+archives), the text corpus (wikitext.py), the two batch pipelines that feed the loop
 (pipelines.py), and the files they read (files.py: downloads, checksums, the array cache).
 `build_image_data(cfg)` picks the image dataset."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The two batch pipelines that feed the engine: `image_loaders(...)` gives the train and test
+"""The two batch pipelines that feed the loop: `image_loaders(...)` gives the train and test
 batches of an ImageData (images.py), by `dataset.pipeline`:
 - device (the default): the whole split is moved to the device once as uint8 [N, 3, H, W]. Each
   epoch draws a permutation on the device; a batch is a slice of it, augmented (random crop from a

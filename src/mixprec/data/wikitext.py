@@ -1,7 +1,7 @@
 """Text corpora for language models: Wikitext-2 (word level) and a synthetic token stream,
 batchified and served as bptt windows.
 
-The API a language-model engine builds on:
+The API a language-model job builds on:
 
     corpus = load_text_corpus(config.dataset)       # Corpus: train/valid/test int64 token ids [T]
     on the CPU,

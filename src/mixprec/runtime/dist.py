@@ -14,7 +14,7 @@ barrier: "cpu" is among the pairs). Each rank on a GPU uses cuda:LOCAL_RANK, one
 refuses two ranks on one GPU, so more ranks per node than visible GPUs is a config error
 (`device_name`). The process group is destroyed at the job's end by whoever made it in this process
 (train.py's `share_run_time` or `init`): `init` returns True for both, `close` destroys it once.
-`Ranks` is what the engine sees: the rank, the world size, sums across ranks, a barrier; with one
+`Ranks` is what the loop sees: the rank, the world size, sums across ranks, a barrier; with one
 rank every method is a no-op, so the single-process path is unchanged. Rank 0 alone writes the
 records (summary.json, metrics.jsonl, checkpoints, W&B).
 
@@ -88,7 +88,7 @@ class Ranks:
         return bool(self.sum_(torch.tensor([int(bool(flag))])).item())
 
     def agreed_stop(self, stop):
-        """A stop() for the engine that every rank answers alike: a signal seen by one rank
+        """A stop() for the loop that every rank answers alike: a signal seen by one rank
         (torchrun forwards SIGTERM to all, but not at the same step) stops all of them after the
         same step. One small all-reduce on the CPU per step under DDP (none with one rank)."""
         if not self.active:

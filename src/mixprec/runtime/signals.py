@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 
 class StopSignals:
-    """While active, SIGTERM/SIGINT ask the job to stop after the current step (the engine writes a
+    """While active, SIGTERM/SIGINT ask the job to stop after the current step (the loop writes a
     checkpoint first); a second signal acts at once (SIGINT: KeyboardInterrupt; SIGTERM: the
     default, terminate). Calling the object returns the first signal's name, or None."""
 

@@ -81,7 +81,7 @@ class EMA:
     """An exponential moving average of a model's weights and float buffers (BN statistics), updated
     every `every` optimizer steps with rho = momentum ** every: v_ema <- rho * v_ema + (1 - rho) * v
     (Page: momentum 0.99 every 5 steps, starting from the initial weights, updates at steps 1, 6,
-    11, ...). `model` is the averaged copy the engine evaluates; state_dict() holds everything a
+    11, ...). `model` is the averaged copy the loop evaluates; state_dict() holds everything a
     checkpoint needs."""
 
     def __init__(self, model: nn.Module, momentum: float, every: int):
