@@ -146,3 +146,27 @@ def test_a_jobs_per_rank_batch_is_dist_checks(tmp_path, monkeypatch):
         got.__setitem__("warmup", batch), image_warmup(batch, *a, **k))[1])
     assert run_tiny(tmp_path, "trainer.prewarm_steps=1")["status"] == "completed"
     assert got == {"prewarm": 8, "warmup": 8}
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_prewarm_steps_an_optimizer_of_the_jobs_kind(monkeypatch, impl):
+    """Prewarm's throwaway optimizer is the job's kind: a fused one keeps the constructor's flag
+    that makes GradScaler hand it the scale and found-inf flag on the device
+    (_step_supports_amp_scaling), so a CUDA amp job's prewarm warms its sync-free fused step, not
+    GradScaler's per-step host read."""
+    from mixprec.train import prewarm
+
+    seen = []
+    monkeypatch.setattr(prewarm, "backward_and_step",
+                        lambda loss, pol, opt, clip: seen.append(opt) or False)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, **{impl: True})
+    policy = StaticScaler(1.0)   # a stand-in: prewarm only copies it and hands it on
+    policy.device = torch.device("cpu")
+    prewarm.run_prewarm(model, policy, opt, 1, lambda gen, device: (torch.ones(2, 4), None),
+                        lambda net, pol, x, y: net(x).sum(), None)
+    (copied,) = seen
+    assert copied is not opt and type(copied) is type(opt)
+    assert (getattr(copied, "_step_supports_amp_scaling", False)
+            == getattr(opt, "_step_supports_amp_scaling", False) == (impl == "fused"))
+    assert copied.defaults["fused"] == opt.defaults["fused"]

@@ -95,7 +95,10 @@ def run_prewarm(
             }
             for g in optimizer.param_groups
         ]
-        opt = type(optimizer)(groups)
+        # fused=True as the constructor's flag too (the groups carry it): only then does
+        # GradScaler hand the step its scale and found-inf flag on the device, as the job's
+        fused = {"fused": True} if optimizer.defaults.get("fused") else {}
+        opt = type(optimizer)(groups, **fused)
         x, y = batch(torch.Generator(device=device).manual_seed(0), device)
         net.train()
         for _ in range(steps):
