@@ -185,6 +185,23 @@ def test_the_h200_profile_has_the_h100_sxm_compute_and_its_own_memory():
     assert hardware.gpu_profile(h100, "NVIDIA H200")["matched"] is False
 
 
+def test_a_devices_precision_notes_go_through_logging(monkeypatch, caplog):
+    """modes.configure's notes (here a V100's for amp_bf16) reach the "mixprec" logger, so a job's
+    train.log keeps them and ranks other than 0 stay quiet (runtime/logs.py), as every other
+    note."""
+    monkeypatch.setattr(modes.hardware, "configure", lambda device, trainer, seed: [])
+    monkeypatch.setattr(modes.hardware, "capability", lambda device: (7, 0))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    config = validate(compose_config("precision=amp_bf16"))
+    with caplog.at_level("INFO", logger="mixprec"):
+        notes = modes.configure(CUDA, config.trainer, config.precision, config.seed)
+    assert len(notes) == 1 and "below compute capability 8.0" in notes[0]
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("mixprec")] == [
+        f"mixprec: note: {notes[0]}"
+    ]
+
+
 def test_pre_ampere_gpus_get_a_note_for_bf16_and_tf32():
     prec = {
         n: validate(compose_config(f"precision={n}")).precision

@@ -5,7 +5,6 @@ meets, the TF32 flags and the notes on what a device cannot give it, the peak it
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 
@@ -82,15 +81,16 @@ def configure(
     device: torch.device, trainer: TrainerConfig, precision: PrecisionConfig, seed: int
 ) -> list[str]:
     """The job's global flags (hardware.configure: seeds, determinism, cuDNN, the current device),
-    then the precision's TF32 flags; returns (and prints) the notes on what this device cannot
-    honour."""
+    then the precision's TF32 flags; returns (and says) the notes on what this device cannot
+    honour (through logging: the job's train.log keeps them, ranks other than 0 stay quiet; a
+    warning, so that a script without the job's logging set-up still shows them)."""
     notes = hardware.configure(device, trainer, seed)
     torch.backends.cuda.matmul.allow_tf32 = precision.tf32
     torch.backends.cudnn.allow_tf32 = precision.tf32
     if device.type != "cpu":
         notes += precision_notes(precision, hardware.capability(device))
     for note in notes:
-        print(f"mixprec: note: {note}", file=sys.stderr)
+        log.warning(f"mixprec: note: {note}")
     return notes
 
 
