@@ -45,7 +45,6 @@ from ..runtime.hardware import flatten_rnns
 from .modes import DTYPES, emulates
 
 
-
 class Deferred(NamedTuple):
     """A fused step's outcome left on the device: its found-inf flag (1.0: skipped) and the scale
     after update()."""
