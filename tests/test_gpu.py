@@ -24,6 +24,7 @@ from mixprec.models.rnnlm import RNNModel
 from mixprec.precision import emulation
 from mixprec.precision import modes
 from mixprec.precision.state import load_module_state
+from mixprec.runtime.hardware import fork_rng
 
 pytestmark = pytest.mark.gpu
 GPU_TINY = [o for o in TINY if not o.startswith("trainer.device")]   # trainer.device=auto: the GPU
@@ -273,3 +274,13 @@ def test_the_probes_counts_make_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(counts.cpu(), expected[0]) and absmax.item() == expected[1].item()
+
+
+def test_fork_rng_leaves_the_cpu_and_the_gpu_generators_as_they_were():
+    """hardware.fork_rng (prewarm and compile's warm-up): draws inside it move neither the CPU's
+    nor the GPU's generator."""
+    torch.manual_seed(0)
+    cpu, gpu = torch.get_rng_state(), torch.cuda.get_rng_state(0)
+    with fork_rng(CUDA0):
+        torch.rand(8), torch.rand(8, device=CUDA0)
+    assert torch.equal(torch.get_rng_state(), cpu) and torch.equal(torch.cuda.get_rng_state(0), gpu)

@@ -161,7 +161,7 @@ def test_ema_follows_its_update_rule():
     assert copy.steps == 7 and torch.equal(copy.model[0].weight, ema.model[0].weight)
 
 
-def test_the_engine_evaluates_the_ema_weights():
+def test_the_loop_evaluates_the_ema_weights():
     cfg = validate(compose_config("dataset.train_size=64", "dataset.test_size=32"))
     data = synthetic_images(cfg.dataset)
     cpu = torch.device("cpu")

@@ -568,7 +568,7 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
 
 def compile_cell(summary: dict) -> str | None:
     """The job's compile mode, and how many calls after its warm-up ran eagerly when some did
-    (dynamo gave up on them: the job's time is partly an eager time; compiled.GraphWatch)."""
+    (dynamo gave up on them: the job's time is partly an eager time; compile.GraphWatch)."""
     mode = records.lookup(summary, "trainer.compile")
     eager = records.metrics(summary).get("eager_calls")
     return f"{mode}, {eager} eager calls" if eager else mode

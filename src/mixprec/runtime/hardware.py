@@ -145,6 +145,14 @@ def has_kernels_for(arch_list: list[str], cap: tuple[int, int]) -> bool:
     return any(runs_on(*arch, cap) for arch in filter(None, map(parse_arch, arch_list)))
 
 
+def fork_rng(device: torch.device):
+    """torch.random.fork_rng for the CPU's generator and, on an accelerator, that device's (CUDA or
+    another): what runs inside leaves both generators as they were."""
+    if device.type == "cpu":   # the CPU's generator is always forked; no accelerator's
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device.index or 0], device_type=device.type)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (nothing to wait for on a CPU)."""
     if device.type != "cpu":

@@ -64,7 +64,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..runtime.hardware import synchronize
+from ..runtime.hardware import fork_rng, synchronize
 from ..runtime.signals import StopSignals
 from ..models import set_bn_eval
 
@@ -237,8 +237,7 @@ def warm_compile(net: nn.Module, policy, mode: str, warmup: Warmup) -> float:
     synchronize(device)
     start = time.perf_counter()
     saved = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    accelerator = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=accelerator):
+    with fork_rng(device):
         gen = torch.Generator(device=device).manual_seed(0)
         # see warm_compile's note on a second pass
         for _ in range(2 if mode in GRAPH_MODES else 1):

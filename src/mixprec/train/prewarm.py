@@ -32,8 +32,7 @@ import time
 import numpy as np
 import torch
 
-from ..runtime.hardware import synchronize
-from ..runtime.hardware import flatten_rnns
+from ..runtime.hardware import flatten_rnns, fork_rng, synchronize
 from .step import backward_and_step
 from .warmup import ImageBatch, TokenBatch, image_loss, lm_loss
 
@@ -81,8 +80,7 @@ def run_prewarm(
     synchronize(device)
     start = time.perf_counter()
     py_state, np_state = random.getstate(), np.random.get_state()
-    accelerator = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=accelerator):
+    with fork_rng(device):
         memo: dict = {}
         # one memo: the copied policy holds the copied weights
         net, pol = copy.deepcopy((model, policy), memo)
