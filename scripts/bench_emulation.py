@@ -5,13 +5,14 @@ training step time.
   [--steps 10]
                                     [--native-steps 0] [--out FILE]
 
-What is timed: training steps only (forward under the precision's policy, fp32 cross-entropy,
-backward, optimizer step, loss-scale update), on fixed synthetic batches already in memory, after
---warmup untimed steps; each round times every precision once, in a random order, --repeats rounds;
-the median step time per precision and its ratio to fp32's median. Sizes: ResNet-18 (CIFAR stem) at
-32 px, batch 64; the LSTM of PyTorch's word_language_model example (emsize 200, nhid 200, 2 layers,
-vocabulary 33,278 as Wikitext-2), bptt 35, batch 20. --native-steps N also times N steps of the
-CPU's own fp16/bf16 kernels (precision.emulate=false; slow: ~150x fp32 for ResNet-18).
+What is timed: training steps only, the job's step (train/step.py: forward under the precision's
+policy, fp32 cross-entropy, backward, optimizer step, loss-scale update), on fixed synthetic batches
+already in memory, after --warmup untimed steps; each round times every precision once, in a random
+order, --repeats rounds; the median step time per precision and its ratio to fp32's median.
+Sizes: ResNet-18 (CIFAR stem) at 32 px, batch 64; the LSTM of PyTorch's word_language_model
+example (emsize 200, nhid 200, 2 layers, vocabulary 33,278 as Wikitext-2), bptt 35, batch 20.
+--native-steps N also times N steps of the CPU's own fp16/bf16 kernels (precision.emulate=false;
+slow: ~150x fp32 for ResNet-18).
 """
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from mixprec import cli
 from mixprec.config import validate
 from mixprec.models import build_model
 from mixprec.precision import emulation
+from mixprec.train import step
 from mixprec.train.build import build_trained
 from mixprec.records import write_json_atomic
 
@@ -80,17 +81,12 @@ class Job:
 
     def step(self) -> None:
         with emulation.numerics(self.emulated):
-            # as a job runs it: oneDNN's LSTM off under a CPU's autocast
-            # (PrecisionPolicy.recurrent_autocast)
+            # the job's step (train/step.py): a window from the same hidden state each time
             if self.lm:
-                with self.policy.recurrent_autocast():
-                    out = self.model(self.x, tuple(h.detach() for h in self.hidden))[0]
+                loss = step.lm_forward(self.model, self.x, self.y, self.hidden, self.policy)[0]
             else:
-                with self.policy.autocast():
-                    out = self.model(self.policy.cast_input(self.x))
-            loss = F.cross_entropy(out.float().reshape(-1, out.size(-1)), self.y.reshape(-1))
-            self.policy.backward(loss)
-            self.policy.step(self.opt)
+                loss = step.image_forward(self.model, self.x, self.y, self.policy)[0]
+            step.backward_and_step(loss, self.policy, self.opt)
             self.opt.zero_grad(set_to_none=True)
 
     def time(self, steps: int) -> float:

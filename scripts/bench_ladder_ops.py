@@ -15,9 +15,9 @@ job's own parts (job.image_parts: loaders, model, policy, optimizer, schedule, E
 loop.run_epoch drives them: the next batch, ImageSteps.step, and every trainer.log_every steps the
 flush (amortised per step). --warm steps run uncounted first (the optimizer's state is made at the
 first step). Parts: data (the batch's augmentation and normalisation), forward (of which ghost BN:
-GhostBatchNorm.forward), loss, backward, precision (the policy's step: casts, loss scaling),
-optimizer, ema, schedule, bookkeeping (the step's detached loss and correct count), flush (the log
-window's checks, per step), other.
+GhostBatchNorm.forward), loss, backward, precision (step.py's loss scaler and policy lines: casts,
+loss scaling, master copies, clipping), optimizer, ema, schedule, bookkeeping (the step's detached
+loss and correct count), flush (the log window's checks, per step), other.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import cli, job
 from mixprec.runtime import dist
-from mixprec.train import loop as engine
+from mixprec.train.loop import Loop, LoopState, Window, flush, total_steps
 from mixprec.config import ConfigError, validate
 from mixprec.models.resnet9 import GhostBatchNorm
 from mixprec.precision import emulation
@@ -63,8 +63,9 @@ RULES = [
     ("torch/optim/lr_scheduler.py", None, "schedule"),
     ("mixprec/train/optim.py", None, "schedule"),
     ("torch/optim/", None, "optimizer"),
-    ("mixprec/precision/policy.py", {"backward"}, "backward"),
+    ("torch/_tensor.py", {"backward"}, "backward"),
     ("mixprec/precision/policy.py", None, "precision"),
+    ("mixprec/train/step.py", {"backward_and_step"}, "precision"),
     ("mixprec/train/step.py", {"forward"}, "forward"),
     ("mixprec/train/loop.py", {"flush", "check_window", "all_finite", "row"}, "flush"),
     ("mixprec/train/images.py", {"step"}, "bookkeeping"),
@@ -152,17 +153,20 @@ def count_step_ops(
     torch.manual_seed(config.seed)
     device = torch.device("cpu")
     with emulation.numerics(False):
-        steps, batches, policy, optimizer, _ = job.image_parts(config, device, dist.SINGLE)
-        loop = engine.Loop(
+        # one process: each rank's batch is the whole batch
+        steps, batches, policy, optimizer, _ = job.image_parts(
+            config, device, dist.SINGLE, config.trainer.batch_size
+        )
+        loop = Loop(
             policy,
             optimizer,
             config.trainer,
-            engine.total_steps(config.trainer, len(batches)),
+            total_steps(config.trainer, len(batches)),
             progress=False,
         )
-        state, counter = engine.LoopState(steps_per_epoch=len(batches)), OpCounter()
+        state, counter = LoopState(steps_per_epoch=len(batches)), OpCounter()
         steps.start_epoch(0)
-        window, it = engine.Window(), iter(batches)
+        window, it = Window(), iter(batches)
         for i in range(warm + measure):
             with counter if i >= warm else contextlib.nullcontext():
                 x, y = next(it)
@@ -171,7 +175,7 @@ def count_step_ops(
             window.add(loss, correct, n)
         views = counter.views
         with counter:   # one flush per log_every steps: its ops per step
-            engine.flush(steps, window, loop, state)
+            flush(steps, window, loop, state)
     flush_ops = counter.parts.pop("flush", 0)
     per_step = {p: counter.parts.get(p, 0) / measure for p in PARTS if p != "flush"}
     per_step["flush"] = flush_ops / config.trainer.log_every

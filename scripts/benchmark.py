@@ -55,14 +55,16 @@ import torch.nn.functional as F
 
 from mixprec.runtime import busy, hardware
 from mixprec import cli
-from mixprec.train import loop as engine
-from mixprec.train.compile import reset_compile_state
+from mixprec.train.loop import Loop, LoopState, fit
+from mixprec.train.compile import compile_model, reset_compile_state
 from mixprec.config import Config, ConfigError, plain_config, validate
 from mixprec.data import synthetic_images
+from mixprec.data.pipelines import in_layout
+from mixprec.job import train_and_record
 from mixprec.models import build_model
 from mixprec.train.optim import build_optimizer, build_schedule
-from mixprec.precision import modes
-from mixprec.precision.modes import DTYPES
+from mixprec.precision import emulation, modes
+from mixprec.precision.modes import DTYPES, emulates
 from mixprec.records import write_json_atomic, write_text_atomic
 from mixprec.train import images
 from mixprec.train.build import build_trained
@@ -75,7 +77,9 @@ def compose(overrides: list[str]) -> tuple[Config, dict]:
     config)."""
     cfg = cli.compose(["logger=none", *overrides], return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
-    return validate(cfg), {"choices": choices, "overrides": overrides, "config": plain_config(cfg)}
+    config = validate(cfg)
+    modes.check_installed(config.precision)   # fp8's torchao, before any cell is timed
+    return config, {"choices": choices, "overrides": overrides, "config": plain_config(cfg)}
 
 
 def sized(overrides: list[str], steps: int, warmup: int) -> list[str]:
@@ -89,8 +93,6 @@ def sized(overrides: list[str], steps: int, warmup: int) -> list[str]:
 
 def mixprec_throughput(overrides: list[str]) -> dict:
     """Steady samples/s of a full mixprec job (records written to a temp dir)."""
-    from mixprec.job import train_and_record
-
     config, fields = compose(overrides)
     with tempfile.TemporaryDirectory() as out:
         summary = train_and_record(config, {"status": "failed", **fields}, Path(out))
@@ -258,7 +260,7 @@ class CellSteps(images.ImageSteps):
     """A job's image steps (images.ImageSteps: the same step), without evaluation: a cell times
     training only."""
 
-    def evaluate(self, state: engine.LoopState, loop: engine.Loop, final: bool) -> dict:
+    def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
         return {}
 
 
@@ -283,8 +285,6 @@ def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> t
     """What a job of this cell's config trains with (job.image_parts' policy, model preparation,
     channels_last, optimizer, compile mode and its refusal of an emulated compile; its busy meter),
     on a copy of the base model; returns the engine's steps and loop, and the loop's state."""
-    from mixprec.train.compile import compile_model
-
     tr = config.trainer
     modes.configure(device, tr, config.precision, config.seed)
     modes.refuse_emulated_compile(
@@ -294,9 +294,8 @@ def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> t
     model, policy, optimizer = built.model, built.policy, built.optimizer
     schedule = build_schedule(config.schedule, optimizer, tr.max_steps)
     steps = CellSteps(compile_model(model, tr.compile), schedule, None)
-    loop = engine.Loop(policy, optimizer, tr, tr.max_steps, progress=False,
-                       busy=busy.meter_for(device))
-    return steps, loop, engine.LoopState()
+    loop = Loop(policy, optimizer, tr, tr.max_steps, progress=False, busy=busy.meter_for(device))
+    return steps, loop, LoopState()
 
 
 def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.device, warmup: int,
@@ -307,10 +306,6 @@ def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.de
     (compilation and autotuning fall there), then `steps` steady ones. Speed: the job's steady
     throughput; GPU busy: the job's (busy.py, CUDA only; the steady steps it samples:
     busy.SAMPLE_AT). Peak memory: the accelerator's over the cell (None on a CPU)."""
-    from mixprec.data.pipelines import in_layout
-    from mixprec.precision import emulation
-    from mixprec.precision.modes import emulates
-
     config = cell_config(config, warmup, steps)
     b, tr = config.trainer.batch_size, config.trainer
     emulated = emulates(config.precision, device)
@@ -318,7 +313,7 @@ def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.de
         cell, loop, state = cell_parts(config, base, device)
         x = in_layout(torch.randn(b, *shape, device=device), tr.channels_last)
         y = torch.randint(0, classes, (b,), device=device)
-        result = engine.fit(cell, [(x, y)] * tr.max_steps, loop, state)
+        result = fit(cell, [(x, y)] * tr.max_steps, loop, state)
     if result["status"] != "completed":
         raise RuntimeError(f"the cell's training {result['status']}: {result['reason']}")
     m = result["metrics"]

@@ -52,9 +52,9 @@ def out_of_memory(e: BaseException) -> bool:
 def two_steps(config, device, batch: int) -> None:
     """Two training steps at `batch` (fresh model, policy, optimizer, random data); every tensor is
     local to this frame, so all of it is garbage once the call is over, even when it raised."""
-    import torch.nn.functional as F
     from mixprec.models import build_model
     from mixprec.train.build import build_trained
+    from mixprec.train.step import backward_and_step, image_forward
 
     ds = config.dataset
     built = build_trained(build_model(config.model, ds.num_classes), config, device,
@@ -63,10 +63,7 @@ def two_steps(config, device, batch: int) -> None:
     x = torch.randn(batch, 3, ds.image_size, ds.image_size, device=device)
     y = torch.randint(0, ds.num_classes, (batch,), device=device)
     for _ in range(2):
-        with policy.autocast():
-            out = model(policy.cast_input(x))
-        policy.backward(F.cross_entropy(out.float(), y))
-        policy.step(opt)
+        backward_and_step(image_forward(model, x, y, policy)[0], policy, opt)
         opt.zero_grad(set_to_none=True)
     hardware.synchronize(device)
 

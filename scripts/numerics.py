@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from mixprec import cli
 from mixprec.runtime import hardware
@@ -122,8 +121,8 @@ def run_precision(reference, config: Config, batch, device: torch.device) -> dic
         if config.model.is_language_model:
             loss = step.lm_forward(model, x, y, model.init_hidden(x.size(1)), policy)[0]
         else:
-            loss = F.cross_entropy(step.forward(model, x, policy).float(), y)
-    policy.backward(loss)
+            loss = step.image_forward(model, x, y, policy)[0]
+    policy.scaler.scale(loss).backward()   # the step's scaled backward, no optimizer step
     pgrads = {
         n: p.grad.float() / scale
         for n, p in zip(param_names(model), policy.model_params)

@@ -21,6 +21,7 @@ report/, ENVIRONMENT.md, COMMANDS.md and plan.md (predicted against actual minut
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import math
@@ -34,8 +35,28 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+import yaml
+from omegaconf import OmegaConf
+
 from mixprec import cli
-from mixprec.tools import plan as P
+from mixprec.config import ModelConfig, plain_config, validate
+from mixprec.tools.plan import (
+    PLAN_FILE,
+    JobCost,
+    PlanError,
+    cost_from_summary,
+    fit,
+    job_wall_s,
+    load_plan,
+    markdown_table,
+    mean_cost,
+    merge_overrides,
+    minutes,
+    override_keys,
+    parse_duration,
+    predict_job,
+    table,
+)
 from mixprec import records
 from mixprec.records import write_json_atomic, write_text_atomic
 from mixprec.report.load import sweep_jobs
@@ -58,6 +79,7 @@ def log(msg: str) -> None:
 
 
 def environment() -> dict:
+    # lazy: torch (which these import) is slow to import; the launcher and --help need it not
     import torch
     from mixprec.runtime.hardware import describe, select_device
 
@@ -116,7 +138,7 @@ def write_environment(out: Path, env: dict, args) -> None:
         ("overrides", " ".join(args.overrides) or "-"),
         ("written", time.strftime("%Y-%m-%d %H:%M:%S %z")),
     ]
-    text = "# Environment\n\n" + P.markdown_table(["", ""], [[k, v] for k, v in rows]) + "\n"
+    text = "# Environment\n\n" + markdown_table(["", ""], [[k, v] for k, v in rows]) + "\n"
     write_text_atomic(out / "ENVIRONMENT.md", text)
     write_json_atomic(out / "environment.json", env)
 
@@ -177,7 +199,7 @@ def exclude_keys(overrides: list[str], grid: dict) -> str:
     """Job dir names carry only the grid's values (every other override is the same for all the
     sweep's jobs)."""
     keys = ["logger.mode", "trainer.device", "trainer.resume"]
-    keys += [k for k in P.override_keys(overrides) if k not in grid]
+    keys += [k for k in override_keys(overrides) if k not in grid]
     return "hydra.job.config.override_dirname.exclude_keys=[" + ",".join(dict.fromkeys(keys)) + "]"
 
 
@@ -190,7 +212,7 @@ def smoke_parts(sweep) -> tuple[list[str], list[str]]:
 def sweep_overrides(plan, sweep, args) -> list[str]:
     """The overrides of the sweep's real run (grid aside): plan, smoke sizes, then the user's."""
     smoke = list(plan.smoke_common) + smoke_parts(sweep)[0] if args.smoke else []
-    return P.merge_overrides(sweep.overrides, smoke, args.overrides)
+    return merge_overrides(sweep.overrides, smoke, args.overrides)
 
 
 def script_options(sweep, args) -> list[str]:
@@ -198,7 +220,7 @@ def script_options(sweep, args) -> list[str]:
 
 
 def train_command(overrides: list[str], grid: dict, sweep_dir: Path, extra=()) -> list[str]:
-    over = P.merge_overrides(overrides, extra, FIXED)
+    over = merge_overrides(overrides, extra, FIXED)
     return [sys.executable, str(ROOT / "train.py"), "-m", *over,
             *[f"{k}={','.join(v)}" for k, v in grid.items()],
             f"hydra.sweep.dir={sweep_dir}", exclude_keys(over, grid)]
@@ -225,8 +247,6 @@ def run_command(plan, sweep, args, out: Path) -> list[str]:
 def compose(overrides: tuple) -> dict:
     """A job's resolved config (Hydra's compose API; hydra.* overrides left out); a bad override:
     ConfigError."""
-    from mixprec.config import plain_config
-
     return plain_config(
         cli.compose([o for o in overrides if not o.lstrip("+~").startswith("hydra")])
     )
@@ -240,7 +260,7 @@ def check_overrides(plan, args) -> None:
         if s.command == "train" and s.jobs:
             compose(
                 tuple(
-                    P.merge_overrides(
+                    merge_overrides(
                         sweep_overrides(plan, s, args), [f"{k}={v}" for k, v in s.jobs[0].items()]
                     )
                 )
@@ -250,7 +270,7 @@ def check_overrides(plan, args) -> None:
 def job_configs(plan, sweep, args) -> list[dict]:
     over = sweep_overrides(plan, sweep, args)
     return [
-        compose(tuple(P.merge_overrides(over, [f"{k}={v}" for k, v in job.items()])))
+        compose(tuple(merge_overrides(over, [f"{k}={v}" for k, v in job.items()])))
         for job in sweep.jobs
     ]
 
@@ -260,8 +280,6 @@ def job_configs(plan, sweep, args) -> list[dict]:
 
 def _die_with_parent():   # a kill -9 of reproduce.py takes its running sweep with it (Linux)
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -359,8 +377,8 @@ def calibrate(plan, args, out: Path) -> dict:
         grid = s.grid if args.calibrate == "all" else {k: v[:1] for k, v in s.grid.items()}
         data = (list(plan.smoke_common) + smoke_parts(s)[0]) if args.smoke else list(s.stand_in)
         # synthetic: no files
-        user = [o for o in args.overrides if P.override_keys([o])[0] != "dataset.data_dir"]
-        over = P.merge_overrides(
+        user = [o for o in args.overrides if override_keys([o])[0] != "dataset.data_dir"]
+        over = merge_overrides(
             s.overrides,
             user,
             data,
@@ -381,13 +399,13 @@ def calibrate(plan, args, out: Path) -> dict:
         record_exit(out, rc, wall)
         costs, jobs = {}, sweep_jobs(folder)[0] if folder.exists() else []
         for summ in (j.summary for j in jobs):
-            cost = P.cost_from_summary(summ)
+            cost = cost_from_summary(summ)
             if cost is not None:
                 costs["|".join(_job_key(summ, list(s.grid)))] = cost.__dict__
         # not skipped
         ran = [j.summary for j in jobs if (j.dir / records.SUMMARY).stat().st_mtime >= started]
         # the process, once per sweep
-        startup = max(0.0, wall - sum(P.job_wall_s(x) or 0.0 for x in ran))
+        startup = max(0.0, wall - sum(job_wall_s(x) or 0.0 for x in ran))
         result[s.name] = {
             "costs": costs,
             "wall_s": wall,
@@ -423,7 +441,7 @@ def predictor(plan, args, calibration: dict):
     """predict(sweep) -> (seconds, job configs, how: 'calibrated' | 'estimate' | '>='), cached per
     sweep state."""
     all_costs = [
-        P.JobCost(**c) for v in calibration["sweeps"].values() for c in v["costs"].values()
+        JobCost(**c) for v in calibration["sweeps"].values() for c in v["costs"].values()
     ]
 
     cache = {}
@@ -439,16 +457,16 @@ def predictor(plan, args, calibration: dict):
             return (10.0 if args.smoke else float(sweep.predicted_s or 120)), [], "estimate"
         configs = job_configs(plan, sweep, args)
         cal = calibration["sweeps"].get(sweep.name, {})
-        costs = {k: P.JobCost(**c) for k, c in cal.get("costs", {}).items()}
-        fallback, how = P.mean_cost(list(costs.values())), "calibrated"
+        costs = {k: JobCost(**c) for k, c in cal.get("costs", {}).items()}
+        fallback, how = mean_cost(list(costs.values())), "calibrated"
         if fallback is None and cal.get("status") == "timeout":
             per_step = cal["timeout_s"] * cal["jobs"] / cal["steps"]
-            fallback, how = P.JobCost(per_step, 0.0, 0.0), ">="
+            fallback, how = JobCost(per_step, 0.0, 0.0), ">="
         elif fallback is None:
-            fallback, how = P.mean_cost(all_costs) or P.JobCost(1.0, 0.0, 10.0), "estimate"
+            fallback, how = mean_cost(all_costs) or JobCost(1.0, 0.0, 10.0), "estimate"
         total = cal.get("startup_s", 0.0)
         for job, cfg in zip(sweep.jobs, configs):
-            total += P.predict_job(cfg, costs.get("|".join(job.values()), fallback), plan.datasets)
+            total += predict_job(cfg, costs.get("|".join(job.values()), fallback), plan.datasets)
         return total, configs, how
 
     return predict
@@ -462,8 +480,8 @@ MFU = 0.3   # the model FLOP utilisation assumed by --estimate (small CIFAR mode
 @lru_cache(maxsize=None)
 def _flops(model_json: str, num_classes: int, image_size: int | None) -> float:
     """Forward FLOPs per sample (image) or per token (language model) of the model config."""
+    # lazy: torch (which these import) is slow to import; only --estimate needs it
     import torch
-    from mixprec.config import ModelConfig
     from mixprec.models import build_model, forward_flops
 
     fields = json.loads(model_json)
@@ -480,18 +498,17 @@ def estimate(plan, args, profiles: list[str]) -> int:
     """Minutes of the full-fidelity plan on named GPU profiles from FLOPs at MFU of each profile's
     dense peak for the job's precision: a rough figure, not a measurement (a GPU's --plan replaces
     it)."""
-    from mixprec.config import validate
-    from mixprec.precision.modes import peak_kind
+    from mixprec.precision.modes import peak_kind   # lazy: torch, as _flops
 
     known = sorted(f.stem for f in (ROOT / "conf" / "gpu").glob("*.yaml") if f.stem != "auto")
     for p in profiles:
         if p not in known:
-            raise P.PlanError(
+            raise PlanError(
                 f"--estimate {p}: no GPU profile of that name (conf/gpu/); choose from: "
                 f"{', '.join(known)}"
             )
     if not profiles:
-        raise P.PlanError(
+        raise PlanError(
             "--estimate: name one or more GPU profiles, e.g. --estimate h100,v100 "
             f"({', '.join(known)})"
         )
@@ -502,13 +519,11 @@ def estimate(plan, args, profiles: list[str]) -> int:
         if s.command != "train":
             secs = {p: float(s.predicted_s or 0) for p in profiles}
         for job in s.jobs if s.command == "train" else []:
-            from omegaconf import OmegaConf
-
             c = validate(
                 OmegaConf.create(
                     compose(
                         tuple(
-                            P.merge_overrides(
+                            merge_overrides(
                                 s.overrides, args.overrides, [f"{k}={v}" for k, v in job.items()]
                             )
                         )
@@ -529,25 +544,23 @@ def estimate(plan, args, profiles: list[str]) -> int:
             for p in profiles:
                 peak = peaks[p].get(peak_kind(c.precision)) or peaks[p]["fp32"]
                 secs[p] += work / (peak * 1e12 * MFU)
-        rows.append([s.article, s.name, len(s.jobs)] + [P.minutes(secs[p]) for p in profiles])
+        rows.append([s.article, s.name, len(s.jobs)] + [minutes(secs[p]) for p in profiles])
         for p in profiles:
             totals[p] += secs[p]
     rows.append(
         ["total", "", sum(len(s.jobs) for s in plan.sweeps)]
-        + [P.minutes(totals[p]) for p in profiles]
+        + [minutes(totals[p]) for p in profiles]
     )
     print(
         f"FLOP estimate (not measured): minutes of the full-fidelity plan at {MFU:.0%} of each "
         "profile's dense peak for the job's precision (fp32 where the profile has no peak for "
         "it); training and evaluation FLOPs only (no data loading, start-up, launch overhead)\n"
     )
-    print(P.table(["article", "sweep", "jobs", *[f"{p} min" for p in profiles]], rows))
+    print(table(["article", "sweep", "jobs", *[f"{p} min" for p in profiles]], rows))
     return 0
 
 
 def yaml_load(path: Path) -> dict:
-    import yaml
-
     return yaml.safe_load(path.read_text())
 
 
@@ -558,7 +571,7 @@ def make_state(plan, args, calibration: dict, budget_s) -> dict:
     predict = predictor(plan, args, calibration)
     report_s = 60.0
     room = None if budget_s is None else budget_s - calibration["seconds"] - report_s
-    sweeps = P.fit(plan.sweeps, predict, room)
+    sweeps = fit(plan.sweeps, predict, room)
     entries = []
     for s in sweeps:
         secs, configs, how = predict(s)
@@ -613,7 +626,7 @@ def state_key(args) -> dict:
         "only": args.only,
         "overrides": list(args.overrides),
         "calibrate": args.calibrate,
-        "plan_file": str(args.plan_file or P.PLAN_FILE),
+        "plan_file": str(args.plan_file or PLAN_FILE),
     }
 
 
@@ -622,14 +635,14 @@ def plan_rows(state: dict, actual: bool) -> tuple[list[str], list[list]]:
     heads += (["actual min", "status"] if actual else []) + ["cut"]
     rows = []
     for e in state["sweeps"]:
-        pred = "-" if e["dropped"] else P.minutes(e["predicted_s"], e["prediction"] == ">=") + \
+        pred = "-" if e["dropped"] else minutes(e["predicted_s"], e["prediction"] == ">=") + \
             (" (estimate)" if e["prediction"] == "estimate" else "")
         jobs = f"{e['jobs']}" + (
             f" of {e['planned_jobs']}" if e["jobs"] != e["planned_jobs"] else ""
         )
         rows.append(
             [e["article"], e["name"], jobs, e["epochs"], pred]
-            + ([P.minutes(e["actual_s"]) if e["actual_s"] else "-", e["status"]] if actual else [])
+            + ([minutes(e["actual_s"]) if e["actual_s"] else "-", e["status"]] if actual else [])
             + ["; ".join(e["cuts"]) or "none (full fidelity)"]
         )
     return heads, rows
@@ -661,7 +674,7 @@ def write_plan_md(out: Path, state: dict) -> None:
         "# Plan: predicted against actual minutes\n\n"
         + plan_summary(state)
         + "\n\n"
-        + P.markdown_table(heads, rows)
+        + markdown_table(heads, rows)
         + "\n\nPredicted minutes come from the calibration (a few timed steps "
         "per job on this device, warm-up excluded); `>=` where the calibration was stopped as too "
         "slow, `(estimate)` where no step of the sweep could be timed. Cuts are applied in the "
@@ -678,14 +691,14 @@ def load_or_plan(plan, args, env) -> dict:
         log(f"continuing the plan in {args.out} (made {old['created']})")
         return old
     if old is not None and not args.replan:
-        raise P.PlanError(
+        raise PlanError(
             f"{args.out} holds a plan made with other options ({old['key']}); run the same command "
             "to continue it, add --replan to plan again there, or give --out for a new folder"
         )
     same_cal = old is not None and {k: v for k, v in old["key"].items() if k != "budget"} == \
         {k: v for k, v in state_key(args).items() if k != "budget"}
     calibration = old["calibration"] if same_cal else calibrate(plan, args, args.out)
-    budget_s = P.parse_duration(args.budget) if args.budget else None
+    budget_s = parse_duration(args.budget) if args.budget else None
     state = make_state(plan, args, calibration, budget_s)
     # the time spent there still counts, less the runs (and calibration) set aside
     if old is not None:
@@ -750,8 +763,8 @@ class Progress:
         width = 30
         bar = "#" * (width * done // max(1, self.planned))
         budget = f" of {self.state['budget_s'] / 60:.0f}" if self.state["budget_s"] else ""
-        minutes = f"{self.elapsed() / 60:.1f}{budget} min"
-        line = f"[{bar:<{width}}] {done}/{self.planned} jobs | {minutes} | {sweep}"
+        elapsed = f"{self.elapsed() / 60:.1f}{budget} min"
+        line = f"[{bar:<{width}}] {done}/{self.planned} jobs | {elapsed} | {sweep}"
         if self.tty:
             print("\r" + line.ljust(100), end="", flush=True)
         elif (done, sweep) != self.last:
@@ -870,18 +883,18 @@ def parse(argv):
 def main(argv=None) -> int:
     args = parse(argv)
     try:
-        plan = P.load_plan(args.plan_file)
+        plan = load_plan(args.plan_file)
         if args.only:
             plan = plan.only([n for n in args.only.split(",") if n])
         if args.smoke:
             plan = plan.smoked()
         if args.budget:
-            P.parse_duration(args.budget)
+            parse_duration(args.budget)
         check_overrides(plan, args)
         if args.estimate is not None:
             return estimate(plan, args, [p for p in args.estimate.split(",") if p])
         return reproduce(plan, args, argv if argv is not None else sys.argv[1:])
-    except P.PlanError as e:
+    except PlanError as e:
         print(f"reproduce: {cli.one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -908,7 +921,7 @@ def reproduce(plan, args, argv: list[str]) -> int:
     state = load_or_plan(plan, args, env)
     write_plan_md(args.out, state)
     heads, rows = plan_rows(state, actual=False)
-    print(f"\nplan for {args.out}\n{plan_summary(state)}\n{P.table(heads, rows)}\n", flush=True)
+    print(f"\nplan for {args.out}\n{plan_summary(state)}\n{table(heads, rows)}\n", flush=True)
     if args.plan:
         log(
             f"plan only: written to {args.out / 'plan.md'}; run the same command without --plan to "
@@ -953,4 +966,4 @@ def reproduce(plan, args, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run("reproduce", main, known=(P.PlanError,)))
+    sys.exit(cli.run("reproduce", main, known=(PlanError,)))

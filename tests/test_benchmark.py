@@ -309,19 +309,19 @@ def counted_calls(monkeypatch, *targets) -> dict:
     (["precision=fp32"], 0),
 ])
 def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides, per_step):
-    """A cell runs a job's loop (engine.fit: a log window, its one flush): tests/test_speed.py's
+    """A cell runs a job's loop (loop.fit: a log window, its one flush): tests/test_speed.py's
     sync count for a job, here for a cell: 0 syncs in a steady fused-amp step, and the window
     flushed as a job flushes it."""
     from test_speed import SyncCounter
 
-    import mixprec.train.images as images
-    import mixprec.train.loop as engine
+    from mixprec.train import images
+    from mixprec.train import loop
     from mixprec.numerics.probe import Attribution
 
     counter = SyncCounter(monkeypatch)
     counter.off_during(monkeypatch, Attribution, "see_batch")   # step 1's input check, once a run
     counter.on_during(monkeypatch, images.ImageSteps, "step")
-    calls = counted_calls(monkeypatch, (images.ImageSteps, "step"), (engine, "flush"))
+    calls = counted_calls(monkeypatch, (images.ImageSteps, "step"), (loop, "flush"))
     cfg, _ = bench.compose([*TINY, "dataset.image_size=8", *overrides])
     base, shape, classes = bench.build_base(cfg, torch.device("cpu"))
     cell = bench.time_cell(cfg, base, shape, classes, torch.device("cpu"), 2, 4)
@@ -331,17 +331,17 @@ def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides
 
 
 def layouts_seen(monkeypatch) -> list:
-    """Records the memory layout of every batch the loop's forward gets (images.forward: the
-    step's)."""
-    import mixprec.train.images as images
+    """Records the memory layout of every batch the loop's forward gets (step.forward, which the
+    step's image_forward calls)."""
+    from mixprec.train import step
 
-    seen, forward = [], images.forward
+    seen, forward = [], step.forward
 
     def recorded(model, x, policy):
         nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
         seen.append("channels_last" if nhwc else "nchw" if x.is_contiguous() else "other")
         return forward(model, x, policy)
-    monkeypatch.setattr(images, "forward", recorded)
+    monkeypatch.setattr(step, "forward", recorded)
     return seen
 
 
@@ -372,10 +372,10 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
     """An OOM in one cell's step and a compile error in others: each recorded with its error, dynamo
     reset and the device's cache emptied after each (the failed cell's model freed first), the other
     cells timed; table.json and table.md name every failed cell."""
-    import mixprec.train.compile as compiled
-    import mixprec.train.images as images
+    from mixprec.train import compile
+    from mixprec.train import step
 
-    forward, compile_model = images.forward, compiled.compile_model
+    forward, compile_model = step.forward, compile.compile_model
     resets, emptied, failed_models = [], [], []
 
     def oom_at_fp32_batch_4(model, x, policy):
@@ -388,8 +388,8 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
         if mode == "default":
             raise RuntimeError(COMPILE_ERROR)
         return compile_model(model, mode)
-    monkeypatch.setattr(images, "forward", oom_at_fp32_batch_4)
-    monkeypatch.setattr(compiled, "compile_model", compile_error)
+    monkeypatch.setattr(step, "forward", oom_at_fp32_batch_4)
+    monkeypatch.setattr(bench, "compile_model", compile_error)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
     monkeypatch.setattr(torch.cpu, "empty_cache",
                         lambda: emptied.append([m() for m in failed_models]), raising=False)
@@ -415,7 +415,7 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
     md = (out / "table.md").read_text()
     assert md.count("| failed |") == 5 and "Failed cells (5)" in md
     assert f"- small_cnn fp32 batch 4 compile none: OutOfMemoryError: {OOM}" in md
-    monkeypatch.setattr(images, "forward", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(step, "forward", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):   # a user's Ctrl-C still ends the table
         bench.main(["table", "--models", "small_cnn", "--precisions", "fp32", "--batches", "4",
                     *TINY, "dataset.image_size=8", "--steps", "1", "--warmup", "1"])
@@ -429,7 +429,7 @@ def test_a_cuda_table_cell_makes_no_sync_in_an_amp_step_and_measures_gpu_busy(be
     reads found-inf at once gave '-'), its peak memory too."""
     import warnings
 
-    import mixprec.train.images as images
+    from mixprec.train import images
     step = images.ImageSteps.step
 
     def watched(*args, **kwargs):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.train.compile as compiled
-import mixprec.job as run
+from mixprec.train import compile
+from mixprec import job
 from helpers import run_tiny
 from mixprec.report.analyse import sweep_rows
 from mixprec.report.render import job_block
@@ -52,16 +52,16 @@ class FakeGraphs(nn.Module):
 
 
 def fake_graphs(monkeypatch) -> list:
-    """run.compile_model makes FakeGraphs; each fit notes how many calls the warm-up made
+    """job.compile_model makes FakeGraphs; each fit notes how many calls the warm-up made
     (fake.warmed)."""
     made = []
-    fit = run.loop.fit
+    fit = job.loop.fit
 
     def noted_fit(*args, **kwargs):
         if made and made[-1].warmed is None:   # the job that made it (a later eager job leaves it)
             made[-1].warmed = len(made[-1].seen)
         return fit(*args, **kwargs)
-    monkeypatch.setattr(run.loop, "fit", noted_fit)
+    monkeypatch.setattr(job.loop, "fit", noted_fit)
 
     def compile_model(net, mode):
         if mode == "none":
@@ -69,7 +69,7 @@ def fake_graphs(monkeypatch) -> list:
         made.append(FakeGraphs(net))
         monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", made[-1].mark)
         return made[-1]
-    monkeypatch.setattr(run, "compile_model", compile_model)
+    monkeypatch.setattr(job, "compile_model", compile_model)
     return made
 
 
@@ -133,16 +133,16 @@ def traced_only(monkeypatch) -> list:
     """trainer.compile through dynamo with the eager backend: every (re)compilation counted, seconds
     instead of inductor's minutes. Returns the graphs made during fit (training and evaluation)."""
     made = []
-    monkeypatch.setattr(run, "compile_model", lambda net, mode: torch.compile(net, backend="eager"))
-    fit = run.loop.fit
+    monkeypatch.setattr(job, "compile_model", lambda net, mode: torch.compile(net, backend="eager"))
+    fit = job.loop.fit
 
     def counted_fit(*args, **kwargs):
-        before = compiled.dynamo_graphs()
+        before = compile.dynamo_graphs()
         try:
             return fit(*args, **kwargs)
         finally:
-            made.append(compiled.dynamo_graphs() - before)
-    monkeypatch.setattr(run.loop, "fit", counted_fit)
+            made.append(compile.dynamo_graphs() - before)
+    monkeypatch.setattr(job.loop, "fit", counted_fit)
     return made
 
 
@@ -221,10 +221,10 @@ def counted(monkeypatch) -> CountingBackend:
     """trainer.compile through the real compile_model with the counting backend; fit marks the
     graphs' calls."""
     backend = CountingBackend()
-    monkeypatch.setattr(run, "compile_model",
-                        lambda net, mode: compiled.compile_model(net, mode, backend=backend))
-    fit = run.loop.fit
-    monkeypatch.setattr(run.loop, "fit", lambda *a, **k: backend.mark() or fit(*a, **k))
+    monkeypatch.setattr(job, "compile_model",
+                        lambda net, mode: compile.compile_model(net, mode, backend=backend))
+    fit = job.loop.fit
+    monkeypatch.setattr(job.loop, "fit", lambda *a, **k: backend.mark() or fit(*a, **k))
     return backend
 
 
@@ -329,11 +329,11 @@ def test_compiled_models_give_the_eager_losses(tmp_path, kind):
     """Every model kind that compiles, step by step against its eager run."""
     overrides, base, rel, compared = KINDS[kind]
     eager, _ = train_losses(tmp_path / "eager", *overrides, base=base)
-    compiled, s = train_losses(
+    compile, s = train_losses(
         tmp_path / "compiled", *overrides, "trainer.compile=default", base=base
     )
-    assert len(compiled) == len(eager) >= compared
-    assert compiled[:compared] == pytest.approx(eager[:compared], rel=rel)
+    assert len(compile) == len(eager) >= compared
+    assert compile[:compared] == pytest.approx(eager[:compared], rel=rel)
     assert s["metrics"]["compile_time_s"] > 0 and s["config"]["trainer"]["compile"] == "default"
 
 
@@ -346,10 +346,10 @@ def test_each_compile_mode_trains_on_a_gpu(tmp_path, mode):
     gpu = [o for o in SMALL if o not in ("trainer.device=cpu", "trainer.deterministic=true")]
     common = ["trainer.max_steps=6", "precision=amp", "trick.tta=true", "dataset.test_size=24"]
     eager, _ = train_losses(tmp_path / "eager", *common, base=gpu)
-    compiled, s = train_losses(tmp_path / "compiled", *common, f"trainer.compile={mode}", base=gpu)
+    compile, s = train_losses(tmp_path / "compiled", *common, f"trainer.compile={mode}", base=gpu)
     assert s["env"]["device"].startswith("cuda") and s["metrics"]["compile_time_s"] > 0
     # fp16 autocast: inductor's fusions round differently
-    assert compiled == pytest.approx(eager, rel=1e-2)
+    assert compile == pytest.approx(eager, rel=1e-2)
     gpt = [o for o in GPT_JOB if o != "trainer.deterministic=true"]
     losses, _ = train_losses(
         tmp_path / "gpt",

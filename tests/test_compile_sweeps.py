@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import mixprec.train.compile as compiled
-import mixprec.job as run
+from mixprec.train import compile
+from mixprec import job
 from helpers import ROOT, run_cli, run_tiny
 from mixprec.runtime import dist
 from mixprec.records import SUMMARY
@@ -31,8 +31,8 @@ SWEEP = [o for o in SMALL if not o.startswith(REPLACED)] + [
 
 def eager_backend(monkeypatch) -> None:
     """trainer.compile through the real compile_model with dynamo's eager backend."""
-    monkeypatch.setattr(run, "compile_model",
-                        lambda net, mode: compiled.compile_model(net, mode, backend="eager"))
+    monkeypatch.setattr(job, "compile_model",
+                        lambda net, mode: compile.compile_model(net, mode, backend="eager"))
 
 
 def assert_compiled(s: dict) -> None:
@@ -83,14 +83,14 @@ def test_reset_compile_state_forgets_the_earlier_graphs():
     """After the reset, a module compiled again compiles anew (dynamo's caches are empty), and the
     call count of the graph counter goes on (a job's count is a difference)."""
     net = torch.nn.Linear(3, 2)
-    fn = compiled.compile_model(net, "default", backend="eager")
+    fn = compile.compile_model(net, "default", backend="eager")
     fn(torch.randn(4, 3))
-    before = compiled.dynamo_graphs()
+    before = compile.dynamo_graphs()
     fn(torch.randn(4, 3))
-    assert compiled.dynamo_graphs() == before   # cached
-    compiled.reset_compile_state(torch.device("cpu"))
+    assert compile.dynamo_graphs() == before   # cached
+    compile.reset_compile_state(torch.device("cpu"))
     fn(torch.randn(4, 3))
-    assert compiled.dynamo_graphs() == before + 1
+    assert compile.dynamo_graphs() == before + 1
 
 
 def family(pid: int) -> list[int]:
@@ -122,7 +122,7 @@ def test_the_compile_workers_outlive_a_sigterm_to_the_job():
 
     shutdown_compile_workers()   # a pool of an earlier test goes: this one is started here
     try:
-        compiled.start_compile_workers()
+        compile.start_compile_workers()
         pool = AsyncCompile.process_pool()
         assert pool.submit(AsyncCompile._get_ready).result(timeout=120) == "ready"
         workers = family(pool.process.pid)
@@ -226,9 +226,9 @@ def test_a_signal_as_a_sweep_job_completes_stops_the_sweep(tmp_path, caplog):
     """A SIGTERM that came as a sweep's job completed (its last step, the final evaluation) is not
     forgotten: the job keeps its status, and the sweep stops with the signal's exit status."""
     summary = {"status": "completed"}
-    run.note_signal(summary, "SIGTERM")
+    job.note_signal(summary, "SIGTERM")
     assert summary == {"status": "completed", "stop_signal": "SIGTERM"}
     with pytest.raises(SystemExit) as e:
-        run.end_job(summary, run.JobDir(tmp_path / "0_job", tmp_path, dist.SINGLE))
+        job.end_job(summary, job.JobDir(tmp_path / "0_job", tmp_path, dist.SINGLE))
     assert e.value.code == 128 + signal.SIGTERM
     assert "mixprec: SIGTERM as the job ended (completed): the sweep stops here" in caplog.text

@@ -23,6 +23,7 @@ from mixprec.config import ConfigError, plain_config, validate
 from mixprec.models import build_model
 from mixprec.train.optim import build_optimizer, build_schedule
 from mixprec.precision.policy import PrecisionPolicy, StaticScaler
+from mixprec.train.step import backward_and_step
 from mixprec.precision import emulation
 from mixprec.train.prewarm import prewarm
 from mixprec.report.published import PUBLISHED_DIR, load_source, load_sources, matches
@@ -578,10 +579,10 @@ def _tiny_fp16_step(precision: str, emulate: bool, lr: float = 0.5, clip: float 
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
         loss = 0.01 * ((model(policy.cast_input(x)).float() - y) ** 2).mean()
-        policy.backward(loss)
-        scaled = [p.grad.float().clone() for p in model.parameters()]
         before = [m.detach().clone() for m in policy.master_params]
-        policy.step(opt, grad_clip=clip)
+        scaled = []   # the model's gradients after the backward, still scaled
+        seen = lambda: scaled.extend(p.grad.float().clone() for p in model.parameters())
+        backward_and_step(loss, policy, opt, grad_clip=clip, after_backward=seen)
         after = [m.detach().clone() for m in policy.master_params]
     return scaled, before, after
 

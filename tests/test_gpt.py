@@ -18,9 +18,11 @@ from test_lm import one_thread  # noqa: F401  (autouse: tiny models on one threa
 from mixprec.config import ConfigError, validate
 from mixprec.models.gpt import GPT
 from mixprec.models import build_model
+from mixprec.precision import modes
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.report.analyse import sweep_rows
 from mixprec.report.render import format_table, sweep_note
+from mixprec.train.build import build_trained
 
 CPU = torch.device("cpu")
 # Tiny but real: a 1-layer GPT of width 32 on a synthetic corpus of 64 words, AdamW, deterministic,
@@ -161,14 +163,26 @@ def test_fp8_makes_the_linear_layers_float8_and_lists_those_left_in_bf16(n_embd,
     assert model.lm_head.weight is model.wte.weight and type(model.lm_head) is nn.Linear
 
 
-def test_without_torchao_fp8_is_one_config_error(monkeypatch):
+def test_without_torchao_fp8_is_one_config_error(monkeypatch, tmp_path):
+    """The schema needs no package (validate passes); what the job's start, a script's build and
+    precision.modes.check_installed ask before any work is one line saying what to install."""
     monkeypatch.setitem(sys.modules, "torchao", None)          # import torchao raises ImportError
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
-    with pytest.raises(ConfigError) as e:
-        validate(compose_config("precision=fp8"))
-    assert str(e.value).endswith('install it with: pip install -e ".[fp8]"') and "\n" not in str(
-        e.value
-    )
+    config = validate(compose_config("precision=fp8", *GPT_JOB))
+    for check in (
+        lambda: modes.check_installed(config.precision),
+        lambda: build_trained(build_model(config.model, 64), config, CPU),
+    ):
+        with pytest.raises(ConfigError) as e:
+            check()
+        assert str(e.value).endswith('install it with: pip install -e ".[fp8]"') and (
+            "\n" not in str(e.value)
+        )
+    with pytest.raises(SystemExit) as ended:
+        run_tiny(tmp_path, "precision=fp8", base=GPT_JOB)
+    assert ended.value.code == 2 and not (tmp_path / "metrics.jsonl").exists()
+    error = json.loads((tmp_path / "summary.json").read_text())["error"]
+    assert error == f"config error: {e.value}"
 
 
 @pytest.mark.slow

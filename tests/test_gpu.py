@@ -13,15 +13,17 @@ from torch import nn
 from helpers import TINY, compose_config, run_tiny, load_script
 from mixprec.train import checkpoint, prewarm
 from mixprec import data
-from mixprec.precision import policy as precision
+from mixprec.precision.policy import PrecisionPolicy
 from mixprec.config import validate
 from mixprec.train.loop import LoopState, TrainClock
 from mixprec.models import small_cnn
 from mixprec.train.optim import build_optimizer
+from mixprec.train.step import backward_and_step
 from mixprec.models.resnet9 import GhostBatchNorm
 from mixprec.models.rnnlm import RNNModel
 from mixprec.precision import emulation
 from mixprec.precision import modes
+from mixprec.precision.state import load_module_state
 
 pytestmark = pytest.mark.gpu
 GPU_TINY = [o for o in TINY if not o.startswith("trainer.device")]   # trainer.device=auto: the GPU
@@ -47,12 +49,12 @@ def test_o2_weights_equal_their_masters_after_a_step():
             "precision=o2", "precision.init_scale=1", "optimizer=sgd", "optimizer.lr=0.5"
         )
     )
-    policy = precision.PrecisionPolicy(config.precision, CUDA0)
+    policy = PrecisionPolicy(config.precision, CUDA0)
     model = policy.prepare_model(small_cnn(8, 10))
     opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
     x, y = torch.randn(16, 3, 32, 32, device=CUDA0), torch.randint(0, 10, (16,), device=CUDA0)
-    policy.backward(nn.functional.cross_entropy(model(policy.cast_input(x)).float(), y))
-    assert policy.step(opt) is False
+    loss = nn.functional.cross_entropy(model(policy.cast_input(x)).float(), y)
+    assert backward_and_step(loss, policy, opt) is False
     # BN stays fp32
     assert {p.dtype for p in policy.model_params} == {torch.float16, torch.float32}
     for p, master in zip(policy.model_params, policy.master_params):
@@ -69,7 +71,7 @@ def test_tf32_then_fp32_jobs_in_one_process_record_their_flags(tmp_path):
 
 def test_an_amp_step_syncs_the_host_at_most_once():
     config = validate(compose_config("precision=amp", "optimizer=sgd"))
-    policy = precision.PrecisionPolicy(config.precision, CUDA0)
+    policy = PrecisionPolicy(config.precision, CUDA0)
     model = policy.prepare_model(small_cnn(8, 10))
     opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
     x, y = torch.randn(16, 3, 32, 32, device=CUDA0), torch.randint(0, 10, (16,), device=CUDA0)
@@ -77,8 +79,7 @@ def test_an_amp_step_syncs_the_host_at_most_once():
     def step():
         with policy.autocast():
             out = model(policy.cast_input(x))
-        policy.backward(nn.functional.cross_entropy(out.float(), y))
-        policy.step(opt)
+        backward_and_step(nn.functional.cross_entropy(out.float(), y), policy, opt)
         opt.zero_grad(set_to_none=True)
 
     for _ in range(3):   # warm-up: lazy init, autotuning
@@ -106,7 +107,7 @@ def test_an_amp_step_syncs_the_host_at_most_once():
     ],
 )
 def test_the_rnn_runs_in_the_dtype_it_records(mode, rnn_dtype, cudnn):
-    policy = precision.PrecisionPolicy(
+    policy = PrecisionPolicy(
         validate(compose_config(f"precision={mode}")).precision, CUDA0
     )
     model = policy.prepare_model(RNNModel("lstm", 50, 16, 16, 2))
@@ -209,14 +210,14 @@ def test_the_gpu_rng_state_round_trips_on_the_jobs_device():
 
 @pytest.mark.parametrize("emulate", [False, True], ids=["plain", "emulated"])
 def test_an_lstm_checkpoint_loads_on_the_gpu_into_flat_cudnn_weights(emulate):
-    """checkpoint restores a model through emulation.load_module_state, which drops an RNN's weak
-    references to its weights around the load and rebuilds them (on a GPU: cuDNN's one flat weight
-    buffer). The loaded LSTM gives the saved one's output, with no warning that its weights are not
-    one contiguous chunk."""
+    """checkpoint restores a model through precision.state.load_module_state, which drops an RNN's
+    weak references to its weights around the load and rebuilds them (on a GPU: cuDNN's one flat
+    weight buffer). The loaded LSTM gives the saved one's output, with no warning that its weights
+    are not one contiguous chunk."""
     torch.manual_seed(0)
     saved, loaded = nn.LSTM(8, 16, 2).to(CUDA0), nn.LSTM(8, 16, 2).to(CUDA0)
     with emulation.numerics(emulate):
-        emulation.load_module_state(loaded, saved.state_dict())
+        load_module_state(loaded, saved.state_dict())
     x = torch.randn(5, 3, 8, device=CUDA0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -231,7 +232,7 @@ def test_an_rnn_job_never_runs_uncompacted_weights(mode):
     every call. bf16 weights too: flatten_parameters refuses bf16 (CUDNN_TENSOR_DTYPES) where ATen's
     RNN runs it on cuDNN (the H200 warning)."""
     config = validate(compose_config(f"precision={mode}", "model=lstm", "optimizer.momentum=0"))
-    policy = precision.PrecisionPolicy(config.precision, CUDA0)
+    policy = PrecisionPolicy(config.precision, CUDA0)
     tokens = torch.randint(0, 50, (7, 4), device=CUDA0)
     with warnings.catch_warnings():
         warnings.filterwarnings(

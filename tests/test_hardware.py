@@ -9,11 +9,12 @@ from helpers import ROOT, compose_config, load_script, run_tiny
 from mixprec.train import checkpoint
 from mixprec import data
 from mixprec.runtime import dist, hardware
-from mixprec.precision import policy as precision
+from mixprec.precision.policy import PrecisionPolicy
 from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.train.loop import LoopState
 from mixprec.models import small_cnn
 from mixprec.train.optim import build_optimizer
+from mixprec.train.step import backward_and_step
 from mixprec.models.resnet9 import GhostBatchNorm, ResNet9
 from mixprec.precision import modes
 
@@ -159,7 +160,7 @@ def test_every_profile_names_only_cards_of_its_memory_and_no_card_has_two_profil
 
 
 def test_gpu_auto_on_an_unknown_card_logs_one_line_and_shows_no_mfu(caplog):
-    from mixprec import job as run
+    from mixprec import job
 
     config = validate(compose_config("gpu=auto", "trainer.device=cpu"))
     profile = hardware.gpu_profile(config.gpu, "NVIDIA L4")
@@ -168,7 +169,7 @@ def test_gpu_auto_on_an_unknown_card_logs_one_line_and_shows_no_mfu(caplog):
         hardware.mfu({"train_flops_per_sample": 3e9, "throughput": 2000.0}, profile, "fp32") is None
     )
     with caplog.at_level("INFO"):
-        run.warn_if_slow(config, torch.device("cpu"), profile)
+        job.warn_if_slow(config, torch.device("cpu"), profile)
     lines = [r.message for r in caplog.records if "NVIDIA L4" in r.message]
     assert len(lines) == 1 and "no profile in conf/gpu/ matches 'NVIDIA L4'" in lines[0]
     # a CPU job: no profile, nothing logged
@@ -207,7 +208,7 @@ def test_o2_copies_masters_back_one_dtype_per_foreach_call(monkeypatch):
         )
     )
     torch.manual_seed(0)
-    policy = precision.PrecisionPolicy(config.precision, torch.device("cpu"))
+    policy = PrecisionPolicy(config.precision, torch.device("cpu"))
     model = policy.prepare_model(small_cnn(4, 10))
     opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
     # conv fp16, BN fp32
@@ -218,8 +219,8 @@ def test_o2_copies_masters_back_one_dtype_per_foreach_call(monkeypatch):
         torch, "_foreach_copy_", lambda dst, src: (calls.append((dst, src)), real(dst, src))[1]
     )
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
-    policy.backward(nn.functional.cross_entropy(model(policy.cast_input(x)).float(), y))
-    assert policy.step(opt) is False
+    loss = nn.functional.cross_entropy(model(policy.cast_input(x)).float(), y)
+    assert backward_and_step(loss, policy, opt) is False
     assert len(calls) == 2 and all(len({t.dtype for t in dst}) == 1 for dst, _ in calls)
     # every weight = its master in its dtype
     for p, master in zip(policy.model_params, policy.master_params):
@@ -234,14 +235,13 @@ def test_the_loss_scale_is_followed_on_the_host_as_gradscaler_moves_it():
         init_scale=8.0,
         growth_interval=2,
     )
-    policy = precision.PrecisionPolicy(cfg, torch.device("cpu"))
+    policy = PrecisionPolicy(cfg, torch.device("cpu"))
     w = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD(policy.optimizer_params(nn.ParameterList([w])), lr=0.1)
     skipped = []
     for bad in [False, False, True, False, True, True, False, False, False]:
         loss = (w * (float("inf") if bad else 1.0)).sum()
-        policy.backward(loss)
-        skipped.append(policy.step(opt))
+        skipped.append(backward_and_step(loss, policy, opt))
         opt.zero_grad()
         # GradScaler's own value (a sync: the test only)
         assert policy.scale_value == policy.scaler.get_scale()
@@ -393,7 +393,7 @@ def test_kernels_count_for_their_major_version_and_ptx_for_later_gpus(arch, cap,
 
 def test_fp32_weights_are_cpu_copies():
     config = validate(compose_config("precision=o2"))
-    policy = precision.PrecisionPolicy(config.precision, torch.device("cpu"))
+    policy = PrecisionPolicy(config.precision, torch.device("cpu"))
     model = policy.prepare_model(small_cnn(4, 10))
     policy.optimizer_params(model)
     state = policy.fp32_state_dict(model)

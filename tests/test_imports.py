@@ -1,6 +1,9 @@
 """No import cycle in src/mixprec: the graph of every `import` / `from ... import` (top-level and
-inside functions) between the package's modules, built with ast, has no cycle."""
+inside functions) between the package's modules, built with ast, has no cycle; the rooms import only
+downward in their layers; an import waits inside a function only for a reason LAZY gives."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -162,3 +165,99 @@ def test_the_package_root_holds_at_most_8_modules():
     root = SRC / "mixprec"
     modules = sorted(p.name for p in root.glob("*.py"))
     assert len(modules) <= 8, modules
+
+
+# Every import inside a function in src/mixprec, (module, what it imports): why it waits for the
+# call. Any other import belongs at the module's top.
+OPTIONAL_WANDB = "wandb: optional (the wandb extra) and slow to import; only W&B's paths need it"
+NO_TORCH = "torch: scripts/reproduce.py imports cli without it"
+LAZY = {
+    ("mixprec.cli", "mixprec.data.files"): NO_TORCH,
+    ("mixprec.cli", "mixprec.train.checkpoint"): NO_TORCH,
+    ("mixprec.job", "mixprec.records.wandb_mirror"): OPTIONAL_WANDB,
+    ("mixprec.precision.fp8", "torchao.float8"): "torchao: optional (the fp8 extra)",
+    ("mixprec.precision.fp8", "torchao.float8.float8_linear"): "torchao: optional (the fp8 extra)",
+    ("mixprec.records.wandb_mirror", "wandb"): OPTIONAL_WANDB,
+    ("mixprec.report.callbacks", "mixprec.report.make"): "matplotlib: only a sweep's report",
+    ("mixprec.report.wandb_report", "wandb"): OPTIONAL_WANDB,
+    ("mixprec.report.wandb_report", "wandb_workspaces.reports.v2"): "optional (the report extra)",
+    ("mixprec.runtime.defaults", "torch"): "`import mixprec` registers its resolvers without it",
+    ("mixprec.runtime.dist", "submitit"): "optional (the SLURM launcher's extra)",
+    ("mixprec.train.compile", "torch._inductor.async_compile"): "inductor: seconds to import",
+}
+
+
+def function_imports(src: Path = SRC, package: str = "mixprec") -> set[tuple[str, str]]:
+    """(module, imported module) for every import inside a function of the package, relative
+    imports resolved."""
+    found = set()
+    for path in (src / package).rglob("*.py"):
+        mod, is_pkg = module_name(path, src), path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), str(path))
+        functions = [
+            n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
+        for node in (n for f in functions for n in ast.walk(f)):
+            if isinstance(node, ast.Import):
+                found |= {(mod, a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = mod.split(".")
+                base = base[:len(base) - node.level + (1 if is_pkg else 0)] if node.level else []
+                found.add((mod, ".".join(base + ([node.module] if node.module else []))))
+    return found
+
+
+def test_the_function_import_finder_resolves_relative_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("def f():\n    from . import c\n")
+    (pkg / "sub" / "c.py").write_text(
+        "import json\n\ndef g():\n    import wandb\n    from ..sub import c\n"
+    )
+    assert function_imports(tmp_path, "pkg") == {
+        ("pkg.sub", "pkg.sub"), ("pkg.sub.c", "wandb"), ("pkg.sub.c", "pkg.sub")
+    }
+
+
+def test_imports_wait_inside_functions_only_for_a_reason():
+    found = function_imports()
+    unexplained = sorted(f"{m}: {t}" for m, t in found - set(LAZY))
+    assert not unexplained, (
+        "imports inside functions: move them to the module's top, or give the reason in LAZY: "
+        + "; ".join(unexplained)
+    )
+    assert set(LAZY) <= found, f"no longer inside a function: {sorted(set(LAZY) - found)}"
+
+
+def test_the_package_and_cli_import_without_torch():
+    """What LAZY's torch reasons promise: the resolvers and cli load without torch."""
+    code = "import sys, mixprec, mixprec.cli; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+ROOT = SRC.parent
+# (file, alias): why it stays
+ALIASES_LEFT = {("scripts/numerics.py", "ps"): "probe_stats, renamed with that script's rewrite"}
+
+
+def mixprec_aliases(paths) -> set[tuple[str, str]]:
+    """(file, alias) for every import of a mixprec name under another name (`loop as engine`)."""
+    found = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                module = node.module if isinstance(node, ast.ImportFrom) else None
+                for a in node.names:
+                    name = (a.name if module else a.name.rsplit(".", 1)[-1])
+                    if (module or a.name).startswith("mixprec") and a.asname not in (None, name):
+                        found.add((path.relative_to(ROOT).as_posix(), a.asname))
+    return found
+
+
+def test_tests_and_scripts_import_mixprec_by_its_names():
+    paths = [*sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "scripts").glob("*.py")),
+             ROOT / "train.py"]
+    found = mixprec_aliases(paths)
+    assert found - set(ALIASES_LEFT) == set(), f"aliased imports (use the names): {found}"
+    assert set(ALIASES_LEFT) <= found, "an alias allowed but gone: drop it from ALIASES_LEFT"

@@ -11,7 +11,8 @@ from mixprec.precision import emulation
 from torch import nn
 
 from helpers import ROOT, compose_config, run_cli, run_tiny, load_script
-from mixprec.train import loop as engine, lm as lm_engine
+from mixprec.train.loop import Loop, LoopState, fit, total_steps
+from mixprec.train import lm
 from mixprec.config import ConfigError, validate
 from mixprec.train.optim import build_schedule
 from mixprec.precision.policy import PrecisionPolicy
@@ -78,18 +79,18 @@ def precision(name):
 def train_lm(
     model, policy, optimizer, schedule, train, valid, test, trainer, bptt, log=lambda row: None
 ):
-    """The shared loop (engine.fit) with a language model's steps, as a job runs it."""
+    """The shared loop (loop.fit) with a language model's steps, as a job runs it."""
     windows = TokenWindows(train, bptt)
-    loop = engine.Loop(
+    loop = Loop(
         policy,
         optimizer,
         trainer,
-        engine.total_steps(trainer, len(windows)),
+        total_steps(trainer, len(windows)),
         log=log,
         progress=False,
     )
-    steps = lm_engine.LMSteps(model, schedule, valid, test, bptt, columns=train.size(1))
-    return engine.fit(steps, windows, loop, engine.LoopState())
+    steps = lm.LMSteps(model, schedule, valid, test, bptt, columns=train.size(1))
+    return fit(steps, windows, loop, LoopState())
 
 
 def test_windows_and_targets_line_up():
@@ -145,10 +146,14 @@ def test_clipping_under_a_loss_scale_clips_the_unscaled_gradient(name):
     policy.prepare_model(model)
     optimizer = torch.optim.SGD(policy.optimizer_params(model), lr=1.0)
     g = torch.tensor([3e-3, 4e-3])
-    policy.backward((model.w.float() * g).sum())
-    assert policy.scale_value > 1
-    assert model.w.grad.float().norm().item() == pytest.approx(5e-3 * policy.scale_value, rel=1e-3)
-    assert not policy.step(optimizer, grad_clip=1e-3)
+    scale = policy.scale_value
+    assert scale > 1
+    norms = []   # the model's gradient norm after the backward, still scaled
+    seen = lambda: norms.append(model.w.grad.float().norm().item())
+    assert not step.backward_and_step(
+        (model.w.float() * g).sum(), policy, optimizer, grad_clip=1e-3, after_backward=seen
+    )
+    assert norms == [pytest.approx(5e-3 * scale, rel=1e-3)]
     stepped = policy.stepped_params()[0]
     assert stepped.dtype == torch.float32 and torch.allclose(
         stepped.detach(), -g / 5, rtol=2e-3, atol=0
@@ -200,17 +205,17 @@ def test_perplexity_is_exp_of_the_mean_loss_per_token():
     # 14 rows, targets x + 1; windows of 5, 5, 3 rows
     source = batchify(torch.arange(29), 2)
     policy = precision("fp32")
-    loss = lm_engine.evaluate(Fixed(q, vocab), source, 5, policy)
+    loss = lm.evaluate(Fixed(q, vocab), source, 5, policy)
     # every input that has a target, each counted once
     targets_from = source[:-1].flatten()
     expected = -torch.log(q[targets_from].double()).mean().item()
     assert loss == pytest.approx(expected, rel=1e-6)
-    assert lm_engine.perplexity(loss) == pytest.approx(math.exp(expected), rel=1e-6)
+    assert lm.perplexity(loss) == pytest.approx(math.exp(expected), rel=1e-6)
     uniform = Fixed(torch.full((vocab,), 1 / vocab), vocab)
-    assert lm_engine.perplexity(lm_engine.evaluate(uniform, source, 5, policy)) == pytest.approx(
+    assert lm.perplexity(lm.evaluate(uniform, source, 5, policy)) == pytest.approx(
         vocab, rel=1e-5
     )
-    assert lm_engine.perplexity(1e4) == math.inf and math.isnan(lm_engine.perplexity(math.nan))
+    assert lm.perplexity(1e4) == math.inf and math.isnan(lm.perplexity(math.nan))
 
 
 def test_what_cpu_autocast_does_with_the_recurrent_layers():
@@ -249,8 +254,8 @@ def dtypes_seen(model, policy) -> tuple[dict, torch.Tensor]:
 
 def test_emulated_cuda_autocast_with_the_recurrent_layers():
     """Emulated (CUDA's policy): every RNN kind runs in fp16 under amp (cuDNN's autocast cast), in
-    fp32 under amp_bf16 (RNNModel takes it out of autocast, as on a GPU); the decoder in the
-    autocast dtype."""
+    fp32 under amp_bf16 (the policy tells RNNModel to run it outside autocast, as on a GPU); the
+    decoder in the autocast dtype."""
     for name, rnn_dtype, dec in (
         ("amp", torch.float16, torch.float16),
         ("amp_bf16", torch.float32, torch.bfloat16),
@@ -259,13 +264,40 @@ def test_emulated_cuda_autocast_with_the_recurrent_layers():
         assert policy.emulated
         for kind in ("lstm", "gru", "rnn_tanh"):
             with emulation.numerics(True):
-                model = RNNModel(kind, 20, 8, 8, 2)
+                model = policy.prepare_model(RNNModel(kind, 20, 8, 8, 2))
                 seen, _ = dtypes_seen(model, policy)
             assert seen == {"encoder": torch.float32, "rnn": rnn_dtype, "decoder": dec}, (
                 name,
                 kind,
             )
             assert model.rnn_dtype == rnn_dtype
+
+
+def test_the_policy_decides_where_the_recurrent_layers_run_and_the_model_only_obeys():
+    """The bf16 cuDNN-RNN rule is the precision policy's: outside autocast under CUDA autocast to
+    bf16, real (a CUDA device) or emulated, nowhere else; the model runs what it is told, whatever
+    autocast it finds (told nothing, it leaves the RNN to emulated bf16 autocast: cuDNN's fp16)."""
+    cuda = torch.device("cuda")   # no GPU needed: the policy's decision reads the device's type
+    told = {
+        (name, device.type): PrecisionPolicy(
+            validate(compose_config(*f"precision={name}".split())).precision, device
+        ).rnn_outside_autocast
+        for name in ("fp32", "amp", "amp_bf16", "amp_bf16 precision.emulate=false", "bf16")
+        for device in (CPU, cuda)
+    }
+    assert {k for k, outside in told.items() if outside} == {
+        ("amp_bf16", "cpu"),
+        ("amp_bf16", "cuda"),
+        ("amp_bf16 precision.emulate=false", "cuda"),
+    }
+    policy = precision("amp_bf16")
+    with emulation.numerics(True):
+        model = RNNModel("gru", 20, 8, 8, 2)
+        assert not model.rnn_outside_autocast
+        seen, _ = dtypes_seen(model, policy)
+        assert seen["rnn"] == torch.float16   # not told: autocast's cuDNN RNN cast
+        assert policy.prepare_model(model).rnn_outside_autocast
+        assert dtypes_seen(model, policy)[0]["rnn"] == torch.float32
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
@@ -568,7 +600,7 @@ def test_rnn_weights_are_compacted_after_a_checkpoint_load(tmp_path, monkeypatch
             models = [m.half() for m in models]
         saver = Checkpointer(tmp_path, meta={})
         saver.parts["model"] = models[0]
-        state = engine.LoopState()
+        state = LoopState()
         saver.save(state)
     # as checkpoint.read: before the numerics
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)

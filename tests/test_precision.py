@@ -11,6 +11,7 @@ from mixprec.config import validate
 from mixprec.models import small_cnn
 from mixprec.train.optim import build_optimizer
 from mixprec.precision.policy import PrecisionPolicy
+from mixprec.train.step import backward_and_step
 
 MODES = ["fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3"]
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -63,9 +64,10 @@ def test_two_steps_with_promised_dtypes(mode, optimizer):
         with policy.autocast():
             assert conv(policy.cast_input(x)).dtype == compute_dt
         assert loss.dtype == F32 and torch.isfinite(loss)
-        policy.backward(loss)
-        assert conv.weight.grad.dtype == param_dt and bn.weight.grad.dtype == bn_dt
-        skipped = policy.step(opt)
+        grads = []   # the gradients' dtypes after the backward, before the step
+        seen = lambda: grads.append((conv.weight.grad.dtype, bn.weight.grad.dtype))
+        skipped = backward_and_step(loss, policy, opt, after_backward=seen)
+        assert grads[-1] == (param_dt, bn_dt)
         opt.zero_grad(set_to_none=True)
         assert not skipped
     stepped = policy.stepped_params()
@@ -91,15 +93,14 @@ def test_dynamic_scale_grows_after_clean_steps_and_halves_on_overflow():
     x, y = batch()
     scales = []
     for _ in range(2):
-        policy.backward(forward_loss(model, policy, x, y)[1])
-        assert not policy.step(opt)
+        assert not backward_and_step(forward_loss(model, policy, x, y)[1], policy, opt)
         opt.zero_grad(set_to_none=True)
         scales.append(policy.scaler.get_scale())
     assert scales == [1024.0, 2048.0]            # grew after growth_interval clean steps
     weights = [p.detach().clone() for p in model.parameters()]
-    policy.backward(forward_loss(model, policy, x, y)[1])
-    model[0].weight.grad[0, 0, 0, 0] = float("inf")   # an injected overflow
-    assert policy.step(opt)                        # skipped ...
+    overflow = lambda: model[0].weight.grad[0, 0, 0, 0].fill_(float("inf"))  # injected
+    loss = forward_loss(model, policy, x, y)[1]
+    assert backward_and_step(loss, policy, opt, after_backward=overflow)   # skipped ...
     assert policy.scaler.get_scale() == 1024.0     # ... and the scale halved
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
 
@@ -108,9 +109,10 @@ def test_o2_overflow_skips_and_keeps_masters():
     model, policy, opt = policy_for("o2", "precision.init_scale=1024")
     x, y = batch()
     masters = [m.detach().clone() for m in policy.master_params]
-    policy.backward(forward_loss(model, policy, x, y)[1])
-    model[0].weight.grad.fill_(float("inf"))
-    assert policy.step(opt) and policy.scaler.get_scale() == 512.0
+    overflow = lambda: model[0].weight.grad.fill_(float("inf"))
+    loss = forward_loss(model, policy, x, y)[1]
+    assert backward_and_step(loss, policy, opt, after_backward=overflow)
+    assert policy.scaler.get_scale() == 512.0
     assert all(torch.equal(a, b) for a, b in zip(masters, policy.master_params))
     assert all(p.grad is None for p in model.parameters())   # fp16 grads were handed to the masters
 
@@ -119,8 +121,8 @@ def test_static_scale_multiplies_the_gradients_and_unscales_before_the_step():
     ref_model, ref_policy, _ = policy_for("half")
     model, policy, opt = policy_for("half", "precision.loss_scale=128")
     x, y = batch()
-    ref_policy.backward(forward_loss(ref_model, ref_policy, x, y)[1])
-    policy.backward(forward_loss(model, policy, x, y)[1])
+    ref_policy.scaler.scale(forward_loss(ref_model, ref_policy, x, y)[1]).backward()
+    policy.scaler.scale(forward_loss(model, policy, x, y)[1]).backward()
     g_ref, g = ref_model[-1].weight.grad.float(), model[-1].weight.grad.float()
     assert torch.allclose(g, 128 * g_ref, rtol=1e-2, atol=1e-3)
     policy.scaler.unscale_(opt)
@@ -131,7 +133,7 @@ def test_static_scale_multiplies_the_gradients_and_unscales_before_the_step():
 def test_grad_clip_acts_on_unscaled_master_gradients():
     model, policy, opt = policy_for("o2", "precision.init_scale=4096")
     x, y = batch()
-    policy.backward(forward_loss(model, policy, x, y)[1])
+    loss = forward_loss(model, policy, x, y)[1]
     seen = {}
     real_step = opt.step
 
@@ -142,7 +144,7 @@ def test_grad_clip_acts_on_unscaled_master_gradients():
         return real_step(*a, **k)
 
     opt.step = spy_step
-    policy.step(opt, grad_clip=0.01)
+    backward_and_step(loss, policy, opt, grad_clip=0.01)
     assert seen["norm"] == pytest.approx(0.01, rel=1e-3)
 
 
@@ -168,7 +170,6 @@ def test_pure_fp16_adam_with_default_eps_goes_nonfinite():
         finite.append(
             bool(torch.isfinite(loss)) and all(torch.isfinite(p).all() for p in model.parameters())
         )
-        policy.backward(loss)
-        policy.step(opt)
+        backward_and_step(loss, policy, opt)
         opt.zero_grad(set_to_none=True)
     assert not all(finite)

@@ -9,12 +9,13 @@ import torch
 from torch import nn
 
 from helpers import TINY
-from mixprec.train import loop as engine
-from mixprec.numerics import probe_stats as ps
+from mixprec.train.loop import Loop, LoopState, fit, total_steps
+from mixprec.numerics import probe_stats
 from mixprec.config import PrecisionConfig, ProbeConfig, TrainerConfig
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.numerics.probe import NUMERICS, build_probe
 from mixprec.train import images
+from mixprec.train.step import backward_and_step
 
 CPU = torch.device("cpu")
 TINY8 = [*TINY, "dataset.image_size=8", "trainer.device=cpu"]
@@ -51,9 +52,9 @@ def rows_of(job_dir):
 
 # -- format facts and counts -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", list(ps.FORMATS))
+@pytest.mark.parametrize("name", list(probe_stats.FORMATS))
 def test_format_facts_match_torch_and_rounding(name):
-    f = ps.FORMATS[name]
+    f = probe_stats.FORMATS[name]
     dt = getattr(torch, f.dtype)
     info = torch.finfo(dt)
     assert (f.max, f.min_normal, f.min_subnormal) == (
@@ -75,8 +76,8 @@ def test_format_facts_match_torch_and_rounding(name):
 
 def test_tensor_counts_by_hand():
     x = torch.tensor([0.0, 0.0, 1e5, 3.0, 1e-6, 2.0**-26, float("nan"), float("inf"), -0.75, 1e-40])
-    counts, absmax = ps.tensor_counts(x)
-    row = ps.describe(counts.tolist(), absmax.item())
+    counts, absmax = probe_stats.tensor_counts(x)
+    row = probe_stats.describe(counts.tolist(), absmax.item())
     # finite non-zero: 1e5, 3, 1e-6, 2^-26, -0.75, 1e-40 -> 6
     assert (
         row["n"] == 10 and row["zero"] == 0.2 and row["nonfinite"] == 0.2 and absmax.item() == 1e5
@@ -94,8 +95,8 @@ def test_tensor_counts_by_hand():
 def reference_counts(x: torch.Tensor) -> list[int]:
     """HEAD and the bins by direct comparisons, one element at a time (a second, plain
     implementation)."""
-    head = dict.fromkeys(ps.HEAD, 0)
-    bins = [0] * ps.NBINS
+    head = dict.fromkeys(probe_stats.HEAD, 0)
+    bins = [0] * probe_stats.NBINS
     for v in x.tolist():
         head["n"] += 1
         if not math.isfinite(v):
@@ -106,13 +107,13 @@ def reference_counts(x: torch.Tensor) -> list[int]:
         else:
             a = abs(v)
             head["finite_nonzero"] += 1
-            bins[math.frexp(a)[1] - 1 - ps.LO] += 1
-            for name in ps.MEASURED:
-                f = ps.FORMATS[name]
+            bins[math.frexp(a)[1] - 1 - probe_stats.LO] += 1
+            for name in probe_stats.MEASURED:
+                f = probe_stats.FORMATS[name]
                 head[f"{name}_overflow"] += a >= f.overflow_at
                 head[f"{name}_subnormal"] += f.lost_at < a < f.min_normal
                 head[f"{name}_lost"] += a <= f.lost_at
-    return [head[k] for k in ps.HEAD] + bins
+    return [head[k] for k in probe_stats.HEAD] + bins
 
 
 @pytest.mark.parametrize("n", [0, 1, 5000])
@@ -129,8 +130,9 @@ def test_tensor_counts_histogram_is_bincounts_without_a_host_sync(monkeypatch, n
         x[4], x[5] = 2.0 ** -149, -3.0e38   # fp32's smallest subnormal and a value near its max
     a = x.abs()
     af = torch.where(torch.isfinite(a), a, torch.zeros(()))
-    bins = torch.where(af > 0, (torch.frexp(af)[1] - 1).clamp(ps.LO, ps.HI - 1) - ps.LO, ps.NBINS)
-    expected = torch.bincount(bins.long(), minlength=ps.NBINS + 1)
+    lo, hi, nbins = probe_stats.LO, probe_stats.HI, probe_stats.NBINS
+    bins = torch.where(af > 0, (torch.frexp(af)[1] - 1).clamp(lo, hi - 1) - lo, nbins)
+    expected = torch.bincount(bins.long(), minlength=probe_stats.NBINS + 1)
 
     def no_sync(*args, **kwargs):
         raise AssertionError("a host sync in tensor_counts")
@@ -139,12 +141,12 @@ def test_tensor_counts_histogram_is_bincounts_without_a_host_sync(monkeypatch, n
         monkeypatch.setattr(torch.Tensor, name, no_sync)
     monkeypatch.setattr(torch, "bincount", no_sync)
     monkeypatch.setattr(torch, "tensor", no_sync)
-    counts, _ = ps.tensor_counts(x)
+    counts, _ = probe_stats.tensor_counts(x)
     monkeypatch.undo()
-    head = dict(zip(ps.HEAD, counts[:len(ps.HEAD)].tolist()))
-    assert torch.equal(counts[len(ps.HEAD):], expected[:ps.NBINS])
-    assert head["n"] == n and head["zero"] == int(expected[ps.NBINS]) - head["nonfinite"]
-    assert head["finite_nonzero"] == int(expected[:ps.NBINS].sum())
+    head = dict(zip(probe_stats.HEAD, counts[:len(probe_stats.HEAD)].tolist()))
+    assert torch.equal(counts[len(probe_stats.HEAD):], expected[:probe_stats.NBINS])
+    assert head["n"] == n and head["zero"] == int(expected[probe_stats.NBINS]) - head["nonfinite"]
+    assert head["finite_nonzero"] == int(expected[:probe_stats.NBINS].sum())
 
 
 def test_tensor_counts_equal_direct_comparisons_at_every_edge():
@@ -153,8 +155,8 @@ def test_tensor_counts_equal_direct_comparisons_at_every_edge():
     torch.manual_seed(0)
     edges = [
         e
-        for name in ps.MEASURED
-        for f in [ps.FORMATS[name]]
+        for name in probe_stats.MEASURED
+        for f in [probe_stats.FORMATS[name]]
         for e in (f.lost_at, f.min_normal, f.overflow_at, f.max)
     ]
     near = torch.tensor(edges)
@@ -169,7 +171,7 @@ def test_tensor_counts_equal_direct_comparisons_at_every_edge():
     x = torch.cat(
         [special, -special, torch.randn(4000) * 2.0 ** torch.randint(-150, 128, (4000,)).float()]
     )
-    counts, _ = ps.tensor_counts(x)
+    counts, _ = probe_stats.tensor_counts(x)
     assert counts.tolist() == reference_counts(x)
 
 
@@ -182,17 +184,19 @@ def test_update_stall_is_half_the_spacing():
     spacing = 2.0 ** (torch.floor(torch.log2(w16.abs())) - 10)
     expected = dw.abs() < spacing / 2
     ties = dw.abs() == spacing / 2
-    got = ps.update_stall(w, dw, ps.FORMATS["fp16"])
+    got = probe_stats.update_stall(w, dw, probe_stats.FORMATS["fp16"])
     assert (got[~ties] == expected[~ties]).all() and 0.1 < expected.float().mean() < 0.9
 
 
 def test_smallest_scale_lifts_the_histogram():
     x = torch.cat([torch.full((990,), 2.0 ** -20), torch.full((10,), 2.0 ** -30)])
-    row = ps.describe(*[v.tolist() if v.dim() else v.item() for v in ps.tensor_counts(x)])
+    row = probe_stats.describe(
+        *[v.tolist() if v.dim() else v.item() for v in probe_stats.tensor_counts(x)]
+    )
     # 2^-20 * 2^6 = 2^-14; the 1% at 2^-30 may stay below
-    assert ps.smallest_scale(row["hist"]) == 6
-    assert ps.smallest_scale(row["hist"], tolerance=0.0) == 16
-    assert ps.largest_scale(1000.0) == 6          # 1000 * 2^6 = 64000 <= 65504 < 128000
+    assert probe_stats.smallest_scale(row["hist"]) == 6
+    assert probe_stats.smallest_scale(row["hist"], tolerance=0.0) == 16
+    assert probe_stats.largest_scale(1000.0) == 6          # 1000 * 2^6 = 64000 <= 65504 < 128000
 
 
 # -- hooks -----------------------------------------------------------------------------------------
@@ -253,9 +257,8 @@ def manual_steps(model, policy, probe, loss_fn, steps=1, lr=0.0):
         with policy.autocast():
             out = model(policy.cast_input(x))
         loss = loss_fn(out.float())
-        policy.backward(loss)
-        probe.after_backward(step, loss, policy, lambda: model(x))
-        skipped = policy.step(opt)
+        probed = lambda: probe.after_backward(step, loss, policy, lambda: model(x))
+        skipped = backward_and_step(loss, policy, opt, after_backward=probed)
         probe.after_step(step, policy, skipped)
         opt.zero_grad(set_to_none=True)
     probe.close()
@@ -333,7 +336,7 @@ def nan_net(k: int) -> nn.Module:
 def train_constructed(
     model, precision: PrecisionConfig, probe_cfg: ProbeConfig, tmp_path, steps=6, **trainer
 ):
-    """The shared training loop (engine.fit) on a constructed model and list-of-batches data, with a
+    """The shared training loop (loop.fit) on a constructed model and list-of-batches data, with a
     probe."""
     torch.manual_seed(0)
     batches = [(torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))) for _ in range(steps)]
@@ -343,11 +346,11 @@ def train_constructed(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     tr = TrainerConfig(epochs=1, warmup_steps=0, channels_last=False, **trainer)
     probe = build_probe(probe_cfg, model, tmp_path)
-    loop = engine.Loop(
-        policy, opt, tr, engine.total_steps(tr, len(batches)), progress=False, probe=probe
+    loop = Loop(
+        policy, opt, tr, total_steps(tr, len(batches)), progress=False, probe=probe
     )
-    result = engine.fit(
-        images.ImageSteps(model, sched, batches[:1]), batches, loop, engine.LoopState()
+    result = fit(
+        images.ImageSteps(model, sched, batches[:1]), batches, loop, LoopState()
     )
     probe.close()
     return result, probe.summary()
@@ -403,9 +406,8 @@ def test_a_skipped_step_lists_the_parameters_with_nonfinite_gradients(tmp_path):
     probe = build_probe(ProbeConfig(name="none"), model, tmp_path)
     probe.before_step(1, policy)
     loss = (model(x.half()).float() ** 2).mean() / 2
-    policy.backward(loss)
-    probe.after_backward(1, loss, policy, None)
-    skipped = policy.step(opt)
+    probed = lambda: probe.after_backward(1, loss, policy, None)
+    skipped = backward_and_step(loss, policy, opt, after_backward=probed)
     probe.after_step(1, policy, skipped)
     assert skipped
     assert probe.summary()["skipped_steps"] == [
@@ -565,7 +567,7 @@ def test_a_finished_job_frees_its_model_without_the_cycle_collector(
     import gc
     import weakref
 
-    import mixprec.job as run_module
+    from mixprec import job
 
     models = []
 
@@ -574,8 +576,8 @@ def test_a_finished_job_frees_its_model_without_the_cycle_collector(
         models.append(weakref.ref(model))
         return model
 
-    build = run_module.build_model
-    monkeypatch.setattr(run_module, "build_model", build_model)
+    build = job.build_model
+    monkeypatch.setattr(job, "build_model", build_model)
     gc.collect()
     gc.disable()
     try:

@@ -9,9 +9,9 @@ from torch import nn
 
 from helpers import TINY, compose_config, run_tiny
 from test_probe import Scale
-from mixprec.train import loop as engine
+from mixprec.train.loop import Loop, LoopState, fit, total_steps
 from mixprec.config import ConfigError, PrecisionConfig, ProbeConfig, TrainerConfig, validate
-from mixprec.numerics import events as ev
+from mixprec.numerics import events
 from mixprec.numerics import verdicts
 from mixprec.numerics.probe import NUMERICS, build_probe
 from mixprec.precision.policy import PrecisionPolicy
@@ -55,10 +55,10 @@ def ctx(
     }
 
 
-def fit(
+def fit_probed(
     model, precision: PrecisionConfig, tmp_path, probe="ranges", steps=3, x_scale=1.0, bn_eval=False
 ):
-    """engine.fit on a constructed model and random batches (x_scale=0: blank ones); returns
+    """loop.fit on a constructed model and random batches (x_scale=0: blank ones); returns
     (result, numerics summary, rows)."""
     torch.manual_seed(0)
     batches = [
@@ -70,11 +70,11 @@ def fit(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     tr = TrainerConfig(epochs=1, warmup_steps=0, channels_last=False, log_every=1)
     p = build_probe(ProbeConfig(name=probe, every=1), model, tmp_path)
-    loop = engine.Loop(
-        policy, opt, tr, engine.total_steps(tr, len(batches)), progress=False, probe=p
+    loop = Loop(
+        policy, opt, tr, total_steps(tr, len(batches)), progress=False, probe=p
     )
     steps_ = images.ImageSteps(model, sched, batches[:1], bn_eval=bn_eval)
-    result = engine.fit(steps_, batches, loop, engine.LoopState())
+    result = fit(steps_, batches, loop, LoopState())
     rows = p.rows()
     p.close()
     return result, p.summary(), rows
@@ -106,14 +106,15 @@ def test_a_cutout_as_large_as_the_image_is_refused_in_one_line_unless_meant():
 
 def test_batch_findings():
     y = torch.arange(4)
-    assert [f["what"] for f in ev.batch_findings(torch.zeros(4, 3, 8, 8), y)] == ["batch all zeros"]
-    assert [f["what"] for f in ev.batch_findings(torch.full((4, 3, 8, 8), 0.5), y)] == [
+    blank = events.batch_findings(torch.zeros(4, 3, 8, 8), y)
+    assert [f["what"] for f in blank] == ["batch all zeros"]
+    assert [f["what"] for f in events.batch_findings(torch.full((4, 3, 8, 8), 0.5), y)] == [
         "batch constant"
     ]
     each = torch.arange(4.0).view(4, 1, 1, 1).expand(4, 3, 8, 8)
-    assert [f["what"] for f in ev.batch_findings(each, torch.zeros(4, dtype=torch.long))] == [
+    assert [f["what"] for f in events.batch_findings(each, torch.zeros(4, dtype=torch.long))] == [
         "every image constant", "labels constant"]
-    assert ev.batch_findings(torch.randn(4, 3, 8, 8), y) == []
+    assert events.batch_findings(torch.randn(4, 3, 8, 8), y) == []
 
 
 # -- each verdict made to happen -------------------------------------------------------------------
@@ -199,7 +200,7 @@ def test_a_layer_multiplying_by_1e6_in_fp16_is_a_forward_overflow(tmp_path):
         nn.Conv2d(3, 4, 3, padding=1), Scale(1e6), nn.Flatten(), nn.Linear(256, 10)
     )
     half = PrecisionConfig(name="half", param_dtype="float16", keep_bn_fp32=False)
-    result, n, rows = fit(model, half, tmp_path, steps=2)
+    result, n, rows = fit_probed(model, half, tmp_path, steps=2)
     v = judged(result, n, rows, half)
     assert (v["mechanism"], v["step"], v["pass"], v["module"]) == (
         "forward_overflow",
@@ -218,7 +219,7 @@ def test_batchnorm_in_eval_mode_in_half_precision(tmp_path):
     # frozen statistics that fp16 cannot hold: the output is x / sqrt(eps) and more
     model[1].running_var.fill_(1e-8)
     half = PrecisionConfig(name="half", param_dtype="float16", keep_bn_fp32=False)
-    result, n, rows = fit(model, half, tmp_path, steps=2, x_scale=1000.0, bn_eval=True)
+    result, n, rows = fit_probed(model, half, tmp_path, steps=2, x_scale=1000.0, bn_eval=True)
     v = judged(result, n, rows, half, bn_eval=True)
     assert (v["mechanism"], v["step"], v["pass"], v["module"]) == (
         "bn_eval_half",
@@ -249,7 +250,7 @@ def test_a_dynamic_scale_that_keeps_backing_off(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Boom(), nn.Flatten(), nn.Linear(256, 10))
     amp = PrecisionConfig(name="amp", autocast_dtype="float16", loss_scale="dynamic")
-    result, n, rows = fit(model, amp, tmp_path, probe="none", steps=6)
+    result, n, rows = fit_probed(model, amp, tmp_path, probe="none", steps=6)
     assert result["status"] == "completed" and n["skipped_total"] == 6
     v = judged(result, n, rows, amp)
     assert (v["mechanism"], v["step"], v["pass"], v["module"]) == (
@@ -279,7 +280,7 @@ def test_gradients_lost_to_underflow_say_which_scale_keeps_them(tmp_path):
         nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), Scale(1e-4), nn.Flatten(), nn.Linear(256, 10)
     )
     half = PrecisionConfig(name="half", param_dtype="float16", keep_bn_fp32=False)
-    result, n, rows = fit(model, half, tmp_path, steps=1)
+    result, n, rows = fit_probed(model, half, tmp_path, steps=1)
     v = judged(result, n, rows, half)
     assert (v["mechanism"], v["step"], v["pass"], v["module"]) == (
         "grad_underflow",
@@ -296,7 +297,7 @@ def test_blank_inputs_that_do_not_diverge_are_the_verdict(tmp_path):
         nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.ReLU(), nn.Flatten(), nn.Linear(256, 10)
     )
     fp32 = PrecisionConfig(name="fp32")
-    result, n, rows = fit(model, fp32, tmp_path, probe="none", steps=2, x_scale=0.0)
+    result, n, rows = fit_probed(model, fp32, tmp_path, probe="none", steps=2, x_scale=0.0)
     assert result["status"] == "completed" and n["first_nonfinite"] is None
     assert [f["what"] for f in n["inputs"]] == ["batch all zeros", "first layer output all zeros"]
     v = judged(result, n, rows, fp32)
@@ -311,7 +312,7 @@ def test_blank_inputs_that_do_not_diverge_are_the_verdict(tmp_path):
 def test_no_rule_fits_says_so(tmp_path):
     n = {
         "first_nonfinite": {
-            **ev.event(3, "forward", "3", "float32", "NaN"),
+            **events.event(3, "forward", "3", "float32", "NaN"),
             "module_type": "NanFrom",
         },
         "inputs": [],
@@ -372,7 +373,7 @@ def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path)
     from mixprec.tools import replay
 
     cfg = validate(compose_config(*TINY8, "probe=none"))
-    e = {**ev.event(2, "update", "0", "float16", None), "tensor": "weights"}
+    e = {**events.event(2, "update", "0", "float16", None), "tensor": "weights"}
     summary = {
         "status": "diverged",
         "nonfinite": {"step": 2},

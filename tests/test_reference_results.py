@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from helpers import ROOT, load_script
-from mixprec.tools import plan as P
+from mixprec.tools.plan import PlanError, load_plan
 from mixprec.config import validate_job
 from mixprec.report.analyse import paired_difference, t975
 from mixprec.report.published import load_sources
@@ -16,7 +16,7 @@ CPU_PLAN = ROOT / "src" / "mixprec" / "tools" / "plan_cpu.yaml"
 
 def test_the_cpu_plan_composes_every_job_and_accounts_for_every_published_value():
     reproduce = load_script("reproduce")
-    plan = P.load_plan(CPU_PLAN)
+    plan = load_plan(CPU_PLAN)
     args = reproduce.parse(["--plan-file", str(CPU_PLAN), "dataset.data_dir=/nowhere"])
     sources = {s.id: s for s in load_sources()}
     assert {a.id for a in plan.articles} == set(sources)
@@ -51,8 +51,8 @@ def test_the_cpu_plan_composes_every_job_and_accounts_for_every_published_value(
 def test_a_stand_in_needs_a_match_and_a_reason(tmp_path):
     bad = tmp_path / "plan.yaml"
     bad.write_text("articles: [{id: a, sweeps: [], stand_ins: {x: {match: {precision: amp}}}}]\n")
-    with pytest.raises(P.PlanError, match=r"stand_ins: a mapping of published value id -> \{match"):
-        P.load_plan(bad)
+    with pytest.raises(PlanError, match=r"stand_ins: a mapping of published value id -> \{match"):
+        load_plan(bad)
 
 
 def test_paired_difference_is_students_interval():
@@ -73,7 +73,7 @@ def test_calibration_on_stand_in_data_leaves_out_the_users_data_dir(tmp_path):
     """The stand-in is synthetic data, which has no data_dir: `reproduce.py dataset.data_dir=/data`
     must not fail its calibration (it did: "Key 'data_dir' is not in struct")."""
     reproduce = load_script("reproduce")
-    plan = P.load_plan(CPU_PLAN).only(["half_pitfalls"])
+    plan = load_plan(CPU_PLAN).only(["half_pitfalls"])
     args = reproduce.parse(["--plan-file", str(CPU_PLAN), "dataset.data_dir=/nowhere", "seed=3"])
     args.calibrate, commands = "first", []
     reproduce.spawn = lambda cmd, *a, **k: (commands.append(cmd), (0, 1.0))[1]

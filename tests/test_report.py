@@ -442,12 +442,35 @@ def test_variants_name_what_sets_jobs_apart_and_nothing_it_implies(tmp_path):
 
 
 def test_every_precision_mode_has_its_own_colour_and_place():
-    from mixprec.report.analyse import PRECISION_ORDER
+    from mixprec.precision.modes import MODES
     from mixprec.report.plots import color
 
     modes = sorted(p.stem for p in (ROOT / "conf" / "precision").glob("*.yaml"))
-    assert sorted(PRECISION_ORDER) == modes
+    assert sorted(MODES) == modes
     assert len({color(m) for m in modes}) == len(modes)
+
+
+def test_a_new_mode_takes_its_place_and_a_colour_of_its_own_with_no_edit_in_report(monkeypatch):
+    """The report's order and colours derive from precision.modes.MODES: a mode named there (fp4,
+    added after the others) sorts after them in a colour none of them has, and one named nowhere
+    (int8) sorts last in a colour that is its own in every process and none of the named modes'."""
+    from mixprec.precision import modes
+    from mixprec.report.analyse import precision_key
+    from mixprec.report.plots import color
+
+    named = {m: color(m) for m in modes.MODES}
+    int8 = color("int8")
+    other = subprocess.run(   # another process, another hash seed: the same colour
+        [sys.executable, "-c", "from mixprec.report.plots import color; print(color('int8'))"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "7"}, check=True,
+    )
+    assert other.stdout.strip() == str(int8) and int8 not in named.values()
+    monkeypatch.setattr(modes, "MODES", (*modes.MODES, "fp4"))
+    order = sorted(["int8", "fp4", "amp", "fp32"], key=precision_key)
+    assert order == ["fp32", "amp", "fp4", "int8"]
+    assert {m: color(m) for m in named} == named
+    assert color("fp4") not in named.values()
+    assert color("int8") not in {*named.values(), color("fp4")}
 
 
 # ------------------------------------------------------------------------------ a user's sweep
@@ -539,7 +562,7 @@ def test_a_source_with_no_matching_job_takes_one_line(tmp_path):
     and against a source that lists it but whose values match none of its jobs: each such source
     is one line naming the commands that run its jobs (the plan's sweeps), not a table of
     "missing" rows; in report.md and in the W&B Report's table alike."""
-    from mixprec.tools import plan as P
+    from mixprec.tools import plan
     from mixprec.report.wandb_report import _comparison_markdown
 
     write_job(tmp_path / "runs", "fp32", "fp32", 10.0, emulated=False)
@@ -548,9 +571,9 @@ def test_a_source_with_no_matching_job_takes_one_line(tmp_path):
     md = (tmp_path / "report" / "report.md").read_text()
     assert "missing: no run yet" not in md and "### fastai_2080ti" not in md
     (fastai,) = [line for line in md.splitlines() if "fastai_2080ti" in line]
-    article = next(a for a in P.load_plan().articles if a.id == "fastai_2080ti")
+    article = next(a for a in plan.load_plan().articles if a.id == "fastai_2080ti")
     assert fastai.startswith("- `fastai_2080ti` (") and "no job here matches its" in fastai
-    assert all(f"`{P.full_command(s)}`" in fastai for s in article.sweeps)
+    assert all(f"`{plan.full_command(s)}`" in fastai for s in article.sweeps)
     assert sum("no job here matches" in line for line in md.splitlines()) == 5   # the 5 shipped
 
     published = tmp_path / "published"

@@ -15,7 +15,16 @@ import pytest
 import yaml
 
 from helpers import ROOT, compose_config, load_script
-from mixprec.tools import plan as P
+from mixprec.tools.plan import (
+    PLAN_FILE,
+    PlanError,
+    Sweep,
+    apply_cut,
+    fit,
+    load_plan,
+    parse_duration,
+    readme_table,
+)
 from mixprec.report.published import load_sources
 
 SCRIPT = ROOT / "scripts" / "reproduce.py"
@@ -36,7 +45,7 @@ def reproduce(*args, timeout=1500, wait=True):
 
 
 def test_plan_runs_every_preset_grid_and_covers_every_published_value():
-    plan = P.load_plan()
+    plan = load_plan()
     for exp in (
         "fastai_cifar100",
         "apex_word_lm",
@@ -65,27 +74,27 @@ def test_plan_runs_every_preset_grid_and_covers_every_published_value():
 
 def test_readme_reproductions_table_is_the_plan():
     readme = (ROOT / "README.md").read_text()
-    table = P.readme_table(P.load_plan())
+    table = readme_table(load_plan())
     assert table in readme, (
         "README's reproductions table differs from src/mixprec/tools/plan.yaml; regenerate it "
         "with: python -c 'from mixprec.tools.plan import *; print(readme_table(load_plan()))'"
     )
     # every command the table lists is one of the plan's (a hand count of the plan file's sweeps)
-    n_sweeps = sum(len(a["sweeps"]) for a in yaml.safe_load(P.PLAN_FILE.read_text())["articles"])
+    n_sweeps = sum(len(a["sweeps"]) for a in yaml.safe_load(PLAN_FILE.read_text())["articles"])
     assert table.count("`python ") == n_sweeps == 9
 
 
 def test_parse_duration():
-    assert P.parse_duration("60m") == 3600
-    assert P.parse_duration("1h30m") == 5400
-    assert P.parse_duration("90s") == 90
-    assert P.parse_duration("25") == 1500
-    with pytest.raises(P.PlanError, match="not a duration"):
-        P.parse_duration("soon")
+    assert parse_duration("60m") == 3600
+    assert parse_duration("1h30m") == 5400
+    assert parse_duration("90s") == 90
+    assert parse_duration("25") == 1500
+    with pytest.raises(PlanError, match="not a duration"):
+        parse_duration("soon")
 
 
 def _sweep(name, grid, cuts, epochs=10):
-    return P.Sweep(article="a", name=name, command="train", overrides=(f"trainer.epochs={epochs}",),
+    return Sweep(article="a", name=name, command="train", overrides=(f"trainer.epochs={epochs}",),
                    grid={k: tuple(v) for k, v in grid.items()}, cuts=tuple(cuts))
 
 
@@ -103,25 +112,25 @@ def test_fit_cuts_the_longest_sweep_first_in_plan_order():
         "a", {"model": ["m1", "m2", "m3"]}, [{"epochs": 2}, {"grid": {"model": ["m1"]}}, "drop"]
     )  # 300 s
     b = _sweep("b", {"seed": ["0", "1"]}, [{"epochs": 5}, "drop"])  # 200 s
-    assert P.fit([a, b], _fake_predict, None) == [a, b]                   # no budget: full fidelity
-    assert P.fit([a, b], _fake_predict, 500) == [a, b]                    # fits already
+    assert fit([a, b], _fake_predict, None) == [a, b]                   # no budget: full fidelity
+    assert fit([a, b], _fake_predict, 500) == [a, b]                    # fits already
     # 500 s -> a is longest: epochs 10->2 (60 s), total 260 s <= 300 s
-    cut = P.fit([a, b], _fake_predict, 300)
+    cut = fit([a, b], _fake_predict, 300)
     assert [s.applied for s in cut] == [("epochs 10->2",), ()]
     # 150 s: a epochs->2 (total 260), then b (200 s) epochs->5 (total 160), then a (60) grid->m1
     # (total 120)
-    cut = P.fit([a, b], _fake_predict, 150)
+    cut = fit([a, b], _fake_predict, 150)
     assert [s.applied for s in cut] == [("epochs 10->2", "model 3->1 (m1)"), ("epochs 10->5",)]
     assert sum(_fake_predict(s)[0] for s in cut) == 20 + 100
     # nothing fits: every cut is taken, both sweeps are dropped
-    cut = P.fit([a, b], _fake_predict, 1)
+    cut = fit([a, b], _fake_predict, 1)
     assert all(s.dropped for s in cut) and cut[1].applied == ("epochs 10->5", "dropped")
 
 
 def test_an_epochs_cut_that_would_not_shorten_is_skipped():
     s = _sweep("s", {"x": ["1"]}, [{"epochs": 20}, {"epochs": 1}], epochs=3)
-    assert P.apply_cut(s, {"epochs": 20}, _fake_predict(s)[1]) is None
-    assert P.apply_cut(s, {"epochs": 1}, _fake_predict(s)[1]).applied == ("epochs 3->1",)
+    assert apply_cut(s, {"epochs": 20}, _fake_predict(s)[1]) is None
+    assert apply_cut(s, {"epochs": 1}, _fake_predict(s)[1]).applied == ("epochs 3->1",)
 
 
 def test_bad_options_say_one_line():
@@ -318,7 +327,7 @@ def test_smoke_runs_every_command_and_reports_every_published_value(tmp_path):
     t0 = time.time()
     r = reproduce("--smoke", "--out", out, timeout=3000)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    plan = P.load_plan()
+    plan = load_plan()
     commands = (out / "COMMANDS.md").read_text()
     for s in plan.sweeps:
         assert f"sweep {s.name} (" in commands, s.name

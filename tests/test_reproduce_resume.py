@@ -78,7 +78,7 @@ def test_replan_keeps_the_minutes_of_the_sweeps_it_keeps(tmp_path):
         ["--smoke", "--plan-file", str(plan_file), "--out", str(out), "--only", "seeds"]
     )
     args.calibrate = "first"
-    plan = mod.P.load_plan(plan_file).only(["seeds"]).smoked()
+    plan = mod.load_plan(plan_file).only(["seeds"]).smoked()
     old = mod.make_state(plan, args, {"sweeps": {}, "seconds": 5.0, "mode": "first"}, None)
     old["sweeps"][0].update(status="done", actual_s=600.0)
     old["elapsed_s"] = 905.0   # 5 calibration + 600 in the sweep + 300 in no sweep
@@ -101,7 +101,7 @@ def test_a_sweep_stopped_by_ctrl_c_keeps_its_minutes(tmp_path, monkeypatch):
     args = mod.parse(
         ["--smoke", "--plan-file", str(plan_file), "--out", str(out), "--only", "seeds"]
     )
-    plan = mod.P.load_plan(plan_file).only(["seeds"]).smoked()
+    plan = mod.load_plan(plan_file).only(["seeds"]).smoked()
     state = mod.make_state(plan, args, {"sweeps": {}, "seconds": 5.0, "mode": "first"}, None)
 
     def stopped(*a, **k):

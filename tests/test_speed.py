@@ -6,13 +6,14 @@ import json
 import pytest
 import torch
 
-import mixprec.train.loop as engine
+from mixprec.train import loop
 from helpers import compose_config, run_tiny
 from test_lm import LM
 from mixprec.config import ConfigError, validate
 from mixprec.models import small_cnn
 from mixprec.train.optim import build_optimizer
 from mixprec.precision.policy import PrecisionPolicy
+from mixprec.train.step import backward_and_step
 from mixprec.numerics.probe import Attribution
 
 SMALL = [
@@ -85,8 +86,8 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
     import gc
     import weakref
 
-    import mixprec.train.prewarm as prewarm
-    import mixprec.job as run
+    from mixprec.train import prewarm
+    from mixprec import job
     copies, events = [], []
     deepcopy = copy.deepcopy
 
@@ -97,9 +98,9 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
             copies.extend(weakref.ref(o) for o in made)
         return made
     monkeypatch.setattr(copy, "deepcopy", watched_copy)
-    warm_compile = run.warm_compile
+    warm_compile = job.warm_compile
     monkeypatch.setattr(
-        run, "warm_compile", lambda *a, **k: events.append("compiled") or warm_compile(*a, **k)
+        job, "warm_compile", lambda *a, **k: events.append("compiled") or warm_compile(*a, **k)
     )
 
     def reset(device):
@@ -107,7 +108,7 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
         events.append(("reset", str(device), sum(c() is not None for c in copies)))
     monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", reset)
     # as on a GPU
-    monkeypatch.setattr(run, "reset_peak", lambda device: prewarm.reset_peak(torch.device("cuda")))
+    monkeypatch.setattr(job, "reset_peak", lambda device: prewarm.reset_peak(torch.device("cuda")))
     s = run_tiny(tmp_path, "trainer.max_steps=2", "trainer.prewarm_steps=2", base=SMALL)
     assert s["status"] == "completed" and len(copies) == 2
     assert events == ["compiled", ("reset", "cuda", 0)]   # after compile, no copy alive
@@ -168,10 +169,10 @@ class SyncCounter:
 ])
 def test_host_syncs_per_step(tmp_path, monkeypatch, overrides, per_step):
     counter = SyncCounter(monkeypatch)
-    counter.off_during(monkeypatch, engine, "flush")           # the log step's sync, counted apart
+    counter.off_during(monkeypatch, loop, "flush")           # the log step's sync, counted apart
     # step 1's input check, once a run, counted apart
     counter.off_during(monkeypatch, Attribution, "see_batch")
-    counter.on_during(monkeypatch, engine, "run_epoch")
+    counter.on_during(monkeypatch, loop, "run_epoch")
     s = run_tiny(tmp_path, "trainer.max_steps=6", "trainer.log_every=6", *overrides, base=SMALL)
     assert s["status"] == "completed" and s["metrics"]["steps"] == 6
     assert counter.count == 6 * per_step
@@ -179,12 +180,12 @@ def test_host_syncs_per_step(tmp_path, monkeypatch, overrides, per_step):
 
 def test_one_sync_per_flush_and_fused_skips_read_there(tmp_path, monkeypatch):
     """amp with a fused optimizer and an overflowing first scale (steps skipped): over 8 steps and 2
-    log flushes, exactly 2 syncs (one transfer a flush: engine.to_host), none in any step; and the
+    log flushes, exactly 2 syncs (one transfer a flush: loop.to_host), none in any step; and the
     skip count, the skipped steps' scales and the scale range come out as GradScaler's own per-step
     check (foreach) gives them."""
     counter = SyncCounter(monkeypatch)
     counter.off_during(monkeypatch, Attribution, "see_batch")  # step 1's input check, once a run
-    counter.on_during(monkeypatch, engine, "run_epoch")
+    counter.on_during(monkeypatch, loop, "run_epoch")
     common = [
         "trainer.max_steps=8",
         "trainer.log_every=4",
@@ -219,14 +220,13 @@ def test_a_fused_step_under_gradscaler_still_reports_its_skip():
     before = [p.detach().clone() for p in model.parameters()]
     with policy.autocast():
         loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-    policy.backward(loss * float("inf"))
-    assert policy.step(opt) is True and policy.scale_value == 65536.0 / 2
+    assert backward_and_step(loss * float("inf"), policy, opt) is True
+    assert policy.scale_value == 65536.0 / 2
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     opt.zero_grad(set_to_none=True)
     with policy.autocast():
         loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-    policy.backward(loss)
-    assert policy.step(opt) is False
+    assert backward_and_step(loss, policy, opt) is False
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
@@ -281,12 +281,12 @@ def test_cuda_syncs_per_step(tmp_path, monkeypatch, precision, optimizer_impl, p
             finally:
                 torch.cuda.set_sync_debug_mode(was)
         return wrapped
-    monkeypatch.setattr(engine, "flush", quiet(engine.flush))
+    monkeypatch.setattr(loop, "flush", quiet(loop.flush))
     # step 1's input check, once
     monkeypatch.setattr(Attribution, "see_batch", quiet(Attribution.see_batch))
     for name in ("start", "stop", "mark_warm"):
-        monkeypatch.setattr(engine.TrainClock, name, quiet(getattr(engine.TrainClock, name)))
-    run_epoch = engine.run_epoch
+        monkeypatch.setattr(loop.TrainClock, name, quiet(getattr(loop.TrainClock, name)))
+    run_epoch = loop.run_epoch
 
     def watched(*args, **kwargs):
         torch.cuda.set_sync_debug_mode("warn")
@@ -294,7 +294,7 @@ def test_cuda_syncs_per_step(tmp_path, monkeypatch, precision, optimizer_impl, p
             return run_epoch(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    monkeypatch.setattr(engine, "run_epoch", watched)
+    monkeypatch.setattr(loop, "run_epoch", watched)
     gpu = [o for o in SMALL if o != "trainer.device=cpu" and o != "trainer.deterministic=true"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -313,12 +313,12 @@ def test_cuda_syncs_per_step(tmp_path, monkeypatch, precision, optimizer_impl, p
 
 
 def test_the_weights_check_finds_one_bad_element_among_mixed_dtypes():
-    """engine.finite_flag: one inf or NaN anywhere, in fp32 or fp16 tensors, is found; fp16 values
+    """loop.finite_flag: one inf or NaN anywhere, in fp32 or fp16 tensors, is found; fp16 values
     whose squares or sum overflow are not mistaken for non-finite (an inf-norm, not a 2-norm)."""
     big = torch.full((4096,), 60000.0, dtype=torch.float16)
     tensors = [torch.zeros(3, 3), big, torch.ones(5, dtype=torch.float16), torch.zeros(7)]
-    assert engine.finite_flag(tensors).item() == 1.0 and engine.finite_flag([]).item() == 1.0
+    assert loop.finite_flag(tensors).item() == 1.0 and loop.finite_flag([]).item() == 1.0
     for i, bad in [(0, float("nan")), (2, float("inf")), (3, float("-inf")), (1, float("nan"))]:
         broken = [t.clone() for t in tensors]
         broken[i].view(-1)[-1] = bad
-        assert engine.finite_flag(broken).item() == 0.0, (i, bad)
+        assert loop.finite_flag(broken).item() == 0.0, (i, bad)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import compose_config
-from mixprec.train import loop as engine
+from mixprec.train.loop import Loop, LoopState, fit, total_steps
 from mixprec.config import ConfigError, validate
 from mixprec.data import DeviceBatches, synthetic_images
 from mixprec.models import small_cnn
@@ -17,7 +17,7 @@ from mixprec.models.resnet9 import GhostBatchNorm, ResNet9, conv_bn
 from mixprec.config import OptimizerConfig
 from mixprec.train.optim import param_groups
 from mixprec.train.tricks import EMA, cross_entropy, fit_patch_whitening, tta_logits
-from mixprec.train import images as image_steps
+from mixprec.train.images import ImageSteps, evaluate
 
 SMALL = (8, 16, 32, 64)
 
@@ -177,14 +177,14 @@ def test_the_engine_evaluates_the_ema_weights():
     # one update, at step 1: the EMA holds the weights after step 1
     ema = EMA(model, momentum=0.0, every=1000)
     trainer = validate(compose_config("trainer.max_steps=3")).trainer
-    loop = engine.Loop(
-        policy, opt, trainer, engine.total_steps(trainer, len(train)), progress=False
+    loop = Loop(
+        policy, opt, trainer, total_steps(trainer, len(train)), progress=False
     )
-    result = engine.fit(
-        image_steps.ImageSteps(model, sched, test, ema=ema), train, loop, engine.LoopState()
+    result = fit(
+        ImageSteps(model, sched, test, ema=ema), train, loop, LoopState()
     )
-    ema_loss, _, _ = image_steps.evaluate(ema.model, test, policy)
-    model_loss, _, _ = image_steps.evaluate(model, test, policy)
+    ema_loss, _, _ = evaluate(ema.model, test, policy)
+    model_loss, _, _ = evaluate(model, test, policy)
     assert result["metrics"]["final_test_loss"] == pytest.approx(
         ema_loss
     ) and ema_loss != pytest.approx(model_loss)
@@ -201,14 +201,14 @@ def test_tta_averages_the_logits_of_an_image_and_its_mirror():
     # labels on which the two predictions score differently
     y[::3] = out.argmax(1)[::3]
     policy = PrecisionPolicy(validate(compose_config()).precision, torch.device("cpu"))
-    loss, acc, acc_tta = image_steps.evaluate(
+    loss, acc, acc_tta = evaluate(
         model, [(x[:24], y[:24]), (x[24:], y[24:])], policy, tta=True
     )
     assert acc == pytest.approx((out.argmax(1) == y).float().mean().item())
     assert acc_tta == pytest.approx((mean.argmax(1) == y).float().mean().item()) and acc_tta != acc
     # the loss is the plain model's
     assert loss == pytest.approx(F.cross_entropy(out, y).item(), rel=1e-5)
-    assert image_steps.evaluate(model, [(x, y)], policy)[2] is None
+    assert evaluate(model, [(x, y)], policy)[2] is None
 
 
 def test_label_smoothing_gives_the_closed_form_loss():

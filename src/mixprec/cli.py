@@ -15,6 +15,11 @@ import re
 import sys
 from pathlib import Path
 
+from hydra import compose as hydra_compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
 from .config import ConfigError
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -23,11 +28,6 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 def compose(overrides, *, return_hydra_config: bool = False):
     """conf/config.yaml composed with `overrides` (Hydra's compose API, as train.py composes a job);
     a bad override, an unknown group option or key: ConfigError, one line."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -76,10 +76,9 @@ def hydra_message(e: BaseException) -> str:
 def user_error(e: BaseException, known: tuple = ()) -> tuple[str, int] | None:
     """(the line, the exit status) of an exception that is the user's mistake; None for anything
     else (a bug)."""
-    from hydra.errors import HydraException
-
-    from .train.checkpoint import CheckpointError
+    # lazy: both import torch, which the launcher (scripts/reproduce.py) imports cli without
     from .data.files import DataError
+    from .train.checkpoint import CheckpointError
 
     if isinstance(e, ConfigError):
         return f"config error: {one_line(e)}", 2

@@ -8,7 +8,6 @@ the raw DictConfig.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import typing
 from dataclasses import dataclass, field
@@ -19,29 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 
 class ConfigError(ValueError):
     """A config value that cannot work. The message is one line meant for the user."""
-
-
-FP8_INSTALL = 'pip install -e ".[fp8]"'
-
-
-def require_torchao():
-    """torchao.float8 and its Float8Linear (precision=fp8), or a ConfigError whose one line says
-    what to install."""
-    # torchao 0.18's import warns about an Enum registration
-    quiet = logging.getLogger("torch.utils._pytree")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        import torchao.float8 as float8
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError as e:
-        raise ConfigError(
-            f"precision=fp8 needs torchao (float8 training), which is not importable here ({e}); "
-            f"install it with: {FP8_INSTALL}"
-        ) from None
-    finally:
-        quiet.setLevel(level)
-    return float8, Float8Linear
 
 
 DType = Literal["float32", "float16", "bfloat16"]
@@ -348,7 +324,6 @@ class PrecisionConfig:
                     "precision.fp8_recipe: float8 Linear layers run beside bf16 autocast on fp32 "
                     "weights (autocast_dtype=bfloat16, param_dtype=float32)"
                 )
-            require_torchao()
         ls = self.loss_scale
         if isinstance(ls, str) and ls not in ("dynamic", "none"):
             raise ConfigError(f"precision.loss_scale={ls!r}: allowed values are dynamic, none, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 import sys
@@ -23,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from .config import Config, ConfigError, plain_config, validate_job
+from .config import Config, ConfigError, PrecisionConfig, plain_config, validate_job
 from .data import Resumable, build_image_data, image_loaders
 from .data.files import DataError
 from .data.wikitext import TokenWindows, batchify, load_text_corpus
@@ -105,6 +106,7 @@ def run_job(cfg: DictConfig) -> dict:
         checkpoint.keep_default_batch(cfg, job.out)   # a resume keeps a default batch that moved
         summary["config"] = plain_config(cfg)
         config = validate_job(cfg)
+        modes.check_installed(config.precision)   # fp8's torchao: one line before any work
         prior = final_prior(config, job)
         if prior is not None:
             return prior
@@ -204,23 +206,26 @@ def train_and_record(
     included)."""
     device = hardware.select_device(dist.device_name(config.trainer.device, ranks))
     tr = config.trainer
-    dist.check(tr.batch_size, tr.sync_bn, device, ranks,
-               config.trick.ghost_splits if config.trick.ghost_bn else 1, sharded=tr.sharded)
+    per_rank = dist.check(tr.batch_size, tr.sync_bn, device, ranks,
+                          config.trick.ghost_splits if config.trick.ghost_bn else 1,
+                          sharded=tr.sharded)
     # joins the job's process group (torchrun's is joined already, in train.py; FSDP on one rank
     # makes its own)
     made = dist.init(ranks, sharded=tr.sharded)
     try:   # from here a SIGTERM/SIGINT stops the job (torchrun forwards a SIGTERM to every rank)
         with StopSignals() as stop:
-            return record_training(config, summary, out_dir, group, name, device, ranks, stop)
+            return record_training(config, summary, out_dir, group, name, device, ranks,
+                                   per_rank, stop)
     finally:
         dist.close(made)
 
 
 def record_training(config: Config, summary: dict, out_dir: Path, group: str | None, name: str,
-                    device: torch.device, ranks: dist.Ranks, stop: StopSignals) -> dict:
-    """Set up the device and the job dir (resume, W&B), train, and complete the summary. `stop`: the
-    job's stop signals, active since before the set-up: the loop stops after a step; note_signal
-    records them."""
+                    device: torch.device, ranks: dist.Ranks, per_rank: int,
+                    stop: StopSignals) -> dict:
+    """Set up the device and the job dir (resume, W&B), train, and complete the summary. per_rank:
+    each rank's batch (dist.check's). `stop`: the job's stop signals, active since before the
+    set-up: the loop stops after a step; note_signal records them."""
     modes.configure(device, config.trainer, config.precision, config.seed)
     env = hardware.describe(device)
     profile = hardware.gpu_profile(
@@ -255,13 +260,12 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     )
     recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
     try:
+        train = functools.partial(train_job, per_rank=per_rank)
         with emulation.numerics(emulated):
-            summary.update(
-                train_job(config, device, recorder, saver, resume, ranks.agreed_stop(stop), ranks)
-            )
-            summary.update(
-                replay.explain(summary, config, device, out_dir, ranks.active, train_job)
-            )  # probe=none
+            summary.update(train(config, device, recorder, saver, resume, ranks.agreed_stop(stop),
+                                 ranks))
+            # probe=none
+            summary.update(replay.explain(summary, config, device, out_dir, ranks.active, train))
     except KeyboardInterrupt:
         summary.update(status="interrupted", error="interrupted by the user (KeyboardInterrupt)")
         raise
@@ -338,7 +342,7 @@ def open_mirror(
     run."""
     if config.logger.name != "wandb" or config.logger.mode == "disabled":
         return None
-    from .records.wandb_mirror import WandbMirror
+    from .records.wandb_mirror import WandbMirror   # lazy: wandb (optional, slow to import)
 
     mirror = WandbMirror(
         config.logger,
@@ -383,9 +387,11 @@ def train_job(
     resume: dict | None = None,
     stop=lambda: None,
     ranks: dist.Ranks = dist.SINGLE,
+    *,
+    per_rank: int,
 ) -> dict:
     """Build the job's parts (image or language model), restore a checkpoint into them, and run the
-    shared loop."""
+    shared loop. per_rank: each rank's batch (dist.check's)."""
     if config.model.is_language_model and ranks.active and not config.trainer.sharded:
         raise ConfigError(
             "model=" + config.model.arch + ": language models train in one process here, or the "
@@ -393,22 +399,10 @@ def train_job(
         )
     build = language_model_parts if config.model.is_language_model else image_parts
     reset_compile_state(device)   # an earlier job of this process (a sweep's) leaves nothing
-    steps, batches, policy, optimizer, info = build(config, device, ranks)
+    steps, batches, policy, optimizer, info = build(config, device, ranks, per_rank)
     try:
-        return run_parts(
-            config,
-            device,
-            steps,
-            batches,
-            policy,
-            optimizer,
-            info,
-            saver,
-            resume,
-            stop,
-            ranks,
-            recorder,
-        )
+        return run_parts(config, device, steps, batches, policy, optimizer, info, saver, resume,
+                         stop, ranks, per_rank, recorder)
     finally:   # a DataLoader's workers end with the job, whatever ended it
         for loader in (batches, getattr(steps, "test_batches", None)):
             if isinstance(loader, Resumable):
@@ -427,9 +421,11 @@ def run_parts(
     resume: dict | None,
     stop,
     ranks: dist.Ranks,
+    per_rank: int,
     recorder: Recorder,
 ) -> dict:
-    """Restore a checkpoint into the built parts and run the shared loop."""
+    """Restore a checkpoint into the built parts and run the shared loop (per_rank: each rank's
+    batch, for the record)."""
     tr = config.trainer
     model = info.pop("model")
     saver.parts.update(model=model, optimizer=optimizer, schedule=steps.schedule,
@@ -452,7 +448,7 @@ def run_parts(
     if ranks.active:
         result["distributed"] = {
             "world_size": ranks.world,
-            "per_rank_batch": tr.batch_size // ranks.world,
+            "per_rank_batch": per_rank,
             "sync_bn": tr.sync_bn,
             "backend": dist.backend_for(device),
             "strategy": "fsdp" if tr.sharded else "ddp",
@@ -490,9 +486,9 @@ def probed(config: Config, model, recorder: Recorder, ranks: dist.Ranks):
         probe.close()
 
 
-def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
+def image_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_rank: int):
     """An image classifier's steps, training batches, policy, optimizer, and what the job records
-    about it."""
+    about it; per_rank: each rank's batch (its slice of the global batch)."""
     tr, t, resnet9 = config.trainer, config.trick, config.model.arch == "resnet9"
     data = build_image_data(config.dataset)
     # Page's clock starts before his preprocessing (dawn.py at 37a13cc:79-87)
@@ -516,11 +512,10 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks):
                               setup_time_s=setup_s)
     # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py),
     # then the compilation of the model the loop trains, also before the clock (train/compile.py)
-    batch = tr.batch_size // ranks.world
-    prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_for(device.type), batch,
+    prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_for(device.type), per_rank,
                         train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
     modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
-    shapes = image_warmup(min(batch, len(data.train_y) // ranks.world), tr.eval_batch_size,
+    shapes = image_warmup(min(per_rank, len(data.train_y) // ranks.world), tr.eval_batch_size,
                           len(data.test_y), train_batches.image_shape, data.num_classes,
                           tr.channels_last, config.model.bn_eval,
                           evaluates=ema is None)   # an EMA job evaluates ema.model, eagerly
@@ -562,9 +557,9 @@ def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode:
     return seconds, watch
 
 
-def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks):
+def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_rank: int):
     """A word-level language model on a text corpus (see train/lm.py); throughput and FLOPs are per
-    token."""
+    token. per_rank: each rank's columns (the whole batch in one process; FSDP's ranks split it)."""
     tr, bptt = config.trainer, config.dataset.bptt
     if tr.compile != "none" and config.model.arch != "gpt":
         raise ConfigError(
@@ -574,9 +569,8 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     corpus = load_text_corpus(config.dataset)
     # under FSDP each rank trains on its columns of the global batch; every rank scores the whole
     # validation and test splits (the same forwards: FSDP's all-gathers are collectives)
-    columns = tr.batch_size // ranks.world
     train_source = batchify(corpus.train, tr.batch_size, device)[
-        :, ranks.rank * columns:(ranks.rank + 1) * columns].contiguous()
+        :, ranks.rank * per_rank:(ranks.rank + 1) * per_rank].contiguous()
     valid_source, test_source = (batchify(ids, tr.eval_batch_size, device)
                                  for ids in (corpus.valid, corpus.test))
     windows = TokenWindows(train_source, bptt)
@@ -586,11 +580,11 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     built = build_trained(model, config, device, wrap=wrapper(config, device, ranks))
     model, policy, optimizer, groups = built.model, built.policy, built.optimizer, built.groups
     schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(windows)))
-    steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=columns)
-    prewarm_s = prewarm_lm(model, policy, optimizer, tr.prewarm_for(device.type), bptt,
-                           columns, corpus.vocab_size, tr.grad_clip)
+    steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=per_rank)
+    prewarm_s = prewarm_lm(model, policy, optimizer, tr.prewarm_for(device.type), bptt, per_rank,
+                           corpus.vocab_size, tr.grad_clip)
     modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
-    shapes = lm_warmup(len(train_source), columns, [len(valid_source), len(test_source)],
+    shapes = lm_warmup(len(train_source), per_rank, [len(valid_source), len(test_source)],
                        tr.eval_batch_size, bptt, corpus.vocab_size)
     compile_s, watch = compile_and_warm(steps, model, policy, tr.compile, shapes)
     info = {"model": model, "parts": {"hidden": steps}, "final": model,
@@ -607,20 +601,17 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
 def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
     """Evaluate a finished job's saved weights (model_fp32.pt) in an fp32 model, with fp32 math, on
     the job's own test split: apex's promise that whatever the training precision, the saved model
-    is fp32 and usable."""
-    from .config import PrecisionConfig
-
+    is fp32 and usable. The model is built as the job built it (train/build.py), under fp32; nothing
+    is stepped, so the optimizer takes the device's own kernels (impl=auto)."""
     model, config = checkpoint.load_fp32_model(run_dir)
-    fp32 = PrecisionConfig(name="fp32")
+    auto = dataclasses.replace(config.optimizer, impl="auto")
+    config = dataclasses.replace(config, precision=PrecisionConfig(name="fp32"), optimizer=auto)
     device = hardware.select_device(device)
-    modes.configure(device, config.trainer, fp32, config.seed)
+    modes.configure(device, config.trainer, config.precision, config.seed)
     data = build_image_data(config.dataset)
     _, test_batches = image_loaders(data, config.dataset, config.trainer, device, seed=config.seed)
-    policy = PrecisionPolicy(fp32, device)
-    model = policy.prepare_model(model)
-    if config.trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    loss, acc, _ = images.evaluate(model, test_batches, policy)
+    built = build_trained(model, config, device, channels_last=config.trainer.channels_last)
+    loss, acc, _ = images.evaluate(built.model, test_batches, built.policy)
     recorded = checkpoint.prior_summary(Path(run_dir))["metrics"]
     return {
         "test_acc": acc,

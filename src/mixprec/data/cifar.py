@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torchvision.datasets import CIFAR10, CIFAR100
+from torchvision.datasets.utils import extract_archive
 
 from .images import ImageData, channel_stats
 from .files import ENV_DATA_DIR, ArrayCache, DataError, data_root, fetch, md5sum, signature
@@ -161,7 +162,6 @@ def _locate(spec: CifarSpec, root: Path, download: bool, urls: tuple) -> list[Pa
         except DataError as e:
             why = f"the download failed ({e})"
         else:
-            from torchvision.datasets.utils import extract_archive
             try:
                 extract_archive(str(archive), str(root))
             # a full disk, say: the archive itself is complete and still readable

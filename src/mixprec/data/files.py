@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 
 import numpy as np
+from torchvision.datasets.utils import download_url
 
 from ..records import atomic_file, write_json_atomic
 
@@ -56,7 +57,6 @@ def md5sum(path: Path) -> str:
 def fetch(urls, dest: Path, *, md5: str | None = None, sha256: str | None = None) -> None:
     """Download `dest` from the first of `urls` that gives a file with the expected checksum.
     Raises DataError listing every URL tried and why it failed."""
-    from torchvision.datasets.utils import download_url
 
     failures = []
     for url in urls:

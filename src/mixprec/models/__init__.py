@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import ModelConfig
 from .gpt import GPT
@@ -65,7 +66,6 @@ def forward_flops(model: nn.Module, sample: torch.Tensor) -> float | None:
     """FLOPs of one forward pass per sample (matmuls and convolutions, 2 per multiply-add), counted
     by torch.utils.flop_counter on a real forward in eval mode; None where the counter cannot
     run."""
-    from torch.utils.flop_counter import FlopCounterMode
 
     was_training = model.training
     model.eval()

@@ -8,6 +8,8 @@ import torch
 import torchvision
 from torch import nn
 
+from ..config import ConfigError
+
 
 def resnet(arch: str, stem: str, num_classes: int, pretrained: bool = False) -> nn.Module:
     # ImageNet's 1000-class head is kept only to load the weights; the caller's head replaces it
@@ -29,8 +31,6 @@ def imagenet_weights(arch: str):
     through torchvision's `pretrained=True`), from the torch hub cache, downloaded there once
     (torchvision's URL, its sha256 prefix checked) when missing; offline, one ConfigError naming
     what to do."""
-    from ..config import ConfigError
-
     weights = torchvision.models.get_model_weights(arch).IMAGENET1K_V1
     path = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
     if not path.is_file():

@@ -8,14 +8,13 @@ and the next hidden state. `vocab_multiple` pads the decoder to a multiple of th
 when sampling.
 
 The dtype the recurrent layers really run in is recorded (`rnn_dtype`, after a forward; the job's
-summary has it): it need not be the precision's label. On CUDA, autocast sends every RNN to cuDNN in
-fp16 whatever the autocast dtype (aten/src/ATen/cudnn/AutocastRNN.cpp casts to half; C++, not in the
-wheel: tests/test_gpu.py checks the recorded dtype), so under amp_bf16 the
-RNN would run fp16 with no loss scale; it runs outside autocast in fp32 instead (`rnn_dtype`
-float32, the label's "bf16" holds for the embedding-free rest: the decoder). Pure bf16 weights are
-not cuDNN dtypes (torch/backends/cudnn/__init__.py:117 CUDNN_TENSOR_DTYPES, used by
-flatten_parameters, nn/modules/rnn.py:260): the RNN then runs PyTorch's own per-step kernels, in
-bf16 but slowly; `rnn_cudnn` records which.
+summary has it): it need not be the precision's label. The precision policy tells the model
+(`rnn_outside_autocast`, set by PrecisionPolicy.prepare_model) when its recurrent layers run outside
+autocast, in their weights' dtype: under CUDA autocast to bf16, where cuDNN's RNN would run fp16
+(precision/policy.py says why; C++, not in the wheel: tests/test_gpu.py checks the recorded dtype).
+Pure bf16 weights are not cuDNN dtypes (torch/backends/cudnn/__init__.py:117 CUDNN_TENSOR_DTYPES,
+used by flatten_parameters, nn/modules/rnn.py:260): the RNN then runs PyTorch's own per-step
+kernels, in bf16 but slowly; `rnn_cudnn` records which.
 """
 from __future__ import annotations
 
@@ -61,6 +60,9 @@ class RNNModel(nn.Module):
         self.decoder = nn.Linear(nhid, self.ntoken)
         # what the last forward's recurrent layers ran in
         self.rnn_dtype, self.rnn_cudnn = None, False
+        # told by the precision policy: the recurrent layers outside autocast, in their weights'
+        # dtype
+        self.rnn_outside_autocast = False
         if tied:
             self.decoder.weight = self.encoder.weight
         # the example's init (the RNN keeps PyTorch's own)
@@ -71,10 +73,8 @@ class RNNModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, hidden):
         x = self.drop(self.encoder(tokens))
-        kind = tokens.device.type
-        # CUDA's autocast, real or emulated
-        if emulation.cuda_autocast_dtype(kind) == torch.bfloat16:
-            with emulation.autocast_off(kind):   # CUDA autocast's cuDNN RNN would run fp16 (above)
+        if self.rnn_outside_autocast:
+            with emulation.autocast_off(tokens.device.type):   # real or emulated autocast
                 w = self.rnn.all_weights[0][0]
                 out, hidden = self.rnn(x.to(w.dtype), rnn_cast(hidden, w.dtype))
         else:

@@ -11,8 +11,8 @@ The training loop makes these calls per step; `build_probe` gives it one of two 
 
 `Attribution` (probe=none) registers no hooks and does nothing on a normal step: its only work is at
 an event. A step the dynamic loss scale skipped: which parameters had non-finite gradients, and the
-scale (the flag is the one PrecisionPolicy.step returns, the gradients are still there); a fused
-step's flag stays on the device until the loop's log flush (PrecisionPolicy.step(defer=True): no
+scale (the flag is the one train/step.py's backward_and_step returns, the gradients are still
+there); a fused step's flag stays on the device until the loop's log flush (defer=True: no
 sync per step), which records its skip with the scale it used and `nonfinite_grads` None, the
 gradients being gone by then (record_deferred_skip; Ranges reads the flag at once). A non-finite
 loss or weight found by the loop's check: `replay()` runs the forward of the loop's current batch

@@ -475,16 +475,6 @@ def autocast_off(device_type: str):
         _STATE["enabled"] = was
 
 
-def cuda_autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype CUDA autocast runs in here: the emulated one, else the real one on a CUDA device,
-    else None."""
-    return (
-        autocast_dtype(device_type)
-        if _STATE["dtype"] is not None or device_type == "cuda"
-        else None
-    )
-
-
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The active autocast dtype, emulated or real (None without autocast)."""
     if _STATE["dtype"] is not None:
@@ -508,18 +498,3 @@ def numerics(emulate: bool):
             yield
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
-
-
-def load_module_state(module: torch.nn.Module, state: dict) -> None:
-    """module.load_state_dict(state), also under `numerics` (where loading swaps each parameter's
-    contents too): an RNN keeps weak references to its weights, which torch.utils.swap_tensors
-    refuses to swap, so they are dropped before the load and rebuilt after it, as RNNBase._apply
-    does around .to() and .half()."""
-    rnns = [m for m in module.modules() if isinstance(m, torch.nn.RNNBase)]
-    for m in rnns:
-        m._flat_weight_refs = []
-    try:
-        module.load_state_dict(state)
-    finally:
-        for m in rnns:
-            m._init_flat_weights()

@@ -20,16 +20,38 @@ kernel that is slower still: docs/transformer_fp8.md.)
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
-
-from . import emulation
 from torch import nn
 
-from ..config import require_torchao
+from ..config import ConfigError
 from ..runtime.hardware import capability
+from . import emulation
 
 FP8_CAPABILITY = (8, 9)   # Ada / Hopper and later: FP8 tensor cores
+FP8_INSTALL = 'pip install -e ".[fp8]"'
+
+
+def require_torchao():
+    """torchao.float8 and its Float8Linear (precision=fp8), or a ConfigError whose one line says
+    what to install (modes.check_installed asks before any work)."""
+    # torchao 0.18's import warns about an Enum registration
+    quiet = logging.getLogger("torch.utils._pytree")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        # lazy: torchao is optional (the fp8 extra) and only precision=fp8 needs it
+        import torchao.float8 as float8
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError as e:
+        raise ConfigError(
+            f"precision=fp8 needs torchao (float8 training), which is not importable here ({e}); "
+            f"install it with: {FP8_INSTALL}"
+        ) from None
+    finally:
+        quiet.setLevel(level)
+    return float8, Float8Linear
 
 
 def emulation_reason(device: torch.device) -> str | None:

@@ -1,7 +1,7 @@
-"""What a precision mode decides besides the policy's four decisions (policy.py): its dtypes,
-whether its fp16/bf16 arithmetic is emulated, the hazards its optimizer meets, the TF32 flags and
-the notes on what a device cannot give it, the peak its math runs at (MFU), the refusal to compile
-an emulated mode, and the notes a job says about it."""
+"""What a precision mode decides besides the policy's four decisions (policy.py): the packages it
+needs installed, its dtypes, whether its fp16/bf16 arithmetic is emulated, the hazards its optimizer
+meets, the TF32 flags and the notes on what a device cannot give it, the peak its math runs at
+(MFU), the refusal to compile an emulated mode, and the notes a job says about it."""
 from __future__ import annotations
 
 import logging
@@ -11,10 +11,24 @@ import torch
 
 from ..config import ConfigError, OptimizerConfig, PrecisionConfig, TrainerConfig
 from ..runtime import hardware
+from . import fp8
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The modes of conf/precision/ in the order tables and plots list them, each plot colour following
+# its place (report/plots.py): fp32 first (the baseline), torch's modes, apex's opt levels, fp8, the
+# articles' modes. A mode not named here is listed after them, by name, in a colour of its own.
+MODES = ("fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3", "fp8",
+         "fastai_fp16", "apex_fp16", "apex_fp16_2018")
+
+
+def check_installed(cfg: PrecisionConfig) -> None:
+    """What the mode needs from this installation, asked before any work (config.validate checks
+    the values, which need no package): precision=fp8's torchao. A missing one: one ConfigError
+    line saying what to install."""
+    if cfg.fp8_recipe is not None:
+        fp8.require_torchao()
 
 
 def low_dtype(cfg: PrecisionConfig) -> str | None:

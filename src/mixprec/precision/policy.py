@@ -9,17 +9,20 @@ A mode is four decisions, each made once here:
      or none.
 With precision.fp8_recipe (precision=fp8) prepare_model also swaps the Linear layers for torchao's
 float8 ones (precision/fp8.py); what it converted is self.fp8, for the job's summary.
-The job calls: prepare_model -> optimizer_params -> [autocast(), cast_input, backward, step] per
-step. Where the device is not CUDA (precision.emulate=auto), an fp16/bf16 mode runs emulated
+The job calls prepare_model and optimizer_params once (train/build.py); the step (train/step.py)
+calls autocast() and cast_input, then around the loss scaler's own calls (scaler.scale(loss),
+unscale_, step, update) the small primitives where a mode decides: grads_to_masters,
+clips_scaled, stepped_params (what is clipped), watch, masters_to_model and skipped. Where the
+device is not CUDA (precision.emulate=auto), an fp16/bf16 mode runs emulated
 (precision/emulation.py): the job runs under emulation.numerics(), so the same four decisions make
 Emulated tensors that round as a GPU's kernels store, and autocast() applies CUDA autocast's policy
 instead of the device's.
 
-Host syncs: `step` adds none to GradScaler's own (the found-inf check before the optimizer step,
+Host syncs: the step adds none to GradScaler's own (the found-inf check before the optimizer step,
 torch/amp/grad_scaler.py:371). A fused optimizer (optimizer.impl=fused; auto on CUDA) takes the
 scale and the found-inf flag on the device and skips itself there, so GradScaler makes no sync;
-`step(defer=True)` then leaves the flag on the device too: it returns it, with a copy of the scale
-after the update, as `Deferred`, and the loop reads both at its log flush with the losses
+`skipped(defer=True)` then leaves the flag on the device too: it returns it, with a copy of the
+scale after the update, as `Deferred`, and the loop reads both at its log flush with the losses
 (loop.flush: one sync), where `settle_scale` gives the host its copy. So a steady fused amp step
 makes no sync; a non-fused one makes GradScaler's. With defer=False (the probe's ranges mode, which
 attributes each skipped step as it happens) the flag is read at once. Whether a non-fused check
@@ -132,10 +135,10 @@ class PrecisionPolicy:
         self.master_params: list[torch.Tensor] | None = None
         # no sync: the initial scale
         self.scale_value = self.scaler.get_scale() if cfg.scaled else None
-        # set by the optimizer's step hook: still False after step() = GradScaler skipped
+        # set by the optimizer's step hook (watch): still False after scaler.step = skipped
         self._stepped = False
         self._hooked: set = set()
-        # a fused step's found-inf flag (on the device), see step()
+        # a fused step's found-inf flag (on the device), see skipped()
         self._found_inf: torch.Tensor | None = None
         # what prepare_model converted to float8 (precision=fp8), for the summary
         self.fp8: dict | None = None
@@ -175,9 +178,22 @@ class PrecisionPolicy:
                         m.float()
         if self.cfg.fp8_recipe is not None:
             self.fp8 = fp8.convert(model, self.cfg.fp8_recipe, self.device)
+        # a recurrent language model (models/rnnlm.py) is told where its recurrent layers run
+        if hasattr(model, "rnn_outside_autocast"):
+            model.rnn_outside_autocast = self.rnn_outside_autocast
         # cuDNN's one chunk, whatever the dtype change left (runtime/hardware.py)
         flatten_rnns(model)
         return model
+
+    @property
+    def rnn_outside_autocast(self) -> bool:
+        """Whether a recurrent model runs its recurrent layers outside autocast, in their weights'
+        dtype: under CUDA autocast to bf16, real or emulated. There autocast sends every RNN to
+        cuDNN in fp16 whatever the autocast dtype (aten/src/ATen/cudnn/AutocastRNN.cpp casts input,
+        hidden state and flat weights to half), which would be fp16 with no loss scale; outside it
+        the RNN runs in fp32 and the label's bf16 holds for the rest (the decoder)."""
+        cuda_policy = self.emulated or self.device.type == "cuda"
+        return self.autocast_dtype == torch.bfloat16 and cuda_policy
 
     # -- 3. what the optimizer steps ---------------------------------------------------------------
     def optimizer_params(self, model: nn.Module) -> list[torch.Tensor]:
@@ -227,35 +243,41 @@ class PrecisionPolicy:
             else x
         )
 
-    # -- 4. backward and step ----------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss).backward()
+    # -- 4. the step's lines where the mode decides (train/step.py calls them in order) ------------
+    @property
+    def clips_scaled(self) -> bool:
+        """apex's --fp16 clip: the model's gradients, still scaled (clip_scaled_model_grads_)."""
+        return self.cfg.clip_scaled_model_grads
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_clip: float | None = None,
-             defer: bool = False) -> bool | Deferred:
-        """Unscale, clip, step, update the scale; returns True when the step was skipped (an
-        overflow under a dynamic loss scale: GradScaler skips the step and halves the scale). defer:
-        a fused step's outcome is returned on the device (Deferred), unread, instead of a bool."""
-        scaled_clip = grad_clip is not None and self.cfg.clip_scaled_model_grads
-        if scaled_clip:
-            clip_scaled_model_grads_(self.model_params, grad_clip)
+    def grads_to_masters(self) -> None:
+        """Under master weights, after the backward: the model's gradients in fp32 on the masters,
+        the model's own dropped (they are the optimizer's from here)."""
         if self.master_params is not None:
             for master, p in zip(self.master_params, self.model_params):
                 master.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
-        self.scaler.unscale_(optimizer)
-        if grad_clip is not None and not scaled_clip:
-            torch.nn.utils.clip_grad_norm_(self.stepped_params(), grad_clip)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before scaler.step: an optimizer step hook (registered once) tells `skipped` whether
+        scaler.step called optimizer.step, and hands it a fused step's found-inf flag."""
         if id(optimizer) not in self._hooked:
             optimizer.register_step_post_hook(self._saw_step)
             self._hooked.add(id(optimizer))
         self._stepped = False
-        self.scaler.step(optimizer)   # GradScaler's one sync: skips optimizer.step() on an overflow
-        self.scaler.update()
+
+    def masters_to_model(self) -> None:
+        """Under master weights, after the step: the fp32 masters back into the model's weights,
+        rounded to their dtype (one foreach copy per dtype)."""
         if self.master_params is not None:
             with torch.no_grad():
                 for model_group, master_group in by_dtype(self.model_params, self.master_params):
                     torch._foreach_copy_(model_group, master_group)
+
+    def skipped(self, defer: bool = False) -> bool | Deferred:
+        """After scaler.update: True when the step was skipped (an overflow under a dynamic loss
+        scale: GradScaler skips the step and halves the scale), the host's copy of the scale
+        updated alike. defer: a fused step's outcome is returned on the device (Deferred), unread,
+        instead of a bool; the loop settles it at its flush (settle_scale)."""
         skipped, found_inf, self._found_inf = not self._stepped, self._found_inf, None
         if found_inf is not None:
             # a fused step is always called: it took GradScaler's found-inf flag on the device and

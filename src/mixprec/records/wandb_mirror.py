@@ -32,7 +32,7 @@ class WandbMirror:
     def __init__(self, cfg: LoggerConfig, out_dir: Path, config: dict, group: str | None, name: str,
                  job_type: str, run_id: str | None = None):
         os.environ.setdefault("WANDB_SILENT", "true")
-        import wandb
+        import wandb   # lazy: optional, slow to import, and only a logger=wandb job needs it
 
         kwargs = dict(
             project=cfg.project,

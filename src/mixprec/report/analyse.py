@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime import busy
 from .. import records
+from ..precision import modes
+from ..runtime import busy
 from ..tools.plan import PlanError, full_command, load_plan
 from ..runtime.versions import differences
 from .load import Job, number
@@ -29,26 +30,12 @@ from .published import Published, Source, apex_ppl_values, matches, noise_verdic
 _AXES = ("model", "precision", "experiment", "logger", "hydra")
 _NOT_VARIANT = ("seed", "logger", "hydra", "trainer.device", "name", "experiment")
 MAX_VARIANT = 28
-PRECISION_ORDER = [
-    "fp32",
-    "tf32",
-    "amp",
-    "amp_bf16",
-    "half",
-    "bf16",
-    "o0",
-    "o1",
-    "o2",
-    "o3",
-    "fp8",
-    "fastai_fp16",
-    "apex_fp16",
-    "apex_fp16_2018",
-]
 
 
 def precision_key(p: str) -> tuple:
-    return (PRECISION_ORDER.index(p), p) if p in PRECISION_ORDER else (len(PRECISION_ORDER), str(p))
+    """Where a precision sorts in tables and plots: its place in precision.modes.MODES, then any
+    other mode by name."""
+    return (modes.MODES.index(p), p) if p in modes.MODES else (len(modes.MODES), str(p))
 
 
 def stats(values: list) -> dict | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import zlib
 from pathlib import Path
 
 import matplotlib
@@ -17,21 +18,22 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .. import records  # noqa: E402
+from ..precision import modes  # noqa: E402
 from ..runtime.jobdirs import shorten  # noqa: E402
 from ..records import atomic_file  # noqa: E402
 from ..records import metrics  # noqa: E402
-from .analyse import PRECISION_ORDER, Group, precision_key, stats  # noqa: E402
+from .analyse import Group, precision_key, stats  # noqa: E402
 from .load import number  # noqa: E402
 from .published import Source, ladder_steps, matches  # noqa: E402
 
-# one colour per PRECISION_ORDER entry: tab10, then fp8 black, fastai_fp16 olive, apex_fp16 teal,
-# apex_fp16_2018 navy
+# one colour per precision.modes.MODES entry, in its order: tab10, then fp8 black, fastai_fp16
+# olive, apex_fp16 teal, apex_fp16_2018 navy; then tab20b's for the modes named after them
 _PALETTE = plt.get_cmap("tab10").colors + (
     (0.0, 0.0, 0.0),
     (0.45, 0.45, 0.0),
     (0.0, 0.45, 0.45),
     (0.1, 0.1, 0.45),
-)
+) + plt.get_cmap("tab20b").colors
 DPI = 110
 EMULATED_CAPTION = (" Hatched, (emulated): fp16/bf16 rounding emulated on fp32 kernels "
                     "(precision.emulate), so those bars are fp32 time and memory on their device, "
@@ -41,12 +43,12 @@ EMULATED_LADDER = (" Dashed, (emulated): fp16/bf16 rounding emulated on fp32 ker
 
 
 def color(precision: str):
-    i = (
-        PRECISION_ORDER.index(precision)
-        if precision in PRECISION_ORDER
-        else sum(map(ord, str(precision)))
-    )
-    return _PALETTE[i % len(_PALETTE)]
+    """The precision's colour: its place's in precision.modes.MODES; a mode not named there takes
+    one that no named mode has, picked by its name (crc32: the same in every process)."""
+    if precision in modes.MODES:
+        return _PALETTE[modes.MODES.index(precision) % len(_PALETTE)]
+    free = _PALETTE[len(modes.MODES):] or _PALETTE
+    return free[zlib.crc32(str(precision).encode()) % len(free)]
 
 
 def save(fig, path: Path) -> Path:

@@ -47,7 +47,7 @@ def build(data: dict, jobs, entity: str, project: str, title: str = "mixprec rep
     """The wr.Report the local report's data would make: per experiment, the reproduced-vs-published
     table as Markdown and a panel grid over that experiment's runs, grouped by precision and
     model."""
-    import wandb_workspaces.reports.v2 as wr
+    import wandb_workspaces.reports.v2 as wr   # lazy: optional (the report extra)
 
     ids = run_ids(jobs)
     blocks = [
@@ -136,10 +136,10 @@ def offline_reason() -> str | None:
     if mode in ("offline", "disabled", "dryrun"):
         return f"WANDB_MODE={mode}"
     try:
-        import wandb_workspaces.reports.v2  # noqa: F401
+        import wandb_workspaces.reports.v2  # noqa: F401  (lazy: optional, asked here)
     except ImportError:
         return "wandb-workspaces is not installed (pip install -e \".[report]\")"
-    import wandb
+    import wandb   # lazy: optional, slow to import
 
     try:
         wandb.Api()
@@ -164,7 +164,7 @@ def publish(data: dict, jobs) -> tuple[str | None, str]:
     why = offline_reason()
     if why:
         return None, f"offline: {why}"
-    import wandb
+    import wandb   # lazy: optional, slow to import
 
     entity, project = project_of(jobs)
     try:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from ..config import LM_ARCHS
+
 RESOLVER = "mixprec.batch_default"
 CPU_BATCH, GPU_BATCH = 64, 256
 
@@ -19,7 +21,7 @@ CPU_BATCH, GPU_BATCH = 64, 256
 def on_cuda(device: str) -> bool:
     """Whether trainer.device names, or auto picks, a CUDA device."""
     if device == "auto":
-        import torch
+        import torch   # lazy: `import mixprec` registers this resolver and stays without torch
 
         acc = torch.accelerator.current_accelerator(check_available=True)
         return acc is not None and acc.type == "cuda"
@@ -27,8 +29,6 @@ def on_cuda(device: str) -> bool:
 
 
 def batch_default(device: str, arch: str) -> int:
-    from ..config import LM_ARCHS
-
     return GPU_BATCH if on_cuda(device) and arch not in LM_ARCHS else CPU_BATCH
 
 

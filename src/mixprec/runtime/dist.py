@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
+from torch.nn.parallel import DistributedDataParallel
 
 from ..config import ConfigError
 
@@ -110,7 +111,7 @@ def from_env() -> Ranks:
             int(os.environ.get("LOCAL_RANK", 0)),
         )
     if os.environ.get("SUBMITIT_EXECUTOR"):
-        import submitit
+        import submitit   # lazy: optional (the SLURM launcher's), only under its executor
 
         env = submitit.JobEnvironment()
         if env.num_tasks > 1:
@@ -259,8 +260,6 @@ def wrap(
                 "trainer.sync_bn=false"
             )
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    from torch.nn.parallel import DistributedDataParallel
-
     return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
 
 

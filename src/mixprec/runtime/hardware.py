@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from ..config import ConfigError, GpuConfig, TrainerConfig
@@ -258,8 +259,6 @@ def _matches(gpu: GpuConfig, device_name: str) -> bool:
 
 def known_profiles() -> list[GpuConfig]:
     """Every named GPU profile of conf/gpu/ (auto aside), in name order."""
-    from omegaconf import OmegaConf
-
     files = sorted(f for f in (PROJECT_ROOT / "conf" / "gpu").glob("*.yaml") if f.stem != "auto")
     return [GpuConfig(**OmegaConf.to_container(OmegaConf.load(f))) for f in files]
 

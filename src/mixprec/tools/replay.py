@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..numerics import events as ev
+from ..numerics import events
+from ..records import Recorder
+from ..train import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +52,6 @@ def explain(summary: dict, config, device, out_dir: Path, several_ranks: bool, t
     """What the replay changes in the summary ({} when none is due): numerics.first_nonfinite,
     numerics.replay, the verdict, and the reason's first-event clause. `train(config, device,
     recorder, saver)` is job.train_job."""
-    from ..train import checkpoint
-    from ..records import Recorder
-
     step = replay_step(summary, config.probe.name, several_ranks)
     if step is None:
         return {}
@@ -65,7 +64,7 @@ def explain(summary: dict, config, device, out_dir: Path, several_ranks: bool, t
     torch.manual_seed(cfg.seed)
     recorder = Recorder(where)
     saver = checkpoint.Checkpointer(where, meta={"config": summary.get("config")})
-    quiet, level = logging.getLogger(ev.__name__), logging.getLogger(ev.__name__).level
+    quiet, level = logging.getLogger(events.__name__), logging.getLogger(events.__name__).level
     quiet.setLevel(logging.ERROR)   # step 1's input warnings were said by the run itself
     try:
         result = train(cfg, device, recorder, saver)
@@ -97,7 +96,7 @@ def merged(summary: dict, result: dict, where: Path, step: int) -> dict:
         replay={"dir": str(where), "steps": step, "matched": True},
     )
     out = {"numerics": numerics, "reason": (summary.get("reason") or "").replace(
-        ev.line(old), ev.line(new) + " (replayed under probe=ranges)")}
+        events.line(old), events.line(new) + " (replayed under probe=ranges)")}
     v = result.get("verdict")
     if v is not None:
         out["verdict"] = {

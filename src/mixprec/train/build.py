@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..precision.modes import check_installed
 from ..precision.policy import PrecisionPolicy
 from ..precision.sharded import ShardedPolicy
 from .optim import build_optimizer, param_groups
@@ -34,6 +35,7 @@ def build_trained(model: nn.Module, config: Config, device: torch.device, bn_bia
     `device`; then channels_last, then `wrap` (DDP, which broadcasts rank 0's weights; FSDP's
     fully_shard, which makes the parameters DTensor shards), and only then the stepped tensors
     (fp32 masters cloned from the final weights; FSDP's shards), their groups and the optimizer."""
+    check_installed(config.precision)   # a script's build, as a job's start: before the model
     sharded = config.trainer.sharded
     policy = (ShardedPolicy if sharded else PrecisionPolicy)(config.precision, device)
     model = policy.prepare_model(model)

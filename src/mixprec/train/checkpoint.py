@@ -34,11 +34,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
+from ..config import validate
+from ..models import build_model
+from ..models.resnet9 import resnet9_options
 from ..runtime.defaults import RESOLVER
 from ..runtime.dist import SINGLE, Ranks
 from ..runtime.hardware import flatten_rnns
-from ..precision import emulation
+from ..precision.state import load_module_state
 from ..records import METRICS, SUMMARY, atomic_file
 
 CHECKPOINT = "checkpoint.pt"
@@ -118,8 +122,6 @@ def keep_default_batch(cfg, out_dir: Path) -> int | None:
     since (64 on CUDA before 256): a default is not the user's change. Sets it in `cfg` (a Hydra
     DictConfig, before validation) and says so; returns the batch taken, else None. A checkpoint
     that cannot be read is left to read(), which says what is wrong."""
-    from omegaconf import OmegaConf
-
     trainer = cfg.get("trainer")
     if trainer is None or trainer.get("resume") != "auto" or "batch_size" not in trainer:
         return None
@@ -301,9 +303,9 @@ class Checkpointer:
                 f"{self.ranks.world}; resume with as many ranks, or delete it to start over"
             )
         for name, part in self.parts.items():
-            # the model: emulation swaps its parameters' contents on load
+            # the model: emulated numerics swap its parameters' contents on load
             if isinstance(part, torch.nn.Module):
-                emulation.load_module_state(part, ckpt["parts"][name])
+                load_module_state(part, ckpt["parts"][name])
                 flatten_rnns(part)
             else:
                 part.load_state_dict(ckpt["parts"][name])
@@ -325,10 +327,6 @@ def load_fp32_model(run_dir: Path):
     """An fp32 model with a finished job's final weights, rebuilt from its summary.json config (for
     evaluation). Returns (model, config). CheckpointError, naming the file, when the run has no
     usable weights."""
-    from ..config import validate
-    from ..models import build_model
-    from ..models.resnet9 import resnet9_options
-
     run_dir = Path(run_dir)
     summary = prior_summary(run_dir)
     if summary is None or not summary.get("weights"):

@@ -111,6 +111,7 @@ def start_compile_workers() -> None:
     mask is restored: none is lost. A pool started earlier in the process is kept as it is."""
     if not hasattr(signal, "pthread_sigmask"):   # Windows: inductor compiles in the process there
         return
+    # lazy: inductor's import takes seconds, and only a compiled job on an accelerator needs it
     from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
 
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, StopSignals.SIGNALS)

@@ -1,4 +1,4 @@
-"""An image classifier's part of the shared loop (loop.fit): its step (step.py's forward, loss and
+"""An image classifier's part of the shared loop (loop.fit): its step (step.py's image_forward and
 train_step, with the tricks' label smoothing, EMA and schedule), its evaluation (flip TTA under a
 trick) and its final metrics."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ from ..models import set_bn_eval
 from ..precision.policy import PrecisionPolicy
 from .compile import GRAPH_MODES, GraphCalls, mark_step
 from .loop import Loop, LoopState, Window
-from .step import forward, train_step
-from .tricks import cross_entropy, tta_logits
+from .step import forward, image_forward, train_step
+from .tricks import tta_logits
 
 
 def evaluate(model, batches, policy: PrecisionPolicy, tta: bool = False,
@@ -70,17 +70,17 @@ class ImageSteps:
         """One batch trained; returns (its mean loss, its correct count, its size) on the device."""
         # CUDA graphs: a new step (nothing compiled is kept past it)
         mark_step(loop.trainer.compile)
-        loop.probe.before_step(state.step + 1, loop.policy)
+        policy = loop.policy
+        loop.probe.before_step(state.step + 1, policy)
         # step 1 only: a blank batch, one label
-        loop.probe.see_batch(state.step + 1, x, y, loop.policy)
-        out = forward(self.model, x, loop.policy)
-        loss = cross_entropy(out, y, self.label_smoothing, summed=self.loss_sum)
+        loop.probe.see_batch(state.step + 1, x, y, policy)
+        loss, out = image_forward(self.model, x, y, policy, self.label_smoothing, self.loss_sum)
         # eager ops on the step's output, before the next step
         correct = (out.detach().argmax(1) == y).sum()
         # the probe replays a batch on one rank: not through DDP
         inner = getattr(self.model, "module", self.model)
         # no closure
-        train_step(loss, loop, state, replay=functools.partial(forward, inner, x, loop.policy))
+        train_step(loss, loop, state, replay=functools.partial(forward, inner, x, policy))
         if self.ema is not None:
             self.ema.update(self.model)
         self.schedule.step()

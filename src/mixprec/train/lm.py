@@ -4,8 +4,8 @@ batchified token stream, as PyTorch's word_language_model.
 Each epoch walks the training stream (batchify: [nbatch, batch] on the device) in bptt windows
 (TokenWindows), the hidden state starting at zeros and carried from window to window, cut from the
 previous window's graph (repackage_hidden) so that backward stops at the window's start. A step is
-step.train_step: backward of the (scaled) loss, then PrecisionPolicy.step: unscale, clip the global
-norm to trainer.grad_clip (the fp32 master gradients under master weights), step. After each epoch
+step.train_step: backward of the (scaled) loss, unscale, clip the global norm to trainer.grad_clip
+(the fp32 master gradients under master weights), step, update. After each epoch
 the validation and test splits are scored in perplexity, exp(mean cross-entropy per token), with the
 hidden state carried across their windows too; a `plateau` schedule then divides the lr by its
 factor when the validation loss did not improve (the example's rule; per-step schedules are stepped

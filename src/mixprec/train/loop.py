@@ -22,8 +22,8 @@ the summary says so. Host syncs in the loop (tests/test_speed.py counts them), e
   - per step, only under a dynamic loss scale (amp, o1, o2 dynamic, fastai_fp16) with a non-fused
     optimizer: one, GradScaler's found-inf check before the optimizer step; a fused optimizer
     (CUDA's `auto`) skips itself on the device and its flag is read at the flush
-    (PrecisionPolicy.step(defer=True)), none per step, except under probe=ranges, which reads it at
-    once to attribute the skip;
+    (step.backward_and_step(defer=True)), none per step, except under probe=ranges, which reads
+    it at once to attribute the skip;
   - per step, only under on_nonfinite=skip without a dynamic loss scale: one, the loss check before
     backward;
   - once, at step 1: the input check (probe.see_batch: a blank or constant batch, one label, a first

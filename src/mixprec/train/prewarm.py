@@ -34,8 +34,8 @@ import torch
 
 from ..runtime.hardware import synchronize
 from ..runtime.hardware import flatten_rnns
-from .step import backward_and_step, image_loss, lm_loss
-from .warmup import ImageBatch, TokenBatch
+from .step import backward_and_step
+from .warmup import ImageBatch, TokenBatch, image_loss, lm_loss
 
 
 def prewarm(

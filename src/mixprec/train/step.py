@@ -1,12 +1,12 @@
-"""The training step on one screen: forward under autocast, the loss, the scaled backward, then the
-optimizer step (unscale, clip, step, update the loss scale) and zero_grad.
+"""The training step on one screen, as nanoGPT's amp step (train.py: forward under autocast, the
+loss, scaler.scale(loss).backward(), unscale_, clip, step, update, zero_grad). Where a precision
+mode decides, the line calls its policy (precision/policy.py): autocast and the input's cast, the
+loss scaler (GradScaler, apex's static scale or a pass-through), the fp32 masters' gradients in and
+weights out (master weights), the clip of still-scaled gradients (apex --fp16) and whether the step
+was skipped, with the host's copy of the scale (a fused step's flag stays on the device: Deferred).
 
-Every job runs it: an image job's step (images.ImageSteps), a language model's bptt window
-(lm.LMSteps), prewarm's throwaway steps and scripts/benchmark.py's cells; compile's warm-up runs its
-losses. What each call does in each precision mode is the policy's (precision/policy.py): autocast()
-picks the autocast dtype (or CUDA's policy, emulated), cast_input the weights' dtype, backward
-scales the loss, step unscales (into the fp32 masters under master weights), clips, steps and
-updates the scale.
+Every job runs it: an image batch (images.ImageSteps), a language model's bptt window (lm.LMSteps),
+prewarm's throwaway steps and scripts/benchmark.py's cells; compile's warm-up runs the forwards.
 """
 from __future__ import annotations
 
@@ -14,62 +14,62 @@ import torch
 import torch.nn.functional as F
 
 from ..models.rnnlm import repackage_hidden
-from ..precision.policy import Deferred, PrecisionPolicy
+from ..precision.policy import Deferred, clip_scaled_model_grads_
 from .tricks import cross_entropy
 
 
-def forward(model, x: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+def forward(model, x: torch.Tensor, policy) -> torch.Tensor:
     with policy.autocast():
         return model(policy.cast_input(x))
 
 
-def image_loss(net, policy: PrecisionPolicy, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """A random batch's plain cross-entropy: what prewarm and compile's warm-up step."""
-    return cross_entropy(forward(net, x, policy), y)
+def image_forward(model, x, y, policy, label_smoothing: float = 0.0, summed: bool = False):
+    """An image batch: the forward and the loss (tricks.py: label smoothing, Page's sum over the
+    batch). Returns (loss, logits)."""
+    out = forward(model, x, policy)
+    return cross_entropy(out, y, label_smoothing, summed), out
 
 
-def image_infer(net, policy: PrecisionPolicy, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The evaluation forward (compile's warm-up of the evaluation shapes)."""
-    return forward(net, x, policy)
-
-
-def lm_forward(model, x: torch.Tensor, y: torch.Tensor, hidden, policy: PrecisionPolicy):
-    """One bptt window: the hidden state cut from the previous window's graph, the forward under the
-    policy's recurrent autocast, and the mean cross-entropy per token in fp32. Returns (loss,
-    logits, next hidden state)."""
+def lm_forward(model, x, y, hidden, policy):
+    """One bptt window: the hidden state cut from the last window's graph, the forward under the
+    recurrent autocast, the mean cross-entropy per token in fp32. Returns (loss, logits, hidden)."""
     hidden = repackage_hidden(hidden)
     with policy.recurrent_autocast():
         out, hidden = model(x, hidden)
-    loss = F.cross_entropy(out.float().view(-1, out.size(-1)), y.reshape(-1))
-    return loss, out, hidden
+    return F.cross_entropy(out.float().view(-1, out.size(-1)), y.reshape(-1)), out, hidden
 
 
-def lm_loss(net, policy: PrecisionPolicy, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """A window's loss from a fresh hidden state: what prewarm and compile's warm-up step."""
-    return lm_forward(net, x, y, net.init_hidden(x.size(1)), policy)[0]
-
-
-def backward_and_step(loss: torch.Tensor, policy: PrecisionPolicy, optimizer, grad_clip,
-                      defer: bool = False, after_backward=lambda: None) -> bool | Deferred:
-    """The scaled backward, then unscale, clip, step and update; True when the loss scaler skipped
-    the step (a Deferred: a fused step's outcome, still on the device)."""
-    policy.backward(loss)   # scaler.scale(loss).backward()
-    after_backward()
-    return policy.step(optimizer, grad_clip, defer=defer)
+def backward_and_step(loss, policy, optimizer, grad_clip=None, defer=False,
+                      after_backward=lambda: None) -> bool | Deferred:
+    """The scaled backward and the optimizer step; True when the loss scaler skipped it (defer: a
+    fused step's flag as a Deferred, unread). The caller zeroes the gradients."""
+    scaler, clip = policy.scaler, grad_clip is not None
+    scaler.scale(loss).backward()
+    after_backward()                                # the probe's gradient ranges
+    if clip and policy.clips_scaled:                # apex --fp16: fp16 grads, still scaled
+        clip_scaled_model_grads_(policy.model_params, grad_clip)
+    policy.grads_to_masters()                       # master weights: the grads, in fp32
+    scaler.unscale_(optimizer)
+    if clip and not policy.clips_scaled:
+        torch.nn.utils.clip_grad_norm_(policy.stepped_params(), grad_clip)
+    policy.watch(optimizer)                         # did scaler.step call optimizer.step?
+    scaler.step(optimizer)                          # GradScaler's found-inf check: one sync
+    scaler.update()
+    policy.masters_to_model()                       # master weights: back into the model
+    return policy.skipped(defer)                    # and the host's scale follows update()
 
 
 def train_step(loss: torch.Tensor, loop, state, replay=None) -> None:
     """One batch's backward and optimizer step, then zero_grad. Under on_nonfinite=skip a non-finite
-    loss skips both (all ranks alike); under a dynamic loss scale that check is GradScaler's own, so
-    no second sync is made. replay: the step's forward again, for the probe's attribution of a
-    non-finite value (loop.probe, numerics/probe.py)."""
+    loss skips both (all ranks alike; under a dynamic loss scale GradScaler's own check does it).
+    replay: the step's forward again, for the probe's attribution (numerics/probe.py)."""
     policy, tr, probe, step = loop.policy, loop.trainer, loop.probe, state.step + 1
     nonfinite = tr.on_nonfinite == "skip" and not policy.skips_overflow
     if nonfinite and loop.ranks.any(not torch.isfinite(loss)):
         if state.nonfinite is None:
             seen = (f"loss {loss.item()} (step skipped)", probe.on_nonfinite(step, replay))
-            what = "; ".join(filter(None, seen))
-            state.nonfinite = {"step": step, "what": what, "policy": "skip"}
+            state.nonfinite = {"step": step, "what": "; ".join(filter(None, seen)),
+                               "policy": "skip"}
     else:
         defer = probe.defers_skips and loop.window is not None
         probed = lambda: probe.after_backward(step, loss, policy, replay)

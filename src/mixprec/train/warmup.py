@@ -1,7 +1,7 @@
 """Random batches and the shapes to warm, built once for both warm-ups before the clock: prewarm's
 throwaway steps (prewarm.py: one batch of the training shape) and compile's warm-up (compile.py:
-every training and evaluation shape the compiled model will see). Their losses are the step's
-(step.py)."""
+every training and evaluation shape the compiled model will see), and their losses: the step's
+forwards (step.py) on a random batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,22 @@ from dataclasses import dataclass
 import torch
 
 from .compile import Warmup
-from .step import image_infer, image_loss, lm_loss
+from .step import forward, image_forward, lm_forward
+
+
+def image_loss(net, policy, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A random batch's plain cross-entropy (no label smoothing, the mean)."""
+    return image_forward(net, x, y, policy)[0]
+
+
+def image_infer(net, policy, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The evaluation forward (compile's warm-up of the evaluation shapes)."""
+    return forward(net, x, policy)
+
+
+def lm_loss(net, policy, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A window's loss from a fresh hidden state."""
+    return lm_forward(net, x, y, net.init_hidden(x.size(1)), policy)[0]
 
 
 @dataclass
