@@ -105,7 +105,7 @@ def convert(model: nn.Module, recipe: str, device: torch.device, fsdp: bool = Fa
         model.get_submodule(name).register_forward_pre_hook(_autocast_input)
     return {"recipe": recipe, "fp8_emulated": why is not None, "emulation_reason": why,
             "float8_layers": converted, "bf16_layers": kept,
-            "fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather}
+            **({"fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather} if fsdp else {})}
 
 
 def precompute_scales(model: nn.Module) -> None:
