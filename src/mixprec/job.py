@@ -257,6 +257,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
             "resumes": summary.get("resumed", {}).get("history", []),
         },
         ranks=ranks,
+        sharded=config.trainer.sharded,
     )
     recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
     try:
@@ -318,7 +319,7 @@ def open_job_dir(
     resume = prior = None
     if config.trainer.resume == "auto":
         prior = checkpoint.prior_summary(out_dir)
-        resume = checkpoint.read(out_dir, summary["config"], device_type)
+        resume = checkpoint.read(out_dir, summary["config"], device_type, ranks.world)
     ranks.barrier()   # every rank has read the dir (rank 0's checkpoint) before rank 0 writes to it
     if not ranks.main:
         return resume
