@@ -152,7 +152,7 @@ def test_sigterm_to_a_sharded_job_and_an_exact_resume(tmp_path):
     resumed = job([*LONG, "trainer.resume=auto"], out, tmp_path)
     assert resumed["resumed"]["from_step"] == ckpt["loop"]["step"]
     assert rows(out) == rows(tmp_path / "straight")
-    assert resumed["metrics"]["test_loss"] == straight["metrics"]["test_loss"]
+    assert resumed["metrics"]["final_valid_loss"] == straight["metrics"]["final_valid_loss"]
     a, b = weights(out), weights(tmp_path / "straight")
     assert all(torch.equal(a[k], b[k]) for k in b) and set(a) == set(b)
     assert not list(out.glob(checkpoint.SHARDS + "*")) and not (out / "checkpoint.pt").exists()

@@ -32,7 +32,7 @@ from .models import build_model, forward_flops
 from .models.resnet9 import resnet9_options
 from .numerics import verdicts
 from .numerics.probe import build_probe
-from .precision import emulation, modes
+from .precision import emulation, modes, sharded
 from .precision.modes import emulates, hazards
 from .precision.policy import PrecisionPolicy
 from .precision.state import PolicyState
@@ -432,6 +432,7 @@ def run_parts(
     saver.parts.update(model=model, optimizer=optimizer, schedule=steps.schedule,
                        precision=PolicyState(policy), data=batches, **info.pop("parts"))
     state = loop.LoopState()   # setup (the whitening fit) is timed apart, as Page timed it
+    held = shard.HeldPeak(model, optimizer) if tr.sharded else None
     if resume is not None:
         saver.restore(resume, state)   # last before training: it sets the RNG states
     with probed(config, model, recorder, ranks) as probe:
@@ -446,7 +447,7 @@ def run_parts(
             probe.rows(),
             verdicts.context(config, result["status"], result["metrics"].get("steps")),
         )
-    if ranks.active:
+    if ranks.active or tr.sharded:
         result["distributed"] = {
             "world_size": ranks.world,
             "per_rank_batch": per_rank,
@@ -456,6 +457,8 @@ def run_parts(
             # FSDP's ranks hold different shards: no copies to compare
             "weight_spread": None if tr.sharded else dist.spread(policy.stepped_params(), ranks),
         }
+    if held is not None:   # each rank's bytes, gathered (a collective), and the dtypes FSDP uses
+        result["distributed"].update(sharded_record(config.precision, ranks.gather(held.measure())))
     result["metrics"].update(info.pop("metrics"), **info.pop("compiled").finish())
     m = result["metrics"]
     # an image job: its time on Page's clock, the one-off data preparation included
@@ -472,6 +475,16 @@ def run_parts(
                                                         info.pop("num_classes"))
     # its weight-decay groups
     return {**result, "data": info["data"], "optimizer": info["optimizer"]}
+
+
+def sharded_record(cfg, held: list[dict]) -> dict:
+    """What a sharded job's summary adds under "distributed": the dtype FSDP computes in and the one
+    it reduces gradients in, and per rank (a list in rank order) the most bytes of parameters,
+    gradients and optimizer state that rank held."""
+    compute = sharded.param_dtype(cfg)
+    return {"param_dtype": "float32" if compute is None else str(compute).removeprefix("torch."),
+            "reduce_dtype": str(sharded.reduce_dtype(cfg)).removeprefix("torch."),
+            "held_bytes": held}
 
 
 @contextlib.contextmanager

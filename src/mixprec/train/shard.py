@@ -63,3 +63,22 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {"params": sum(size(p) for p in params),
             "grads": sum(size(p.grad) for p in params if p.grad is not None),
             "optimizer": sum(size(v) for v in state)}
+
+
+class HeldPeak:
+    """The most bytes of parameters, gradients and optimizer state this rank has held: measured
+    before every optimizer step (an optimizer step pre-hook: the gradients are there then, gone
+    after the step's zero_grad) and once more at the end (`measure`, the last step's state)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.peak = {"params": 0, "grads": 0, "optimizer": 0}
+        optimizer.register_step_pre_hook(self.before_step)
+
+    def before_step(self, *_) -> None:
+        self.measure()
+
+    def measure(self) -> dict:
+        now = held_bytes(self.model, self.optimizer)
+        self.peak = {k: max(v, now[k]) for k, v in self.peak.items()}
+        return self.peak
