@@ -614,9 +614,10 @@ def fsdp_rows(summaries: list[dict]) -> list[dict]:
 
 
 def reduce_key(summary: dict) -> str:
-    """Jobs whose resolved configs differ only in precision.reduce_dtype (and the case label) share
-    this key."""
+    """Jobs of one world size whose resolved configs differ only in precision.reduce_dtype (and the
+    case label) share this key."""
     cfg = {k: v for k, v in records.config(summary).items() if k != "case"}
+    cfg["world_size"] = (records.sharded(summary) or {}).get("world_size")
     cfg["precision"] = {k: v for k, v in (cfg.get("precision") or {}).items()
                         if k != "reduce_dtype"}
     return json.dumps(cfg, sort_keys=True)
