@@ -448,17 +448,7 @@ def run_parts(
             verdicts.context(config, result["status"], result["metrics"].get("steps")),
         )
     if ranks.active or tr.sharded:
-        result["distributed"] = {
-            "world_size": ranks.world,
-            "per_rank_batch": per_rank,
-            "sync_bn": tr.sync_bn,
-            "backend": dist.backend_for(device),
-            "strategy": "fsdp" if tr.sharded else "ddp",
-            # FSDP's ranks hold different shards: no copies to compare
-            "weight_spread": None if tr.sharded else dist.spread(policy.stepped_params(), ranks),
-        }
-    if held is not None:   # each rank's bytes, gathered (a collective), and the dtypes FSDP uses
-        result["distributed"].update(sharded_record(config.precision, ranks.gather(held.measure())))
+        result["distributed"] = distributed_record(config, device, ranks, per_rank, policy, held)
     result["metrics"].update(info.pop("metrics"), **info.pop("compiled").finish())
     m = result["metrics"]
     # an image job: its time on Page's clock, the one-off data preparation included
@@ -477,14 +467,23 @@ def run_parts(
     return {**result, "data": info["data"], "optimizer": info["optimizer"]}
 
 
-def sharded_record(cfg, held: list[dict]) -> dict:
-    """What a sharded job's summary adds under "distributed": the dtype FSDP computes in and the one
-    it reduces gradients in, and per rank (a list in rank order) the most bytes of parameters,
-    gradients and optimizer state that rank held."""
-    compute = sharded.param_dtype(cfg)
-    return {"param_dtype": "float32" if compute is None else str(compute).removeprefix("torch."),
-            "reduce_dtype": str(sharded.reduce_dtype(cfg)).removeprefix("torch."),
-            "held_bytes": held}
+def distributed_record(config: Config, device: torch.device, ranks: dist.Ranks, per_rank: int,
+                       policy: PrecisionPolicy, held: shard.HeldPeak | None) -> dict:
+    """The summary's "distributed" block of a job on several ranks or sharded; every rank calls it
+    (the weight spread and the held bytes are gathered: collectives)."""
+    tr = config.trainer
+    record = {
+        "world_size": ranks.world,
+        "per_rank_batch": per_rank,
+        "sync_bn": tr.sync_bn,
+        "backend": dist.backend_for(device),
+        "strategy": "fsdp" if tr.sharded else "ddp",
+        # FSDP's ranks hold different shards: no copies to compare
+        "weight_spread": None if tr.sharded else dist.spread(policy.stepped_params(), ranks),
+    }
+    if held is not None:   # each rank's bytes, gathered, and the dtypes FSDP uses
+        record.update(sharded.dtypes(config.precision), held_bytes=ranks.gather(held.measure()))
+    return record
 
 
 @contextlib.contextmanager
