@@ -25,15 +25,16 @@ def whole_bytes() -> dict:
 
 
 def test_summary_says_strategy_dtypes_and_each_ranks_held_bytes(tmp_path):
-    """2 ranks, amp_bf16 reducing in bfloat16: summary.json's distributed block names the strategy,
-    world size and dtypes, and lists per rank half of one process's bytes of parameters, gradients
-    (measured before the step: present) and optimizer state; a 1-rank FSDP job holds all of them.
-    The sweep table shows both in its strategy and MB/rank columns."""
-    two = job([*GPT_TINY, *ADAMW, "trainer.strategy=fsdp", "precision=amp_bf16",
-               "precision.reduce_dtype=bfloat16"], tmp_path / "two", tmp_path)
+    """2 ranks, fp32 reducing in bfloat16: summary.json's distributed block names the strategy,
+    world size and dtypes, and lists per rank half of one process's bytes of parameters (the
+    shards, not the root's parameters all-gathered after the last evaluation), gradients (measured
+    before the step: present) and optimizer state; a 1-rank FSDP job holds all of them. The sweep
+    table shows both in its strategy and MB/rank columns."""
+    two = job([*GPT_TINY, *ADAMW, "trainer.strategy=fsdp", "precision.reduce_dtype=bfloat16"],
+              tmp_path / "two", tmp_path)
     d = two["distributed"]
     assert (d["strategy"], d["world_size"], d["param_dtype"], d["reduce_dtype"]) == \
-        ("fsdp", 2, "bfloat16", "bfloat16")
+        ("fsdp", 2, "float32", "bfloat16")
     half = {k: v // 2 for k, v in whole_bytes().items()}
     assert d["held_bytes"] == [half, half]
     one = run_tiny(tmp_path / "one", *ADAMW, "trainer.strategy=fsdp", base=GPT_TINY)
@@ -46,7 +47,7 @@ def test_summary_says_strategy_dtypes_and_each_ranks_held_bytes(tmp_path):
     head, _, *lines = table.splitlines()
     assert "strategy" in head and "MB/rank p+g+o" in head.split("strategy")[1].split("peak MB")[0]
     mb = lambda b: "+".join(f"{b[k] / 2**20:.3g}" for k in ("params", "grads", "optimizer"))  # noqa: E731
-    assert "fsdp x2 bfloat16/reduce bfloat16" in lines[0] and mb(half) in lines[0]
+    assert "fsdp x2 float32/reduce bfloat16" in lines[0] and mb(half) in lines[0]
     assert "fsdp x1 float32/reduce float32" in lines[1] and mb(whole_bytes()) in lines[1]
     assert "fsdp" not in lines[2]
     assert "strategy" not in format_table(sweep_rows([plain]))   # no sharded job: as before

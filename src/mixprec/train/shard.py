@@ -14,7 +14,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config import PrecisionConfig
@@ -79,6 +79,12 @@ class HeldPeak:
         self.measure()
 
     def measure(self) -> dict:
+        """The peak so far, with this moment's bytes. Every FSDP unit is resharded first: after a
+        forward without backward (the last evaluation) the root keeps its parameters all-gathered
+        and registered in place of its shards, which would count them whole."""
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
         now = held_bytes(self.model, self.optimizer)
         self.peak = {k: max(v, now[k]) for k, v in self.peak.items()}
         return self.peak
