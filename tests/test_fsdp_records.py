@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import ROOT, run_tiny
 from mixprec.models.gpt import GPT
 from mixprec.report.analyse import fsdp_rows, sweep_rows
 from mixprec.report.render import Doc, format_table, fsdp_section
+from mixprec.train import checkpoint
 from test_fsdp import GPT_TINY, free_port, job
 
 ADAMW = ["optimizer=adamw", "optimizer.lr=3e-3", "trainer.max_steps=4"]
@@ -29,7 +31,8 @@ def test_summary_says_strategy_dtypes_and_each_ranks_held_bytes(tmp_path):
     world size and dtypes, and lists per rank half of one process's bytes of parameters (the
     shards, not the root's parameters all-gathered after the last evaluation), gradients (measured
     before the step: present) and optimizer state; a 1-rank FSDP job holds all of them. The sweep
-    table shows both in its strategy and MB/rank columns."""
+    table shows both in its strategy and MB/rank columns. The final fp32 weights load into the
+    unsharded GPT in a plain process."""
     two = job([*GPT_TINY, *ADAMW, "trainer.strategy=fsdp", "precision.reduce_dtype=bfloat16"],
               tmp_path / "two", tmp_path)
     d = two["distributed"]
@@ -51,6 +54,10 @@ def test_summary_says_strategy_dtypes_and_each_ranks_held_bytes(tmp_path):
     assert "fsdp x1 float32/reduce float32" in lines[1] and mb(whole_bytes()) in lines[1]
     assert "fsdp" not in lines[2]
     assert "strategy" not in format_table(sweep_rows([plain]))   # no sharded job: as before
+    model, _ = checkpoint.load_fp32_model(tmp_path / "two")   # evaluate.py's loader, one process
+    saved = torch.load(tmp_path / "two" / "model_fp32.pt", weights_only=True)
+    assert all(type(v) is torch.Tensor and torch.equal(v, saved[k])
+               for k, v in model.state_dict().items())
 
 
 def _summary(reduce, loss, seconds, world=2, job=0):
