@@ -26,6 +26,7 @@ submitit launcher the launcher names the dirs once, before the tasks start.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import io
 import os
@@ -136,8 +137,19 @@ def init(ranks: Ranks, sharded: bool = False) -> bool:
                  else dict(store=tdist.HashStore()))
         tdist.init_process_group(backend(), rank=ranks.rank, world_size=ranks.world,
                                  timeout=TIMEOUT, **where)
+        if ranks.active:
+            # torchrun's group lives as long as the process and is destroyed at its exit: the jobs
+            # of a sweep (train.py -m under torchrun) share it. Made again for each job on the same
+            # store, it met its predecessor's rendezvous keys and gloo's connect could hang.
+            atexit.register(close_at_exit)
+            return False
         _MADE_HERE = True
     return _MADE_HERE
+
+
+def close_at_exit() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 def backend() -> str:
