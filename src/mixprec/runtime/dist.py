@@ -12,8 +12,9 @@ default backend for its tensors (torch.distributed.get_default_backend_for_devic
 "cpu:gloo,cuda:nccl" on CUDA); barriers and the CPU flags go through gloo (distributed_c10d.py
 barrier: "cpu" is among the pairs). Each rank on a GPU uses cuda:LOCAL_RANK, one GPU per rank: NCCL
 refuses two ranks on one GPU, so more ranks per node than visible GPUs is a config error
-(`device_name`). The process group is destroyed at the job's end by whoever made it in this process
-(train.py's `share_run_time` or `init`): `init` returns True for both, `close` destroys it once.
+(`device_name`). torchrun's process group (made by train.py's `share_run_time` or `init`) lives as
+long as the process, shared by the jobs of a sweep, and is destroyed once at its exit; a 1-rank FSDP
+job's own in-memory group is destroyed at the job's end (`init` returns True for it, `close`).
 `Ranks` is what the engine sees: the rank, the world size, sums across ranks, a barrier; with one
 rank every method is a no-op, so the single-process path is unchanged. Rank 0 alone writes the
 records (summary.json, metrics.jsonl, checkpoints, W&B).
