@@ -231,8 +231,6 @@ FSDP = ["trainer.strategy=fsdp"]
     (["trainer.sync_bn=true"], "trainer.sync_bn=true: SyncBatchNorm is DDP's"),
     (["trainer.prewarm_steps=2"], "trainer.prewarm_steps=2: prewarm steps a deep copy"),
     (["probe=ranges"], "probe=ranges: the probe's hooks read whole layers"),
-    (["trainer.resume=auto"], "trainer.resume=auto: a sharded job's checkpoint holds rank 0's "
-     "shards only"),
 ])
 def test_what_fsdp_cannot_express_is_refused_in_one_line(overrides, line):
     base = ["logger=none"] if "model=lstm" in overrides else TINY

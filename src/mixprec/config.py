@@ -585,8 +585,6 @@ class Config:
              "supported under trainer.strategy=fsdp; use trick.ema=false"),
             (tr.sync_bn, "trainer.sync_bn=true: SyncBatchNorm is DDP's; under "
              "trainer.strategy=fsdp use sync_bn=false"),
-            (tr.resume == "auto", "trainer.resume=auto: a sharded job's checkpoint holds "
-             "rank 0's shards only, which no job can resume from; use trainer.resume=never"),
             (self.probe.name == "ranges", "probe=ranges: the probe's hooks read whole layers, "
              "which FSDP holds as shards; under trainer.strategy=fsdp use probe=none"),
             (tr.prewarm_steps not in ("auto", 0), f"trainer.prewarm_steps={tr.prewarm_steps}: "

@@ -32,7 +32,7 @@ from .models import build_model, forward_flops
 from .models.resnet9 import resnet9_options
 from .numerics import verdicts
 from .numerics.probe import build_probe
-from .precision import emulation, modes
+from .precision import emulation, modes, sharded
 from .precision.modes import emulates, hazards
 from .precision.policy import PrecisionPolicy
 from .precision.state import PolicyState
@@ -257,6 +257,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
             "resumes": summary.get("resumed", {}).get("history", []),
         },
         ranks=ranks,
+        sharded=config.trainer.sharded,
     )
     recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
     try:
@@ -318,7 +319,7 @@ def open_job_dir(
     resume = prior = None
     if config.trainer.resume == "auto":
         prior = checkpoint.prior_summary(out_dir)
-        resume = checkpoint.read(out_dir, summary["config"], device_type)
+        resume = checkpoint.read(out_dir, summary["config"], device_type, ranks.world)
     ranks.barrier()   # every rank has read the dir (rank 0's checkpoint) before rank 0 writes to it
     if not ranks.main:
         return resume
@@ -431,6 +432,7 @@ def run_parts(
     saver.parts.update(model=model, optimizer=optimizer, schedule=steps.schedule,
                        precision=PolicyState(policy), data=batches, **info.pop("parts"))
     state = loop.LoopState()   # setup (the whitening fit) is timed apart, as Page timed it
+    held = shard.HeldPeak(model, optimizer) if tr.sharded else None
     if resume is not None:
         saver.restore(resume, state)   # last before training: it sets the RNG states
     with probed(config, model, recorder, ranks) as probe:
@@ -445,16 +447,8 @@ def run_parts(
             probe.rows(),
             verdicts.context(config, result["status"], result["metrics"].get("steps")),
         )
-    if ranks.active:
-        result["distributed"] = {
-            "world_size": ranks.world,
-            "per_rank_batch": per_rank,
-            "sync_bn": tr.sync_bn,
-            "backend": dist.backend_for(device),
-            "strategy": "fsdp" if tr.sharded else "ddp",
-            # FSDP's ranks hold different shards: no copies to compare
-            "weight_spread": None if tr.sharded else dist.spread(policy.stepped_params(), ranks),
-        }
+    if ranks.active or tr.sharded:
+        result["distributed"] = distributed_record(config, device, ranks, per_rank, policy, held)
     result["metrics"].update(info.pop("metrics"), **info.pop("compiled").finish())
     m = result["metrics"]
     # an image job: its time on Page's clock, the one-off data preparation included
@@ -471,6 +465,25 @@ def run_parts(
                                                         info.pop("num_classes"))
     # its weight-decay groups
     return {**result, "data": info["data"], "optimizer": info["optimizer"]}
+
+
+def distributed_record(config: Config, device: torch.device, ranks: dist.Ranks, per_rank: int,
+                       policy: PrecisionPolicy, held: shard.HeldPeak | None) -> dict:
+    """The summary's "distributed" block of a job on several ranks or sharded; every rank calls it
+    (the weight spread and the held bytes are gathered: collectives)."""
+    tr = config.trainer
+    record = {
+        "world_size": ranks.world,
+        "per_rank_batch": per_rank,
+        "sync_bn": tr.sync_bn,
+        "backend": dist.backend_for(device),
+        "strategy": "fsdp" if tr.sharded else "ddp",
+        # FSDP's ranks hold different shards: no copies to compare
+        "weight_spread": None if tr.sharded else dist.spread(policy.stepped_params(), ranks),
+    }
+    if held is not None:   # each rank's bytes, gathered, and the dtypes FSDP uses
+        record.update(sharded.dtypes(config.precision), held_bytes=ranks.gather(held.measure()))
+    return record
 
 
 @contextlib.contextmanager

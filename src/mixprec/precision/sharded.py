@@ -52,6 +52,14 @@ def reduce_dtype(cfg: PrecisionConfig) -> torch.dtype:
     return DTYPES[cfg.reduce_dtype or "float32"]
 
 
+def dtypes(cfg: PrecisionConfig) -> dict:
+    """What a sharded job's summary says of its precision: the dtype FSDP all-gathers and computes
+    in, and the one it reduces gradients in (names such as "bfloat16")."""
+    compute = param_dtype(cfg) or torch.float32
+    return {"param_dtype": str(compute).removeprefix("torch."),
+            "reduce_dtype": str(reduce_dtype(cfg)).removeprefix("torch.")}
+
+
 def mixed_precision(cfg: PrecisionConfig, root: bool = False) -> MixedPrecisionPolicy:
     """The MixedPrecisionPolicy of one FSDP unit; the root's returns fp32 outputs (the loss in
     fp32)."""

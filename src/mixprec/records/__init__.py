@@ -229,3 +229,21 @@ def baseline_key(summary: dict) -> str:
 def wandb_run_id(summary: dict) -> str | None:
     """The W&B run it was mirrored to (None: logger=none)."""
     return (summary.get("wandb") or {}).get("run_id")
+
+
+def sharded(summary: dict) -> dict | None:
+    """A sharded job's (trainer.strategy=fsdp) world size, param and reduce dtypes and per-rank
+    held bytes (summary["distributed"]); None for any other job."""
+    d = summary.get("distributed") or {}
+    return d if d.get("strategy") == "fsdp" else None
+
+
+def held_mb(summary: dict) -> list[dict] | None:
+    """A sharded job's per-rank MB of parameters, gradients and optimizer state, in rank order."""
+    d = sharded(summary) or {}
+    return [{k: v / 2**20 for k, v in rank.items()} for rank in d.get("held_bytes") or []] or None
+
+
+def fsdp_float8_all_gather(summary: dict) -> bool:
+    """Whether a sharded fp8 job all-gathered its float8 weights in float8."""
+    return bool((summary.get("fp8") or {}).get("fsdp_float8_all_gather"))

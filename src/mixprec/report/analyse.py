@@ -11,6 +11,7 @@ with the same other overrides.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import statistics
 import time
@@ -237,6 +238,7 @@ def analyse(jobs: list[Job], sources: list[Source], problems: list[str], inputs:
             "ladder": ladder_rows([j.summary for j in exp_jobs]),
             "parity": parity_rows(groups),
             "perplexity": perplexity_rows(groups),
+            "fsdp": fsdp_rows([j.summary for j in exp_jobs]),
         }
         exp["unmatched_sources"] = [_unmatched(s) for s in applicable if not any(
             r["group"] for c in exp["comparisons"] if c["source"] == s.id for r in c["rows"])]
@@ -547,6 +549,8 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
                 "batch": records.lookup(s, "trainer.batch_size"),
                 "compile": compile_cell(s),
                 "busy": m.get("gpu_busy_fraction"),
+                "strategy": sharded_cell(s),
+                "held_mb": held_cell(s),
                 "note": column_note(s)
                 + _case_note(s.get("case"))
                 + "; ".join(
@@ -564,6 +568,59 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
             }
         )
     return rows
+
+
+def sharded_cell(summary: dict) -> str | None:
+    """A sharded job's strategy cell: fsdp, its ranks, the dtype it computes in and the one it
+    reduces gradients in (None for other jobs)."""
+    d = records.sharded(summary)
+    if d is None:
+        return None
+    fp8 = ", fp8 all-gather" if records.fsdp_float8_all_gather(summary) else ""
+    return (f"fsdp x{d['world_size']} {d.get('param_dtype', '?')}/"
+            f"reduce {d.get('reduce_dtype', '?')}{fp8}")
+
+
+def held_cell(summary: dict) -> str | None:
+    """A sharded job's most per-rank MB of parameters + gradients + optimizer state, the largest
+    over its ranks (they differ only where a dim 0 does not divide by the ranks)."""
+    held = records.held_mb(summary)
+    if not held:
+        return None
+    top = max(held, key=lambda r: sum(r.values()))
+    return f"{top['params']:.3g}+{top['grads']:.3g}+{top['optimizer']:.3g}"
+
+
+def fsdp_rows(summaries: list[dict]) -> list[dict]:
+    """The sharded jobs' reduction question: each job beside its float32-reduce partner (the job
+    whose config differs only in precision.reduce_dtype): final validation loss and its difference,
+    train time and its ratio, per-rank held MB; rows in precision order, fp32 reduction first."""
+    sharded = [s for s in summaries if records.sharded(s) and records.completed(s)]
+    partners = {reduce_key(s): s for s in sharded
+                if records.sharded(s).get("reduce_dtype") == "float32"}
+    rows = []
+    for s in sharded:
+        m, base = records.metrics(s), partners.get(reduce_key(s))
+        b = records.metrics(base) if base is not None and base is not s else {}
+        loss, t = m.get("final_valid_loss"), m.get("train_time_s")
+        rows.append({
+            "job": records.job_num(s), "precision": precision_label(s), "strategy": sharded_cell(s),
+            "valid_loss": loss, "time_s": t, "held_mb": held_cell(s),
+            "peak_mem_mb": m.get("peak_memory_mb"),
+            "dloss": loss - b["final_valid_loss"] if isinstance(loss, float)
+            and isinstance(b.get("final_valid_loss"), float) else None,
+            "time_ratio": t / b["train_time_s"] if t and b.get("train_time_s") else None})
+    return sorted(rows, key=lambda r: (precision_key(r["precision"] or ""), r["strategy"]))
+
+
+def reduce_key(summary: dict) -> str:
+    """Jobs of one world size whose resolved configs differ only in precision.reduce_dtype (and the
+    case label) share this key."""
+    cfg = {k: v for k, v in records.config(summary).items() if k != "case"}
+    cfg["world_size"] = (records.sharded(summary) or {}).get("world_size")
+    cfg["precision"] = {k: v for k, v in (cfg.get("precision") or {}).items()
+                        if k != "reduce_dtype"}
+    return json.dumps(cfg, sort_keys=True)
 
 
 def compile_cell(summary: dict) -> str | None:

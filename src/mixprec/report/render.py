@@ -297,6 +297,8 @@ def document(data: dict) -> Doc:
             )
         if exp.get("parity"):
             parity_section(d, exp["parity"])
+        if exp.get("fsdp"):
+            fsdp_section(d, exp["fsdp"])
         if exp.get("perplexity"):
             d.h(3, "Perplexity per epoch")
             d.p(
@@ -412,6 +414,30 @@ def parity_section(d: Doc, rows: list[dict]) -> None:
         "includes 0 is not evidence of parity beyond its width."
     )
     d.table(PARITY_HEADS, [parity_cells(r) for r in rows])
+
+
+FSDP_COLUMNS = [
+    ("job", "job", "d"), ("precision", "precision", "s"), ("strategy", "strategy", "s"),
+    ("valid_loss", "valid loss", ".5f"), ("dloss", "dloss vs fp32 reduce", "+.3g"),
+    ("time_s", "time s", ".2f"), ("time_ratio", "time vs fp32 reduce", ".3f"),
+    ("held_mb", "MB/rank p+g+o", "s"), ("peak_mem_mb", "peak MB", ".0f"),
+]
+
+
+def fsdp_section(d: Doc, rows: list[dict]) -> None:
+    """Sharded jobs (analyse.fsdp_rows): what bf16 gradient reduction costs in loss and saves in
+    time and memory, each job against its float32-reduce partner."""
+    d.h(3, "Sharded jobs (FSDP): bf16 against fp32 gradient reduction")
+    d.p(
+        "Each sharded job beside the job whose config differs only in precision.reduce_dtype "
+        "and reduces in float32: the final validation loss and its difference, the train time "
+        "and its ratio (below 1: faster), and the most MB of parameters + gradients + optimizer "
+        "state one rank held (1/N of one process's with N ranks). Gradient bytes do not change "
+        "with the reduce dtype (each rank keeps an fp32 shard); what a bf16 reduction halves is "
+        "the bytes of the reduce-scatter, which shows in time where the network is the limit "
+        "(NCCL across GPUs or nodes), not on one CPU's gloo ranks."
+    )
+    d.table([h for _, h, _ in FSDP_COLUMNS], [row_cells(r, FSDP_COLUMNS) for r in rows])
 
 
 def parity_cells(r: dict) -> list[str]:
@@ -565,11 +591,20 @@ LM_COLUMNS = SWEEP_COLUMNS[:6] + [
 ]
 
 
+# a sweep with sharded jobs: each job's strategy (ranks, param/reduce dtypes) and the most MB of
+# parameters + gradients + optimizer state one rank held, before peak MB
+SHARDED_COLUMNS = [("strategy", "strategy", "s"), ("held_mb", "MB/rank p+g+o", "s")]
+
+
 def format_table(rows: list[dict], cols: list[tuple] | None = None) -> str:
     """rows as aligned text columns; cols: (row key, header, format spec) per column; by default
-    SWEEP_COLUMNS, or LM_COLUMNS when every row is a language model's."""
+    SWEEP_COLUMNS, or LM_COLUMNS when every row is a language model's, with SHARDED_COLUMNS before
+    peak MB when a row is a sharded job's."""
     if cols is None:
         cols = LM_COLUMNS if rows and all(r.get("lm") for r in rows) else SWEEP_COLUMNS
+        if any(r.get("strategy") for r in rows):
+            at = [k for k, _, _ in cols].index("peak_mem_mb")
+            cols = cols[:at] + SHARDED_COLUMNS + cols[at:]
     cells = [[h for _, h, _ in cols]] + [row_cells(r, cols) for r in rows]
     cells = [[c if len(c) <= 90 else c[:87] + "..." for c in row] for row in cells]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]

@@ -12,8 +12,9 @@ default backend for its tensors (torch.distributed.get_default_backend_for_devic
 "cpu:gloo,cuda:nccl" on CUDA); barriers and the CPU flags go through gloo (distributed_c10d.py
 barrier: "cpu" is among the pairs). Each rank on a GPU uses cuda:LOCAL_RANK, one GPU per rank: NCCL
 refuses two ranks on one GPU, so more ranks per node than visible GPUs is a config error
-(`device_name`). The process group is destroyed at the job's end by whoever made it in this process
-(train.py's `share_run_time` or `init`): `init` returns True for both, `close` destroys it once.
+(`device_name`). torchrun's process group (made by train.py's `share_run_time` or `init`) lives as
+long as the process, shared by the jobs of a sweep, and is destroyed once at its exit; a 1-rank FSDP
+job's own in-memory group is destroyed at the job's end (`init` returns True for it, `close`).
 `Ranks` is what the loop sees: the rank, the world size, sums across ranks, a barrier; with one
 rank every method is a no-op, so the single-process path is unchanged. Rank 0 alone writes the
 records (summary.json, metrics.jsonl, checkpoints, W&B).
@@ -26,6 +27,7 @@ submitit launcher the launcher names the dirs once, before the tasks start.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import io
 import os
@@ -136,8 +138,19 @@ def init(ranks: Ranks, sharded: bool = False) -> bool:
                  else dict(store=tdist.HashStore()))
         tdist.init_process_group(backend(), rank=ranks.rank, world_size=ranks.world,
                                  timeout=TIMEOUT, **where)
+        if ranks.active:
+            # torchrun's group lives as long as the process and is destroyed at its exit: the jobs
+            # of a sweep (train.py -m under torchrun) share it. Made again for each job on the same
+            # store, it met its predecessor's rendezvous keys and gloo's connect could hang.
+            atexit.register(close_at_exit)
+            return False
         _MADE_HERE = True
     return _MADE_HERE
+
+
+def close_at_exit() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 def backend() -> str:

@@ -16,6 +16,14 @@ end. A completed job's checkpoint is deleted; its final weights stay in `model_f
 whatever the training precision; `load_fp32_model` rebuilds the model from the job's summary and
 loads them).
 
+A sharded job (trainer.strategy=fsdp) saves its model and optimizer through
+torch.distributed.checkpoint (DCP): every rank writes its shards into a new folder
+`checkpoint.shards.<step>.<token>/`; once every rank's shards and DCP's metadata are written, rank 0
+writes checkpoint.pt (the rest, as above) naming that folder, then removes the older folders. A job
+killed while writing leaves the previous checkpoint.pt and its folder whole; a folder that no
+checkpoint.pt names is removed when the job dir is opened. A resume needs the world size it was
+written with (each rank's RNG states and its slice of the data are its own).
+
 `trainer.resume=auto`: a job whose summary.json says completed or diverged is final and skipped
 (nothing is rewritten); otherwise (running = killed, interrupted, failed) it continues from its
 checkpoint when there is one, else starts over. metrics.jsonl is cut back to the rows up to the
@@ -29,12 +37,15 @@ import dataclasses
 import json
 import logging
 import random
+import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..config import validate
 from ..models import build_model
@@ -47,6 +58,9 @@ from ..records import METRICS, SUMMARY, atomic_file
 
 CHECKPOINT = "checkpoint.pt"
 WEIGHTS = "model_fp32.pt"
+# a sharded job's model and optimizer shards: one folder per checkpoint, named by checkpoint.pt
+SHARDS = "checkpoint.shards."
+IN_SHARDS = ("model", "optimizer")     # the parts a sharded job saves through DCP
 # 2: the loop state is loop.LoopState.state_dict(); the loader's place is the part "data";
 FORMAT = 3
              # 3: "rng" is a list, one entry per rank
@@ -83,9 +97,10 @@ def prior_summary(out_dir: Path) -> dict | None:
     return summary
 
 
-def read(out_dir: Path, config: dict, device_type: str) -> dict | None:
-    """The job's checkpoint (None when there is none), checked to belong to this config and kind of
-    device."""
+def read(out_dir: Path, config: dict, device_type: str, world: int = 1) -> dict | None:
+    """The job's checkpoint (None when there is none), checked to belong to this config, kind of
+    device and world size (`world` ranks), and, for a sharded job, to name a folder of shards that
+    is there."""
     path = Path(out_dir) / CHECKPOINT
     if not path.exists():
         return None
@@ -107,6 +122,11 @@ def read(out_dir: Path, config: dict, device_type: str) -> dict | None:
             f"{path}: written on {ckpt.get('device_type')}, this job runs on {device_type}; resume "
             f"on the same kind of device, or {fix}"
         )
+    if len(ckpt["rng"]) != world:
+        raise CheckpointError(world_error(path, len(ckpt["rng"]), world))
+    shards = ckpt.get("shards")
+    if shards is not None and not (Path(out_dir) / shards / ".metadata").exists():
+        raise CheckpointError(f"{path}: its shards, {shards}/, are missing; {fix}")
     diff = config_diff(ckpt["config"], config)
     if diff:
         raise CheckpointError(
@@ -114,6 +134,12 @@ def read(out_dir: Path, config: dict, device_type: str) -> dict | None:
             f"or {fix}"
         )
     return ckpt
+
+
+def world_error(path: Path, written: int, world: int) -> str:
+    """The one line for a resume with another world size than the checkpoint's."""
+    return (f"{path}: written by {written} rank(s), this job has {world}; resume with as many "
+            f"ranks (torchrun --nproc_per_node={written}), or delete it to start over")
 
 
 def keep_default_batch(cfg, out_dir: Path) -> int | None:
@@ -181,10 +207,19 @@ def prepare_dir(out_dir: Path, ckpt: dict | None) -> bool:
     held = (out_dir / SUMMARY).exists() or (out_dir / METRICS).exists()
     for tmp in out_dir.glob(".*.tmp"):
         tmp.unlink(missing_ok=True)
+    remove_shards(out_dir, keep=ckpt and ckpt.get("shards"))
     if ckpt is None:
         (out_dir / CHECKPOINT).unlink(missing_ok=True)
     truncate_metrics(out_dir / METRICS, ckpt["loop"]["step"] if ckpt else 0)
     return held
+
+
+def remove_shards(out_dir: Path, keep: str | None = None) -> None:
+    """Remove the folders of shards in out_dir but `keep` (the one checkpoint.pt names): older
+    checkpoints' and any a killed job left half-written."""
+    for folder in Path(out_dir).glob(SHARDS + "*"):
+        if folder.name != keep:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -259,50 +294,69 @@ def set_rng_state(state: dict, device_type: str | None = None) -> None:
 class Checkpointer:
     """Writes out_dir/checkpoint.pt from the registered parts (name -> object with
     state_dict/load_state_dict) and the engine's loop state; `meta` (config, W&B run id, earlier
-    resumes) is stored alongside."""
+    resumes) is stored alongside. `sharded`: the model and optimizer are FSDP's shards, saved and
+    loaded through DCP by every rank (see above)."""
 
-    def __init__(self, out_dir: Path, meta: dict, ranks: Ranks = SINGLE):
+    def __init__(self, out_dir: Path, meta: dict, ranks: Ranks = SINGLE, sharded: bool = False):
         self.path = Path(out_dir) / CHECKPOINT
         self.meta = meta
         self.ranks = ranks
+        self.sharded = sharded
         self.parts: dict = {}
         self.seconds = 0.0        # time spent writing checkpoints (never inside the training clock)
 
     def save(self, loop) -> None:
         """Write the checkpoint: the loop state (loop.LoopState), every part's state and every
-        rank's RNG states. Every rank calls it (the RNG states are gathered, a collective); rank 0
-        writes the file."""
+        rank's RNG states. Every rank calls it (the RNG states are gathered, a collective; a sharded
+        job's ranks write their shards); rank 0 writes checkpoint.pt."""
         t0 = time.perf_counter()
-        rngs = self.ranks.gather(rng_state(self.meta.get("device_type")))
+        gathered = self.ranks.gather((rng_state(self.meta.get("device_type")), time.time_ns()))
+        state = loop.state_dict()
+        shards = None
+        if self.sharded:   # the folder's name: rank 0's clock, the same on every rank
+            shards = f"{SHARDS}{state['step']}.{gathered[0][1]}"
+            dcp.save(self.shard_state(), checkpoint_id=self.path.parent / shards)
         if not self.ranks.main:
             return
         data = {
             "format": FORMAT,
             **self.meta,
-            "loop": loop.state_dict(),
-            "parts": {name: part.state_dict() for name, part in self.parts.items()},
-            "rng": rngs,
+            "loop": state,
+            "parts": {name: part.state_dict() for name, part in self.parts.items()
+                      if not (self.sharded and name in IN_SHARDS)},
+            "rng": [rng for rng, _ in gathered],
+            "shards": shards,
             "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         with atomic_file(self.path) as f:
             torch.save(data, f)
+        if shards is not None:
+            remove_shards(self.path.parent, keep=shards)
         self.seconds += time.perf_counter() - t0
 
+    def shard_state(self) -> dict:
+        """The model's and optimizer's state as DCP saves and loads them: this rank's shards."""
+        model, optim = get_state_dict(self.parts["model"], self.parts["optimizer"])
+        return {"model": model, "optimizer": optim}
+
     def restore(self, ckpt: dict, loop) -> None:
-        """Load the loop state (an loop.LoopState), every part (the loader its place in the epoch)
-        and the RNG states: call it last, just before training."""
-        missing = sorted(set(self.parts) - set(ckpt["parts"]))
+        """Load the loop state (an loop.LoopState), every part (the loader its place in the epoch;
+        a sharded job's model and optimizer from their shards) and the RNG states: call it last,
+        just before training."""
+        held = set(ckpt["parts"]) | (set(IN_SHARDS) if ckpt.get("shards") else set())
+        missing = sorted(set(self.parts) - held)
         if missing:
             raise CheckpointError(
                 f"{self.path}: holds no state for {', '.join(missing)}; delete it to start over"
             )
         # each rank's RNG states and its slice of the data are its own
         if len(ckpt["rng"]) != self.ranks.world:
-            raise CheckpointError(
-                f"{self.path}: written by {len(ckpt['rng'])} rank(s), this job has "
-                f"{self.ranks.world}; resume with as many ranks, or delete it to start over"
-            )
+            raise CheckpointError(world_error(self.path, len(ckpt["rng"]), self.ranks.world))
+        if ckpt.get("shards"):
+            self.load_shards(self.path.parent / ckpt["shards"])
         for name, part in self.parts.items():
+            if name not in ckpt["parts"]:
+                continue
             # the model: emulated numerics swap its parameters' contents on load
             if isinstance(part, torch.nn.Module):
                 load_module_state(part, ckpt["parts"][name])
@@ -312,8 +366,16 @@ class Checkpointer:
         loop.load_state_dict(ckpt["loop"])
         set_rng_state(ckpt["rng"][self.ranks.rank], self.meta.get("device_type"))
 
+    def load_shards(self, folder: Path) -> None:
+        """Every rank reads its shards of the model and optimizer (a collective)."""
+        state = self.shard_state()
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(self.parts["model"], self.parts["optimizer"],
+                       model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
     def discard(self) -> None:
         self.path.unlink(missing_ok=True)
+        remove_shards(self.path.parent)
 
 
 def save_weights(out_dir: Path, state_dict: dict, num_classes: int) -> dict:

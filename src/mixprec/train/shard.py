@@ -14,7 +14,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config import PrecisionConfig
@@ -63,3 +63,28 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {"params": sum(size(p) for p in params),
             "grads": sum(size(p.grad) for p in params if p.grad is not None),
             "optimizer": sum(size(v) for v in state)}
+
+
+class HeldPeak:
+    """The most bytes of parameters, gradients and optimizer state this rank has held: measured
+    before every optimizer step (an optimizer step pre-hook: the gradients are there then, gone
+    after the step's zero_grad) and once more at the end (`measure`, the last step's state)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.peak = {"params": 0, "grads": 0, "optimizer": 0}
+        optimizer.register_step_pre_hook(self.before_step)
+
+    def before_step(self, *_) -> None:
+        self.measure()
+
+    def measure(self) -> dict:
+        """The peak so far, with this moment's bytes. Every FSDP unit is resharded first: after a
+        forward without backward (the last evaluation) the root keeps its parameters all-gathered
+        and registered in place of its shards, which would count them whole."""
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        now = held_bytes(self.model, self.optimizer)
+        self.peak = {k: max(v, now[k]) for k, v in self.peak.items()}
+        return self.peak

@@ -1,0 +1,194 @@
+"""A sharded job's checkpoints (train/checkpoint.py through torch.distributed.checkpoint): every
+rank writes its shards of the model and optimizer, a resume continues exactly, SIGTERM ends the job
+`interrupted` with a whole checkpoint, a resume on another world size is one line, and the final
+fp32 weights load into the unsharded model in a plain process."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import ROOT, TINY, compose_config
+from mixprec.config import PrecisionConfig, validate
+from mixprec.models.gpt import GPT
+from mixprec.precision.sharded import ShardedPolicy
+from mixprec.runtime import dist
+from mixprec.train import checkpoint, shard
+from mixprec.train.loop import LoopState
+from test_fsdp import GPT_TINY, free_port, job, on_ranks, rows, weights
+
+FP32 = PrecisionConfig(name="fp32")
+
+
+def _step(model, optimizer, seed):
+    """One AdamW step of the tiny GPT on batch `seed`; its loss."""
+    x = torch.randint(0, 64, (16, 4), generator=torch.Generator().manual_seed(seed))
+    out, _ = model(x)
+    loss = torch.nn.functional.cross_entropy(out.float().reshape(-1, 64), x.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _sharded_gpt(seed):
+    torch.manual_seed(seed)
+    model = shard.shard(GPT(64, 2, 2, 32, 16), FP32, torch.device("cpu"))
+    return model, torch.optim.AdamW(ShardedPolicy(FP32, torch.device("cpu")).optimizer_params(
+        model), lr=1e-2)
+
+
+def _save_and_resume_on_rank(rank, folder):
+    """2 steps, a checkpoint, 2 more steps; then a model built from another seed restored from the
+    checkpoint takes the same 2 steps."""
+    ranks = dist.Ranks(rank=rank, world=2)
+    meta = {"config": {}, "device_type": "cpu"}
+    model, optimizer = _sharded_gpt(0)
+    saver = checkpoint.Checkpointer(folder, meta, ranks=ranks, sharded=True)
+    saver.parts.update(model=model, optimizer=optimizer)
+    for seed in (1, 2):
+        _step(model, optimizer, seed)
+    saver.save(LoopState())
+    straight = [_step(model, optimizer, seed) for seed in (3, 4)]
+    whole = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    ranks.barrier()
+    model, optimizer = _sharded_gpt(1)
+    saver = checkpoint.Checkpointer(folder, meta, ranks=ranks, sharded=True)
+    saver.parts.update(model=model, optimizer=optimizer)
+    saver.restore(checkpoint.read(folder, {}, "cpu", world=2), LoopState())
+    resumed = [_step(model, optimizer, seed) for seed in (3, 4)]
+    same = all(torch.equal(v.full_tensor(), whole[k]) for k, v in model.state_dict().items())
+    (folder / f"resume.{rank}").write_text(json.dumps([straight, resumed, same]))
+
+
+def test_sharded_checkpoint_every_rank_its_shards_and_an_exact_resume(tmp_path):
+    """2 ranks: checkpoint.pt holds the loop's plain state and names a folder of DCP shards (one
+    file per rank, the optimizer's moments included), and a model restored from it takes the same
+    steps, bit for bit, as the one that went on."""
+    on_ranks(_save_and_resume_on_rank, tmp_path)
+    ckpt = torch.load(tmp_path / checkpoint.CHECKPOINT, weights_only=True)
+    assert "model" not in ckpt["parts"] and "optimizer" not in ckpt["parts"]
+    folder = tmp_path / ckpt["shards"]
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp",
+                                                        "__1_0.distcp"]
+    assert [p.name for p in tmp_path.glob(checkpoint.SHARDS + "*")] == [folder.name]
+    for rank in (0, 1):
+        straight, resumed, same = json.loads((tmp_path / f"resume.{rank}").read_text())
+        assert resumed == straight and same
+
+
+def test_a_resume_with_another_world_size_is_one_line(tmp_path):
+    """A checkpoint of 2 ranks read by a job of 1: one line naming both sizes and what to do."""
+    two = SimpleNamespace(main=True, rank=0, world=2, gather=lambda obj: [obj, obj])
+    saver = checkpoint.Checkpointer(tmp_path, {"config": {}, "device_type": "cpu"}, ranks=two)
+    saver.save(LoopState())
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.read(tmp_path, {}, "cpu", world=1)
+    assert str(e.value) == (f"{tmp_path / 'checkpoint.pt'}: written by 2 rank(s), this job has 1; "
+                            "resume with as many ranks (torchrun --nproc_per_node=2), or delete it "
+                            "to start over")
+    assert checkpoint.read(tmp_path, {}, "cpu", world=2)["loop"]["step"] == 0
+
+
+def test_resume_auto_is_a_sharded_jobs_choice():
+    config = validate(compose_config(*TINY, "trainer.strategy=fsdp", "trainer.resume=auto"))
+    assert config.trainer.resume == "auto"
+
+
+# 2 epochs of about 60 steps each, a row per step: a signal lands mid-epoch 2
+LONG = [*[o for o in GPT_TINY if not o.startswith(("trainer.max_steps", "trainer.epochs",
+                                                    "trainer.log_every", "dataset.train_size"))],
+        "dataset.train_size=8000", "trainer.epochs=2", "trainer.log_every=1", "optimizer=adamw",
+        "optimizer.lr=3e-3", "precision=amp_bf16", "trainer.strategy=fsdp"]
+
+
+def _signal_in_epoch_2(args, out, cwd):
+    """torchrun a 2-rank job, SIGTERM it (torchrun forwards it to both ranks) once it has logged a
+    training row of epoch 2, and wait for it to end; its return code."""
+    env_args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                f"--master_port={free_port()}", str(ROOT / "train.py"), *args,
+                f"hydra.run.dir={out}"]
+    env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    p = subprocess.Popen(env_args, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while not any(r["epoch"] == 2 for r in _train_rows(out)):
+        assert p.poll() is None, p.communicate()[0][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=120)
+    return p.returncode
+
+
+def _train_rows(out):
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [r for r in map(json.loads, lines[:-1]) if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_sharded_job_and_an_exact_resume(tmp_path):
+    """The bf16 GPT on 2 FSDP ranks: SIGTERM mid-epoch 2 ends it `interrupted` with a checkpoint
+    whose shards are whole (DCP's metadata and one file per rank); trainer.resume=auto continues
+    it, and its losses and final weights are the uninterrupted job's bit for bit; the final fp32
+    weights load into the unsharded GPT in a plain process (evaluate.py's loader)."""
+    straight = job(LONG, tmp_path / "straight", tmp_path)
+    out = tmp_path / "cut"
+    _signal_in_epoch_2(LONG, out, tmp_path)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM", s.get("error")
+    ckpt = torch.load(out / checkpoint.CHECKPOINT, weights_only=True)
+    assert ckpt["loop"]["epoch"] == 1 and ckpt["loop"]["batch"] > 0   # mid-epoch 2
+    assert {p.name for p in (out / ckpt["shards"]).iterdir()} == {".metadata", "__0_0.distcp",
+                                                                 "__1_0.distcp"}
+    resumed = job([*LONG, "trainer.resume=auto"], out, tmp_path)
+    assert resumed["resumed"]["from_step"] == ckpt["loop"]["step"]
+    assert rows(out) == rows(tmp_path / "straight")
+    assert resumed["metrics"]["final_valid_loss"] == straight["metrics"]["final_valid_loss"]
+    a, b = weights(out), weights(tmp_path / "straight")
+    assert all(torch.equal(a[k], b[k]) for k in b) and set(a) == set(b)
+    assert not list(out.glob(checkpoint.SHARDS + "*")) and not (out / "checkpoint.pt").exists()
+    model, config = checkpoint.load_fp32_model(out)
+    assert config.trainer.strategy == "fsdp" and not any(
+        type(p).__name__ == "DTensor" for p in model.parameters())
+    assert all(torch.equal(v, b[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.slow
+def test_a_sharded_resume_on_another_world_size_is_refused_in_one_line(tmp_path):
+    """A 2-rank job's checkpoint resumed by one process: the job fails in one line, nothing
+    trained."""
+    out = tmp_path / "cut"
+    _signal_in_epoch_2(LONG, out, tmp_path)
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *LONG, "trainer.resume=auto",
+                        f"hydra.run.dir={out}"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["error"] == (f"{out / 'checkpoint.pt'}: written by 2 rank(s), this job has 1; resume "
+                          "with as many ranks (torchrun --nproc_per_node=2), or delete it to start "
+                          "over"), r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL across 2 GPUs needs 2 GPUs")
+def test_gpu_two_nccl_ranks_sharded_resume_is_exact(tmp_path):
+    """The CPU test's resume on 2 GPUs (NCCL, deterministic): SIGTERM mid-epoch 2, resume, the
+    uninterrupted job's losses and weights bit for bit."""
+    gpu = [o for o in LONG if not o.startswith("trainer.device")]
+    straight = job(gpu, tmp_path / "straight", tmp_path)
+    assert straight["distributed"]["backend"] == "nccl"
+    out = tmp_path / "cut"
+    _signal_in_epoch_2(gpu, out, tmp_path)
+    assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
+    job([*gpu, "trainer.resume=auto"], out, tmp_path)
+    assert rows(out) == rows(tmp_path / "straight")
+    a, b = weights(out), weights(tmp_path / "straight")
+    assert all(torch.equal(a[k], b[k]) for k in b)

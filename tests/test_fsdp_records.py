@@ -1,0 +1,115 @@
+"""A sharded job's records: summary.json's strategy, world size, param/reduce dtypes and per-rank
+held bytes (so the 1/N of sharding shows), the sweep table's columns for them, the report's FSDP
+section, and experiment=fsdp_precision run under torchrun on 2 gloo ranks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT, run_tiny
+from mixprec.models.gpt import GPT
+from mixprec.report.analyse import fsdp_rows, sweep_rows
+from mixprec.report.render import Doc, format_table, fsdp_section
+from mixprec.train import checkpoint
+from test_fsdp import GPT_TINY, free_port, job
+
+ADAMW = ["optimizer=adamw", "optimizer.lr=3e-3", "trainer.max_steps=4"]
+
+
+def whole_bytes() -> dict:
+    """One process's bytes of the tiny GPT's parameters, gradients and AdamW's two moments (fp32;
+    the tied embedding once)."""
+    n = sum(p.numel() for p in {id(p): p for p in GPT(64, 2, 2, 32, 16).parameters()}.values())
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 2 * 4 * n}
+
+
+def test_summary_says_strategy_dtypes_and_each_ranks_held_bytes(tmp_path):
+    """2 ranks, fp32 reducing in bfloat16: summary.json's distributed block names the strategy,
+    world size and dtypes, and lists per rank half of one process's bytes of parameters (the
+    shards, not the root's parameters all-gathered after the last evaluation), gradients (measured
+    before the step: present) and optimizer state; a 1-rank FSDP job holds all of them. The sweep
+    table shows both in its strategy and MB/rank columns. The final fp32 weights load into the
+    unsharded GPT in a plain process."""
+    two = job([*GPT_TINY, *ADAMW, "trainer.strategy=fsdp", "precision.reduce_dtype=bfloat16"],
+              tmp_path / "two", tmp_path)
+    d = two["distributed"]
+    assert (d["strategy"], d["world_size"], d["param_dtype"], d["reduce_dtype"]) == \
+        ("fsdp", 2, "float32", "bfloat16")
+    half = {k: v // 2 for k, v in whole_bytes().items()}
+    assert d["held_bytes"] == [half, half]
+    one = run_tiny(tmp_path / "one", *ADAMW, "trainer.strategy=fsdp", base=GPT_TINY)
+    d1 = one["distributed"]
+    assert (d1["world_size"], d1["param_dtype"], d1["reduce_dtype"]) == (1, "float32", "float32")
+    assert d1["held_bytes"] == [whole_bytes()]
+    plain = run_tiny(tmp_path / "plain", *ADAMW, base=GPT_TINY)
+    assert "distributed" not in plain   # a single-process record is unchanged
+    table = format_table(sweep_rows([two, one, plain]))
+    head, _, *lines = table.splitlines()
+    assert "strategy" in head and "MB/rank p+g+o" in head.split("strategy")[1].split("peak MB")[0]
+    mb = lambda b: "+".join(f"{b[k] / 2**20:.3g}" for k in ("params", "grads", "optimizer"))  # noqa: E731
+    assert "fsdp x2 float32/reduce bfloat16" in lines[0] and mb(half) in lines[0]
+    assert "fsdp x1 float32/reduce float32" in lines[1] and mb(whole_bytes()) in lines[1]
+    assert "fsdp" not in lines[2]
+    assert "strategy" not in format_table(sweep_rows([plain]))   # no sharded job: as before
+    model, _ = checkpoint.load_fp32_model(tmp_path / "two")   # evaluate.py's loader, one process
+    saved = torch.load(tmp_path / "two" / "model_fp32.pt", weights_only=True)
+    assert all(type(v) is torch.Tensor and torch.equal(v, saved[k])
+               for k, v in model.state_dict().items())
+
+
+def _summary(reduce, loss, seconds, world=2, job=0):
+    return {"status": "completed", "job": {"num": job},
+            "config": {"precision": {"name": "amp_bf16", "reduce_dtype": reduce},
+                       "model": {"arch": "gpt"}, "trainer": {"strategy": "fsdp"}},
+            "choices": {"precision": "amp_bf16", "model": "gpt"},
+            "metrics": {"final_valid_loss": loss, "train_time_s": seconds},
+            "distributed": {"strategy": "fsdp", "world_size": world, "param_dtype": "bfloat16",
+                            "reduce_dtype": reduce or "float32",
+                            "held_bytes": [{"params": 2**20, "grads": 2**20,
+                                            "optimizer": 2**21}] * world}}
+
+
+def test_report_section_sets_bf16_reduction_against_its_fp32_twin():
+    """The report's FSDP rows: the bfloat16-reduce job against the job that differs only in
+    reduce_dtype (loss difference, time ratio; none for that twin itself), a job of another world
+    size against none."""
+    rows = fsdp_rows([_summary("bfloat16", 3.5, 8.0, job=1), _summary(None, 3.25, 10.0),
+                      _summary("bfloat16", 3.0, 1.0, world=4, job=2)])
+    by_job = {r["job"]: r for r in rows}
+    assert by_job[1]["dloss"] == 0.25 and by_job[1]["time_ratio"] == 0.8
+    assert by_job[0]["dloss"] is None and by_job[0]["strategy"].endswith("reduce float32")
+    assert by_job[2]["dloss"] is None and by_job[2]["held_mb"] == "1+1+2"
+    d = Doc()
+    fsdp_section(d, rows)
+    assert any("bf16 against fp32 gradient reduction" in str(b) for b in d.blocks)
+    table = [b for b in d.blocks if b[0] == "table"][0]
+    assert "dloss vs fp32 reduce" in table[1] and "+0.25" in [c for r in table[2] for c in r]
+
+
+@pytest.mark.slow
+def test_the_fsdp_precision_preset_sweeps_under_torchrun(tmp_path):
+    """torchrun --nproc_per_node=2 train.py experiment=fsdp_precision at a tiny size: the six jobs
+    (fp32, amp_bf16, fp8 x float32, bfloat16 reduction) complete on 2 gloo ranks in one sweep dir,
+    the fp8 jobs all-gather in float8, and the sweep's report has the FSDP section."""
+    tiny = [o for o in GPT_TINY if not o.startswith(("logger", "trainer.max_steps"))]
+    env = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    env.pop("MIXPREC_RUN_TIME", None)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", str(ROOT / "train.py"),
+                        "experiment=fsdp_precision", *tiny, "trainer.max_steps=10",
+                        "logger=none", "schedule=constant", "optimizer.lr=3e-3",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    summaries = [json.loads(p.read_text()) for p in (tmp_path / "sweep").glob("*/summary.json")]
+    assert len(summaries) == 6 and all(s["status"] == "completed" for s in summaries)
+    cells = {(s["choices"]["precision"], s["distributed"]["reduce_dtype"]) for s in summaries}
+    assert cells == {(p, d) for p in ("fp32", "amp_bf16", "fp8") for d in ("float32", "bfloat16")}
+    assert all(s["fp8"]["fsdp_float8_all_gather"] for s in summaries
+               if s["choices"]["precision"] == "fp8")
+    report = (tmp_path / "sweep" / "report" / "report.md").read_text()
+    assert "Sharded jobs (FSDP): bf16 against fp32 gradient reduction" in report
+    assert "MB/rank p+g+o" in r.stdout
