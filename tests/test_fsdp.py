@@ -15,7 +15,7 @@ from helpers import ROOT, TINY, compose_config, run_tiny
 from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.data import build_image_data, pipelines
 from mixprec.models.gpt import GPT
-from mixprec.precision.sharded import ShardedPolicy
+from mixprec.precision.sharded import ShardedPolicy, after_steps
 from mixprec.runtime import dist
 from mixprec.train import shard
 from mixprec.train.step import backward_and_step
@@ -118,6 +118,21 @@ def on_ranks(fn, *args, world=2):
                                           nprocs=world, start_method="spawn")
 
 
+def _checks_on_rank(rank, folder):
+    """What the spawned-rank tests below read, made in one spawn of 2 ranks (each spawn costs a
+    process start and torch's import): the per-rank bytes, the overflow, the FP8 all-gather."""
+    for fn in (_bytes_on_rank, _overflow_on_rank, _fp8_on_rank):
+        fn(rank, folder)
+
+
+@pytest.fixture(scope="module")
+def ranks_ran(tmp_path_factory):
+    """The folder the 2 spawned ranks of _checks_on_rank wrote their results to."""
+    folder = tmp_path_factory.mktemp("ranks")
+    on_ranks(_checks_on_rank, folder)
+    return folder
+
+
 def _rank_main(rank, world, port, fn, args):
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                              world_size=world)
@@ -150,12 +165,11 @@ def _bytes_on_rank(rank, folder):
     (folder / f"bytes.{rank}").write_text(json.dumps(held))
 
 
-def test_each_rank_holds_half_of_the_parameters_gradients_and_optimizer_state(tmp_path):
+def test_each_rank_holds_half_of_the_parameters_gradients_and_optimizer_state(ranks_ran):
     """2 ranks: each holds half of every parameter (dim 0 split; every dim 0 of this GPT is even,
     so exactly half), of its gradient and of AdamW's two moments; the tied embedding counts once."""
-    on_ranks(_bytes_on_rank, tmp_path)
     for rank in (0, 1):
-        held = json.loads((tmp_path / f"bytes.{rank}").read_text())
+        held = json.loads((ranks_ran / f"bytes.{rank}").read_text())
         n = sum(p.numel() for p in {id(p): p for p in GPT(64, 2, 2, 32, 16).parameters()}.values())
         assert held["whole"] == {"params": 4 * n, "grads": 4 * n, "optimizer": 2 * 4 * n}
         assert held["sharded"] == {k: v // 2 for k, v in held["whole"].items()}
@@ -185,15 +199,14 @@ def _overflow_on_rank(rank, folder):
     (folder / f"steps.{rank}").write_text(json.dumps(seen))
 
 
-def test_an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path):
+def test_an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(ranks_ran):
     """The step whose overflow only rank 1's shard holds is skipped by both ranks and both halve
     the scale: ShardedGradScaler all-reduces the found-inf flag (and in torch 2.11-2.14 DTensor's
     dispatch of the foreach unscale reduces it too, Partial("max"), so a plain GradScaler would
     agree as well: docs/fsdp.md)."""
-    on_ranks(_overflow_on_rank, tmp_path)
     expected = [[False, 1024.0], [True, 512.0], [False, 512.0]]
     for rank in (0, 1):
-        assert json.loads((tmp_path / f"steps.{rank}").read_text()) == expected
+        assert json.loads((ranks_ran / f"steps.{rank}").read_text()) == expected
 
 
 @pytest.mark.slow
@@ -290,7 +303,7 @@ def _fp8_on_rank(rank, folder):
     policy = ShardedPolicy(FP8, torch.device("cpu"))
     model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), FP8, torch.device("cpu"))
     optimizer = torch.optim.AdamW(policy.optimizer_params(model), lr=1e-2)
-    shard.after_steps(model, optimizer, policy.fp8)
+    after_steps(model, optimizer, policy.fp8)
     _gpt_step(model, optimizer)
     seen = {}
     for name in policy.fp8["float8_layers"]:
@@ -306,13 +319,12 @@ def _fp8_on_rank(rank, folder):
     (folder / f"fp8.{rank}").write_text(json.dumps(seen))
 
 
-def test_fp8_weights_are_all_gathered_in_float8_with_scales_precomputed_after_the_step(tmp_path):
+def test_fp8_weights_are_all_gathered_in_float8_with_scales_precomputed_after_the_step(ranks_ran):
     """precision=fp8 under FSDP (torchao's emulation on the CPU): each float8 Linear's shard is
     torchao's WeightWithDynamicFloat8CastTensor, which sends float8_e4m3fn over the all-gather, cast
     with the scale computed after the optimizer step from the whole updated weight (448 / amax)."""
-    on_ranks(_fp8_on_rank, tmp_path)
     for rank in (0, 1):
-        seen = json.loads((tmp_path / f"fp8.{rank}").read_text())
+        seen = json.loads((ranks_ran / f"fp8.{rank}").read_text())
         assert len(seen) == 8   # 4 Linear layers per block; the tied head stays bf16
         assert all(s == {"subclass": True, "sent": "torch.float8_e4m3fn", "scale_ok": True}
                    for s in seen.values()), seen

@@ -232,7 +232,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
         config.gpu, env["device_name"] if device.type != "cpu" else "cpu"
     )
     # under FSDP the weights are cast to real fp16/bf16 tensors (precision/sharded.py)
-    emulated = emulates(config.precision, device) and not config.trainer.sharded
+    emulated = emulates(config.precision, device, config.trainer.sharded)
     summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
                    hazards=hazards(config.precision, config.optimizer, device.type),
                    arithmetic="emulated" if emulated else "native")

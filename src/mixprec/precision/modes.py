@@ -36,12 +36,13 @@ def low_dtype(cfg: PrecisionConfig) -> str | None:
     return cfg.autocast_dtype or (cfg.param_dtype if cfg.param_dtype != "float32" else None)
 
 
-def emulates(cfg: PrecisionConfig, device: torch.device) -> bool:
+def emulates(cfg: PrecisionConfig, device: torch.device, sharded: bool = False) -> bool:
     """Whether the job's fp16/bf16 arithmetic is emulated on fp32 kernels (precision.emulate; auto:
     wherever the device is not CUDA, whose kernels the emulation reproduces). Under precision=fp8 it
     is the bf16 part that is emulated; the float8 matmuls are torchao's (its own emulation without
-    FP8 tensor cores)."""
-    if low_dtype(cfg) is None:
+    FP8 tensor cores). Never under FSDP (sharded): its casts make real fp16/bf16 tensors
+    (precision/sharded.py)."""
+    if low_dtype(cfg) is None or sharded:
         return False
     return device.type != "cuda" if cfg.emulate == "auto" else bool(cfg.emulate)
 

@@ -112,3 +112,11 @@ class ShardedPolicy(PrecisionPolicy):
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         return {k: v.float() if v.is_floating_point() else v for k, v in full.items()}
+
+
+def after_steps(model: nn.Module, optimizer: torch.optim.Optimizer, fp8_info: dict | None) -> None:
+    """Under FP8 all-gather: the float8 weights' scales precomputed after every optimizer step
+    (an optimizer step hook: a step the loss scaler skips leaves the weights, and so the scales,
+    as they were)."""
+    if fp8_info and fp8_info.get("fsdp_float8_all_gather"):
+        optimizer.register_step_post_hook(lambda *_: fp8.precompute_scales(model))

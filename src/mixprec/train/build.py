@@ -13,9 +13,8 @@ from torch import nn
 from ..config import Config
 from ..precision.modes import check_installed
 from ..precision.policy import PrecisionPolicy
-from ..precision.sharded import ShardedPolicy
+from ..precision.sharded import ShardedPolicy, after_steps
 from .optim import build_optimizer, param_groups
-from .shard import after_steps
 
 
 @dataclass

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import PrecisionConfig
 from ..models.gpt import GPT
-from ..precision import fp8, sharded
+from ..precision import sharded
 
 
 def units(model: nn.Module) -> list[nn.Module]:
@@ -38,14 +38,6 @@ def shard(model: nn.Module, cfg: PrecisionConfig, device: torch.device) -> nn.Mo
     for unit in units(model):
         fully_shard(unit, mesh=mesh, mp_policy=sharded.mixed_precision(cfg))
     return fully_shard(model, mesh=mesh, mp_policy=sharded.mixed_precision(cfg, root=True))
-
-
-def after_steps(model: nn.Module, optimizer: torch.optim.Optimizer, fp8_info: dict | None) -> None:
-    """Under FP8 all-gather: the float8 weights' scales precomputed after every optimizer step
-    (an optimizer step hook: a step the loss scaler skips leaves the weights, and so the scales,
-    as they were)."""
-    if fp8_info and fp8_info.get("fsdp_float8_all_gather"):
-        optimizer.register_step_post_hook(lambda *_: fp8.precompute_scales(model))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
