@@ -22,3 +22,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def tiny(tmp_path):
     return lambda *overrides: run_tiny(tmp_path, *overrides)
+
+
+@pytest.fixture(scope="session")
+def ranks_ran(tmp_path_factory):
+    """The folder where 2 spawned gloo ranks wrote what the FSDP checks without a job read
+    (tests/test_fsdp.py's checks_on_rank): one spawn for the session."""
+    from test_fsdp import checks_on_rank, on_ranks   # torch.distributed: only where asked for
+
+    folder = tmp_path_factory.mktemp("ranks")
+    on_ranks(checks_on_rank, folder)
+    return folder

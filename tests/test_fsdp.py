@@ -118,19 +118,14 @@ def on_ranks(fn, *args, world=2):
                                           nprocs=world, start_method="spawn")
 
 
-def _checks_on_rank(rank, folder):
-    """What the spawned-rank tests below read, made in one spawn of 2 ranks (each spawn costs a
-    process start and torch's import): the per-rank bytes, the overflow, the FP8 all-gather."""
-    for fn in (_bytes_on_rank, _overflow_on_rank, _fp8_on_rank):
+def checks_on_rank(rank, folder):
+    """What the spawned-rank tests read (conftest.py's ranks_ran), made in one spawn of 2 ranks
+    (each spawn costs a process start and torch's import): the per-rank bytes, the overflow, the FP8
+    all-gather, a sharded checkpoint's exact resume (tests/test_fsdp_checkpoint.py)."""
+    from test_fsdp_checkpoint import _save_and_resume_on_rank   # it imports this module
+
+    for fn in (_bytes_on_rank, _overflow_on_rank, _fp8_on_rank, _save_and_resume_on_rank):
         fn(rank, folder)
-
-
-@pytest.fixture(scope="module")
-def ranks_ran(tmp_path_factory):
-    """The folder the 2 spawned ranks of _checks_on_rank wrote their results to."""
-    folder = tmp_path_factory.mktemp("ranks")
-    on_ranks(_checks_on_rank, folder)
-    return folder
 
 
 def _rank_main(rank, world, port, fn, args):

@@ -20,7 +20,7 @@ from mixprec.precision.sharded import ShardedPolicy
 from mixprec.runtime import dist
 from mixprec.train import checkpoint, shard
 from mixprec.train.loop import LoopState
-from test_fsdp import GPT_TINY, free_port, job, on_ranks, rows, weights
+from test_fsdp import GPT_TINY, free_port, job, rows, weights
 
 FP32 = PrecisionConfig(name="fp32")
 
@@ -66,19 +66,18 @@ def _save_and_resume_on_rank(rank, folder):
     (folder / f"resume.{rank}").write_text(json.dumps([straight, resumed, same]))
 
 
-def test_sharded_checkpoint_every_rank_its_shards_and_an_exact_resume(tmp_path):
+def test_sharded_checkpoint_every_rank_its_shards_and_an_exact_resume(ranks_ran):
     """2 ranks: checkpoint.pt holds the loop's plain state and names a folder of DCP shards (one
     file per rank, the optimizer's moments included), and a model restored from it takes the same
     steps, bit for bit, as the one that went on."""
-    on_ranks(_save_and_resume_on_rank, tmp_path)
-    ckpt = torch.load(tmp_path / checkpoint.CHECKPOINT, weights_only=True)
+    ckpt = torch.load(ranks_ran / checkpoint.CHECKPOINT, weights_only=True)
     assert "model" not in ckpt["parts"] and "optimizer" not in ckpt["parts"]
-    folder = tmp_path / ckpt["shards"]
+    folder = ranks_ran / ckpt["shards"]
     assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp",
                                                         "__1_0.distcp"]
-    assert [p.name for p in tmp_path.glob(checkpoint.SHARDS + "*")] == [folder.name]
+    assert [p.name for p in ranks_ran.glob(checkpoint.SHARDS + "*")] == [folder.name]
     for rank in (0, 1):
-        straight, resumed, same = json.loads((tmp_path / f"resume.{rank}").read_text())
+        straight, resumed, same = json.loads((ranks_ran / f"resume.{rank}").read_text())
         assert resumed == straight and same
 
 
