@@ -18,6 +18,7 @@ from mixprec.models.gpt import GPT
 from mixprec.precision.sharded import ShardedPolicy, after_steps
 from mixprec.runtime import dist
 from mixprec.train import shard
+from mixprec.train.optim import build_optimizer
 from mixprec.train.step import backward_and_step
 
 # A 2-layer GPT on a synthetic corpus of 64 words; every dim-0 of a parameter is even, so 2 ranks
@@ -284,6 +285,44 @@ def test_a_batch_the_ranks_do_not_divide_and_the_dataloader_pipeline_are_refused
     with pytest.raises(ConfigError, match=r"^dataset.pipeline=dataloader: not sharded across ranks "
                        r"\(DDP or FSDP\); use dataset.pipeline=device"):
         pipelines.image_loaders(data, config.dataset, config.trainer, cpu, seed=0, shard=(0, 2))
+
+
+def _sharded_linear_sgd(device, impl):
+    """A sharded Linear (one FSDP rank) and optimizer=sgd in `impl` over its DTensor parameters;
+    one step taken."""
+    model = shard.shard(torch.nn.Linear(8, 8).to(device), FP32, device)
+    cfg = validate(compose_config(*TINY, "optimizer=sgd", f"optimizer.impl={impl}")).optimizer
+    optimizer = build_optimizer(cfg, list(model.parameters()))
+    model(torch.randn(4, 8, device=device)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_fused_sgd_over_fsdps_dtensors_is_refused_in_one_line_and_auto_is_foreach():
+    """DTensor has no rule for torch's fused SGD (its first step raises NotImplementedError):
+    optimizer.impl=fused under FSDP is one line at the build, auto steps with foreach."""
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError) as e:
+            _sharded_linear_sgd(torch.device("cpu"), "fused")
+        assert str(e.value) == ("optimizer.impl=fused: torch's fused SGD has no DTensor rule, and "
+                                "FSDP's parameters are DTensors (trainer.strategy=fsdp); use "
+                                "optimizer.impl=auto or foreach")
+        group = _sharded_linear_sgd(torch.device("cpu"), "auto").param_groups[0]
+        assert group["foreach"] and not group["fused"]
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_gpu_sgd_over_fsdps_dtensors_steps_with_foreach():
+    """On CUDA optimizer.impl=auto is fused, but not for SGD over FSDP's DTensors: it steps."""
+    tdist.init_process_group(dist.backend(), store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        group = _sharded_linear_sgd(torch.device("cuda:0"), "auto").param_groups[0]
+        assert group["foreach"] and not group["fused"]
+    finally:
+        tdist.destroy_process_group()
 
 
 FP8 = PrecisionConfig(name="fp8", autocast_dtype="bfloat16", fp8_recipe="tensorwise")

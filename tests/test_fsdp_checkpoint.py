@@ -12,11 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as tdist
 
 from helpers import ROOT, TINY, compose_config
 from mixprec.config import PrecisionConfig, validate
 from mixprec.models.gpt import GPT
-from mixprec.precision.sharded import ShardedPolicy
+from mixprec.precision.sharded import ShardedPolicy, after_steps
 from mixprec.runtime import dist
 from mixprec.train import checkpoint, shard
 from mixprec.train.loop import LoopState
@@ -79,6 +80,43 @@ def test_sharded_checkpoint_every_rank_its_shards_and_an_exact_resume(ranks_ran)
     for rank in (0, 1):
         straight, resumed, same = json.loads((ranks_ran / f"resume.{rank}").read_text())
         assert resumed == straight and same
+
+
+FP8 = PrecisionConfig(name="fp8", autocast_dtype="bfloat16", fp8_recipe="tensorwise")
+
+
+def _fp8_gpt(seed):
+    """The fp8 GPT sharded as the job builds it (policy, shard, optimizer, scales' step hook)."""
+    torch.manual_seed(seed)
+    policy = ShardedPolicy(FP8, torch.device("cpu"))
+    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), FP8, torch.device("cpu"))
+    optimizer = torch.optim.AdamW(policy.optimizer_params(model), lr=1e-2)
+    after_steps(model, optimizer, policy.fp8)
+    return model, optimizer
+
+
+def test_a_resumed_fp8_all_gather_casts_with_the_loaded_weights_scales(tmp_path):
+    """FP8 all-gather (one FSDP rank): the float8 weights' scales are precomputed after each step
+    and are no part of any state dict, so a resume computes them from the loaded weights; a model
+    built from another seed and restored takes the next steps with the losses of the one that went
+    on."""
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        meta = {"config": {}, "device_type": "cpu"}
+        model, optimizer = _fp8_gpt(0)
+        saver = checkpoint.Checkpointer(tmp_path, meta, sharded=True)
+        saver.parts.update(model=model, optimizer=optimizer)
+        for seed in (1, 2):
+            _step(model, optimizer, seed)
+        saver.save(LoopState())
+        straight = [_step(model, optimizer, seed) for seed in (3, 4)]
+        model, optimizer = _fp8_gpt(1)
+        saver = checkpoint.Checkpointer(tmp_path, meta, sharded=True)
+        saver.parts.update(model=model, optimizer=optimizer)
+        saver.restore(checkpoint.read(tmp_path, {}, "cpu"), LoopState())
+        assert [_step(model, optimizer, seed) for seed in (3, 4)] == straight
+    finally:
+        tdist.destroy_process_group()
 
 
 def test_a_resume_with_another_world_size_is_one_line(tmp_path):

@@ -416,3 +416,17 @@ def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path)
         replay.replay_step(summary, "ranges", False) is None
         and replay.replay_step(summary, "none", True) is None
     )
+
+
+def test_a_sharded_job_is_not_replayed(tmp_path):
+    """trainer.strategy=fsdp, even on one rank: its probe sees no model (its layers hold shards), so
+    a replay under probe=ranges could name no module; none is run."""
+    from mixprec.tools import replay
+
+    cfg = validate(compose_config(*TINY8, "probe=none", "trainer.strategy=fsdp"))
+    e = {**events.event(2, "update", "0", "float16", None), "tensor": "weights"}
+    summary = {"status": "diverged", "nonfinite": {"step": 2}, "numerics": {"first_nonfinite": e},
+               "config": {}}
+    calls = []
+    assert replay.explain(summary, cfg, CPU, tmp_path, False, lambda *a: calls.append(a)) == {}
+    assert calls == [] and not (tmp_path / "replay").exists()

@@ -29,6 +29,8 @@ the same steps (GradScaler would let a rank whose shard is finite step while ano
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -120,3 +122,13 @@ def after_steps(model: nn.Module, optimizer: torch.optim.Optimizer, fp8_info: di
     as they were)."""
     if fp8_info and fp8_info.get("fsdp_float8_all_gather"):
         optimizer.register_step_post_hook(lambda *_: fp8.precompute_scales(model))
+
+
+def after_load(model: nn.Module) -> None:
+    """After a sharded checkpoint's weights are loaded (a resume): under FP8 all-gather, the float8
+    weights' scales computed from the loaded weights, as the step before the checkpoint computed
+    them. The scales are in no state dict: without this the first all-gather after a resume casts
+    with the scales of the weights the model was built with (set by DCP's optimizer-state
+    initialisation step). Every rank calls it (one all-reduce); nothing without torchao's float8."""
+    if "torchao.float8" in sys.modules:   # a float8 layer exists only once torchao's is imported
+        fp8.precompute_scales(model)

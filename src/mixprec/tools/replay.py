@@ -4,8 +4,8 @@ whose loss was non-finite, under probe=ranges with every step probed, in `<job d
 replay's first event (step, pass, module, tensor, what) and verdict replace the inexact ones.
 Nothing is done for a run that did not diverge, so probe=none still costs nothing on a normal run;
 the replay is skipped beyond MAX_STEPS steps (the reason then says to rerun with probe=ranges),
-under several ranks, and when the replay does not diverge alike (a non-deterministic run: the
-summary says so). The replay runs in the job's process after its training: the job's peak memory
+under several ranks or FSDP, and when the replay does not diverge alike (a non-deterministic run:
+the summary says so). The replay runs in the job's process after its training: the job's peak memory
 includes it.
 """
 from __future__ import annotations
@@ -53,7 +53,8 @@ def explain(summary: dict, config, device, out_dir: Path, several_ranks: bool, t
     numerics.replay, the verdict, and the reason's first-event clause. `train(config, device,
     recorder, saver)` is job.train_job."""
     step = replay_step(summary, config.probe.name, several_ranks)
-    if step is None:
+    # a sharded job's probe sees no model (job.probed), so probe=ranges could name no module there
+    if step is None or config.trainer.sharded:
         return {}
     cfg, where = replay_config(config, step), Path(out_dir) / DIR
     log.info(

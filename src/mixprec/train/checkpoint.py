@@ -53,6 +53,7 @@ from ..models.resnet9 import resnet9_options
 from ..runtime.defaults import RESOLVER
 from ..runtime.dist import SINGLE, Ranks
 from ..runtime.hardware import flatten_rnns
+from ..precision.sharded import after_load
 from ..precision.state import load_module_state
 from ..records import METRICS, SUMMARY, atomic_file
 
@@ -372,6 +373,7 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=folder)
         set_state_dict(self.parts["model"], self.parts["optimizer"],
                        model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        after_load(self.parts["model"])   # FP8 all-gather: the loaded weights' scales
 
     def discard(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -4,25 +4,33 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError, OptimizerConfig, ScheduleConfig
 from ..precision.modes import resolve_impl
 
 
-def impl_kwargs(impl: str, params: list) -> dict:
+def impl_kwargs(impl: str, params: list, name: str) -> dict:
     """optimizer.impl as torch.optim's flags. auto: fused where every parameter is a floating-point
     CUDA tensor (SGD, Adam and AdamW all have fused CUDA kernels for fp32, fp16 and bf16), foreach
     elsewhere; fused, foreach and loop (a Python loop over the parameters: foreach=False) as asked.
     A fused step under GradScaler takes the scale and the found-inf flag on the device
-    (torch/amp/grad_scaler.py: `_step_supports_amp_scaling`)."""
+    (torch/amp/grad_scaler.py: `_step_supports_amp_scaling`). FSDP's parameters are DTensors, and
+    DTensor has a rule for fused Adam and AdamW but none for fused SGD (its first step would raise
+    NotImplementedError): over DTensors auto gives foreach SGD, and fused SGD is refused."""
     tensors = (
         [p for g in params for p in g["params"]]
         if params and isinstance(params[0], dict)
         else list(params)
     )
-    impl = resolve_impl(
-        impl, bool(tensors) and all(p.is_cuda and p.is_floating_point() for p in tensors)
-    )
+    no_fused = name == "sgd" and any(isinstance(p, DTensor) for p in tensors)
+    if no_fused and impl == "fused":
+        raise ConfigError(
+            "optimizer.impl=fused: torch's fused SGD has no DTensor rule, and FSDP's parameters "
+            "are DTensors (trainer.strategy=fsdp); use optimizer.impl=auto or foreach"
+        )
+    on_cuda = bool(tensors) and all(p.is_cuda and p.is_floating_point() for p in tensors)
+    impl = resolve_impl(impl, on_cuda and not no_fused)
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
 
 
@@ -103,7 +111,7 @@ def build_optimizer(cfg: OptimizerConfig, params: list) -> torch.optim.Optimizer
     """The optimizer of `cfg` over `params` (tensors or param groups), in the implementation
     optimizer.impl picks."""
     try:
-        optimizer = _build(cfg, params, impl_kwargs(cfg.impl, params))
+        optimizer = _build(cfg, params, impl_kwargs(cfg.impl, params, cfg.name))
     except RuntimeError as e:  # fused=True on parameters its kernels do not take
         raise ConfigError(
             f"optimizer.impl={cfg.impl}: {str(e).splitlines()[0]}; use optimizer.impl=auto or "
