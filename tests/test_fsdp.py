@@ -239,6 +239,8 @@ FSDP = ["trainer.strategy=fsdp"]
     (["trick.ema=true"], "trick.ema=true: the averaged copy of a sharded model is not supported"),
     (["trainer.sync_bn=true"], "trainer.sync_bn=true: SyncBatchNorm is DDP's"),
     (["trainer.prewarm_steps=2"], "trainer.prewarm_steps=2: prewarm steps a deep copy"),
+    (["trainer.compile=reduce-overhead"], "trainer.compile=reduce-overhead: CUDA graphs need fixed "
+     "addresses, and FSDP frees and re-gathers the weights every step"),
     (["probe=ranges"], "probe=ranges: the probe's hooks read whole layers"),
 ])
 def test_what_fsdp_cannot_express_is_refused_in_one_line(overrides, line):

@@ -589,6 +589,9 @@ class Config:
              "which FSDP holds as shards; under trainer.strategy=fsdp use probe=none"),
             (tr.prewarm_steps not in ("auto", 0), f"trainer.prewarm_steps={tr.prewarm_steps}: "
              "prewarm steps a deep copy, which a sharded model cannot be; use prewarm_steps=0"),
+            (tr.compile in ("reduce-overhead", "max-autotune"), f"trainer.compile={tr.compile}: "
+             "CUDA graphs need fixed addresses, and FSDP frees and re-gathers the weights every "
+             "step (untested under FSDP here); use trainer.compile=default or none"),
         )
         for refused, line in refusals:
             if refused:
