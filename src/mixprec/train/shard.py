@@ -59,16 +59,19 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 class HeldPeak:
     """The most bytes of parameters, gradients and optimizer state this rank has held: measured
-    before every optimizer step (an optimizer step pre-hook: the gradients are there then, gone
-    after the step's zero_grad) and once more at the end (`measure`, the last step's state)."""
+    before the first optimizer step (an optimizer step pre-hook: the gradients are there then, gone
+    after the step's zero_grad) and once more at the end (`measure`: the optimizer state the steps
+    made). The shards' sizes do not change from step to step, so the timed steps after the first
+    measure nothing."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
         self.peak = {"params": 0, "grads": 0, "optimizer": 0}
-        optimizer.register_step_pre_hook(self.before_step)
+        self.hook = optimizer.register_step_pre_hook(self.before_first_step)
 
-    def before_step(self, *_) -> None:
+    def before_first_step(self, *_) -> None:
         self.measure()
+        self.hook.remove()
 
     def measure(self) -> dict:
         """The peak so far, with this moment's bytes. Every FSDP unit is resharded first: after a
