@@ -21,9 +21,10 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from mixprec.runtime.dist import mute_other_ranks, share_run_time
+    from mixprec.runtime.dist import finish, mute_other_ranks, share_run_time
 
     # under torchrun: every rank takes rank 0's clock for Hydra's dir name (one output dir)
     share_run_time()
     mute_other_ranks()  # and rank 0 alone reports a bad override
     main()
+    finish()  # under torchrun: every rank done, then the process group goes (no rank ahead)

@@ -13,7 +13,8 @@ default backend for its tensors (torch.distributed.get_default_backend_for_devic
 barrier: "cpu" is among the pairs). Each rank on a GPU uses cuda:LOCAL_RANK, one GPU per rank: NCCL
 refuses two ranks on one GPU, so more ranks per node than visible GPUs is a config error
 (`device_name`). torchrun's process group (made by train.py's `share_run_time` or `init`) lives as
-long as the process, shared by the jobs of a sweep, and is destroyed once at its exit; a 1-rank FSDP
+long as the process, shared by the jobs of a sweep, and is destroyed once at its end (after a
+barrier when the jobs ended well, `finish`; at exit otherwise); a 1-rank FSDP
 job's own in-memory group is destroyed at the job's end (`init` returns True for it, `close`).
 `Ranks` is what the loop sees: the rank, the world size, sums across ranks, a barrier; with one
 rank every method is a no-op, so the single-process path is unchanged. Rank 0 alone writes the
@@ -149,7 +150,18 @@ def init(ranks: Ranks, sharded: bool = False) -> bool:
 
 
 def close_at_exit() -> None:
+    """torchrun's group, at any exit (after an error too: no collective, a peer may be gone)."""
     if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def finish() -> None:
+    """After the last job of a torchrun process ended well (train.py): wait for every rank, then
+    destroy the group. Without the barrier one rank tore its gloo pairs down while its peer was
+    still finishing, and the peer died in gloo's threads ("terminate called without an active
+    exception", SIGABRT) after a completed job. An error exit skips this (close_at_exit)."""
+    if from_env().active and tdist.is_initialized():
+        tdist.barrier()
         tdist.destroy_process_group()
 
 
