@@ -46,6 +46,7 @@ def test_constraints_pin_the_key_packages_exactly():
         "tqdm",
         "pyyaml",
         "pytest",
+        "pytest-xdist",
         "ruff",
         "submitit",
         "hydra-submitit-launcher",
