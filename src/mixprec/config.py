@@ -52,6 +52,11 @@ class TrainerConfig:
     # how the ranks share the model: auto = DDP under torchrun, one process otherwise; fsdp = FSDP2
     # (fully_shard: parameters, gradients and optimizer state sharded), also on one rank
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    # trainer.strategy=fsdp only: the replicate degree of FSDP's device mesh (HSDP, train/shard.py).
+    # auto = the number of nodes (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, submitit's nodes; 1 when
+    # unknown): shard within each node, replicate across nodes; N: N replicas, each sharding over
+    # world / N ranks (1: every rank shards, a 1-D mesh; the world size: pure replication)
+    replicate: Union[int, Literal["auto"]] = "auto"
 
     @property
     def sharded(self) -> bool:
@@ -73,6 +78,8 @@ class TrainerConfig:
         _at_least(self, "warmup_steps", 0)
         if self.prewarm_steps != "auto":
             _at_least(self, "prewarm_steps", 0)
+        if self.replicate != "auto":
+            _at_least(self, "replicate", 1)
         _at_least(self, "log_every", 1)
         if self.max_steps is not None:
             _at_least(self, "max_steps", 1)
@@ -567,6 +574,12 @@ class Config:
                 raise ConfigError(
                     f"precision.reduce_dtype={p.reduce_dtype}: only sharded jobs choose it "
                     "(trainer.strategy=fsdp); DDP reduces gradients in their own dtype"
+                )
+            if tr.replicate != "auto":
+                raise ConfigError(
+                    f"trainer.replicate={tr.replicate}: the replicate degree of FSDP's device "
+                    "mesh, only for trainer.strategy=fsdp; DDP replicates over every rank "
+                    "(leave trainer.replicate=auto)"
                 )
             return
         refusals = (

@@ -208,7 +208,7 @@ def train_and_record(
     tr = config.trainer
     per_rank = dist.check(tr.batch_size, tr.sync_bn, device, ranks,
                           config.trick.ghost_splits if config.trick.ghost_bn else 1,
-                          sharded=tr.sharded)
+                          sharded=tr.sharded, replicate=tr.replicate)
     # joins the job's process group (torchrun's is joined already, in train.py; FSDP on one rank
     # makes its own)
     made = dist.init(ranks, sharded=tr.sharded)
@@ -481,8 +481,10 @@ def distributed_record(config: Config, device: torch.device, ranks: dist.Ranks, 
         # FSDP's ranks hold different shards: no copies to compare
         "weight_spread": None if tr.sharded else dist.spread(policy.stepped_params(), ranks),
     }
-    if held is not None:   # each rank's bytes, gathered, and the dtypes FSDP uses
-        record.update(sharded.dtypes(config.precision), held_bytes=ranks.gather(held.measure()))
+    if held is not None:   # the mesh, each rank's bytes, gathered, and the dtypes FSDP uses
+        record.update(sharded.dtypes(config.precision),
+                      mesh=shard.mesh_record(dist.mesh_shape(tr.replicate, ranks)),
+                      held_bytes=ranks.gather(held.measure()))
     return record
 
 
@@ -546,10 +548,11 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_ran
 
 
 def wrapper(config: Config, device: torch.device, ranks: dist.Ranks):
-    """What wraps the trained model: FSDP's sharding (trainer.strategy=fsdp), else DDP under several
-    ranks, else nothing."""
+    """What wraps the trained model: FSDP's sharding (trainer.strategy=fsdp) over the mesh of
+    trainer.replicate, else DDP under several ranks, else nothing."""
     if config.trainer.sharded:
-        return lambda m: shard.shard(m, config.precision, device)
+        shape = dist.mesh_shape(config.trainer.replicate, ranks)
+        return lambda m: shard.shard(m, config.precision, device, shape)
     return lambda m: dist.wrap(m, device, config.trainer.sync_bn, ranks)
 
 

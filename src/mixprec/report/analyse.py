@@ -571,13 +571,16 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
 
 
 def sharded_cell(summary: dict) -> str | None:
-    """A sharded job's strategy cell: fsdp, its ranks, the dtype it computes in and the one it
+    """A sharded job's strategy cell: fsdp, its ranks, its HSDP mesh when it has several replicas
+    ("hsdp 2x4": 2 replicas, each sharded over 4 ranks), the dtype it computes in and the one it
     reduces gradients in (None for other jobs)."""
     d = records.sharded(summary)
     if d is None:
         return None
+    mesh = d.get("mesh") or {}
+    hsdp = f" hsdp {mesh['replicate']}x{mesh['shard']}" if mesh.get("replicate", 1) > 1 else ""
     fp8 = ", fp8 all-gather" if records.fsdp_float8_all_gather(summary) else ""
-    return (f"fsdp x{d['world_size']} {d.get('param_dtype', '?')}/"
+    return (f"fsdp x{d['world_size']}{hsdp} {d.get('param_dtype', '?')}/"
             f"reduce {d.get('reduce_dtype', '?')}{fp8}")
 
 

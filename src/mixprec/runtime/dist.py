@@ -52,6 +52,7 @@ class Ranks:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    nodes: int = 1   # the machines the ranks are spread over (1 when unknown)
 
     @property
     def main(self) -> bool:
@@ -108,11 +109,9 @@ def from_env() -> Ranks:
     """This process's place in the job (torchrun's variables, else a submitit multi-task job, else
     one rank)."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return Ranks(
-            int(os.environ["RANK"]),
-            int(os.environ["WORLD_SIZE"]),
-            int(os.environ.get("LOCAL_RANK", 0)),
-        )
+        world = int(os.environ["WORLD_SIZE"])
+        return Ranks(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", 0)),
+                     nodes_of(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     if os.environ.get("SUBMITIT_EXECUTOR"):
         import submitit   # lazy: optional (the SLURM launcher's), only under its executor
 
@@ -123,8 +122,32 @@ def from_env() -> Ranks:
                 "MASTER_PORT",
                 str(20000 + int("".join(filter(str.isdigit, env.job_id)) or 0) % 20000),
             )
-            return Ranks(env.global_rank, env.num_tasks, env.local_rank)
+            return Ranks(env.global_rank, env.num_tasks, env.local_rank,
+                         nodes_of(env.num_tasks, env.num_tasks // max(env.num_nodes, 1)))
     return SINGLE
+
+
+def nodes_of(world: int, per_node: int) -> int:
+    """The number of nodes of `world` ranks with `per_node` on each (torchrun's WORLD_SIZE and
+    LOCAL_WORLD_SIZE); 1 when that does not add up (nodes of different sizes: unknown)."""
+    if per_node < 1 or world % per_node:
+        return 1
+    return world // per_node
+
+
+def mesh_shape(replicate: int | str, ranks: Ranks) -> tuple[int, ...]:
+    """The shape of a sharded job's device mesh (train/shard.py): (world,) when it has one replica,
+    the 1-D mesh of plain FSDP; else (replicas, ranks per replica), HSDP's 2-D mesh that shards
+    within a replica and replicates across them. `replicate`: trainer.replicate (auto: one replica
+    per node). ConfigError when the degree does not divide the world size."""
+    degree = ranks.nodes if replicate == "auto" else replicate
+    if ranks.world % degree:
+        raise ConfigError(
+            f"trainer.replicate={replicate}: {degree} replicas do not divide the {ranks.world} "
+            f"rank(s) (each replica shards over world size / replicas ranks); use a divisor of "
+            f"{ranks.world}, or trainer.replicate=auto (one replica per node)"
+        )
+    return (ranks.world,) if degree == 1 else (degree, ranks.world // degree)
 
 
 def init(ranks: Ranks, sharded: bool = False) -> bool:
@@ -230,16 +253,19 @@ def device_name(name: str, ranks: Ranks) -> str:
 
 
 def check(batch_size: int, sync_bn: bool, device: torch.device, ranks: Ranks,
-          ghost_splits: int = 1, sharded: bool = False) -> int:
+          ghost_splits: int = 1, sharded: bool = False, replicate: int | str = "auto") -> int:
     """The per-rank batch (the configured batch is the global one); ConfigError for what DDP or
     FSDP (sharded) cannot do. ghost_splits (trick.ghost_bn): ghost BN splits each rank's batch, so
     they must divide the per-rank batch (config.py checks the global one; this is before any work,
-    where the layer would raise only in its first forward)."""
+    where the layer would raise only in its first forward). replicate: trainer.replicate, whose
+    degree must divide the world size (mesh_shape)."""
     if sharded and not tdist.is_available():
         raise ConfigError(
             "trainer.strategy=fsdp: this PyTorch build has no torch.distributed (FSDP2 shards "
             "through it); install a build with it, or use trainer.strategy=auto"
         )
+    if sharded:
+        mesh_shape(replicate, ranks)
     if batch_size % ranks.world:
         raise ConfigError(
             f"trainer.batch_size={batch_size}: the global batch must divide by the {ranks.world} "

@@ -4,16 +4,20 @@ Units, innermost first (each is all-gathered before its forward and freed after,
 reduce-scattered after its backward): a BatchNorm that the mode keeps in fp32 (its own fp32 unit),
 each GPT block, each ResNet stage (torchvision's layer1..layer4), then the root, which holds the
 rest (embeddings and the tied head, the stem, the classifier). Each unit's MixedPrecisionPolicy is
-the precision mode's (precision/sharded.py). The mesh is one dimension over every rank of the job
-(a 1-rank job is FSDP's code path on one rank). fully_shard turns the parameters into DTensor shards
-in place, so the optimizer must be built after it, on them (train/build.py's order).
+the precision mode's (precision/sharded.py). The mesh (runtime/dist.mesh_shape, from
+trainer.replicate) is one dimension over every rank of the job (a 1-rank job is FSDP's code path on
+one rank), or HSDP's two, ("replicate", "shard"): each parameter is sharded over the ranks of a
+replica (a node, by default) and each replica holds all of it; after backward FSDP reduce-scatters
+the gradients within a replica, then all-reduces the shards across replicas. fully_shard turns the
+parameters into DTensor shards in place (placements (Shard(0),), or (Replicate(), Shard(0)) under
+HSDP), so the optimizer must be built after it, on them (train/build.py's order).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as tdist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -29,9 +33,24 @@ def units(model: nn.Module) -> list[nn.Module]:
     return [m for name, m in model.named_children() if name.startswith("layer")]
 
 
-def shard(model: nn.Module, cfg: PrecisionConfig, device: torch.device) -> nn.Module:
-    """fully_shard `model` in place over every rank of the job (see above); returns it."""
-    mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
+def device_mesh(device: torch.device, shape: tuple[int, ...] | None = None) -> DeviceMesh:
+    """The job's device mesh: 1-D over every rank (shape None or (world,)), or HSDP's 2-D
+    (replicas, ranks per replica), its dimensions named "replicate" and "shard"."""
+    if shape is None or len(shape) == 1:
+        return init_device_mesh(device.type, (tdist.get_world_size(),))
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def mesh_record(shape: tuple[int, ...]) -> dict:
+    """What summary.json says of a mesh shape: its replicas and the ranks each shards over."""
+    return {"replicate": 1 if len(shape) == 1 else shape[0], "shard": shape[-1]}
+
+
+def shard(model: nn.Module, cfg: PrecisionConfig, device: torch.device,
+          shape: tuple[int, ...] | None = None) -> nn.Module:
+    """fully_shard `model` in place over the mesh of `shape` (runtime/dist.mesh_shape; None: 1-D
+    over every rank; see above); returns it."""
+    mesh = device_mesh(device, shape)
     for m in model.modules():
         if sharded.keeps_fp32(cfg, m):
             fully_shard(m, mesh=mesh, mp_policy=sharded.fp32_unit(cfg))
@@ -47,7 +66,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The bytes of parameters, gradients (as they are now: none after zero_grad) and optimizer
-    state that this rank holds: with N ranks about 1/N of one process's."""
+    state that this rank holds: with N ranks per replica about 1/N of one process's (the local
+    shard of a DTensor, whose replicate dimension, under HSDP, keeps a whole shard on each)."""
     size = lambda t: local(t).numel() * local(t).element_size()   # noqa: E731
     params = {id(p): p for p in model.parameters()}.values()   # a tied weight once
     state = [v for s in optimizer.state.values() for v in s.values()
