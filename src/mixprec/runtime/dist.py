@@ -5,7 +5,9 @@ Where the ranks come from (`from_env`): torchrun sets RANK, WORLD_SIZE, LOCAL_RA
 MASTER_ADDR/PORT; a hydra-submitit-launcher job with `tasks_per_node=N` runs N tasks whose rank
 comes from submitit's JobEnvironment (SLURM_PROCID/SLURM_LOCALID on Slurm, SUBMITIT_LOCAL_* locally)
 and whose rendezvous is the job's first host and a port derived from the job id. One rank
-(WORLD_SIZE unset or 1) is the ordinary single-process job.
+(WORLD_SIZE unset or 1) is the ordinary single-process job. The number of nodes (torchrun's
+WORLD_SIZE / LOCAL_WORLD_SIZE, submitit's nodes) gives a sharded job's default device mesh: one
+replica per node (`mesh_shape`, trainer.replicate=auto; HSDP in train/shard.py).
 
 The process group has the gloo backend for CPU tensors and, where an accelerator is available, its
 default backend for its tensors (torch.distributed.get_default_backend_for_device:
