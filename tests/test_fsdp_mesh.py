@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from helpers import ROOT, TINY, compose_config, run_tiny
 from mixprec.config import ConfigError, PrecisionConfig, validate
@@ -172,6 +173,9 @@ def _hsdp_on_rank(rank, folder):
     x = torch.randint(0, 64, (16, 4), generator=torch.Generator().manual_seed(rank))
     out, _ = model(x)   # the bytes with the gradients there, as HeldPeak measures them
     torch.nn.functional.cross_entropy(out.float().reshape(-1, 64), x.reshape(-1)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))   # the loop's clip
+    whole = torch.stack([p.grad.full_tensor().norm() for p in model.parameters()]).norm()
+    seen["norm"] = [float(norm.full_tensor() if isinstance(norm, DTensor) else norm), float(whole)]
     optimizer.step()
     seen["held"] = shard.held_bytes(model, optimizer)
     local = [shard.local(p).detach() for p in model.parameters()]
@@ -215,7 +219,8 @@ def _fp8_scales():
 
 def _resume_on_hsdp(rank, folder):
     """2 steps on the 1-D mesh, a checkpoint, 2 more steps; a model built on HSDP's mesh from
-    another seed, restored from it, takes the same 2 steps: DCP reshards between the meshes."""
+    another seed, restored from it, writes its own checkpoint and takes the same 2 steps; a 1-D
+    model restored from HSDP's checkpoint takes them too: DCP reshards between the meshes."""
     ranks = dist.Ranks(rank=rank, world=2)
     if ranks.main:
         folder.mkdir()
@@ -233,7 +238,14 @@ def _resume_on_hsdp(rank, folder):
     saver = checkpoint.Checkpointer(folder, meta, ranks=ranks, sharded=True)
     saver.parts.update(model=model, optimizer=optimizer)
     saver.restore(checkpoint.read(folder, {}, "cpu", world=2), LoopState())
-    return [straight, [_step(model, policy, optimizer, seed + 10 * rank)[0] for seed in (3, 4)]]
+    saver.save(LoopState())   # HSDP's shards
+    on_hsdp = [_step(model, policy, optimizer, seed + 10 * rank)[0] for seed in (3, 4)]
+    policy, model, optimizer = _gpt(FP32, None, seed=2)
+    saver = checkpoint.Checkpointer(folder, meta, ranks=ranks, sharded=True)
+    saver.parts.update(model=model, optimizer=optimizer)
+    saver.restore(checkpoint.read(folder, {}, "cpu", world=2), LoopState())
+    back = [_step(model, policy, optimizer, seed + 10 * rank)[0] for seed in (3, 4)]
+    return [straight, on_hsdp, back]
 
 
 def test_hsdp_replicas_hold_whole_copies_that_stay_equal(ranks_ran):
@@ -248,19 +260,22 @@ def test_hsdp_replicas_hold_whole_copies_that_stay_equal(ranks_ran):
         assert seen["placements"] == ["Replicate()", "Shard(dim=0)"]
         assert seen["held"] == {"params": 4 * n, "grads": 4 * n, "optimizer": 2 * 4 * n}
         assert seen["spread"] == 0.0 and seen["full_ok"]
+        norm, whole = seen["norm"]   # clip_grad_norm_'s global norm counts each element once
+        assert norm == pytest.approx(whole, rel=1e-6)
 
 
 def test_hsdp_loss_scaling_fp8_scales_and_a_resume_across_meshes(ranks_ran):
     """On HSDP's mesh: an overflow only rank 1's gradient holds is skipped by both ranks
     (ShardedGradScaler all-reduces the found-inf flag over every rank); each float8 weight's scale,
     precomputed after the step, is 448 / amax of the whole weight; a checkpoint written on the 1-D
-    mesh resumes on HSDP's with the same next losses, bit for bit."""
+    mesh resumes on HSDP's, and one written on HSDP's resumes on the 1-D mesh, each with the same
+    next losses, bit for bit."""
     for rank in (0, 1):
         seen = json.loads((ranks_ran / f"hsdp.{rank}").read_text())
         assert seen["amp"] == [[False, 1024.0], [True, 512.0], [False, 512.0]]
         assert len(seen["fp8"]) == 8 and all(seen["fp8"])
-        straight, resumed = seen["resume"]
-        assert resumed == straight
+        straight, on_hsdp, back = seen["resume"]
+        assert on_hsdp == straight and back == straight
 
 
 # ---- torchrun (slow) ----
