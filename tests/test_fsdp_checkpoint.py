@@ -4,6 +4,7 @@ rank writes its shards of the model and optimizer, a resume continues exactly, S
 fp32 weights load into the unsharded model in a plain process."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,9 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
 
+from fakes import on_threads
 from helpers import ROOT, TINY, compose_config
-from mixprec.config import PrecisionConfig, validate
+import mixprec.job
+from mixprec.config import PrecisionConfig, plain_config, validate
 from mixprec.models.gpt import GPT
 from mixprec.precision.sharded import ShardedPolicy, after_steps
 from mixprec.runtime import dist
@@ -130,6 +134,64 @@ def test_a_resume_with_another_world_size_is_one_line(tmp_path):
                             "resume with as many ranks (torchrun --nproc_per_node=2), or delete it "
                             "to start over")
     assert checkpoint.read(tmp_path, {}, "cpu", world=2)["loop"]["step"] == 0
+
+
+def _checkpoint_in(folder, config: dict) -> str:
+    """A 2-rank checkpoint.pt of `config` in `folder`, as rank 0 writes it, naming a folder of DCP
+    shards (one process's: .metadata and __0_0.distcp); the folder's name."""
+    two = SimpleNamespace(main=True, rank=0, world=2, gather=lambda obj: [obj, obj])
+    checkpoint.Checkpointer(folder, {"config": config, "device_type": "cpu"},
+                            ranks=two).save(LoopState())
+    ckpt = torch.load(folder / checkpoint.CHECKPOINT, weights_only=True)
+    ckpt["shards"] = name = checkpoint.SHARDS + "0.1"
+    torch.save(ckpt, folder / checkpoint.CHECKPOINT)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=folder / name, no_dist=True)
+    return name
+
+
+def unshared_line(path, saw: str, name: str) -> str:
+    return (f"{path}: the ranks do not see the same checkpoint ({saw}); every rank reads it: put "
+            "the job dir on a file system that every node shares, or copy checkpoint.pt and "
+            f"{name}/ into each node's job dir (or delete them on every node to start over)")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # dcp.save, no_dist
+def test_ranks_that_do_not_see_the_same_checkpoint_fail_alike_in_one_line(tmp_path):
+    """trainer.resume=auto on 2 ranks (threads whose collectives meet, tests/fakes.py), each with
+    its own job dir (nodes without a shared file system): where rank 1 sees no checkpoint, or
+    its shards folder lacks a file, every rank fails in the same one line naming what each rank
+    saw and what to do, before any load (rank 0 would load while rank 1 started over, and the
+    first collective would pair different calls); a job dir both ranks see resumes on both."""
+    cfg = compose_config(*TINY, "trainer.resume=auto")
+    config, plain = validate(cfg), plain_config(cfg)
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node1.mkdir()
+    name = _checkpoint_in(node0, plain)
+
+    def opened(dirs):
+        return on_threads(lambda ranks: mixprec.job.open_job_dir(config, {"config": plain},
+                                                          dirs[ranks.rank], "cpu", ranks))
+    seen0 = f"checkpoint.pt of step 0 and {name}/"
+    errors = opened([node0, node1])
+    for rank, node in enumerate((node0, node1)):
+        assert isinstance(errors[rank], checkpoint.CheckpointError), errors
+        assert str(errors[rank]) == unshared_line(
+            node / "checkpoint.pt", f"rank 0: {seen0}; rank 1: no checkpoint.pt", name)
+    shutil.copy(node0 / checkpoint.CHECKPOINT, node1)
+    (node1 / name).mkdir()
+    shutil.copy(node0 / name / ".metadata", node1 / name)
+    errors = opened([node0, node1])
+    assert str(errors[1]) == unshared_line(
+        node1 / "checkpoint.pt", f"rank 0: {seen0}; rank 1: checkpoint.pt of step 0 "
+        f"({name}/__0_0.distcp missing)", name)
+    both = opened([node0, node0])
+    assert [r["shards"] for r in both] == [name, name], both
+
+
+def test_rank_lists_are_short():
+    assert checkpoint.rank_list([3]) == "rank 3"
+    assert checkpoint.rank_list([0, 2]) == "ranks 0, 2"
+    assert checkpoint.rank_list([0, 1, 2, 3, 5, 6]) == "ranks 0-3, 5, 6"
 
 
 def test_resume_auto_is_a_sharded_jobs_choice():
