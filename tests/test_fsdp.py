@@ -122,10 +122,15 @@ def on_ranks(fn, *args, world=2):
 def checks_on_rank(rank, folder):
     """What the spawned-rank tests read (conftest.py's ranks_ran), made in one spawn of 2 ranks
     (each spawn costs a process start and torch's import): the per-rank bytes, the overflow, the FP8
-    all-gather, a sharded checkpoint's exact resume (tests/test_fsdp_checkpoint.py)."""
-    from test_fsdp_checkpoint import _save_and_resume_on_rank   # it imports this module
+    all-gather, a sharded checkpoint's exact resume and ranks that see different checkpoints
+    (tests/test_fsdp_checkpoint.py)."""
+    from test_fsdp_checkpoint import (   # it imports this module
+        _save_and_resume_on_rank,
+        _unshared_on_rank,
+    )
 
-    for fn in (_bytes_on_rank, _overflow_on_rank, _fp8_on_rank, _save_and_resume_on_rank):
+    for fn in (_bytes_on_rank, _overflow_on_rank, _fp8_on_rank, _save_and_resume_on_rank,
+               _unshared_on_rank):
         fn(rank, folder)
 
 

@@ -25,7 +25,7 @@ from mixprec.precision.sharded import ShardedPolicy, after_steps
 from mixprec.runtime import dist
 from mixprec.train import checkpoint, shard
 from mixprec.train.loop import LoopState
-from test_fsdp import GPT_TINY, free_port, job, rows, weights
+from test_fsdp import GPT_TINY, free_port, job, rows, torchrun, weights
 
 FP32 = PrecisionConfig(name="fp32")
 
@@ -69,6 +69,40 @@ def _save_and_resume_on_rank(rank, folder):
     resumed = [_step(model, optimizer, seed) for seed in (3, 4)]
     same = all(torch.equal(v.full_tensor(), whole[k]) for k, v in model.state_dict().items())
     (folder / f"resume.{rank}").write_text(json.dumps([straight, resumed, same]))
+
+
+def _unshared_on_rank(rank, folder):
+    """After _save_and_resume_on_rank: rank 0 reads the 2-rank checkpoint in `folder`, rank 1 a job
+    dir of its own (a node without the shared file system): empty, then with checkpoint.pt and a
+    shards folder that lacks rank 0's file. What each rank's read_agreed raised."""
+    ranks, node = dist.Ranks(rank=rank, world=2), folder / "node1"
+    lines = []
+    for _ in range(2):
+        if rank == 1 and node.exists():   # the second round: a copy without __0_0.distcp
+            name = torch.load(folder / checkpoint.CHECKPOINT, weights_only=True)["shards"]
+            shutil.copy(folder / checkpoint.CHECKPOINT, node)
+            shutil.copytree(folder / name, node / name, ignore=shutil.ignore_patterns("__0_*"))
+        node.mkdir(exist_ok=True)
+        try:
+            checkpoint.read_agreed(folder if rank == 0 else node, {}, "cpu", ranks)
+            lines.append(None)
+        except checkpoint.CheckpointError as e:
+            lines.append(str(e))
+    (folder / f"unshared.{rank}").write_text(json.dumps(lines))
+
+
+def test_two_gloo_ranks_that_see_different_checkpoints_fail_alike(ranks_ran):
+    """The agreement above between 2 real gloo ranks (the session's spawn): rank 1 without the
+    checkpoint, then with a shards folder that lacks rank 0's file; both ranks raise the line."""
+    name = torch.load(ranks_ran / checkpoint.CHECKPOINT, weights_only=True)["shards"]
+    step = torch.load(ranks_ran / checkpoint.CHECKPOINT, weights_only=True)["loop"]["step"]
+    seen0 = f"rank 0: checkpoint.pt of step {step} and {name}/"
+    for rank, node in ((0, ranks_ran), (1, ranks_ran / "node1")):
+        first, second = json.loads((ranks_ran / f"unshared.{rank}").read_text())
+        path = node / "checkpoint.pt"
+        assert first == unshared_line(path, f"{seen0}; rank 1: no checkpoint.pt", name)
+        assert second == unshared_line(path, f"{seen0}; rank 1: checkpoint.pt of step {step} "
+                                       f"({name}/__0_0.distcp missing)", name)
 
 
 def test_sharded_checkpoint_every_rank_its_shards_and_an_exact_resume(ranks_ran):
@@ -206,12 +240,13 @@ LONG = [*[o for o in GPT_TINY if not o.startswith(("trainer.max_steps", "trainer
         "optimizer.lr=3e-3", "precision=amp_bf16", "trainer.strategy=fsdp"]
 
 
-def _signal_in_epoch_2(args, out, cwd):
+def _signal_in_epoch_2(args, out, cwd, run_dir=None):
     """torchrun a 2-rank job, SIGTERM it (torchrun forwards it to both ranks) once it has logged a
-    training row of epoch 2, and wait for it to end; its return code."""
+    training row of epoch 2, and wait for it to end; its return code. run_dir: hydra.run.dir when
+    it is not `out` (rank 0's job dir)."""
     env_args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                 f"--master_port={free_port()}", str(ROOT / "train.py"), *args,
-                f"hydra.run.dir={out}"]
+                f"hydra.run.dir={run_dir or out}"]
     env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     p = subprocess.Popen(env_args, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT)
@@ -274,6 +309,27 @@ def test_a_sharded_resume_on_another_world_size_is_refused_in_one_line(tmp_path)
     assert s["error"] == (f"{out / 'checkpoint.pt'}: written by 2 rank(s), this job has 1; resume "
                           "with as many ranks (torchrun --nproc_per_node=2), or delete it to start "
                           "over"), r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_sharded_resume_whose_ranks_have_their_own_job_dirs_fails_in_one_line(tmp_path):
+    """torchrun with each rank's job dir its own (hydra.run.dir ends in LOCAL_RANK: nodes without a
+    shared file system, on one machine). SIGTERM leaves checkpoint.pt and DCP's metadata in rank
+    0's dir and rank 1's shard file in rank 1's; trainer.resume=auto then ends both ranks in one
+    line, said once by rank 0, instead of rank 0 waiting in the collective load for rank 1."""
+    own = f"{tmp_path / 'node'}${{oc.env:LOCAL_RANK}}"
+    node0 = tmp_path / "node0"
+    _signal_in_epoch_2(LONG, node0, tmp_path, run_dir=own)
+    ckpt = torch.load(node0 / checkpoint.CHECKPOINT, weights_only=True)
+    name, step = ckpt["shards"], ckpt["loop"]["step"]
+    assert (tmp_path / "node1" / name / "__1_0.distcp").exists()
+    r = torchrun([*LONG, "trainer.resume=auto", f"hydra.run.dir={own}"], tmp_path, timeout=180)
+    line = unshared_line(node0 / "checkpoint.pt", f"rank 0: checkpoint.pt of step {step} "
+                         f"({name}/__1_0.distcp missing); rank 1: no checkpoint.pt", name)
+    s = json.loads((node0 / "summary.json").read_text())
+    assert r.returncode != 0 and s["status"] == "failed" and s["error"] == line
+    assert r.stderr.count(f"mixprec: the job failed: {line}") == 1, r.stderr[-3000:]
+    assert "[rank 1]" not in r.stderr   # rank 1 ends with rank 0's line, saying nothing of its own
 
 
 @pytest.mark.gpu

@@ -75,11 +75,13 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(ValueError):
     """A checkpoint or summary.json that cannot be used; the message names the file and what to
-    do. `seen`: what this rank saw, in a few words, for the ranks' agreement (read_agreed)."""
+    do. `seen`: what this rank saw, in a few words, and `shards` the folder its checkpoint.pt
+    names, for the ranks' agreement (read_agreed)."""
 
-    def __init__(self, message: str, seen: str = "a checkpoint.pt it cannot use"):
+    def __init__(self, message: str, seen: str = "a checkpoint.pt it cannot use",
+                 shards: str | None = None):
         super().__init__(message)
-        self.seen = seen
+        self.seen, self.shards = seen, shards
 
 
 # -- what a job dir holds --------------------------------------------------------------------------
@@ -133,7 +135,8 @@ def read(out_dir: Path, config: dict, device_type: str, world: int = 1) -> dict 
     gap = shards and shards_gap(Path(out_dir) / shards)
     if gap:
         raise CheckpointError(f"{path}: its shards are not whole ({gap}); {fix}",
-                              seen=f"checkpoint.pt of step {ckpt['loop']['step']} ({gap})")
+                              seen=f"checkpoint.pt of step {ckpt['loop']['step']} ({gap})",
+                              shards=shards)
     diff = config_diff(ckpt["config"], config)
     if diff:
         raise CheckpointError(
@@ -169,7 +172,7 @@ def read_agreed(out_dir: Path, config: dict, device_type: str, ranks: Ranks) -> 
             f"checkpoint.pt of step {ckpt['loop']['step']}"
             + (f" and {ckpt['shards']}/" if ckpt.get("shards") else ""), ckpt.get("shards"))
     except CheckpointError as e:
-        ckpt, error, seen = None, e, (e.seen, None)
+        ckpt, error, seen = None, e, (e.seen, e.shards)
     views = ranks.gather(seen)
     if len({text for text, _ in views}) > 1:
         raise CheckpointError(unshared_error(Path(out_dir) / CHECKPOINT, views))
