@@ -9,12 +9,15 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, run_tiny
+from helpers import ROOT, compose_config, run_tiny
+from mixprec.config import validate
 from mixprec.models.gpt import GPT
 from mixprec.report.analyse import fsdp_rows, sweep_rows
 from mixprec.report.render import Doc, format_table, fsdp_section
 from mixprec.train import checkpoint
+from test_compile import traced_only
 from test_fsdp import GPT_TINY, free_port, job
+from test_presets import sweep_params
 
 ADAMW = ["optimizer=adamw", "optimizer.lr=3e-3", "trainer.max_steps=4"]
 
@@ -89,11 +92,45 @@ def test_report_section_sets_bf16_reduction_against_its_fp32_twin():
     assert "dloss vs fp32 reduce" in table[1] and "+0.25" in [c for r in table[2] for c in r]
 
 
+def test_the_fsdp_precision_preset_compiles_every_job():
+    """experiment=fsdp_precision compiles its jobs: trainer.compile=default in every cell of its
+    sweep (precision x reduce dtype; none sets compile otherwise, none refuses it under FSDP), and
+    FSDP takes no prewarm steps."""
+    params = sweep_params("fsdp_precision")
+    assert not [k for k in params if "compile" in k]
+    for precision in params["precision"].split(","):
+        for reduce in params["precision.reduce_dtype"].split(","):
+            config = validate(compose_config("experiment=fsdp_precision", f"precision={precision}",
+                                             f"precision.reduce_dtype={reduce}"))
+            assert config.trainer.compile == "default" and config.trainer.sharded
+            assert config.trainer.prewarm_for("cpu") == config.trainer.prewarm_for("cuda") == 0
+
+
+@pytest.mark.slow
+def test_the_fsdp_precision_presets_fp8_job_compiles_before_the_clock(tmp_path, monkeypatch):
+    """The preset's fp8 job reducing in bfloat16, tiny, on one FSDP rank, as the preset composes
+    it (dynamo's eager backend; about 15 s of tracing through FSDP's hooks on this CPU): every
+    graph is compiled in the warm-up before the clock, none in the timed steps and evaluations, no
+    call runs eagerly, and no prewarm step is taken."""
+    torch._dynamo.reset()
+    made = traced_only(monkeypatch)
+    tiny = [o for o in GPT_TINY if not o.startswith("trainer.max_steps")]
+    s = run_tiny(tmp_path, "experiment=fsdp_precision", "hydra.mode=RUN", "precision=fp8",
+                 "precision.reduce_dtype=bfloat16", "trainer.max_steps=4", base=tiny)
+    assert s["status"] == "completed", s.get("error")
+    assert s["config"]["trainer"]["compile"] == "default"
+    assert s["fp8"]["fsdp_float8_all_gather"] is True
+    m = s["metrics"]
+    assert m["compile_time_s"] > 0 and made == [0] and m["prewarm_time_s"] == 0
+    assert m["compiled_graphs"] >= 1 and m["eager_calls"] == 0
+
+
 @pytest.mark.slow
 def test_the_fsdp_precision_preset_sweeps_under_torchrun(tmp_path):
     """torchrun --nproc_per_node=2 train.py experiment=fsdp_precision at a tiny size: the six jobs
     (fp32, amp_bf16, fp8 x float32, bfloat16 reduction) complete on 2 gloo ranks in one sweep dir,
-    the fp8 jobs all-gather in float8, and the sweep's report has the FSDP section."""
+    each compiled (inductor, before the clock: no call ran eagerly), the fp8 jobs all-gather in
+    float8, and the sweep's report has the FSDP section."""
     tiny = [o for o in GPT_TINY if not o.startswith(("logger", "trainer.max_steps"))]
     env = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline", OMP_NUM_THREADS="1")
     env.pop("MIXPREC_RUN_TIME", None)
@@ -110,6 +147,10 @@ def test_the_fsdp_precision_preset_sweeps_under_torchrun(tmp_path):
     assert cells == {(p, d) for p in ("fp32", "amp_bf16", "fp8") for d in ("float32", "bfloat16")}
     assert all(s["fp8"]["fsdp_float8_all_gather"] for s in summaries
                if s["choices"]["precision"] == "fp8")
+    for s in summaries:
+        m = s["metrics"]
+        assert s["config"]["trainer"]["compile"] == "default" and m["compile_time_s"] > 0
+        assert m["compiled_graphs"] >= 1 and m["eager_calls"] == 0, m
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
     assert "Sharded jobs (FSDP): bf16 against fp32 gradient reduction" in report
     assert "MB/rank p+g+o" in r.stdout
