@@ -11,22 +11,14 @@ import torch
 
 from helpers import ROOT, compose_config, run_tiny
 from mixprec.config import validate
-from mixprec.models.gpt import GPT
 from mixprec.report.analyse import fsdp_rows, sweep_rows
 from mixprec.report.render import Doc, format_table, fsdp_section
 from mixprec.train import checkpoint
 from test_compile import traced_only
-from test_fsdp import GPT_TINY, free_port, job
+from test_fsdp import GPT_TINY, assert_one_rank_fsdp_job, free_port, job, whole_bytes
 from test_presets import sweep_params
 
 ADAMW = ["optimizer=adamw", "optimizer.lr=3e-3", "trainer.max_steps=4"]
-
-
-def whole_bytes() -> dict:
-    """One process's bytes of the tiny GPT's parameters, gradients and AdamW's two moments (fp32;
-    the tied embedding once)."""
-    n = sum(p.numel() for p in {id(p): p for p in GPT(64, 2, 2, 32, 16).parameters()}.values())
-    return {"params": 4 * n, "grads": 4 * n, "optimizer": 2 * 4 * n}
 
 
 def test_summary_says_strategy_dtypes_and_each_ranks_held_bytes(tmp_path):
@@ -44,9 +36,8 @@ def test_summary_says_strategy_dtypes_and_each_ranks_held_bytes(tmp_path):
     half = {k: v // 2 for k, v in whole_bytes().items()}
     assert d["held_bytes"] == [half, half]
     one = run_tiny(tmp_path / "one", *ADAMW, "trainer.strategy=fsdp", base=GPT_TINY)
-    d1 = one["distributed"]
-    assert (d1["world_size"], d1["param_dtype"], d1["reduce_dtype"]) == (1, "float32", "float32")
-    assert d1["held_bytes"] == [whole_bytes()]
+    # the checks of the gpu test's 1-GPU FSDP job per mode (tests/test_fsdp.py), on the CPU
+    assert_one_rank_fsdp_job(one, tmp_path / "one", "fp32", "cpu")
     plain = run_tiny(tmp_path / "plain", *ADAMW, base=GPT_TINY)
     assert "distributed" not in plain   # a single-process record is unchanged
     table = format_table(sweep_rows([two, one, plain]))
