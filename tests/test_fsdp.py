@@ -2,6 +2,7 @@
 gloo ranks under torchrun, 2 spawned gloo ranks for what one job cannot show (per-rank bytes, an
 overflow in one rank's shard), and the one-line refusals."""
 import json
+import math
 import os
 import socket
 import subprocess
@@ -32,6 +33,7 @@ GPT_TINY = [
     "trainer.log_every=2", "trainer.warmup_steps=0", "trainer.device=cpu", "trainer.epochs=1",
 ]
 SGD = ["optimizer=sgd", "optimizer.lr=0.5"]
+GPU_GPT = [o for o in GPT_TINY if not o.startswith("trainer.device")]   # auto: the GPU
 # small_cnn with BatchNorm in eval mode (statistics independent of the split, as tests/test_ddp.py)
 CNN = [*TINY, "trainer.max_steps=4", "trainer.log_every=2", "trainer.deterministic=true",
        "+model.bn_eval=true", "schedule=constant", "optimizer.lr=0.2"]
@@ -112,28 +114,44 @@ def test_fsdp_fp32_equals_ddp_exactly_and_one_process(tmp_path):
     assert_same_weights(weights(tmp_path / "fsdp"), weights(tmp_path / "one"), atol=1e-6)
 
 
-def on_ranks(fn, *args, world=2):
-    """fn(rank, *args) on `world` gloo ranks, spawned: a fork of this process after an in-process
-    FSDP job (its gloo group's threads) can hang."""
-    torch.multiprocessing.start_processes(_rank_main, args=(world, free_port(), fn, args),
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                              reason="NCCL across 2 GPUs needs 2 GPUs")
+
+
+def on_ranks(fn, *args, world=2, backend="gloo"):
+    """fn(rank, *args) on `world` ranks (gloo; "nccl": one GPU each, cuda:rank), spawned: a fork
+    of this process after an in-process FSDP job (its gloo group's threads) can hang."""
+    torch.multiprocessing.start_processes(_rank_main, args=(world, free_port(), fn, args, backend),
                                           nprocs=world, start_method="spawn")
 
 
 def checks_on_rank(rank, folder):
     """What the spawned-rank tests read (conftest.py's ranks_ran), made in one spawn of 2 ranks
     (each spawn costs a process start and torch's import): the per-rank bytes, the overflow, the FP8
-    all-gather, a sharded checkpoint's exact resume (tests/test_fsdp_checkpoint.py), HSDP's 2-D
-    mesh (tests/test_fsdp_mesh.py)."""
-    from test_fsdp_checkpoint import _save_and_resume_on_rank   # they import this module
+    all-gather, a sharded checkpoint's exact resume and ranks that see different checkpoints
+    (tests/test_fsdp_checkpoint.py), HSDP's 2-D mesh (tests/test_fsdp_mesh.py)."""
+    from test_fsdp_checkpoint import (   # it imports this module
+        _save_and_resume_on_rank,
+        _unshared_on_rank,
+    )
     from test_fsdp_mesh import _hsdp_on_rank
 
     for fn in (_bytes_on_rank, _overflow_on_rank, _fp8_on_rank, _save_and_resume_on_rank,
-               _hsdp_on_rank):
+               _unshared_on_rank, _hsdp_on_rank):
         fn(rank, folder)
 
 
-def _rank_main(rank, world, port, fn, args):
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+def gpu_checks_on_rank(rank, folder):
+    """The spawned-rank checks the CPU's ranks_ran makes, on cuda:rank over NCCL: the per-rank
+    bytes and the FP8 all-gather."""
+    for fn in (_bytes_on_rank, _fp8_on_rank):
+        fn(rank, folder, torch.device("cuda", rank))
+
+
+def _rank_main(rank, world, port, fn, args, backend="gloo"):
+    if backend != "gloo":
+        torch.cuda.set_device(rank)
+    tdist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                              world_size=world)
     try:
         fn(rank, *args)
@@ -145,17 +163,26 @@ FP32 = PrecisionConfig(name="fp32")
 
 
 def _gpt_step(model, optimizer, seed=0):
-    """One AdamW step of the tiny GPT on a fixed batch; gradients kept (no zero_grad)."""
+    """One AdamW step of the tiny GPT on a fixed batch (on the model's device); gradients kept (no
+    zero_grad)."""
     x = torch.randint(0, 64, (16, 4), generator=torch.Generator().manual_seed(seed))
+    x = x.to(next(model.parameters()).device)
     out, _ = model(x)
     torch.nn.functional.cross_entropy(out.float().reshape(-1, 64), x.reshape(-1)).backward()
     optimizer.step()
 
 
-def _bytes_on_rank(rank, folder):
+def whole_bytes() -> dict:
+    """One process's bytes of the tiny GPT's parameters, gradients and AdamW's two moments (fp32;
+    the tied embedding once)."""
+    n = sum(p.numel() for p in {id(p): p for p in GPT(64, 2, 2, 32, 16).parameters()}.values())
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 2 * 4 * n}
+
+
+def _bytes_on_rank(rank, folder, device=torch.device("cpu")):
     torch.manual_seed(0)
-    whole = GPT(64, 2, 2, 32, 16)
-    sharded = shard.shard(GPT(64, 2, 2, 32, 16), FP32, torch.device("cpu"))
+    whole = GPT(64, 2, 2, 32, 16).to(device)
+    sharded = shard.shard(GPT(64, 2, 2, 32, 16).to(device), FP32, device)
     held = {}
     for name, model in (("whole", whole), ("sharded", sharded)):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -167,10 +194,14 @@ def _bytes_on_rank(rank, folder):
 def test_each_rank_holds_half_of_the_parameters_gradients_and_optimizer_state(ranks_ran):
     """2 ranks: each holds half of every parameter (dim 0 split; every dim 0 of this GPT is even,
     so exactly half), of its gradient and of AdamW's two moments; the tied embedding counts once."""
+    assert_half_held(ranks_ran)
+
+
+def assert_half_held(folder):
+    """What _bytes_on_rank wrote on 2 ranks: each held half of one process's bytes."""
     for rank in (0, 1):
-        held = json.loads((ranks_ran / f"bytes.{rank}").read_text())
-        n = sum(p.numel() for p in {id(p): p for p in GPT(64, 2, 2, 32, 16).parameters()}.values())
-        assert held["whole"] == {"params": 4 * n, "grads": 4 * n, "optimizer": 2 * 4 * n}
+        held = json.loads((folder / f"bytes.{rank}").read_text())
+        assert held["whole"] == whole_bytes()
         assert held["sharded"] == {k: v // 2 for k, v in held["whole"].items()}
 
 
@@ -333,14 +364,14 @@ def test_gpu_sgd_over_fsdps_dtensors_steps_with_foreach():
 FP8 = PrecisionConfig(name="fp8", autocast_dtype="bfloat16", fp8_recipe="tensorwise")
 
 
-def _fp8_on_rank(rank, folder):
+def _fp8_on_rank(rank, folder, device=torch.device("cpu")):
     """The fp8 GPT sharded as the job builds it (train/build.py: policy, shard, optimizer, the
     scales' step hook), one AdamW step; what each float8 weight would all-gather next."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     torch.manual_seed(0)
-    policy = ShardedPolicy(FP8, torch.device("cpu"))
-    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), FP8, torch.device("cpu"))
+    policy = ShardedPolicy(FP8, device)
+    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)).to(device), FP8, device)
     optimizer = torch.optim.AdamW(policy.optimizer_params(model), lr=1e-2)
     after_steps(model, optimizer, policy.fp8)
     _gpt_step(model, optimizer)
@@ -362,23 +393,56 @@ def test_fp8_weights_are_all_gathered_in_float8_with_scales_precomputed_after_th
     """precision=fp8 under FSDP (torchao's emulation on the CPU): each float8 Linear's shard is
     torchao's WeightWithDynamicFloat8CastTensor, which sends float8_e4m3fn over the all-gather, cast
     with the scale computed after the optimizer step from the whole updated weight (448 / amax)."""
+    assert_float8_all_gather(ranks_ran)
+
+
+def assert_float8_all_gather(folder):
+    """What _fp8_on_rank wrote on 2 ranks: every float8 shard sends float8_e4m3fn, its scale
+    precomputed after the step."""
     for rank in (0, 1):
-        seen = json.loads((ranks_ran / f"fp8.{rank}").read_text())
+        seen = json.loads((folder / f"fp8.{rank}").read_text())
         assert len(seen) == 8   # 4 Linear layers per block; the tied head stays bf16
         assert all(s == {"subclass": True, "sent": "torch.float8_e4m3fn", "scale_ok": True}
                    for s in seen.values()), seen
 
 
+# a test's CPU run and, marked gpu, its run on 2 GPUs over NCCL (skipped with a reason below 2)
+ON_CPU_AND_TWO_GPUS = pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
+
+
+def on_device(device: str) -> list:
+    """The tiny GPT's overrides for 2 ranks on `device`: the CPU (gloo), or cuda (each rank its
+    GPU, NCCL)."""
+    return GPT_TINY if device == "cpu" else GPU_GPT
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_gpu_two_nccl_ranks_hold_half_and_all_gather_float8(tmp_path):
+    """The CPU's spawned-rank checks on 2 GPUs over NCCL (the same code, on cuda:rank): each rank
+    holds half of one process's parameter, gradient and AdamW bytes; every float8 shard sends
+    float8_e4m3fn with the scale precomputed after the step."""
+    on_ranks(gpu_checks_on_rank, tmp_path, backend="nccl")
+    assert_half_held(tmp_path)
+    assert_float8_all_gather(tmp_path)
+
+
 @pytest.mark.slow
-def test_bf16_against_fp32_gradient_reduction_on_the_gpt(tmp_path):
+@ON_CPU_AND_TWO_GPUS
+def test_bf16_against_fp32_gradient_reduction_on_the_gpt(tmp_path, device):
     """precision=amp_bf16 on 2 ranks, gradients reduced in float32 (the default) or bfloat16: both
-    train, and the bf16 reduction moves the run by a small, nonzero amount (measured on this job
-    after 20 AdamW steps: train losses within 2.2e-4, final validation loss 2.7e-5 apart;
-    docs/fsdp.md)."""
-    bf16 = [*GPT_TINY, "precision=amp_bf16", "trainer.strategy=fsdp", "optimizer=adamw",
+    train, each summary records its reduce dtype, and the bf16 reduction moves the run by a small,
+    nonzero amount (measured on the CPU after 20 AdamW steps: train losses within 2.2e-4, final
+    validation loss 2.7e-5 apart; docs/fsdp.md)."""
+    bf16 = [*on_device(device), "precision=amp_bf16", "trainer.strategy=fsdp", "optimizer=adamw",
             "optimizer.lr=3e-3", "trainer.max_steps=20", "trainer.log_every=5"]
     runs = {dt: job([*bf16, f"precision.reduce_dtype={dt}"], tmp_path / dt, tmp_path)
             for dt in ("float32", "bfloat16")}
+    for dt, s in runs.items():
+        d = s["distributed"]
+        assert (d["reduce_dtype"], d["param_dtype"], d["backend"]) == \
+            (dt, "bfloat16", "gloo" if device == "cpu" else "nccl")
     losses = {dt: rows(tmp_path / dt) for dt in runs}
     for dt in runs:
         assert losses[dt][-1] < losses[dt][0] - 0.3, (dt, losses[dt])   # both train
@@ -389,35 +453,55 @@ def test_bf16_against_fp32_gradient_reduction_on_the_gpt(tmp_path):
 
 
 @pytest.mark.slow
-def test_fp8_all_gather_gpt_compiled_on_two_ranks(tmp_path):
+@ON_CPU_AND_TWO_GPUS
+def test_fp8_all_gather_gpt_compiled_on_two_ranks(tmp_path, device):
     """precision=fp8 under FSDP, compiled (trainer.compile=default; about 70 s of inductor on 2 CPU
-    ranks): the float8 weights all-gathered in float8 (torchao's emulation of the matmuls), every
-    step in compiled graphs, and the GPT trains."""
-    s = job([*GPT_TINY, "precision=fp8", "trainer.strategy=fsdp", "trainer.compile=default",
-             "optimizer=adamw", "optimizer.lr=3e-3"], tmp_path / "fp8", tmp_path)
-    assert s["fp8"]["fsdp_float8_all_gather"] is True and s["fp8"]["fp8_emulated"] is True
+    ranks): the float8 weights all-gathered in float8 (torchao's emulation of the matmuls on the
+    CPU and below sm_89), every step in compiled graphs, and the GPT trains."""
+    s = job([*on_device(device), "precision=fp8", "trainer.strategy=fsdp",
+             "trainer.compile=default", "optimizer=adamw", "optimizer.lr=3e-3"],
+            tmp_path / "fp8", tmp_path)
+    emulated = device == "cpu" or torch.cuda.get_device_capability(0) < (8, 9)
+    assert s["fp8"]["fsdp_float8_all_gather"] is True and s["fp8"]["fp8_emulated"] is emulated
     assert s["metrics"]["compiled_graphs"] >= 1 and s["metrics"]["eager_calls"] == 0
     losses = rows(tmp_path / "fp8")
     assert losses[-1] < losses[0]
 
 
-GPU_GPT = [o for o in GPT_TINY if not o.startswith("trainer.device")]   # auto: the GPU
 ADAMW = ["optimizer=adamw", "optimizer.lr=3e-3"]
+# the dtype FSDP all-gathers and computes in, per mode (docs/fsdp.md's table)
+PARAM_DTYPE = {"fp32": "float32", "tf32": "float32", "amp_bf16": "bfloat16", "amp": "float16",
+               "o2": "float16", "apex_fp16": "float16", "fp8": "bfloat16"}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fp32", "tf32", "amp_bf16", "amp", "o2", "apex_fp16", "fp8"])
+@pytest.mark.parametrize("mode", list(PARAM_DTYPE))
 def test_gpu_one_rank_fsdp_job_per_precision_mode(tmp_path, mode):
     """A 1-GPU FSDP job (NCCL in a 1-rank group) per mode FSDP expresses: it completes on cuda:0 in
-    native arithmetic and trains; fp8 all-gathers in float8 (emulated matmuls below sm_89)."""
+    native arithmetic, computes in the mode's dtype and reduces in float32 (summary.json), holds
+    all of one process's fp32 bytes, and trains (finite, falling losses); fp8 all-gathers in float8
+    (emulated matmuls below sm_89)."""
     s = run_tiny(tmp_path, f"precision={mode}", *FSDP, *ADAMW, base=GPU_GPT)
-    assert s["status"] == "completed", s.get("error")
-    assert s["env"]["device"] == "cuda:0" and s["arithmetic"] == "native"
-    losses = rows(tmp_path)
-    assert losses[-1] < losses[0]
+    assert_one_rank_fsdp_job(s, tmp_path, mode, "cuda:0")
     if mode == "fp8":
         native = torch.cuda.get_device_capability(0) >= (8, 9)
         assert s["fp8"]["fsdp_float8_all_gather"] is True and s["fp8"]["fp8_emulated"] is not native
+
+
+def assert_one_rank_fsdp_job(s: dict, job_dir, mode: str, device: str) -> None:
+    """What a completed 1-rank FSDP job of the tiny GPT with AdamW must show: on `device`, native
+    arithmetic, the mode's param dtype and a float32 reduction in its distributed block, every
+    fp32 byte of one process held by its one rank, and finite training and validation losses
+    that fall (tests/test_fsdp_records.py runs it on the CPU)."""
+    assert s["status"] == "completed", s.get("error")
+    assert s["env"]["device"] == device and s["arithmetic"] == "native"
+    d = s["distributed"]
+    assert (d["strategy"], d["world_size"], d["param_dtype"], d["reduce_dtype"]) == \
+        ("fsdp", 1, PARAM_DTYPE[mode], "float32")
+    assert d["held_bytes"] == [whole_bytes()]
+    losses = rows(job_dir)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    assert math.isfinite(s["metrics"]["final_valid_loss"])
 
 
 @pytest.mark.gpu
@@ -430,7 +514,7 @@ def test_gpu_one_rank_fsdp_fp32_equals_one_process(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL across 2 GPUs needs 2 GPUs")
+@TWO_GPUS
 def test_gpu_two_nccl_ranks_fsdp_equal_one_process_and_skip_alike(tmp_path):
     """The CPU tests' assertions on 2 GPUs (NCCL): fp32 FSDP against one process, and fp16 loss
     scaling skipping the steps and scales of one process."""

@@ -4,6 +4,7 @@ rank writes its shards of the model and optimizer, a resume continues exactly, S
 fp32 weights load into the unsharded model in a plain process."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,15 +14,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
 
+from fakes import on_threads
 from helpers import ROOT, TINY, compose_config
-from mixprec.config import PrecisionConfig, validate
+import mixprec.job
+from mixprec.config import PrecisionConfig, plain_config, validate
 from mixprec.models.gpt import GPT
 from mixprec.precision.sharded import ShardedPolicy, after_steps
 from mixprec.runtime import dist
 from mixprec.train import checkpoint, shard
 from mixprec.train.loop import LoopState
-from test_fsdp import GPT_TINY, free_port, job, rows, weights
+from test_fsdp import GPT_TINY, free_port, job, rows, torchrun, weights
 
 FP32 = PrecisionConfig(name="fp32")
 
@@ -65,6 +69,40 @@ def _save_and_resume_on_rank(rank, folder):
     resumed = [_step(model, optimizer, seed) for seed in (3, 4)]
     same = all(torch.equal(v.full_tensor(), whole[k]) for k, v in model.state_dict().items())
     (folder / f"resume.{rank}").write_text(json.dumps([straight, resumed, same]))
+
+
+def _unshared_on_rank(rank, folder):
+    """After _save_and_resume_on_rank: rank 0 reads the 2-rank checkpoint in `folder`, rank 1 a job
+    dir of its own (a node without the shared file system): empty, then with checkpoint.pt and a
+    shards folder that lacks rank 0's file. What each rank's read_agreed raised."""
+    ranks, node = dist.Ranks(rank=rank, world=2), folder / "node1"
+    lines = []
+    for _ in range(2):
+        if rank == 1 and node.exists():   # the second round: a copy without __0_0.distcp
+            name = torch.load(folder / checkpoint.CHECKPOINT, weights_only=True)["shards"]
+            shutil.copy(folder / checkpoint.CHECKPOINT, node)
+            shutil.copytree(folder / name, node / name, ignore=shutil.ignore_patterns("__0_*"))
+        node.mkdir(exist_ok=True)
+        try:
+            checkpoint.read_agreed(folder if rank == 0 else node, {}, "cpu", ranks)
+            lines.append(None)
+        except checkpoint.CheckpointError as e:
+            lines.append(str(e))
+    (folder / f"unshared.{rank}").write_text(json.dumps(lines))
+
+
+def test_two_gloo_ranks_that_see_different_checkpoints_fail_alike(ranks_ran):
+    """The agreement above between 2 real gloo ranks (the session's spawn): rank 1 without the
+    checkpoint, then with a shards folder that lacks rank 0's file; both ranks raise the line."""
+    name = torch.load(ranks_ran / checkpoint.CHECKPOINT, weights_only=True)["shards"]
+    step = torch.load(ranks_ran / checkpoint.CHECKPOINT, weights_only=True)["loop"]["step"]
+    seen0 = f"rank 0: checkpoint.pt of step {step} and {name}/"
+    for rank, node in ((0, ranks_ran), (1, ranks_ran / "node1")):
+        first, second = json.loads((ranks_ran / f"unshared.{rank}").read_text())
+        path = node / "checkpoint.pt"
+        assert first == unshared_line(path, f"{seen0}; rank 1: no checkpoint.pt", name)
+        assert second == unshared_line(path, f"{seen0}; rank 1: checkpoint.pt of step {step} "
+                                       f"({name}/__0_0.distcp missing)", name)
 
 
 def test_sharded_checkpoint_every_rank_its_shards_and_an_exact_resume(ranks_ran):
@@ -132,6 +170,64 @@ def test_a_resume_with_another_world_size_is_one_line(tmp_path):
     assert checkpoint.read(tmp_path, {}, "cpu", world=2)["loop"]["step"] == 0
 
 
+def _checkpoint_in(folder, config: dict) -> str:
+    """A 2-rank checkpoint.pt of `config` in `folder`, as rank 0 writes it, naming a folder of DCP
+    shards (one process's: .metadata and __0_0.distcp); the folder's name."""
+    two = SimpleNamespace(main=True, rank=0, world=2, gather=lambda obj: [obj, obj])
+    checkpoint.Checkpointer(folder, {"config": config, "device_type": "cpu"},
+                            ranks=two).save(LoopState())
+    ckpt = torch.load(folder / checkpoint.CHECKPOINT, weights_only=True)
+    ckpt["shards"] = name = checkpoint.SHARDS + "0.1"
+    torch.save(ckpt, folder / checkpoint.CHECKPOINT)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=folder / name, no_dist=True)
+    return name
+
+
+def unshared_line(path, saw: str, name: str) -> str:
+    return (f"{path}: the ranks do not see the same checkpoint ({saw}); every rank reads it: put "
+            "the job dir on a file system that every node shares, or copy checkpoint.pt and "
+            f"{name}/ into each node's job dir (or delete them on every node to start over)")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # dcp.save, no_dist
+def test_ranks_that_do_not_see_the_same_checkpoint_fail_alike_in_one_line(tmp_path):
+    """trainer.resume=auto on 2 ranks (threads whose collectives meet, tests/fakes.py), each with
+    its own job dir (nodes without a shared file system): where rank 1 sees no checkpoint, or
+    its shards folder lacks a file, every rank fails in the same one line naming what each rank
+    saw and what to do, before any load (rank 0 would load while rank 1 started over, and the
+    first collective would pair different calls); a job dir both ranks see resumes on both."""
+    cfg = compose_config(*TINY, "trainer.resume=auto")
+    config, plain = validate(cfg), plain_config(cfg)
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node1.mkdir()
+    name = _checkpoint_in(node0, plain)
+
+    def opened(dirs):
+        return on_threads(lambda ranks: mixprec.job.open_job_dir(config, {"config": plain},
+                                                          dirs[ranks.rank], "cpu", ranks))
+    seen0 = f"checkpoint.pt of step 0 and {name}/"
+    errors = opened([node0, node1])
+    for rank, node in enumerate((node0, node1)):
+        assert isinstance(errors[rank], checkpoint.CheckpointError), errors
+        assert str(errors[rank]) == unshared_line(
+            node / "checkpoint.pt", f"rank 0: {seen0}; rank 1: no checkpoint.pt", name)
+    shutil.copy(node0 / checkpoint.CHECKPOINT, node1)
+    (node1 / name).mkdir()
+    shutil.copy(node0 / name / ".metadata", node1 / name)
+    errors = opened([node0, node1])
+    assert str(errors[1]) == unshared_line(
+        node1 / "checkpoint.pt", f"rank 0: {seen0}; rank 1: checkpoint.pt of step 0 "
+        f"({name}/__0_0.distcp missing)", name)
+    both = opened([node0, node0])
+    assert [r["shards"] for r in both] == [name, name], both
+
+
+def test_rank_lists_are_short():
+    assert checkpoint.rank_list([3]) == "rank 3"
+    assert checkpoint.rank_list([0, 2]) == "ranks 0, 2"
+    assert checkpoint.rank_list([0, 1, 2, 3, 5, 6]) == "ranks 0-3, 5, 6"
+
+
 def test_resume_auto_is_a_sharded_jobs_choice():
     config = validate(compose_config(*TINY, "trainer.strategy=fsdp", "trainer.resume=auto"))
     assert config.trainer.resume == "auto"
@@ -144,12 +240,13 @@ LONG = [*[o for o in GPT_TINY if not o.startswith(("trainer.max_steps", "trainer
         "optimizer.lr=3e-3", "precision=amp_bf16", "trainer.strategy=fsdp"]
 
 
-def _signal_in_epoch_2(args, out, cwd):
+def _signal_in_epoch_2(args, out, cwd, run_dir=None):
     """torchrun a 2-rank job, SIGTERM it (torchrun forwards it to both ranks) once it has logged a
-    training row of epoch 2, and wait for it to end; its return code."""
+    training row of epoch 2, and wait for it to end; its return code. run_dir: hydra.run.dir when
+    it is not `out` (rank 0's job dir)."""
     env_args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                 f"--master_port={free_port()}", str(ROOT / "train.py"), *args,
-                f"hydra.run.dir={out}"]
+                f"hydra.run.dir={run_dir or out}"]
     env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     p = subprocess.Popen(env_args, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT)
@@ -212,6 +309,27 @@ def test_a_sharded_resume_on_another_world_size_is_refused_in_one_line(tmp_path)
     assert s["error"] == (f"{out / 'checkpoint.pt'}: written by 2 rank(s), this job has 1; resume "
                           "with as many ranks (torchrun --nproc_per_node=2), or delete it to start "
                           "over"), r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_sharded_resume_whose_ranks_have_their_own_job_dirs_fails_in_one_line(tmp_path):
+    """torchrun with each rank's job dir its own (hydra.run.dir ends in LOCAL_RANK: nodes without a
+    shared file system, on one machine). SIGTERM leaves checkpoint.pt and DCP's metadata in rank
+    0's dir and rank 1's shard file in rank 1's; trainer.resume=auto then ends both ranks in one
+    line, said once by rank 0, instead of rank 0 waiting in the collective load for rank 1."""
+    own = f"{tmp_path / 'node'}${{oc.env:LOCAL_RANK}}"
+    node0 = tmp_path / "node0"
+    _signal_in_epoch_2(LONG, node0, tmp_path, run_dir=own)
+    ckpt = torch.load(node0 / checkpoint.CHECKPOINT, weights_only=True)
+    name, step = ckpt["shards"], ckpt["loop"]["step"]
+    assert (tmp_path / "node1" / name / "__1_0.distcp").exists()
+    r = torchrun([*LONG, "trainer.resume=auto", f"hydra.run.dir={own}"], tmp_path, timeout=180)
+    line = unshared_line(node0 / "checkpoint.pt", f"rank 0: checkpoint.pt of step {step} "
+                         f"({name}/__1_0.distcp missing); rank 1: no checkpoint.pt", name)
+    s = json.loads((node0 / "summary.json").read_text())
+    assert r.returncode != 0 and s["status"] == "failed" and s["error"] == line
+    assert r.stderr.count(f"mixprec: the job failed: {line}") == 1, r.stderr[-3000:]
+    assert "[rank 1]" not in r.stderr   # rank 1 ends with rank 0's line, saying nothing of its own
 
 
 @pytest.mark.gpu

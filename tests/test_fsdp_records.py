@@ -9,21 +9,16 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, run_tiny
-from mixprec.models.gpt import GPT
+from helpers import ROOT, compose_config, run_tiny
+from mixprec.config import validate
 from mixprec.report.analyse import fsdp_rows, sweep_rows
 from mixprec.report.render import Doc, format_table, fsdp_section
 from mixprec.train import checkpoint
-from test_fsdp import GPT_TINY, free_port, job
+from test_compile import traced_only
+from test_fsdp import GPT_TINY, assert_one_rank_fsdp_job, free_port, job, whole_bytes
+from test_presets import sweep_params
 
 ADAMW = ["optimizer=adamw", "optimizer.lr=3e-3", "trainer.max_steps=4"]
-
-
-def whole_bytes() -> dict:
-    """One process's bytes of the tiny GPT's parameters, gradients and AdamW's two moments (fp32;
-    the tied embedding once)."""
-    n = sum(p.numel() for p in {id(p): p for p in GPT(64, 2, 2, 32, 16).parameters()}.values())
-    return {"params": 4 * n, "grads": 4 * n, "optimizer": 2 * 4 * n}
 
 
 def test_summary_says_strategy_dtypes_and_each_ranks_held_bytes(tmp_path):
@@ -41,9 +36,8 @@ def test_summary_says_strategy_dtypes_and_each_ranks_held_bytes(tmp_path):
     half = {k: v // 2 for k, v in whole_bytes().items()}
     assert d["held_bytes"] == [half, half]
     one = run_tiny(tmp_path / "one", *ADAMW, "trainer.strategy=fsdp", base=GPT_TINY)
-    d1 = one["distributed"]
-    assert (d1["world_size"], d1["param_dtype"], d1["reduce_dtype"]) == (1, "float32", "float32")
-    assert d1["held_bytes"] == [whole_bytes()]
+    # the checks of the gpu test's 1-GPU FSDP job per mode (tests/test_fsdp.py), on the CPU
+    assert_one_rank_fsdp_job(one, tmp_path / "one", "fp32", "cpu")
     plain = run_tiny(tmp_path / "plain", *ADAMW, base=GPT_TINY)
     assert "distributed" not in plain   # a single-process record is unchanged
     table = format_table(sweep_rows([two, one, plain]))
@@ -89,11 +83,46 @@ def test_report_section_sets_bf16_reduction_against_its_fp32_twin():
     assert "dloss vs fp32 reduce" in table[1] and "+0.25" in [c for r in table[2] for c in r]
 
 
+def test_the_fsdp_precision_preset_compiles_every_job():
+    """experiment=fsdp_precision compiles its jobs: trainer.compile=default in every cell of its
+    sweep (precision x reduce dtype; none sets compile otherwise, none refuses it under FSDP), and
+    FSDP takes no prewarm steps."""
+    params = sweep_params("fsdp_precision")
+    assert not [k for k in params if "compile" in k]
+    for precision in params["precision"].split(","):
+        for reduce in params["precision.reduce_dtype"].split(","):
+            config = validate(compose_config("experiment=fsdp_precision", f"precision={precision}",
+                                             f"precision.reduce_dtype={reduce}"))
+            assert config.trainer.compile == "default" and config.trainer.sharded
+            assert config.trainer.prewarm_for("cpu") == config.trainer.prewarm_for("cuda") == 0
+
+
+@pytest.mark.slow
+def test_the_fsdp_precision_presets_fp8_job_compiles_before_the_clock(tmp_path, monkeypatch):
+    """The preset's fp8 job reducing in bfloat16, tiny, on one FSDP rank, as the preset composes
+    it (dynamo's eager backend; about 15 s of tracing through FSDP's hooks on this CPU): every
+    graph is compiled in the warm-up before the clock, none in the timed steps and evaluations, no
+    call runs eagerly, and no prewarm step is taken."""
+    torch._dynamo.reset()
+    made = traced_only(monkeypatch)
+    tiny = [o for o in GPT_TINY if not o.startswith("trainer.max_steps")]
+    s = run_tiny(tmp_path, "experiment=fsdp_precision", "hydra.mode=RUN", "precision=fp8",
+                 "precision.reduce_dtype=bfloat16", "trainer.max_steps=4", base=tiny)
+    assert s["status"] == "completed", s.get("error")
+    assert s["config"]["trainer"]["compile"] == "default"
+    assert s["fp8"]["fsdp_float8_all_gather"] is True
+    m = s["metrics"]
+    assert m["compile_time_s"] > 0 and made == [0] and m["prewarm_time_s"] == 0
+    assert m["compiled_graphs"] >= 1 and m["eager_calls"] == 0
+
+
 @pytest.mark.slow
 def test_the_fsdp_precision_preset_sweeps_under_torchrun(tmp_path):
     """torchrun --nproc_per_node=2 train.py experiment=fsdp_precision at a tiny size: the six jobs
     (fp32, amp_bf16, fp8 x float32, bfloat16 reduction) complete on 2 gloo ranks in one sweep dir,
-    the fp8 jobs all-gather in float8, and the sweep's report has the FSDP section."""
+    each compiled (inductor, before the clock: no call ran eagerly; about 4 minutes of inductor on
+    a shared 2-core CPU), the fp8 jobs all-gather in float8, and the sweep's report has the FSDP
+    section."""
     tiny = [o for o in GPT_TINY if not o.startswith(("logger", "trainer.max_steps"))]
     env = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline", OMP_NUM_THREADS="1")
     env.pop("MIXPREC_RUN_TIME", None)
@@ -102,7 +131,7 @@ def test_the_fsdp_precision_preset_sweeps_under_torchrun(tmp_path):
                         "experiment=fsdp_precision", *tiny, "trainer.max_steps=10",
                         "logger=none", "schedule=constant", "optimizer.lr=3e-3",
                         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=1500, env=env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     summaries = [json.loads(p.read_text()) for p in (tmp_path / "sweep").glob("*/summary.json")]
     assert len(summaries) == 6 and all(s["status"] == "completed" for s in summaries)
@@ -110,6 +139,10 @@ def test_the_fsdp_precision_preset_sweeps_under_torchrun(tmp_path):
     assert cells == {(p, d) for p in ("fp32", "amp_bf16", "fp8") for d in ("float32", "bfloat16")}
     assert all(s["fp8"]["fsdp_float8_all_gather"] for s in summaries
                if s["choices"]["precision"] == "fp8")
+    for s in summaries:
+        m = s["metrics"]
+        assert s["config"]["trainer"]["compile"] == "default" and m["compile_time_s"] > 0
+        assert m["compiled_graphs"] >= 1 and m["eager_calls"] == 0, m
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
     assert "Sharded jobs (FSDP): bf16 against fp32 gradient reduction" in report
     assert "MB/rank p+g+o" in r.stdout

@@ -239,7 +239,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     warn_if_slow(config, device, profile, emulated)
     try:
         resume = open_job_dir(config, summary, out_dir, device.type, ranks)
-        mirror = open_mirror(config, summary, out_dir, group, name, resume) if ranks.main else None
+        mirror = agreed_mirror(config, summary, out_dir, group, name, resume, ranks)
     # recorded as a failed job, in one line
     except (checkpoint.CheckpointError, RuntimeError) as e:
         summary["error"] = str(e)
@@ -319,7 +319,9 @@ def open_job_dir(
     resume = prior = None
     if config.trainer.resume == "auto":
         prior = checkpoint.prior_summary(out_dir)
-        resume = checkpoint.read(out_dir, summary["config"], device_type, ranks.world)
+        # every rank sees the same checkpoint, or all fail alike in one line (before a
+        # collective load waits for a rank that has none)
+        resume = checkpoint.read_agreed(out_dir, summary["config"], device_type, ranks)
     ranks.barrier()   # every rank has read the dir (rank 0's checkpoint) before rank 0 writes to it
     if not ranks.main:
         return resume
@@ -334,6 +336,28 @@ def open_job_dir(
             f"its last status: {r['previous_status']})"
         )
     return resume
+
+
+def agreed_mirror(config: Config, summary: dict, out_dir: Path, group: str | None, name: str,
+                  resume: dict | None, ranks: dist.Ranks):
+    """Rank 0's W&B mirror (None on the other ranks and without W&B), agreed by every rank: when W&B
+    fails to start on rank 0, every rank ends the job (RuntimeError, said by rank 0) instead of the
+    others going on to wait for rank 0 in the first collective. One small all-reduce, only under
+    logger=wandb on several ranks."""
+    if config.logger.name != "wandb" or config.logger.mode == "disabled":
+        return None
+    mirror = failed = None
+    if ranks.main:
+        try:
+            mirror = open_mirror(config, summary, out_dir, group, name, resume)
+        except Exception as e:   # noqa: BLE001 - said below, in one line, by every rank's job
+            failed = e if isinstance(e, RuntimeError) else RuntimeError(
+                f"W&B could not start the run ({type(e).__name__}: "
+                f"{(str(e).splitlines() or [''])[0]}); logger=none runs without W&B")
+    if ranks.any(failed is not None):
+        raise failed or RuntimeError("W&B could not start the run on rank 0 (its train.log says "
+                                     "why); logger=none runs without W&B")
+    return mirror
 
 
 def open_mirror(

@@ -75,7 +75,13 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(ValueError):
     """A checkpoint or summary.json that cannot be used; the message names the file and what to
-    do."""
+    do. `seen`: what this rank saw, in a few words, and `shards` the folder its checkpoint.pt
+    names, for the ranks' agreement (read_agreed)."""
+
+    def __init__(self, message: str, seen: str = "a checkpoint.pt it cannot use",
+                 shards: str | None = None):
+        super().__init__(message)
+        self.seen, self.shards = seen, shards
 
 
 # -- what a job dir holds --------------------------------------------------------------------------
@@ -126,8 +132,11 @@ def read(out_dir: Path, config: dict, device_type: str, world: int = 1) -> dict 
     if len(ckpt["rng"]) != world:
         raise CheckpointError(world_error(path, len(ckpt["rng"]), world))
     shards = ckpt.get("shards")
-    if shards is not None and not (Path(out_dir) / shards / ".metadata").exists():
-        raise CheckpointError(f"{path}: its shards, {shards}/, are missing; {fix}")
+    gap = shards and shards_gap(Path(out_dir) / shards)
+    if gap:
+        raise CheckpointError(f"{path}: its shards are not whole ({gap}); {fix}",
+                              seen=f"checkpoint.pt of step {ckpt['loop']['step']} ({gap})",
+                              shards=shards)
     diff = config_diff(ckpt["config"], config)
     if diff:
         raise CheckpointError(
@@ -135,6 +144,67 @@ def read(out_dir: Path, config: dict, device_type: str, world: int = 1) -> dict 
             f"or {fix}"
         )
     return ckpt
+
+
+def shards_gap(folder: Path) -> str | None:
+    """What a folder of DCP shards lacks (None: it is whole): its .metadata, or a file the metadata
+    names (a rank may read any of them: DCP writes an item held alike by every rank once)."""
+    if not (folder / ".metadata").exists():
+        return f"{folder.name}/.metadata missing"
+    try:
+        meta = dcp.FileSystemReader(folder).read_metadata()
+    except Exception:   # truncated or garbage: the reason is the file   # noqa: BLE001
+        return f"{folder.name}/.metadata unreadable"
+    files = sorted({info.relative_path for info in meta.storage_data.values()})
+    lost = [name for name in files if not (folder / name).exists()]
+    return f"{folder.name}/{', '.join(lost)} missing" if lost else None
+
+
+def read_agreed(out_dir: Path, config: dict, device_type: str, ranks: Ranks) -> dict | None:
+    """read() on every rank, then agreed (a gather: every rank has read the dir before rank 0
+    writes to it): every rank gets the same checkpoint, or None, or the same CheckpointError. Ranks
+    that see different things (a job dir on each node's own disk, a checkpoint deleted on one
+    node) all fail in one line naming what each rank saw, before a collective load would wait
+    for a rank that has nothing to load."""
+    try:
+        ckpt, error = read(out_dir, config, device_type, ranks.world), None
+        seen = ("no checkpoint.pt", None) if ckpt is None else (
+            f"checkpoint.pt of step {ckpt['loop']['step']}"
+            + (f" and {ckpt['shards']}/" if ckpt.get("shards") else ""), ckpt.get("shards"))
+    except CheckpointError as e:
+        ckpt, error, seen = None, e, (e.seen, e.shards)
+    views = ranks.gather(seen)
+    if len({text for text, _ in views}) > 1:
+        raise CheckpointError(unshared_error(Path(out_dir) / CHECKPOINT, views))
+    if error is not None:
+        raise error
+    return ckpt
+
+
+def unshared_error(path: Path, views: list) -> str:
+    """The one line for ranks that do not see the same checkpoint: what each saw, what to do."""
+    by_view: dict = {}
+    for rank, (text, _) in enumerate(views):
+        by_view.setdefault(text, []).append(rank)
+    saw = "; ".join(f"{rank_list(r)}: {text}" for text, r in by_view.items())
+    shards = next((s for _, s in views if s), None)
+    copy = f"{CHECKPOINT} and {shards}/" if shards else CHECKPOINT
+    return (f"{path}: the ranks do not see the same checkpoint ({saw}); every rank reads it: put "
+            f"the job dir on a file system that every node shares, or copy {copy} into each "
+            "node's job dir (or delete them on every node to start over)")
+
+
+def rank_list(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0, 2', 'ranks 1-7': ascending rank numbers in a few words."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run))
+                     for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def world_error(path: Path, written: int, world: int) -> str:
