@@ -1,4 +1,8 @@
 """pytest's fixtures and the gpu marker's skip; the shared helpers are in helpers.py."""
+import fcntl
+import os
+import shutil
+
 import pytest
 
 from helpers import run_tiny
@@ -27,9 +31,20 @@ def tiny(tmp_path):
 @pytest.fixture(scope="session")
 def ranks_ran(tmp_path_factory):
     """The folder where 2 spawned gloo ranks wrote what the FSDP checks without a job read
-    (tests/test_fsdp.py's checks_on_rank): one spawn for the session."""
+    (tests/test_fsdp.py's checks_on_rank): one spawn for the session, shared by pytest-xdist's
+    workers (-n 2) under a file lock (the first worker to ask spawns; the other waits and reads):
+    one spawn's CPU, not one per worker."""
     from test_fsdp import checks_on_rank, on_ranks   # torch.distributed: only where asked for
 
-    folder = tmp_path_factory.mktemp("ranks")
-    on_ranks(checks_on_rank, folder)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent   # the session's folder, above each worker's own
+    folder, done = root / "ranks", root / "ranks.done"
+    with open(root / "ranks.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)   # a spawn that failed: afresh
+            folder.mkdir()
+            on_ranks(checks_on_rank, folder)
+            done.touch()
     return folder

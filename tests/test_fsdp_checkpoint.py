@@ -77,12 +77,13 @@ def _unshared_on_rank(rank, folder):
     shards folder that lacks rank 0's file. What each rank's read_agreed raised."""
     ranks, node = dist.Ranks(rank=rank, world=2), folder / "node1"
     lines = []
-    for _ in range(2):
-        if rank == 1 and node.exists():   # the second round: a copy without __0_0.distcp
+    for second in (False, True):
+        if rank == 1 and second:   # a copy without __0_0.distcp
             name = torch.load(folder / checkpoint.CHECKPOINT, weights_only=True)["shards"]
             shutil.copy(folder / checkpoint.CHECKPOINT, node)
             shutil.copytree(folder / name, node / name, ignore=shutil.ignore_patterns("__0_*"))
-        node.mkdir(exist_ok=True)
+        if rank == 1:   # (rank 0 making it raced rank 1's look for it)
+            node.mkdir(exist_ok=True)
         try:
             checkpoint.read_agreed(folder if rank == 0 else node, {}, "cpu", ranks)
             lines.append(None)
