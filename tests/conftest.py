@@ -23,6 +23,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2` (pytest-xdist): each test goes to the worker that is free (work stealing) in place of
+    xdist's default split into fixed chunks, which left one core idle behind the torchrun tests at
+    the end of the quick loop. An explicit --dist other than load is kept."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import WorkStealingScheduling   # only under pytest-xdist
+
+    return WorkStealingScheduling(config, log)
+
+
 @pytest.fixture
 def tiny(tmp_path):
     return lambda *overrides: run_tiny(tmp_path, *overrides)
