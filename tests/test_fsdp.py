@@ -276,6 +276,8 @@ FSDP = ["trainer.strategy=fsdp"]
     (["trainer.compile=reduce-overhead"], "trainer.compile=reduce-overhead: CUDA graphs need fixed "
      "addresses, and FSDP frees and re-gathers the weights every step"),
     (["probe=ranges"], "probe=ranges: the probe's hooks read whole layers"),
+    (["optimizer=sgd", "optimizer.impl=fused"], "optimizer.impl=fused: torch's fused SGD has no "
+     "DTensor rule, and FSDP's parameters are DTensors (trainer.strategy=fsdp)"),
 ])
 def test_what_fsdp_cannot_express_is_refused_in_one_line(overrides, line):
     base = ["logger=none"] if "model=lstm" in overrides else TINY
