@@ -15,6 +15,7 @@ import torch.distributed as tdist
 from helpers import ROOT, TINY, compose_config, run_tiny
 from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.data import build_image_data, pipelines
+from mixprec.job import validate_job
 from mixprec.models.gpt import GPT
 from mixprec.precision.sharded import ShardedPolicy, after_steps
 from mixprec.runtime import dist
@@ -276,12 +277,36 @@ FSDP = ["trainer.strategy=fsdp"]
     (["trainer.compile=reduce-overhead"], "trainer.compile=reduce-overhead: CUDA graphs need fixed "
      "addresses, and FSDP frees and re-gathers the weights every step"),
     (["probe=ranges"], "probe=ranges: the probe's hooks read whole layers"),
+    (["optimizer=sgd", "optimizer.impl=fused"], "optimizer.impl=fused: torch's fused SGD has no "
+     "DTensor rule, and FSDP's parameters are DTensors (trainer.strategy=fsdp)"),
 ])
 def test_what_fsdp_cannot_express_is_refused_in_one_line(overrides, line):
     base = ["logger=none"] if "model=lstm" in overrides else TINY
     with pytest.raises(ConfigError) as e:
         validate(compose_config(*base, *FSDP, *overrides))
     assert str(e.value).startswith(line) and "\n" not in str(e.value)
+
+
+def sharded_commands(path) -> list[list[str]]:
+    """The overrides of every sharded train.py command in `path`'s bash blocks (continued lines
+    joined; the launcher's and Hydra's own options, and lines with placeholders, left out)."""
+    blocks = path.read_text().split("```bash")[1:]
+    lines = [b.split("```", 1)[0].replace("\\\n", " ") for b in blocks]
+    commands = [c.split("#", 1)[0] for b in lines for c in b.splitlines()]
+    return [[t for t in c.split("train.py", 1)[1].split() if "=" in t and not t.startswith("hydra")]
+            for c in commands if "train.py" in c and "strategy=fsdp" in c
+            and "..." not in c and "[" not in c]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/fsdp.md"])
+def test_the_docs_sharded_commands_make_a_job(doc):
+    """Each sharded command the README and docs/fsdp.md show composes and validates as a job (a
+    GPT needs a text dataset: the commands name one)."""
+    commands = sharded_commands(ROOT / doc)
+    assert commands
+    for overrides in commands:
+        config = validate_job(compose_config(*overrides))
+        assert config.trainer.sharded and config.dataset.is_text, overrides
 
 
 def test_reduce_dtype_is_a_sharded_jobs_choice():

@@ -605,6 +605,9 @@ class Config:
             (tr.compile in ("reduce-overhead", "max-autotune"), f"trainer.compile={tr.compile}: "
              "CUDA graphs need fixed addresses, and FSDP frees and re-gathers the weights every "
              "step (untested under FSDP here); use trainer.compile=default or none"),
+            (self.optimizer.name == "sgd" and self.optimizer.impl == "fused",
+             "optimizer.impl=fused: torch's fused SGD has no DTensor rule, and FSDP's parameters "
+             "are DTensors (trainer.strategy=fsdp); use optimizer.impl=auto or foreach"),
         )
         for refused, line in refusals:
             if refused:
