@@ -83,6 +83,22 @@ def test_report_section_sets_bf16_reduction_against_its_fp32_twin():
     assert "dloss vs fp32 reduce" in table[1] and "+0.25" in [c for r in table[2] for c in r]
 
 
+def test_the_time_ratio_is_the_steady_one_where_both_jobs_have_it():
+    """The float32-reduce job ran first and paid the process's one-time costs in its warm-up
+    steps (train time 10 s against 8 s) while both trained at the same steady rate: the ratio is
+    the steady throughput's (1.0), not the train times' (0.8); without a steady throughput the
+    train times' ratio stays."""
+    steady = {"throughput": 500.0, "throughput_includes_warmup": False}
+    first, twin = _summary(None, 3.25, 10.0), _summary("bfloat16", 3.5, 8.0, job=1)
+    first["metrics"].update(steady)
+    twin["metrics"].update(steady, throughput=400.0)
+    assert {r["job"]: r["time_ratio"] for r in fsdp_rows([twin, first])}[1] == 1.25
+    twin["metrics"]["throughput"] = 500.0
+    assert {r["job"]: r["time_ratio"] for r in fsdp_rows([twin, first])}[1] == 1.0
+    twin["metrics"]["throughput_includes_warmup"] = True
+    assert {r["job"]: r["time_ratio"] for r in fsdp_rows([twin, first])}[1] == 0.8
+
+
 def test_the_fsdp_precision_preset_compiles_every_job():
     """experiment=fsdp_precision compiles its jobs: trainer.compile=default in every cell of its
     sweep (precision x reduce dtype; none sets compile otherwise, none refuses it under FSDP), and

@@ -612,8 +612,19 @@ def fsdp_rows(summaries: list[dict]) -> list[dict]:
             "peak_mem_mb": m.get("peak_memory_mb"),
             "dloss": loss - b["final_valid_loss"] if isinstance(loss, float)
             and isinstance(b.get("final_valid_loss"), float) else None,
-            "time_ratio": t / b["train_time_s"] if t and b.get("train_time_s") else None})
+            "time_ratio": steady_time_ratio(m, b)})
     return sorted(rows, key=lambda r: (precision_key(r["precision"] or ""), r["strategy"]))
+
+
+def steady_time_ratio(m: dict, base: dict) -> float | None:
+    """This job's time per sample over its partner's, from the steady throughput (warm-up steps
+    excluded: the first job of a sweep pays the process's one-time costs there) where both have
+    one, else from the whole train time."""
+    steady = lambda x: x.get("throughput") and not x.get("throughput_includes_warmup", True)  # noqa: E731
+    if steady(m) and steady(base):
+        return base["throughput"] / m["throughput"]
+    t, b = m.get("train_time_s"), base.get("train_time_s")
+    return t / b if t and b else None
 
 
 def reduce_key(summary: dict) -> str:

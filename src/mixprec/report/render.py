@@ -431,11 +431,13 @@ def fsdp_section(d: Doc, rows: list[dict]) -> None:
     d.p(
         "Each sharded job beside the job whose config differs only in precision.reduce_dtype "
         "and reduces in float32: the final validation loss and its difference, the train time "
-        "and its ratio (below 1: faster), and the most MB of parameters + gradients + optimizer "
-        "state one rank held (1/N of one process's with N ranks). Gradient bytes do not change "
-        "with the reduce dtype (each rank keeps an fp32 shard); what a bf16 reduction halves is "
-        "the bytes of the reduce-scatter, which shows in time where the network is the limit "
-        "(NCCL across GPUs or nodes), not on one CPU's gloo ranks."
+        "and the time ratio (time per sample, from the steady throughput with the warm-up steps"
+        " excluded where both jobs have one; below 1: faster), and the most MB of parameters + "
+        "gradients + optimizer state one rank held (1/N of one process's with N ranks). "
+        "Gradient bytes do not change with the reduce dtype (each rank keeps an fp32 shard); "
+        "what a bf16 reduction halves is the bytes of the reduce-scatter, which shows in time "
+        "where the network is the limit (NCCL across GPUs or nodes), not on one CPU's gloo "
+        "ranks."
     )
     d.table([h for _, h, _ in FSDP_COLUMNS], [row_cells(r, FSDP_COLUMNS) for r in rows])
 
