@@ -136,9 +136,11 @@ def test_the_fsdp_precision_presets_fp8_job_compiles_before_the_clock(tmp_path, 
 def test_the_fsdp_precision_preset_sweeps_under_torchrun(tmp_path):
     """torchrun --nproc_per_node=2 train.py experiment=fsdp_precision at a tiny size: the six jobs
     (fp32, amp_bf16, fp8 x float32, bfloat16 reduction) complete on 2 gloo ranks in one sweep dir,
-    each compiled (inductor, before the clock: no call ran eagerly; about 4 minutes of inductor on
-    a shared 2-core CPU), the fp8 jobs all-gather in float8, and the sweep's report has the FSDP
-    section."""
+    the fp8 jobs all-gather in float8, and the sweep's report has the FSDP section. Run eagerly
+    (trainer.compile=none): inductor on the six cells took about 4 minutes of a 2-core CPU; that
+    the preset compiles is test_the_fsdp_precision_preset_compiles_every_job's, that its fp8 job
+    compiles before the clock the next test's, and the compiled fp8 GPT on 2 ranks
+    test_fsdp.py::test_fp8_all_gather_gpt_compiled_on_two_ranks's."""
     tiny = [o for o in GPT_TINY if not o.startswith(("logger", "trainer.max_steps"))]
     env = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline", OMP_NUM_THREADS="1")
     env.pop("MIXPREC_RUN_TIME", None)
@@ -146,8 +148,8 @@ def test_the_fsdp_precision_preset_sweeps_under_torchrun(tmp_path):
                         f"--master_port={free_port()}", str(ROOT / "train.py"),
                         "experiment=fsdp_precision", *tiny, "trainer.max_steps=10",
                         "logger=none", "schedule=constant", "optimizer.lr=3e-3",
-                        f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=1500, env=env)
+                        "trainer.compile=none", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     summaries = [json.loads(p.read_text()) for p in (tmp_path / "sweep").glob("*/summary.json")]
     assert len(summaries) == 6 and all(s["status"] == "completed" for s in summaries)
@@ -155,10 +157,6 @@ def test_the_fsdp_precision_preset_sweeps_under_torchrun(tmp_path):
     assert cells == {(p, d) for p in ("fp32", "amp_bf16", "fp8") for d in ("float32", "bfloat16")}
     assert all(s["fp8"]["fsdp_float8_all_gather"] for s in summaries
                if s["choices"]["precision"] == "fp8")
-    for s in summaries:
-        m = s["metrics"]
-        assert s["config"]["trainer"]["compile"] == "default" and m["compile_time_s"] > 0
-        assert m["compiled_graphs"] >= 1 and m["eager_calls"] == 0, m
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
     assert "Sharded jobs (FSDP): bf16 against fp32 gradient reduction" in report
     assert "MB/rank p+g+o" in r.stdout
