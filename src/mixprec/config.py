@@ -20,6 +20,13 @@ class ConfigError(ValueError):
     """A config value that cannot work. The message is one line meant for the user."""
 
 
+# the one line for fused SGD over FSDP's DTensors: the config's check, and train/optim.py's for the
+# scripts that build an optimizer without it
+FUSED_SGD_SHARDED = ("optimizer.impl=fused: torch's fused SGD has no DTensor rule, and FSDP's "
+                     "parameters are DTensors (trainer.strategy=fsdp); use optimizer.impl=auto or "
+                     "foreach")
+
+
 DType = Literal["float32", "float16", "bfloat16"]
 # model.arch values that are recurrent language models
 RNN_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -605,9 +612,7 @@ class Config:
             (tr.compile in ("reduce-overhead", "max-autotune"), f"trainer.compile={tr.compile}: "
              "CUDA graphs need fixed addresses, and FSDP frees and re-gathers the weights every "
              "step (untested under FSDP here); use trainer.compile=default or none"),
-            (self.optimizer.name == "sgd" and self.optimizer.impl == "fused",
-             "optimizer.impl=fused: torch's fused SGD has no DTensor rule, and FSDP's parameters "
-             "are DTensors (trainer.strategy=fsdp); use optimizer.impl=auto or foreach"),
+            (self.optimizer.name == "sgd" and self.optimizer.impl == "fused", FUSED_SGD_SHARDED),
         )
         for refused, line in refusals:
             if refused:

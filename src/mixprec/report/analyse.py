@@ -597,7 +597,8 @@ def held_cell(summary: dict) -> str | None:
 def fsdp_rows(summaries: list[dict]) -> list[dict]:
     """The sharded jobs' reduction question: each job beside its float32-reduce partner (the job
     whose config differs only in precision.reduce_dtype): final validation loss and its difference,
-    train time and its ratio, per-rank held MB; rows in precision order, fp32 reduction first."""
+    train time, the time ratio (steady_time_ratio), per-rank held MB; rows in precision order, fp32
+    reduction first."""
     sharded = [s for s in summaries if records.sharded(s) and records.completed(s)]
     partners = {reduce_key(s): s for s in sharded
                 if records.sharded(s).get("reduce_dtype") == "float32"}

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..config import ConfigError, OptimizerConfig, ScheduleConfig
+from ..config import FUSED_SGD_SHARDED, ConfigError, OptimizerConfig, ScheduleConfig
 from ..precision.modes import resolve_impl
 
 
@@ -25,10 +25,7 @@ def impl_kwargs(impl: str, params: list, name: str) -> dict:
     )
     no_fused = name == "sgd" and any(isinstance(p, DTensor) for p in tensors)
     if no_fused and impl == "fused":
-        raise ConfigError(
-            "optimizer.impl=fused: torch's fused SGD has no DTensor rule, and FSDP's parameters "
-            "are DTensors (trainer.strategy=fsdp); use optimizer.impl=auto or foreach"
-        )
+        raise ConfigError(FUSED_SGD_SHARDED)
     on_cuda = bool(tensors) and all(p.is_cuda and p.is_floating_point() for p in tensors)
     impl = resolve_impl(impl, on_cuda and not no_fused)
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
