@@ -75,7 +75,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def compose(overrides: list[str]) -> tuple[Config, dict]:
     """The validated config, and the summary fields a job gets from Hydra (choices, overrides,
     config)."""
-    cfg = cli.compose(["logger=none", *overrides], return_hydra_config=True)
+    # speed only: no W&B, no final weights written
+    cfg = cli.compose(["logger=none", "trainer.save_weights=false", *overrides],
+                      return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
     config = validate(cfg)
     modes.check_installed(config.precision)   # fp8's torchao, before any cell is timed

@@ -2,7 +2,7 @@
 accuracies, perplexities, skip counts and verdicts, recorded once and checked after any move.
 
     python scripts/fixed_numbers.py record outputs/reference/fixed_numbers/numbers.json
-    python scripts/fixed_numbers.py check outputs/reference/fixed_numbers/numbers.json [--only NAME
+    python scripts/fixed_numbers.py check [outputs/reference/fixed_numbers/numbers.json] [--only NAME
     ...]
 
 Each job runs `train.py` in a subprocess on the CPU (fp16/bf16 emulated, as a CPU job always is), so
@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "outputs" / "reference" / "fixed_numbers" / "numbers.json"
 
 SMALL_CNN = ["model=small_cnn", "model.width=8", "dataset.train_size=128", "dataset.test_size=64",
              "trainer.batch_size=16", "trainer.eval_batch_size=32", "trainer.max_steps=12",
@@ -131,7 +132,8 @@ def run_all(names: list[str]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("action", choices=["record", "check"])
-    p.add_argument("file", type=Path)
+    p.add_argument("file", type=Path, nargs="?", default=RECORD,
+                   help=f"the record (default: {RECORD.relative_to(ROOT)})")
     p.add_argument("--only", nargs="+", choices=list(CASES), help="cases to run (default: all)")
     args = p.parse_args(argv)
     names = args.only or list(CASES)

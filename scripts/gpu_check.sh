@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The first thing to run on a GPU machine (a user's, or any we get): the environment, the GPU tests, then one short
-# job per precision mode, ending with the sweep's table. Exit status: non-zero when a GPU test failed or a job did
-# not complete. Usage: scripts/gpu_check.sh [extra train.py overrides, e.g. gpu=h100]
+# job per precision mode, ending with the sweep's table. Exit status: 2 when no GPU is visible (or its kernels are
+# missing), 1 when the environment check itself failed (a bug), a GPU test failed or a job did not complete.
+# Usage: scripts/gpu_check.sh [extra train.py overrides, e.g. gpu=h100]
 #   scripts/gpu_check.sh --speed [--dry-run] [--out DIR] [overrides]: the 8-minute speed check instead
 #   (scripts/gpu_speed.py: fp8 against amp_bf16 at width 4096 compiled, the ResNet speed table eager and compiled,
 #   Page's step 10 eager and under reduce-overhead, the GPT in fp32/amp_bf16/fp8)
@@ -15,21 +16,31 @@ fi
 
 echo "== environment"
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv 2>/dev/null || echo "nvidia-smi: not found"
-python - <<'PY' || exit 2
+python - <<'PY'
+import sys
+
 import torch
-from mixprec import hardware
+from mixprec.runtime import hardware
 device = hardware.select_device("auto")
 env = hardware.describe(device)
 print(f"torch {env['torch']}  CUDA {env['cuda']}  cuDNN {env['cudnn']}  python {env['python']}")
 print(f"device {env['device']}: {env['device_name']}, capability {env['capability']}, {env['gpu_memory_gb']} GB")
-if device.type == "cpu":
-    raise SystemExit("gpu_check: no GPU is visible (torch.accelerator); nothing to check")
+if device.type == "cpu":   # exit 2: nothing to check (1: this block failed, a bug)
+    print("gpu_check: no GPU is visible (torch.accelerator); nothing to check", file=sys.stderr)
+    sys.exit(2)
 arch = torch.cuda.get_arch_list()   # CUDA-only (docs/gpus.md: CUDA-only branches): the kernels this wheel carries
 major, minor = map(int, env["capability"].split("."))
 print(f"wheel kernels {arch}")
 if not hardware.has_kernels_for(arch, (major, minor)):   # sm_90a, sm_100f and compute_90 parsed too
-    raise SystemExit(f"gpu_check: this torch build has no kernels for sm_{major}{minor}; see docs/gpus.md (older GPUs)")
+    print(f"gpu_check: this torch build has no kernels for sm_{major}{minor}; see docs/gpus.md (older GPUs)",
+          file=sys.stderr)
+    sys.exit(2)
 PY
+rc=$?
+if [ "$rc" -ne 0 ]; then
+    [ "$rc" -eq 2 ] || echo "gpu_check: the environment check itself failed (exit $rc, above): a bug, not a missing GPU" >&2
+    exit "$rc"
+fi
 
 echo "== pytest -m gpu"   # every gpu-marked test of tests/ (tests/test_gpu_speed.py checks none is left out)
 python -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests/

@@ -64,6 +64,8 @@ class TrainerConfig:
     # unknown): shard within each node, replicate across nodes; N: N replicas, each sharding over
     # world / N ranks (1: every rank shards, a 1-D mesh; the world size: pure replication)
     replicate: Union[int, Literal["auto"]] = "auto"
+    # write the final fp32 weights (model_fp32.pt) of a finished job; false for speed-only jobs
+    save_weights: bool = True
 
     @property
     def sharded(self) -> bool:

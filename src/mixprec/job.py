@@ -482,7 +482,7 @@ def run_parts(
     result["fp8"] = policy.fp8
     final = info.pop("final")   # the weights that were evaluated: the EMA's if any
     # under FSDP gathering the weights is a collective: every rank takes part, rank 0 saves them
-    if result["status"] in checkpoint.FINAL and (ranks.main or tr.sharded):
+    if result["status"] in checkpoint.FINAL and tr.save_weights and (ranks.main or tr.sharded):
         weights = policy.fp32_state_dict(final)
         if ranks.main:
             result["weights"] = checkpoint.save_weights(recorder.out_dir, weights,

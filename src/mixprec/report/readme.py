@@ -10,6 +10,7 @@ the page.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -151,9 +152,18 @@ def _cases(d: Doc, exp: dict) -> None:
     d.table(["case", "precision", "runs", "test acc (%)", "the probe's verdict"], rows)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        sys.exit("usage: python -m mixprec.report.readme <folder of results folders> "
-                 "(rewrites docs/results.md)")
-    write_text_atomic(RESULTS_PAGE, page(Path(sys.argv[1])))
+def main(argv: list[str] | None = None) -> int:
+    """python -m mixprec.report.readme FOLDER: docs/results.md rewritten from FOLDER's results."""
+    ap = argparse.ArgumentParser(prog="python -m mixprec.report.readme",
+                                 description="rewrite docs/results.md from committed results")
+    ap.add_argument("folder", type=Path, help="a folder of results folders (outputs/reference)")
+    folder = ap.parse_args(argv).folder
+    if not folder.is_dir():
+        ap.error(f"{folder}: no such folder")
+    write_text_atomic(RESULTS_PAGE, page(folder))
     print(f"wrote {RESULTS_PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -464,9 +464,12 @@ def load_fp32_model(run_dir: Path):
     run_dir = Path(run_dir)
     summary = prior_summary(run_dir)
     if summary is None or not summary.get("weights"):
+        unsaved = (summary or {}).get("config", {}).get("trainer", {}).get("save_weights") is False
         raise CheckpointError(
             f"{run_dir}: no final weights recorded (summary.json status "
-            f"{(summary or {}).get('status')}); only a finished job has {WEIGHTS}"
+            f"{(summary or {}).get('status')}); "
+            + (f"the job ran with trainer.save_weights=false: run it again without it to get "
+               f"{WEIGHTS}" if unsaved else f"only a finished job has {WEIGHTS}")
         )
     config = validate(summary["config"])
     options = {}

@@ -54,6 +54,7 @@ restored, so the run trains exactly as an uncompiled one would (within inductor'
 """
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import logging
 import signal
@@ -124,7 +125,9 @@ def start_compile_workers() -> None:
         # until the pool is ready inductor compiles in this process (its ptxas in the job's
         # process group, in reach of a SIGTERM): wait for it, outside the training clock
         AsyncCompile.wait_pool_ready(timeout=POOL_WAIT_S)
-    except TimeoutError:
+    # the pool's future raises concurrent.futures.TimeoutError: the builtin from Python 3.11, its
+    # own class on 3.10 (pyproject allows 3.10)
+    except (TimeoutError, concurrent.futures.TimeoutError):
         log.warning(
             f"mixprec: note: inductor's compile workers were not ready after {POOL_WAIT_S} s; "
             "compiling in this process"
