@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from mixprec.runtime import busy, hardware
 from mixprec import cli
 from mixprec.train.loop import Loop, LoopState, fit
-from mixprec.train.compile import compile_model, reset_compile_state
+from mixprec.train.compile import GraphWatch, compile_model, reset_compile_state
 from mixprec.config import Config, ConfigError, plain_config, validate
 from mixprec.data import synthetic_images
 from mixprec.data.pipelines import in_layout
@@ -286,7 +286,8 @@ def cell_config(config: Config, warmup: int, steps: int) -> Config:
 def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> tuple:
     """What a job of this cell's config trains with (job.image_parts' policy, model preparation,
     channels_last, optimizer, compile mode and its refusal of an emulated compile; its busy meter),
-    on a copy of the base model; returns the cell's steps and loop, and the loop's state."""
+    on a copy of the base model; returns the cell's steps and loop, the loop's state, and the
+    GraphWatch that counts a compiled cell's graphs and eager calls."""
     tr = config.trainer
     modes.configure(device, tr, config.precision, config.seed)
     modes.refuse_emulated_compile(
@@ -296,8 +297,9 @@ def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> t
     model, policy, optimizer = built.model, built.policy, built.optimizer
     schedule = build_schedule(config.schedule, optimizer, tr.max_steps)
     steps = CellSteps(compile_model(model, tr.compile), schedule, None)
+    watch = GraphWatch(model, tr.compile)   # the cell's graphs and eager calls
     loop = Loop(policy, optimizer, tr, tr.max_steps, progress=False, busy=busy.meter_for(device))
-    return steps, loop, LoopState()
+    return steps, loop, LoopState(), watch
 
 
 def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.device, warmup: int,
@@ -312,7 +314,7 @@ def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.de
     b, tr = config.trainer.batch_size, config.trainer
     emulated = emulates(config.precision, device)
     with emulation.numerics(emulated):
-        cell, loop, state = cell_parts(config, base, device)
+        cell, loop, state, watch = cell_parts(config, base, device)
         x = in_layout(torch.randn(b, *shape, device=device), tr.channels_last)
         y = torch.randint(0, classes, (b,), device=device)
         result = fit(cell, [(x, y)] * tr.max_steps, loop, state)
@@ -320,7 +322,8 @@ def time_cell(config: Config, base, shape: tuple, classes: int, device: torch.de
         raise RuntimeError(f"the cell's training {result['status']}: {result['reason']}")
     m = result["metrics"]
     peak = None if device.type == "cpu" else hardware.memory_metrics(device)["peak_memory_mb"]
-    return {"samples_per_s": m["throughput"], "step_ms": 1e3 * b / m["throughput"],
+    graphs = watch.finish()   # compiled cells: compiled_graphs, eager_calls
+    return {**graphs, "samples_per_s": m["throughput"], "step_ms": 1e3 * b / m["throughput"],
             "gpu_step_ms": m.get("gpu_step_ms"), "gpu_busy_fraction": m["gpu_busy_fraction"],
             "host_bound": m["host_bound"], "skipped_steps": m["skipped_steps"],
             "peak_memory_mb": peak, "emulated": emulated}

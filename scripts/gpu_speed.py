@@ -350,7 +350,8 @@ def job_rows(out: Path, name: str) -> list[dict]:
                      "page_clock_s": m.get("page_clock_s"),
                      "compile_time_s": m.get("compile_time_s"), "busy": m.get("gpu_busy_fraction"),
                      "acc": m.get("final_test_acc"), "ppl": m.get("final_valid_ppl"),
-                     "error": s.get("error")})
+                     "compiled_graphs": m.get("compiled_graphs"),
+                     "eager_calls": m.get("eager_calls"), "error": s.get("error")})
     return rows
 
 
@@ -359,13 +360,14 @@ def fmt(v, spec: str) -> str:
 
 
 def jobs_markdown(title: str, rows: list[dict], accuracy: bool = True) -> list[str]:
-    head = ["precision", "compile", "seed", "status", "train s", "compile s",
+    head = ["precision", "compile", "seed", "status", "train s", "compile s", "graphs / eager calls",
             "samples or tokens /s", "GPU busy", *(["test acc"] if accuracy else []), "valid ppl",
             "error"]
     lines = [f"## {title}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in rows:
         cells = [r["precision"], r["compile"], r["seed"], r["status"],
                  fmt(r["train_time_s"], ".2f"), fmt(r["compile_time_s"], ".1f"),
+                 f"{fmt(r['compiled_graphs'], 'd')} / {fmt(r['eager_calls'], 'd')}",
                  fmt(r["throughput"], ".0f"), fmt(r["busy"], ".2f"),
                  *([fmt(r["acc"], ".4f")] if accuracy else []), fmt(r["ppl"], ".1f"),
                  (r["error"] or "")[:80]]
@@ -375,6 +377,25 @@ def jobs_markdown(title: str, rows: list[dict], accuracy: bool = True) -> list[s
 
 def ratio(a, b) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def graphs_said(named: dict) -> str:
+    """The compiled jobs (or cells) behind a ratio: each one's compiled_graphs and eager_calls, and
+    a warning where one ran calls eagerly (its time is partly an eager time, the ratio too). ""
+    when none of them was compiled. named: {label: a job row or table cell}."""
+    compiled = {k: r for k, r in named.items() if r and r.get("compiled_graphs") is not None}
+    if not compiled:
+        return ""
+    said = "; ".join(f"{k} {r['compiled_graphs']} graphs, {r['eager_calls']} eager calls"
+                     for k, r in compiled.items())
+    eager = [k for k, r in compiled.items() if r.get("eager_calls")]
+    return (f" [{said}]" + (f" PARTLY EAGER ({', '.join(eager)}): this ratio mixes eager and "
+                            "compiled time" if eager else ""))
+
+
+def dry_answer(question: str, device: str) -> str:
+    """A dry run's line in place of an answer: its figures are tiny CPU jobs, not a measurement."""
+    return f"- {question}: dry run on {device}: not a measurement"
 
 
 def table_rows(out: Path, name: str) -> dict:
@@ -388,9 +409,9 @@ def get(rows: dict, key, field: str = "throughput"):
     return (rows.get(key) or {}).get(field)
 
 
-def table_answers(out: Path) -> list[str]:
-    """amp / fp32 and amp / tf32 at each table's largest batch (256 on a GPU), with amp's GPU busy.
-    """
+def table_answers(out: Path, dry_device: str | None = None) -> list[str]:
+    """amp / fp32 and amp / tf32 at each table's largest batch (256 on a GPU), with amp's GPU busy
+    and each compiled cell's graphs and eager calls; a dry run's line in place of each answer."""
     lines = []
     for name, mode in (("table_eager", "none"), ("table_compiled", "default"),
                        ("table_compiled", "reduce-overhead")):
@@ -402,32 +423,47 @@ def table_answers(out: Path) -> list[str]:
             busy = get(cells, (model, "amp", b, mode), "gpu_busy_fraction")
             tf32 = ("" if not any(k[1] == "tf32" for k in cells)   # the compiled table has none
                     else f", amp / tf32 {ratio(s['amp'], s['tf32'])}")
-            lines.append(f"- {model} batch {b}, compile {mode}: amp / fp32 "
-                         f"{ratio(s['amp'], s['fp32'])}{tf32} "
-                         f"(target amp >= 1.5x fp32); amp's GPU busy {fmt(busy, '.2f')}")
+            question = f"{model} batch {b}, compile {mode}"
+            if dry_device:
+                lines.append(dry_answer(question, dry_device))
+                continue
+            named = {p: cells.get((model, p, b, mode)) for p in ("fp32", "tf32", "amp")}
+            lines.append(f"- {question}: amp / fp32 {ratio(s['amp'], s['fp32'])}{tf32} "
+                         f"(target amp >= 1.5x fp32); amp's GPU busy {fmt(busy, '.2f')}"
+                         f"{graphs_said(named)}")
     return lines
 
 
-def answers(out: Path, steps: dict) -> list[str]:
+WIDE_Q = "fp8 / amp_bf16, 2 x 4096 GPT compiled"
+PAGE_Q = ("Page's step 10 on his clock (training + data preparation, as dawn.py timed it; his "
+          "26 s)")
+GPT_Q = "GPT 12 x 768 eager"
+
+
+def answers(out: Path, steps: dict, dry_device: str | None = None) -> list[str]:
     """The questions' answers in a few lines, each a ratio of two measured figures ("-" where one is
-    missing)."""
+    missing) with its compiled jobs' graphs and eager calls; a dry run (dry_device: the CPU it ran
+    on) says in place of each answer that it is not a measurement."""
+    if dry_device:
+        return ["## Answers", "", dry_answer(WIDE_Q, dry_device),
+                *table_answers(out, dry_device),
+                *[dry_answer(q, dry_device) for q in (PAGE_Q, GPT_Q)], ""]
     by = lambda rows, key: {r[key]: r for r in rows}
     wide = by(job_rows(out, "fp8_wide"), "precision")
     fp8, bf16 = get(wide, "fp8"), get(wide, "amp_bf16")
-    lines = ["## Answers", "", f"- fp8 / amp_bf16, 2 x 4096 GPT compiled: {ratio(fp8, bf16)} "
-             f"({fmt(fp8, '.0f')} against {fmt(bf16, '.0f')} tokens/s; target >= 1)",
-             *table_answers(out)]
+    lines = ["## Answers", "", f"- {WIDE_Q}: {ratio(fp8, bf16)} "
+             f"({fmt(fp8, '.0f')} against {fmt(bf16, '.0f')} tokens/s; target >= 1)"
+             f"{graphs_said(wide)}", *table_answers(out)]
     page = by(job_rows(out, "page10"), "compile")
     acc = (f"; test accuracy {fmt(get(page, 'none', 'acc'), '.4f')} eager, "
            f"{fmt(get(page, 'reduce-overhead', 'acc'), '.4f')} under CUDA graphs"
            if steps.get("page10", {}).get("accuracy") else "")
     clock = lambda mode: (f"{fmt(get(page, mode, 'page_clock_s'), '.2f')} s "
                           f"({fmt(get(page, mode, 'train_time_s'), '.2f')} s training)")
-    lines.append(f"- Page's step 10 on his clock (training + data preparation, as dawn.py timed "
-                 f"it; his 26 s): {clock('none')} eager, {clock('reduce-overhead')} under "
-                 f"reduce-overhead (target <= 4 s){acc}")
+    lines.append(f"- {PAGE_Q}: {clock('none')} eager, {clock('reduce-overhead')} under "
+                 f"reduce-overhead (target <= 4 s){acc}{graphs_said(page)}")
     gpt = by(job_rows(out, "gpt"), "precision")
-    lines.append(f"- GPT 12 x 768 eager: amp_bf16 / fp32 "
+    lines.append(f"- {GPT_Q}: amp_bf16 / fp32 "
                  f"{ratio(get(gpt, 'amp_bf16'), get(gpt, 'fp32'))}, fp8 / fp32 "
                  f"{ratio(get(gpt, 'fp8'), get(gpt, 'fp32'))}")
     return lines + [""]
@@ -439,7 +475,8 @@ def summary_markdown(out: Path, env: dict, steps: list[dict], budget_md: str,
     records."""
     by_name = {s["name"]: s for s in steps}
     lines = [f"# GPU speed check: {env.get('device_name')}, torch {env.get('torch')}, "
-             f"{env.get('date')}", "", f"`{env.get('command')}`", "", *answers(out, by_name),
+             f"{env.get('date')}", "", f"`{env.get('command')}`", "",
+             *answers(out, by_name, env.get("device_name") if env.get("dry_run") else None),
              budget_md.replace("# Time budget", "## Time budget", 1), *data, ""]
     lines += jobs_markdown("FP8 against amp_bf16: a 2 x 4096 GPT (torchao's float8 gains from K, N "
                            ">= 4096), compiled", job_rows(out, "fp8_wide"))

@@ -4,6 +4,7 @@ under a budget of its own that counts its compiles (the budgets within 8 minutes
 data where a dataset is absent, and is rehearsed on the CPU at tiny sizes (--dry-run), graphs
 counted."""
 import json
+import re
 import os
 import shlex
 import subprocess
@@ -188,3 +189,42 @@ def test_a_bad_override_fails_in_one_line_before_any_step(tmp_path, capsys):
     assert code == 2 and len(err) == 1
     assert err[0].startswith("gpu_speed: config error: dataset.datadir: no such key")
     assert not out.exists()   # nothing ran, nothing written
+
+
+def write_job(folder, precision, compile_mode, throughput, graphs=None, eager=None):
+    """A train.py job's summary.json as a speed-check step leaves it."""
+    folder.mkdir(parents=True)
+    metrics = {"throughput": throughput}
+    if graphs is not None:
+        metrics.update(compiled_graphs=graphs, eager_calls=eager)
+    (folder / "summary.json").write_text(json.dumps({
+        "status": "completed", "choices": {"precision": precision}, "metrics": metrics,
+        "config": {"trainer": {"compile": compile_mode}}}))
+
+
+def test_each_answer_names_its_graphs_and_a_partly_eager_ratio_says_so(tmp_path):
+    gs = load_script("gpu_speed")
+    write_job(tmp_path / "fp8_wide" / "0", "amp_bf16", "default", 100.0, 2, 0)
+    write_job(tmp_path / "fp8_wide" / "1", "fp8", "default", 150.0, 2, 37)
+    (line,) = [x for x in gs.answers(tmp_path, {}) if x.startswith("- fp8 / amp_bf16")]
+    assert "1.50x" in line
+    assert "amp_bf16 2 graphs, 0 eager calls; fp8 2 graphs, 37 eager calls" in line
+    assert "PARTLY EAGER (fp8): this ratio mixes eager and compiled time" in line
+    rows = gs.jobs_markdown("t", gs.job_rows(tmp_path, "fp8_wide"))
+    assert any("| 2 / 37 |" in r for r in rows), rows
+
+
+def test_a_dry_run_answers_with_no_ratio(tmp_path):
+    """A dry run's answers are tiny CPU jobs: each says so in place of a figure."""
+    gs = load_script("gpu_speed")
+    write_job(tmp_path / "fp8_wide" / "0", "amp_bf16", "default", 100.0, 2, 0)
+    write_job(tmp_path / "fp8_wide" / "1", "fp8", "default", 27.0, 2, 0)
+    (tmp_path / "table_eager").mkdir()
+    (tmp_path / "table_eager" / "table.json").write_text(json.dumps({"rows": [
+        {"model": "resnet18", "precision": p, "batch": 8, "compile": "none",
+         "samples_per_s": v} for p, v in (("fp32", 10.0), ("amp", 2.7))]}))
+    lines = [x for x in gs.answers(tmp_path, {}, "x86_64") if x.startswith("- ")]
+    assert len(lines) == 4
+    for line in lines:
+        assert line.endswith(": dry run on x86_64: not a measurement"), line
+        assert not re.search(r"\d\.\d\dx", line), line
