@@ -2,8 +2,8 @@
 accuracies, perplexities, skip counts and verdicts, recorded once and checked after any move.
 
     python scripts/fixed_numbers.py record outputs/reference/fixed_numbers/numbers.json
-    python scripts/fixed_numbers.py check [outputs/reference/fixed_numbers/numbers.json] [--only NAME
-    ...]
+    python scripts/fixed_numbers.py check [outputs/reference/fixed_numbers/numbers.json]
+        [--only NAME ...]
 
 Each job runs `train.py` in a subprocess on the CPU (fp16/bf16 emulated, as a CPU job always is), so
 the check goes through the same entry point a user runs, whatever the modules behind it are called.

@@ -360,9 +360,9 @@ def fmt(v, spec: str) -> str:
 
 
 def jobs_markdown(title: str, rows: list[dict], accuracy: bool = True) -> list[str]:
-    head = ["precision", "compile", "seed", "status", "train s", "compile s", "graphs / eager calls",
-            "samples or tokens /s", "GPU busy", *(["test acc"] if accuracy else []), "valid ppl",
-            "error"]
+    head = ["precision", "compile", "seed", "status", "train s", "compile s",
+            "graphs / eager calls", "samples or tokens /s", "GPU busy",
+            *(["test acc"] if accuracy else []), "valid ppl", "error"]
     lines = [f"## {title}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in rows:
         cells = [r["precision"], r["compile"], r["seed"], r["status"],

@@ -253,3 +253,35 @@ def test_compile_workers_not_ready_in_time_is_a_note_on_python_310_too(monkeypat
     with caplog.at_level("WARNING"):
         compile.start_compile_workers()
     assert "compile workers were not ready" in caplog.text
+
+
+def test_a_sweep_job_that_fails_after_a_stop_signal_ends_interrupted_and_stops_the_sweep(
+        tmp_path, monkeypatch):
+    """The quick twin of the SIGTERM-while-compiling sweep test above: a SIGTERM reaches the job,
+    then its step fails (as the compile pool the signal killed fails it): the job ends
+    `interrupted` by the signal with the error kept, and exits with 128 + SIGTERM, which stops a
+    sweep (Hydra's basic launcher runs no further job after a SystemExit)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    from helpers import TINY, compose_config
+    from mixprec.train import images
+
+    def step_after_a_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise RuntimeError("Attempting to use a closed pool")
+
+    monkeypatch.setattr(images, "train_step", step_after_a_signal)
+    cfg = compose_config(*TINY, output_dir=tmp_path / "sweep" / "0")
+    with open_dict(cfg):
+        cfg.hydra.mode, cfg.hydra.sweep.dir = RunMode.MULTIRUN, str(tmp_path / "sweep")
+        cfg.hydra.job.num = 0
+    HydraConfig.instance().set_config(cfg)
+    with pytest.raises(SystemExit) as e:
+        job.run_job(cfg)
+    assert e.value.code == 128 + signal.SIGTERM
+    s = json.loads((tmp_path / "sweep" / "0" / SUMMARY).read_text())
+    assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM", s.get("error")
+    assert s["reason"].startswith("SIGTERM received; the job then stopped on "), s["reason"]
+    assert "closed pool" in s["error"]

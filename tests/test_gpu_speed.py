@@ -50,6 +50,18 @@ def test_gpu_check_runs_every_gpu_marked_test():
                           f"{sorted(left_out)[:5]}")
 
 
+def test_gpu_check_selects_the_gpu_marker_over_the_whole_suite():
+    """The quick twin of the collection test above: gpu_check.sh's pytest selects by the gpu marker
+    alone over all of tests/ (no -k, no file, no deselection: a narrower command leaves gpu tests
+    out), and the marker is the one pyproject declares."""
+    args = gpu_check_pytest_args()
+    output_only = ("-q", "-qq", "-v", "-rA", "-x")
+    selecting = [a for a in args if a not in output_only and not a.startswith("--durations")
+                 and a not in ("-p", "no:cacheprovider")]
+    assert selecting == ["-m", "gpu", "tests/"], selecting
+    assert '"gpu: needs a CUDA GPU' in (ROOT / "pyproject.toml").read_text()
+
+
 def test_the_questions_come_in_order_of_value_each_with_its_budget(tmp_path):
     gs = load_script("gpu_speed")
     steps = gs.plan(tmp_path, False, ["dataset.data_dir=/data"], ALL)
