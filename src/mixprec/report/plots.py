@@ -15,10 +15,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import font_manager  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .. import records  # noqa: E402
 from ..precision import modes  # noqa: E402
+from ..runtime.hardware import CPU_PEAK_KINDS  # noqa: E402
 from ..runtime.jobdirs import shorten  # noqa: E402
 from ..records import atomic_file  # noqa: E402
 from ..records import metrics  # noqa: E402
@@ -35,6 +37,21 @@ _PALETTE = plt.get_cmap("tab10").colors + (
     (0.1, 0.1, 0.45),
 ) + plt.get_cmap("tab20b").colors
 DPI = 110
+# fonts that have CJK glyphs, tried in turn after matplotlib's DejaVu Sans (which has none: a Chinese
+# or Japanese experiment name would be drawn as empty boxes); only those installed are named
+CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Source Han Sans SC", "WenQuanYi Zen Hei",
+             "WenQuanYi Micro Hei", "Droid Sans Fallback", "AR PL UMing CN", "IPAexGothic",
+             "IPAGothic", "Hiragino Sans", "PingFang SC", "Microsoft YaHei", "SimHei", "MS Gothic")
+
+
+def font_families() -> list[str]:
+    """matplotlib's font.family for the report: DejaVu Sans, then the installed CJK fonts, in
+    CJK_FONTS' order (matplotlib falls back glyph by glyph along the list)."""
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    return ["DejaVu Sans", *(f for f in CJK_FONTS if f in installed)]
+
+
+plt.rcParams["font.family"] = font_families()
 EMULATED_CAPTION = (" Hatched, (emulated): fp16/bf16 rounding emulated on fp32 kernels "
                     "(precision.emulate), so those bars are fp32 time and memory on their device, "
                     "not the precision's (as the runs table marks them).")
@@ -49,6 +66,11 @@ def color(precision: str):
         return _PALETTE[modes.MODES.index(precision) % len(_PALETTE)]
     free = _PALETTE[len(modes.MODES):] or _PALETTE
     return free[zlib.crc32(str(precision).encode()) % len(free)]
+
+
+def legend_outside(ax, **kw) -> None:
+    """The axes' legend to the right of the plot, where it covers no bar, value label or line."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kw)
 
 
 def save(fig, path: Path) -> Path:
@@ -119,7 +141,7 @@ def speedup_bars(path: Path, title: str, labels: list[str], series: dict, publis
             label="published" if n == 0 else None,
         )
     ax.set_title(title)
-    ax.legend(title="precision", fontsize=8)
+    legend_outside(ax, title="precision", fontsize=8)
     return save(fig, path)
 
 
@@ -137,7 +159,7 @@ def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict
     for ax in (a1, a2):
         # a panel with no numbers (e.g. no memory recorded) has no legend
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(title="precision", fontsize=8)
+            legend_outside(ax, title="precision", fontsize=8)
     fig.suptitle(title)
     return save(fig, path)
 
@@ -163,7 +185,8 @@ def accuracy_curves(path: Path, title: str, curves: list[dict], ylabel: str = "t
         ax.set_xlim(0.5, max((max(c["epochs"]) for c in curves), default=1) + 0.5)
     ax.grid(alpha=0.3)
     ax.set_title(title)
-    ax.legend(fontsize=8, title="model, precision (band: min-max over seeds)", title_fontsize=8)
+    legend_outside(ax, fontsize=8, title="model, precision\n(band: min-max over seeds)",
+                   title_fontsize=8)
     return save(fig, path)
 
 
@@ -222,7 +245,7 @@ def ladder(path: Path, title: str, steps: list[str], article: list, reproduced: 
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    legend_outside(ax, fontsize=8)
     return save(fig, path)
 
 
@@ -246,7 +269,7 @@ def loss_scale(path: Path, title: str, traces: list[dict]) -> Path:
     ax.set_ylabel("loss scale (log2 axis)")
     ax.grid(alpha=0.3)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    legend_outside(ax, fontsize=8)
     return save(fig, path)
 
 
@@ -316,7 +339,7 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                 if k
             }
         )
-        what = {"process_peak_rss": "process peak RSS: CPU run",
+        what = {**{k: f"CPU, {v}" for k, v in CPU_PEAK_KINDS.items()},
                 "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
         mem_kind = " / ".join(what.get(k, k) for k in kinds)
         emulated = frozenset((g.label, g.precision) for g in groups
