@@ -499,9 +499,9 @@ def test_a_cpu_jobs_peak_is_its_own_not_an_earlier_jobs(tmp_path, monkeypatch):
 
 @pytest.mark.slow   # a subprocess sweep
 def test_a_sweep_reports_each_cpu_jobs_own_peak(tmp_path):
-    """A CPU sweep in one process (train.py -m): ResNet-18 on 32x32 images, then a small
-    CNN (width 32); the small CNN's peak is below ResNet-18's, and the sweep's table says what the column
-    measured."""
+    """A CPU sweep in one process (train.py -m): ResNet-18 on 32x32 images, then a small CNN
+    (width 32); the small CNN's peak is below ResNet-18's, and the sweep's table says what the
+    column measured."""
     import json
 
     from helpers import run_cli

@@ -49,14 +49,14 @@ def emulates(cfg: PrecisionConfig, device: torch.device, sharded: bool = False) 
 
 def arithmetic(cfg: PrecisionConfig, device: torch.device, emulated: bool) -> str:
     """What the mode's arithmetic is on this device (summary["arithmetic"]): "emulated" (fp16/bf16
-    rounding on fp32 kernels: emulates), "fp32" (a mode whose only difference from fp32 is TF32,
-    on a device without it: a CPU, a GPU that is not an NVIDIA one of compute capability 8.0 or
-    newer; its math is fp32's, so its time against fp32's is noise and no speed-up), else
+    rounding on fp32 kernels: emulates), "plain_fp32" (a mode whose only difference from fp32 is
+    TF32, on a device without it: a CPU, a GPU that is not an NVIDIA one of compute capability 8.0
+    or newer; its math is fp32's, so its time against fp32's is noise and no speed-up), else
     "native"."""
     if emulated:
         return "emulated"
     if cfg.tf32 and low_dtype(cfg) is None and cfg.fp8_recipe is None and not has_tf32(device):
-        return "fp32"
+        return "plain_fp32"
     return "native"
 
 

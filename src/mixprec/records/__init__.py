@@ -201,7 +201,7 @@ def emulated(summary: dict) -> bool:
 def fp32_arithmetic(summary: dict) -> bool:
     """A mode whose only difference from fp32 is TF32 ran where TF32 does nothing (a CPU, a GPU
     without TF32): its arithmetic was fp32's, so a speed-up over fp32 would be noise."""
-    return summary.get("arithmetic") == "fp32"
+    return summary.get("arithmetic") == "plain_fp32"
 
 
 def no_speedup(summary: dict) -> bool:

@@ -37,8 +37,8 @@ _PALETTE = plt.get_cmap("tab10").colors + (
     (0.1, 0.1, 0.45),
 ) + plt.get_cmap("tab20b").colors
 DPI = 110
-# fonts that have CJK glyphs, tried in turn after matplotlib's DejaVu Sans (which has none: a Chinese
-# or Japanese experiment name would be drawn as empty boxes); only those installed are named
+# fonts that have CJK glyphs, tried in turn after matplotlib's DejaVu Sans (which has none: a
+# Chinese or Japanese experiment name would be drawn as empty boxes); only those installed are named
 CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Source Han Sans SC", "WenQuanYi Zen Hei",
              "WenQuanYi Micro Hei", "Droid Sans Fallback", "AR PL UMing CN", "IPAexGothic",
              "IPAGothic", "Hiragino Sans", "PingFang SC", "Microsoft YaHei", "SimHei", "MS Gothic")

@@ -187,7 +187,8 @@ def reset_memory_peak(device: torch.device) -> None:
         _RSS_RESET[0] = False
 
 
-_RSS_RESET = [False]   # whether the CPU's peak RSS was reset at this job's start (reset_memory_peak)
+# whether the CPU's peak RSS was reset at this job's start (reset_memory_peak)
+_RSS_RESET = [False]
 CPU_PEAK_KINDS = {
     "process_rss_since_job_start": "RSS since job start",
     "process_peak_rss": "process RSS, earlier jobs of the process included",
