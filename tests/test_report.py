@@ -504,7 +504,8 @@ def drawn_figures(monkeypatch):
     def keep(fig, path):
         seen[Path(path).name] = [
             {"bars": [(round(p.get_height(), 6), p.get_hatch()) for p in ax.patches],
-             "legend": [t.get_text() for t in ax.get_legend().get_texts()]}
+             "legend": [t.get_text() for t in ax.get_legend().get_texts()],
+             "lines": [list(line.get_xdata()) for line in ax.lines]}
             for ax in fig.axes]
         return real(fig, path)
 
@@ -848,3 +849,20 @@ def test_each_caption_is_said_once(tmp_path):
     for name in ("report.md", "report.html"):
         text = (tmp_path / "report" / name).read_text()
         assert text.count(fig["caption"]) == 1, name
+
+
+def test_a_one_epoch_run_gets_curves_not_points(tmp_path, monkeypatch):
+    """Image runs of one epoch (a short CPU sweep): a test-accuracy "curve" per epoch would be one
+    point each; the report draws their training loss per logged step instead (every log_every
+    steps and the epoch's end), and no one-point figure."""
+    for p, loss in (("fp32", 2.0), ("amp", 2.1)):
+        rows = [{"kind": "train", "step": s, "epoch": 1, "loss": loss - 0.1 * s, "lr": 0.1}
+                for s in (2, 4, 6, 8)]
+        rows.append({"kind": "epoch", "epoch": 1, "step": 8, "test_acc": 0.5})
+        fake_job(tmp_path / "runs", p, p, rows=rows)
+    seen = drawn_figures(monkeypatch)
+    make_report([str(tmp_path / "runs")], tmp_path / "report")
+    assert "default_curves.png" not in seen
+    (ax,) = seen["default_train_loss.png"]
+    assert ax["legend"] == ["small_cnn, fp32", "small_cnn, amp"]
+    assert all(len(line) == 4 for line in ax["lines"]), ax["lines"]

@@ -6,6 +6,7 @@ follow fp32 or amp from one figure to the next.
 """
 from __future__ import annotations
 
+import functools
 import re
 import statistics
 import zlib
@@ -108,9 +109,11 @@ def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "
         for bar, m in zip(bars, marked):
             if m:
                 bar.set_hatch(EMULATED_HATCH)
+        crowded = len(labels) * len(series) > 6   # side by side they would overlap: upright
         for (x, v), sd in zip(pts, spread):   # the value, above its error bar
             ax.annotate(fmt.format(v[0]), (x, v[0] + sd), xytext=(0, 2), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=8)
+                        ha="center", va="bottom", fontsize=7 if crowded else 8,
+                        rotation=90 if crowded else 0)
     long = max(map(len, labels), default=0) > 12
     ax.set_xticks(
         range(len(labels)), labels, rotation=20 if long else 0, ha="right" if long else "center"
@@ -361,7 +364,9 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                 + (EMULATED_CAPTION if emulated else ""),
             }
         )
-    losses = _loss_curves(groups)
+    curves = _curves(groups)
+    # a run of one epoch has one point per epoch: its per-step training loss is the curve then
+    losses = _loss_curves(groups, all_kinds=max((len(c["epochs"]) for c in curves), default=0) < 2)
     if losses:
         figs.append(
             {
@@ -372,13 +377,12 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                     "training loss (mean over the logged window)",
                     "step",
                 ),
-                "caption": "Training loss at each logged step (metrics.jsonl train rows), every "
-                           "run on one "
+                "caption": "Training loss at each logged step (metrics.jsonl train rows: every "
+                           "`trainer.log_every` steps and at each epoch's end), every run on one "
                 "plot: the gap between precisions at equal steps; mean over seeds.",
             }
         )
-    curves = _curves(groups)
-    if curves:
+    if max((len(c["epochs"]) for c in curves), default=0) > 1:   # not one point per run
         key, ylabel = curves[0]["key"], curves[0]["ylabel"]
         figs.append(
             {
@@ -439,17 +443,19 @@ def _curves(groups: list[Group]) -> list[dict]:
     return [dict(c, key=key, ylabel=ylabel) for c in curves]
 
 
-def _loss_curves(groups: list[Group]) -> list[dict]:
-    """Training loss per logged step: language-model experiments only (their train rows carry a
-    perplexity), where the loss is the comparison between precisions."""
-    return _mean_curves(
-        groups,
-        lambda r: (
-            (r["step"], r["loss"])
-            if r.get("kind") == "train" and "ppl" in r and number(r.get("loss")) is not None
-            else None
-        ),
-    )
+def _loss_curves(groups: list[Group], all_kinds: bool = False) -> list[dict]:
+    """Training loss per logged step: language-model experiments (their train rows carry a
+    perplexity), where the loss is the comparison between precisions; with all_kinds, image
+    models' too (runs too short for a curve per epoch). Left out where no run logged two steps."""
+    curves = _mean_curves(groups, functools.partial(_loss_point, all_kinds=all_kinds))
+    return curves if any(len(c["epochs"]) > 1 for c in curves) else []
+
+
+def _loss_point(r: dict, all_kinds: bool) -> tuple | None:
+    """A train row's (step, loss) for _loss_curves; None for other rows."""
+    if r.get("kind") != "train" or number(r.get("loss")) is None:
+        return None
+    return (r["step"], r["loss"]) if all_kinds or "ppl" in r else None
 
 
 def _mean_curves(groups: list[Group], point) -> list[dict]:

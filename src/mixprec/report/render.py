@@ -124,7 +124,7 @@ class Doc:
             f"body{{font-family:{FONT_STACK};max-width:1250px;margin:auto;padding:1em;"
             "color:#222}"
             # a long command wraps inside the page rather than widening it (a scrollbar)
-            "code{white-space:pre-wrap;overflow-wrap:anywhere}td,li,p{overflow-wrap:anywhere}"
+            "code{white-space:pre-wrap;overflow-wrap:anywhere}td,li,p{overflow-wrap:break-word}"
             "table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid "
             "#ccc;"
             "padding:3px 7px;text-align:left;vertical-align:top}th{background:#f2f2f2}"
