@@ -109,7 +109,7 @@ def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "
         for bar, m in zip(bars, marked):
             if m:
                 bar.set_hatch(EMULATED_HATCH)
-        crowded = len(labels) * len(series) > 6   # side by side they would overlap: upright
+        crowded = len(xpos) > 8   # so many bars that their labels side by side would overlap
         for (x, v), sd in zip(pts, spread):   # the value, above its error bar
             ax.annotate(fmt.format(v[0]), (x, v[0] + sd), xytext=(0, 2), textcoords="offset points",
                         ha="center", va="bottom", fontsize=7 if crowded else 8,
