@@ -607,6 +607,7 @@ def skipped_cell(m: dict, flag: str = "") -> str | None:
 
 
 def skipped_note(m: dict) -> str | None:
+    """The sweep table's note on a job that skipped most of its steps (skipped_most)."""
     if not skipped_most(m):
         return None
     return f"skipped {m['skipped_steps']} of {m['steps']} steps: did not train"
