@@ -57,9 +57,12 @@ def main(argv=None) -> int:
         for r in c["rows"]
         if r["group"] is None
     )
+    others = len(data["sources_without_runs"])
     print(
-        f"report: {data['jobs']} jobs in {n_exp} experiment(s); {missing} published value(s) "
-        "without a run"
+        f"report: {data['jobs']} jobs in {n_exp} experiment(s); {missing} published value(s) of "
+        "these experiments without a run"
+        + (f" ({others} other published source(s) name no experiment run here: report.json's "
+           "sources_without_runs)" if others else "")
         + (f"; {len(data['problems'])} unreadable summary file(s)" if data["problems"] else "")
     )
     print(f"report: {Path(data['out']) / 'report.html'}")

@@ -471,3 +471,49 @@ def test_the_default_batch_is_256_for_an_image_model_on_a_gpu(overrides, batch):
 def test_trainer_device_auto_gets_the_gpu_batch_where_cuda_is_visible(two_gpus):
     assert validate(compose_config("model=resnet18")).trainer.batch_size == 256
     assert validate(compose_config("model=resnet18", "trainer.device=cpu")).trainer.batch_size == 64
+
+
+# ----------------------------------------------------------------- a CPU job's own memory peak
+
+def test_a_cpu_jobs_peak_is_its_own_not_an_earlier_jobs(tmp_path, monkeypatch):
+    """Two jobs in one process, as a sweep runs them: the first holds an extra 300 MB (touched), the
+    second is tiny. The second's peak is its own, below the first's by most of the 300 MB (the
+    process's ru_maxrss never falls: it would report the first job's), and it says what it
+    measured."""
+    import mixprec.job
+
+    build = mixprec.job.build_model
+
+    def with_buffer(cfg, n, **kw):
+        model = build(cfg, n, **kw)
+        model.register_buffer("ballast", torch.ones(300 * 2**20 // 4), persistent=False)
+        return model
+
+    monkeypatch.setattr(mixprec.job, "build_model", with_buffer)
+    big = run_tiny(tmp_path / "big")["metrics"]
+    monkeypatch.setattr(mixprec.job, "build_model", build)
+    small = run_tiny(tmp_path / "small")["metrics"]
+    assert small["peak_memory_mb"] < big["peak_memory_mb"] - 200, (big, small)
+    assert small["peak_memory_kind"] == big["peak_memory_kind"] == "process_rss_since_job_start"
+
+
+@pytest.mark.slow   # a subprocess sweep
+def test_a_sweep_reports_each_cpu_jobs_own_peak(tmp_path):
+    """A CPU sweep in one process (train.py -m): ResNet-18 on 32x32 images, then a small CNN
+    (width 32); the small CNN's peak is below ResNet-18's, and the sweep's table says what the
+    column measured."""
+    import json
+
+    from helpers import run_cli
+
+    r = run_cli("-m", "model=resnet18,small_cnn", "dataset.image_size=32",
+                "dataset.train_size=64", "dataset.test_size=32", "trainer.batch_size=64",
+                "trainer.eval_batch_size=32", "trainer.max_steps=1", "logger=none",
+                "trainer.device=cpu", f"hydra.sweep.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    peak = {}
+    for p in tmp_path.glob("*/summary.json"):
+        s = json.loads(p.read_text())
+        peak[s["choices"]["model"]] = s["metrics"]["peak_memory_mb"]
+    assert peak["small_cnn"] < peak["resnet18"] - 50, peak
+    assert "peak MB (RSS since job start)" in r.stdout

@@ -177,10 +177,11 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def test_cpu_peak_memory_is_the_process_peak_rss(tmp_path, monkeypatch):
+def test_cpu_peak_memory_is_the_jobs_peak_rss(tmp_path, monkeypatch):
     """A job whose model holds an extra 256 MB buffer (touched, so resident) reports a peak at least
     the resident size before the job plus 256 MB, and no more than the process's peak read from
-    `resource` after it."""
+    `resource` after it: the process's peak RSS since the job's start (an earlier job's peak is not
+    its own: tests/test_hardware.py::test_a_cpu_jobs_peak_is_its_own_not_an_earlier_jobs)."""
     extra = 256
     build = mixprec.job.build_model
 
@@ -194,8 +195,10 @@ def test_cpu_peak_memory_is_the_process_peak_rss(tmp_path, monkeypatch):
     s = run_tiny(tmp_path, *CPU)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     m = s["metrics"]
-    assert m["peak_memory_kind"] == "process_peak_rss"
-    assert before + 0.95 * extra <= m["peak_memory_mb"] <= after
+    assert m["peak_memory_kind"] == "process_rss_since_job_start"
+    # VmHWM and ru_maxrss read the kernel's per-thread RSS counters at different moments (they are
+    # folded in every 64 page faults a thread): within 1 MB of each other
+    assert before + 0.95 * extra <= m["peak_memory_mb"] <= after + 1
 
 
 # ----------------------------------------------------------------------------------------- pitfalls

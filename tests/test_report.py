@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hydra.core.hydra_config import HydraConfig
 
-from helpers import ROOT, compose_config, run_cli
+from helpers import ROOT, compose_config, load_script, run_cli
 from mixprec.report.make import make_report
 from mixprec.report.published import SourceError, load_source, load_sources
 
@@ -271,12 +271,10 @@ def test_wandb_offline_says_why_in_one_line_and_writes_the_local_report(runs, tm
     assert "Traceback" not in r.stderr
     md = (tmp_path / "report.md").read_text()
     assert (tmp_path / "report.html").stat().st_size > 50_000
-    # the shipped published numbers: no job belongs to their experiments, so each source is one line
-    assert "## Published sources with no matching run" in md and "### fastai_2080ti" not in md
-    (fastai,) = [line for line in md.splitlines() if "fastai_2080ti" in line]
-    assert fastai.startswith("- `fastai_2080ti` (RTX 2080Ti Vs GTX 1080Ti")
-    assert "no job here matches its" in fastai
-    assert "`python train.py -m experiment=fastai_cifar100 model=resnet18," in fastai
+    # the shipped published numbers: no job belongs to their experiments, so the report of this
+    # sweep does not list them; the script's line counts them apart
+    assert "Published sources with no matching run" not in md and "fastai_2080ti" not in md
+    assert "5 other published source(s) name no experiment run here" in r.stdout
 
 
 @pytest.mark.slow
@@ -506,7 +504,8 @@ def drawn_figures(monkeypatch):
     def keep(fig, path):
         seen[Path(path).name] = [
             {"bars": [(round(p.get_height(), 6), p.get_hatch()) for p in ax.patches],
-             "legend": [t.get_text() for t in ax.get_legend().get_texts()]}
+             "legend": [t.get_text() for t in ax.get_legend().get_texts()],
+             "lines": [list(line.get_xdata()) for line in ax.lines]}
             for ax in fig.axes]
         return real(fig, path)
 
@@ -558,23 +557,24 @@ values:
 
 
 def test_a_source_with_no_matching_job_takes_one_line(tmp_path):
-    """A user's sweep (experiment `default`) against the shipped sources, none of which lists it,
-    and against a source that lists it but whose values match none of its jobs: each such source
-    is one line naming the commands that run its jobs (the plan's sweeps), not a table of
-    "missing" rows; in report.md and in the W&B Report's table alike."""
+    """A user's sweep (experiment `default`) against the shipped sources, none of which lists it:
+    none is in the report (report.json keeps each with the commands that run its jobs, the plan's
+    sweeps); against a source that lists it but whose values match none of its jobs: one line,
+    not a table of "missing" rows; in report.md and in the W&B Report's table alike."""
     from mixprec.tools import plan
     from mixprec.report.wandb_report import _comparison_markdown
 
     write_job(tmp_path / "runs", "fp32", "fp32", 10.0, emulated=False)
     write_job(tmp_path / "runs", "amp", "amp", 15.0, emulated=True)
-    make_report([str(tmp_path / "runs")], tmp_path / "report")
+    data = make_report([str(tmp_path / "runs")], tmp_path / "report")
     md = (tmp_path / "report" / "report.md").read_text()
-    assert "missing: no run yet" not in md and "### fastai_2080ti" not in md
-    (fastai,) = [line for line in md.splitlines() if "fastai_2080ti" in line]
+    # the 5 shipped sources name other experiments: not listed in this sweep's report (report.json
+    # keeps them, each with the commands that run its jobs)
+    assert "missing: no run yet" not in md and "fastai_2080ti" not in md
+    assert "no job here matches" not in md
+    (fastai,) = [u for u in data["sources_without_runs"] if u["id"] == "fastai_2080ti"]
     article = next(a for a in plan.load_plan().articles if a.id == "fastai_2080ti")
-    assert fastai.startswith("- `fastai_2080ti` (") and "no job here matches its" in fastai
-    assert all(f"`{plan.full_command(s)}`" in fastai for s in article.sweeps)
-    assert sum("no job here matches" in line for line in md.splitlines()) == 5   # the 5 shipped
+    assert fastai["commands"] == [plan.full_command(s) for s in article.sweeps]
 
     published = tmp_path / "published"
     published.mkdir()
@@ -593,3 +593,276 @@ def test_a_source_with_no_matching_job_takes_one_line(tmp_path):
     wandb_md = _comparison_markdown(data["experiments"][0])
     assert line in wandb_md.splitlines() and "ResNet-152" not in wandb_md
     assert "| A (fp32) | 3 s |" in wandb_md
+
+
+# --------------------------------------------------------------- no number on the screen misleads
+
+def fake_job(root, name, precision="fp32", model="small_cnn", experiment="default", **metrics):
+    """A completed CPU job's records (summary.json; metrics.jsonl when `rows` is given), with the
+    metrics given over a small image job's defaults; `overrides`, `dataset`, `seed` as keywords."""
+    d = root / name
+    d.mkdir(parents=True)
+    rows = metrics.pop("rows", None)
+    dataset, seed = metrics.pop("dataset", None), metrics.pop("seed", 0)
+    overrides = metrics.pop("overrides", [f"precision={precision}", f"model={model}"])
+    lm = model in ("lstm", "gpt")
+    m = {"train_time_s": 10.0, "throughput": 100.0, "peak_memory_mb": 100.0, "steps": 3,
+         "skipped_steps": 0, "peak_memory_kind": "process_peak_rss", "epochs": 1.0,
+         **({"best_valid_ppl": 300.0, "test_ppl_at_best_valid": 310.0} if lm
+            else {"final_test_acc": 0.5}), **metrics}
+    choices = {"model": model, "precision": precision, "optimizer": "sgd", "dataset": dataset}
+    summary = {"status": "completed", "name": experiment, "seed": seed, "choices": choices,
+               "overrides": overrides, "job": {"name": "train", "num": None, "output_dir": str(d)},
+               "config": {"seed": seed, "name": experiment, "model": {"arch": model}},
+               "arithmetic": "native", "metrics": m,
+               "env": {"device": "cpu", "device_name": "x86_64", "torch": "2.x"}}
+    (d / "summary.json").write_text(json.dumps(summary))
+    if rows:
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+@pytest.fixture(scope="module")
+def fp32_and_tf32(tmp_path_factory):
+    """Two real tiny CPU jobs, fp32 then tf32, and their report."""
+    from helpers import run_tiny
+
+    root = tmp_path_factory.mktemp("tf32")
+    for p in ("fp32", "tf32"):
+        assert run_tiny(root / "runs" / p, f"precision={p}")["status"] == "completed"
+    data = make_report([str(root / "runs")], root / "report")
+    return root, data
+
+
+def test_tf32_on_a_cpu_gets_no_speedup(fp32_and_tf32):
+    """TF32 changes no arithmetic off an NVIDIA GPU of compute capability 8.0+: on a CPU a tf32 job
+    is an fp32 job, and a gap between their times is noise and one-time costs. The sweep table,
+    the runs table and the speed-up plot show no ratio for it, and say why."""
+    from mixprec.report.analyse import sweep_rows
+    from mixprec.report.render import format_table
+
+    root, data = fp32_and_tf32
+    ss = summaries(root / "runs")
+    rows = {r["precision"]: r for r in sweep_rows(ss)}
+    assert rows["fp32"]["speedup"] == pytest.approx(1.0)
+    assert rows["tf32"]["speedup"] is None, rows["tf32"]
+    assert "TF32" in rows["tf32"]["note"] and "fp32" in rows["tf32"]["note"]
+    assert "plain fp32" in format_table(list(rows.values()))
+    table = md_table((root / "report" / "report.md").read_text(), "### Runs")
+    (tf32,) = [r for r in table if r[1].startswith("tf32")]
+    assert tf32[4] == "-" and "plain fp32" in tf32[1]
+    assert not any(p["path"].endswith("_speedup.png") for p in data["experiments"][0]["plots"])
+
+
+def test_the_hardware_row_shows_each_jobs_own_tf32_flags(fp32_and_tf32):
+    """The fp32 job ran with TF32 off, the tf32 job with it on: the hardware table has a row for
+    each, not the first job's flags for both."""
+    root, _ = fp32_and_tf32
+    table = md_table((root / "report" / "report.md").read_text(), "### Hardware and software")
+    tf32 = sorted(r[5] for r in table)
+    assert len(table) == 2 and tf32[0].startswith("matmul False") \
+        and tf32[1].startswith("matmul True"), table
+    assert all("no effect on a CPU" in c for c in tf32)
+
+
+def test_skipped_steps_are_a_column_and_a_job_that_skipped_most_is_flagged(tmp_path):
+    """ResNet-152 amp skipped 3 of its 3 steps: it never trained. The sweep table and the runs
+    table say so; a job that skipped none says 0."""
+    from mixprec.report.analyse import by_experiment
+    from mixprec.report.load import sweep_jobs
+    from mixprec.report.render import format_table
+
+    fake_job(tmp_path / "runs", "0_fp32", "fp32", "resnet152")
+    fake_job(tmp_path / "runs", "1_amp", "amp", "resnet152", skipped_steps=3)
+    jobs, _ = sweep_jobs(tmp_path / "runs")
+    by_experiment(jobs)
+    lines = format_table([j.row for j in jobs]).splitlines()
+    assert "skipped" in lines[0]
+    fp32, amp = lines[2:]
+    assert "3/3" in amp and "skipped 3 of 3 steps: did not train" in amp
+    assert "0/3" in fp32 and "did not train" not in fp32
+    make_report([str(tmp_path / "runs")], tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    heads = md[md.index("### Runs"):].splitlines()[2]
+    col = heads.strip("|").split(" | ").index("skipped steps")
+    table = md_table(md, "### Runs")
+    assert [r[col] for r in table] == ["0/3", "3/3 (most: did not train)"]
+
+
+def test_the_sweep_table_shows_every_swept_key(tmp_path):
+    """A `dataset=` sweep (and a seed sweep) is one row per job that says which: no two rows
+    alike."""
+    from mixprec.report.analyse import by_experiment
+    from mixprec.report.load import sweep_jobs
+    from mixprec.report.render import format_table
+
+    for n, (ds, seed) in enumerate([("cifar10", 0), ("synthetic", 0), ("synthetic", 1)]):
+        fake_job(tmp_path / "runs", f"{n}_{ds}_{seed}", dataset=ds, seed=seed,
+                 overrides=[f"dataset={ds}", f"seed={seed}"])
+    jobs, _ = sweep_jobs(tmp_path / "runs")
+    by_experiment(jobs)
+    lines = format_table([j.row for j in jobs]).splitlines()[2:]
+    assert len(set(lines)) == 3, lines
+    assert "dataset=cifar10" in lines[0] and "seed=1" in lines[2], lines
+
+
+def test_image_and_language_model_jobs_get_a_table_each(tmp_path):
+    """A report (and a sweep table) mixing ResNet and LSTM jobs: the image jobs under samples/s and
+    test accuracy, the language models under tokens/s and perplexity."""
+    from mixprec.report.analyse import by_experiment
+    from mixprec.report.load import sweep_jobs
+    from mixprec.report.render import sweep_tables
+
+    fake_job(tmp_path / "runs", "0_cnn", "fp32", "small_cnn", throughput=123.0)
+    fake_job(tmp_path / "runs", "1_lstm", "fp32", "lstm", throughput=4567.0)
+    make_report([str(tmp_path / "runs")], tmp_path / "report")
+    html = (tmp_path / "report" / "report.html").read_text()
+    tables = [t for t in html.split("<table>")[1:] if "<th>model</th>" in t]
+    image = next(t for t in tables if "samples/s" in t)
+    lm = next(t for t in tables if "tokens/s" in t)
+    assert "123.0" in image and "test acc (%)" in image and "lstm" not in image
+    assert "4567" in lm and "test ppl" in lm and "small_cnn" not in lm
+    jobs, _ = sweep_jobs(tmp_path / "runs")
+    by_experiment(jobs)
+    text = sweep_tables([j.row for j in jobs])
+    image_t, lm_t = text.split("\n\n")
+    assert "samples/s" in image_t and "small_cnn" in image_t and "lstm" not in image_t
+    assert "tokens/s" in lm_t and "lstm" in lm_t and "small_cnn" not in lm_t
+
+
+def test_make_report_counts_the_published_values_it_lists_without_a_run(tmp_path, capsys):
+    """The script's count is that of the values the report lists as having no run; a user's own
+    sweep lists no published source that none of its jobs matches and no experiment of its
+    names."""
+    make_report_script = load_script("make_report")
+    fake_job(tmp_path / "runs", "0_cnn_amp", "amp", "small_cnn", speedup=1.5)
+    fake_job(tmp_path / "runs", "1_cnn_fp32", "fp32", "small_cnn")
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / "tinyref.yaml").write_text(TINY_SOURCE)   # 2 of 5 values match these jobs
+    (published / "nomatch.yaml").write_text(UNMATCHED_SOURCE)   # lists `default`, matches none
+    (published / "other.yaml").write_text(UNMATCHED_SOURCE.replace("nomatch", "other").replace(
+        "[default]", "[an_experiment_not_run]"))
+    assert make_report_script.main([str(tmp_path / "runs"), "--out", str(tmp_path / "report"),
+                                    "--published", str(published)]) == 0
+    out = capsys.readouterr().out
+    md = (tmp_path / "report" / "report.md").read_text()
+    listed = sum(1 for r in md_table(md, "### Reproduced against published") if "missing" in r[5])
+    listed += 2   # nomatch's two values, in its one line
+    assert f"{listed} published value(s)" in out.splitlines()[0], out
+    assert "`other`" not in md and "fastai_2080ti" not in md
+    assert "Published sources with no matching run" not in md
+
+
+def overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def drawn_boxes(monkeypatch):
+    """Per figure the report draws: per axes, its legend's box and its value labels' boxes (display
+    coordinates, as drawn), and every text the figure holds."""
+    from mixprec.report import plots
+
+    seen, real = {}, plots.save
+
+    def keep(fig, path):
+        fig.tight_layout()
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        seen[Path(path).name] = {
+            "axes": [{"legend": ax.get_legend() and ax.get_legend().get_window_extent(r),
+                      "labels": [(t.get_text(), t.get_window_extent(r)) for t in ax.texts]}
+                     for ax in fig.axes],
+            "texts": [t.get_text() for t in fig.findobj(lambda o: hasattr(o, "get_text"))]}
+        return real(fig, path)
+
+    monkeypatch.setattr(plots, "save", keep)
+    return seen
+
+
+def test_no_legend_covers_a_value_label(tmp_path, monkeypatch):
+    """The speed-up and time/memory bars carry their values above them; each legend sits where no
+    value label is."""
+    for n, (p, t, mem) in enumerate([("fp32", 10.0, 500.0), ("amp", 7.0, 480.0),
+                                     ("amp_bf16", 7.5, 490.0), ("half", 6.0, 450.0)]):
+        for model in ("small_cnn", "resnet18"):
+            fake_job(tmp_path / "runs", f"{n}_{model}_{p}", p, model, train_time_s=t,
+                     peak_memory_mb=mem)
+    seen = drawn_boxes(monkeypatch)
+    make_report([str(tmp_path / "runs")], tmp_path / "report")
+    checked = 0
+    for name in ("default_speedup.png", "default_time_memory.png"):
+        for ax in seen[name]["axes"]:
+            assert ax["legend"] is not None and ax["labels"], name
+            for text, box in ax["labels"]:
+                assert not overlaps(ax["legend"], box), f"{name}: the legend covers {text}"
+                checked += 1
+    assert checked >= 3 * 2 + 4 * 2 * 2
+
+
+def test_code_wraps_and_cjk_has_a_font_in_the_html(tmp_path):
+    """A long command in `code` wraps inside the page (no horizontal scrollbar); the page's font
+    stack names CJK fonts after the Latin ones."""
+    import re
+
+    fake_job(tmp_path / "runs", "0_fp32")
+    make_report([str(tmp_path / "runs")], tmp_path / "report")
+    html = (tmp_path / "report" / "report.html").read_text()
+    style = html[html.index("<style>"):html.index("</style>")]
+    code = re.search(r"(?:^|})code\{([^}]*)\}", style)
+    assert code and "overflow-wrap:anywhere" in code[1] and "white-space:pre-wrap" in code[1]
+    body = re.search(r"body\{([^}]*)\}", style)[1]
+    assert "Noto Sans CJK" in body and body.index("system-ui") < body.index("Noto Sans CJK")
+
+
+def test_a_cjk_title_is_drawn_with_a_cjk_font(tmp_path, monkeypatch):
+    """An experiment named in Chinese: its figures' titles are drawn with a font that has the
+    glyphs (matplotlib warns "Glyph ... missing from font(s)" otherwise and draws empty boxes)."""
+    import warnings
+
+    from matplotlib import font_manager
+
+    from mixprec.report import plots
+
+    families = {f.name for f in font_manager.fontManager.ttflist}
+    if not families & set(plots.CJK_FONTS if hasattr(plots, "CJK_FONTS") else ["Noto Sans CJK JP"]):
+        pytest.skip("no CJK font installed here (e.g. apt-get install fonts-noto-cjk)")
+    for p, t in (("fp32", 10.0), ("amp", 7.0)):
+        fake_job(tmp_path / "runs", p, p, experiment="精度实验", train_time_s=t)
+    seen = drawn_boxes(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_report([str(tmp_path / "runs")], tmp_path / "report")
+    assert any("精度实验" in t for f in seen.values() for t in f["texts"])
+    missing = [str(w.message) for w in caught if "missing from font" in str(w.message)]
+    assert not missing, missing[:2]
+
+
+def test_each_caption_is_said_once(tmp_path):
+    """A figure's caption is in report.md and report.html once (not also as the image's alt text
+    printed beside it)."""
+    rows = [{"kind": "train", "step": s, "epoch": 1, "loss": 2.0, "loss_scale": 2.0 ** (16 - s)}
+            for s in range(1, 5)]
+    fake_job(tmp_path / "runs", "0_amp", "amp", rows=rows)
+    data = make_report([str(tmp_path / "runs")], tmp_path / "report")
+    (fig,) = [f for f in data["experiments"][0]["plots"] if f["path"].endswith("loss_scale.png")]
+    for name in ("report.md", "report.html"):
+        text = (tmp_path / "report" / name).read_text()
+        assert text.count(fig["caption"]) == 1, name
+
+
+def test_a_one_epoch_run_gets_curves_not_points(tmp_path, monkeypatch):
+    """Image runs of one epoch (a short CPU sweep): a test-accuracy "curve" per epoch would be one
+    point each; the report draws their training loss per logged step instead (every log_every
+    steps and the epoch's end), and no one-point figure."""
+    for p, loss in (("fp32", 2.0), ("amp", 2.1)):
+        rows = [{"kind": "train", "step": s, "epoch": 1, "loss": loss - 0.1 * s, "lr": 0.1}
+                for s in (2, 4, 6, 8)]
+        rows.append({"kind": "epoch", "epoch": 1, "step": 8, "test_acc": 0.5})
+        fake_job(tmp_path / "runs", p, p, rows=rows)
+    seen = drawn_figures(monkeypatch)
+    make_report([str(tmp_path / "runs")], tmp_path / "report")
+    assert "default_curves.png" not in seen
+    (ax,) = seen["default_train_loss.png"]
+    assert ax["legend"] == ["small_cnn, fp32", "small_cnn, amp"]
+    assert all(len(line) == 4 for line in ax["lines"]), ax["lines"]

@@ -322,3 +322,19 @@ def test_the_weights_check_finds_one_bad_element_among_mixed_dtypes():
         broken = [t.clone() for t in tensors]
         broken[i].view(-1)[-1] = bad
         assert loop.finite_flag(broken).item() == 0.0, (i, bad)
+
+
+def test_the_first_cpu_job_of_a_process_pays_its_one_time_costs_before_the_clock(tmp_path,
+                                                                                monkeypatch):
+    """The process's first job (a sweep's first) pays the one-time costs (lazy imports and
+    initialisation, the allocator's growth) in an untimed prewarm step, not inside its clock; a
+    later job of the process has nothing of the kind to pay and prewarms nothing on a CPU."""
+    from mixprec.runtime import hardware
+
+    monkeypatch.setattr(hardware, "JOBS_IN_PROCESS", 0)
+    first = run_tiny(tmp_path / "first", "trainer.max_steps=2")["metrics"]
+    second = run_tiny(tmp_path / "second", "trainer.max_steps=2")["metrics"]
+    assert first["prewarm_time_s"] > 0 and second["prewarm_time_s"] == 0.0
+    config = validate(compose_config())
+    assert config.trainer.prewarm_for("cpu", first_in_process=True) == 1
+    assert config.trainer.prewarm_for("cpu") == 0

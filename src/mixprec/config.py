@@ -52,7 +52,8 @@ class TrainerConfig:
     resume: Literal["auto", "never"] = "never"
     # under DDP (torchrun): BatchNorm statistics over the global batch (SyncBatchNorm, GPUs)
     sync_bn: bool = False
-    # untimed steps on a throwaway copy before the clock (prewarm.py); auto: 3 on a GPU, 0 on a CPU
+    # untimed steps on a throwaway copy before the clock (prewarm.py); auto: 3 on a GPU, on a
+    # CPU 1 for the process's first job (its one-time costs) and 0 after
     prewarm_steps: Union[int, Literal["auto"]] = "auto"
     # torch.compile mode (train/compile.py)
     compile: Literal["none", "default", "max-autotune", "reduce-overhead"] = "none"
@@ -71,14 +72,16 @@ class TrainerConfig:
     def sharded(self) -> bool:
         return self.strategy == "fsdp"
 
-    def prewarm_for(self, device_type: str) -> int:
-        """prewarm_steps, with auto resolved: 3 on an accelerator (autotuning, lazy init), 0 on a
-        CPU and under FSDP (prewarm's deep copy of a sharded model is not one it can step)."""
-        return (
-            (0 if device_type == "cpu" or self.sharded else 3)
-            if self.prewarm_steps == "auto"
-            else self.prewarm_steps
-        )
+    def prewarm_for(self, device_type: str, first_in_process: bool = False) -> int:
+        """prewarm_steps, with auto resolved: 3 on an accelerator (autotuning, lazy init); on a CPU
+        1 for the process's first job (a sweep's first: lazy imports and initialisation, the
+        allocator's growth, paid before its clock, not in it), else 0; 0 under FSDP (prewarm's
+        deep copy of a sharded model is not one it can step)."""
+        if self.prewarm_steps != "auto":
+            return self.prewarm_steps
+        if self.sharded:
+            return 0
+        return (1 if first_in_process else 0) if device_type == "cpu" else 3
 
     def check(self) -> None:
         _at_least(self, "epochs", 1)

@@ -235,7 +235,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     emulated = emulates(config.precision, device, config.trainer.sharded)
     summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
                    hazards=hazards(config.precision, config.optimizer, device.type),
-                   arithmetic="emulated" if emulated else "native")
+                   arithmetic=modes.arithmetic(config.precision, device, emulated))
     warn_if_slow(config, device, profile, emulated)
     try:
         resume = open_job_dir(config, summary, out_dir, device.type, ranks)
@@ -551,7 +551,7 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_ran
                               setup_time_s=setup_s)
     # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py),
     # then the compilation of the model the loop trains, also before the clock (train/compile.py)
-    prewarm_s = prewarm(model, policy, optimizer, tr.prewarm_for(device.type), per_rank,
+    prewarm_s = prewarm(model, policy, optimizer, first_prewarm(tr, device), per_rank,
                         train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
     modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
     shapes = image_warmup(min(per_rank, len(data.train_y) // ranks.world), tr.eval_batch_size,
@@ -569,6 +569,12 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_ran
             "data": {**data.info, "train": len(data.train_y), "test": len(data.test_y),
                      "mean": data.mean, "std": data.std}}
     return steps, train_batches, policy, optimizer, info
+
+
+def first_prewarm(tr, device: torch.device) -> int:
+    """The job's prewarm steps (TrainerConfig.prewarm_for), knowing whether it is the process's
+    first job (hardware.configure counted it)."""
+    return tr.prewarm_for(device.type, first_in_process=hardware.JOBS_IN_PROCESS == 1)
 
 
 def wrapper(config: Config, device: torch.device, ranks: dist.Ranks):
@@ -621,7 +627,7 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     model, policy, optimizer, groups = built.model, built.policy, built.optimizer, built.groups
     schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(windows)))
     steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=per_rank)
-    prewarm_s = prewarm_lm(model, policy, optimizer, tr.prewarm_for(device.type), bptt, per_rank,
+    prewarm_s = prewarm_lm(model, policy, optimizer, first_prewarm(tr, device), bptt, per_rank,
                            corpus.vocab_size, tr.grad_clip)
     modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
     shapes = lm_warmup(len(train_source), per_rank, [len(valid_source), len(test_source)],

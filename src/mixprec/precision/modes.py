@@ -47,6 +47,25 @@ def emulates(cfg: PrecisionConfig, device: torch.device, sharded: bool = False) 
     return device.type != "cuda" if cfg.emulate == "auto" else bool(cfg.emulate)
 
 
+def arithmetic(cfg: PrecisionConfig, device: torch.device, emulated: bool) -> str:
+    """What the mode's arithmetic is on this device (summary["arithmetic"]): "emulated" (fp16/bf16
+    rounding on fp32 kernels: emulates), "plain_fp32" (a mode whose only difference from fp32 is
+    TF32, on a device without it: a CPU, a GPU that is not an NVIDIA one of compute capability 8.0
+    or newer; its math is fp32's, so its time against fp32's is noise and no speed-up), else
+    "native"."""
+    if emulated:
+        return "emulated"
+    if cfg.tf32 and low_dtype(cfg) is None and cfg.fp8_recipe is None and not has_tf32(device):
+        return "plain_fp32"
+    return "native"
+
+
+def has_tf32(device: torch.device) -> bool:
+    """TF32 tensor cores: an NVIDIA GPU (CUDA, not ROCm) of compute capability 8.0 or newer."""
+    cap = hardware.capability(device)
+    return device.type == "cuda" and torch.version.hip is None and cap is not None and cap >= (8, 0)
+
+
 def resolve_impl(impl: str, on_cuda: bool) -> str:
     """optimizer.impl with auto resolved: fused when the stepped tensors are floating-point CUDA
     tensors."""

@@ -198,6 +198,17 @@ def emulated(summary: dict) -> bool:
     return summary.get("arithmetic") == "emulated" or fp8_emulated(summary)
 
 
+def fp32_arithmetic(summary: dict) -> bool:
+    """A mode whose only difference from fp32 is TF32 ran where TF32 does nothing (a CPU, a GPU
+    without TF32): its arithmetic was fp32's, so a speed-up over fp32 would be noise."""
+    return summary.get("arithmetic") == "plain_fp32"
+
+
+def no_speedup(summary: dict) -> bool:
+    """Its time is no time of its precision's arithmetic (emulated, or plain fp32): no speed-up."""
+    return emulated(summary) or fp32_arithmetic(summary)
+
+
 def arch(summary: dict) -> str | None:
     return (config(summary).get("model") or {}).get("arch")
 

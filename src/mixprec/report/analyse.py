@@ -71,8 +71,8 @@ def by_experiment(jobs: list[Job]) -> dict[str, list[Job]]:
         out.setdefault(j.experiment, []).append(j)
     for exp_jobs in out.values():
         summaries = [j.summary for j in exp_jobs]
-        for j, row in zip(exp_jobs, sweep_rows(summaries)):
-            j.row = row
+        for j, row, swept in zip(exp_jobs, sweep_rows(summaries), swept_values(summaries)):
+            j.row = dict(row, swept=swept)
         fp32 = fp32_partners(summaries)
         described = [_describe(j.summary) for j in exp_jobs]
         keys = sorted({k for d in described for k in d})
@@ -91,6 +91,17 @@ def by_experiment(jobs: list[Job]) -> dict[str, list[Job]]:
                 )
             j.variant = names[j.variant_full]
     return out
+
+
+def swept_values(summaries: list[dict]) -> list[str]:
+    """Per job, `key=value` of every override whose value differs between the jobs (a sweep's swept
+    keys, seed included), but model and precision (columns of their own): what tells rows apart
+    that would otherwise read alike (a `dataset=` sweep)."""
+    parsed = [dict(o.lstrip("+~").partition("=")[::2] for o in records.overrides(s))
+              for s in summaries]
+    keys = [k for k in dict.fromkeys(k for d in parsed for k in d)
+            if k not in ("model", "precision") and len({d.get(k) for d in parsed}) > 1]
+    return [",".join(f"{k}={d[k]}" for k in keys if k in d) for d in parsed]
 
 
 def _independent(keys: list[str], described: list[dict]) -> list[str]:
@@ -397,6 +408,10 @@ def _group_data(g: Group) -> dict:
         "batch": sorted({str(records.lookup(j.summary, "trainer.batch_size")) for j in g.jobs}),
         "compile": sorted({str(records.lookup(j.summary, "trainer.compile")) for j in g.jobs}),
         "emulated": any(records.emulated(j.summary) for j in g.jobs),
+        "fp32_arithmetic": any(records.fp32_arithmetic(j.summary) for j in g.jobs),
+        "language_model": any(records.is_language_model(j.summary) for j in g.jobs),
+        "skipped": [skipped_cell(records.metrics(j.summary), flag=" (most: did not train)")
+                    for j in g.jobs],
         "peak_memory_kind": sorted(
             {records.metrics(j.summary).get("peak_memory_kind") or "?" for j in g.jobs}
         ),
@@ -454,7 +469,8 @@ def _env_table(jobs: list[Job]) -> list[dict]:
             str(e.get(k))
             for k in ("device_name", "capability", "torch", "cuda", "cudnn", "git_commit")
         )
-        key += (bool(e.get("versions")), *unpinned)
+        key += (bool(e.get("versions")), str(e.get("tf32_matmul")), str(e.get("tf32_cudnn")),
+                *unpinned)
         row = seen.setdefault(
             key,
             {
@@ -471,7 +487,8 @@ def _env_table(jobs: list[Job]) -> list[dict]:
                 "python": e.get("python"),
                 "git_commit": (e.get("git_commit") or "")[:10]
                 + ("+dirty" if e.get("git_dirty") else ""),
-                "tf32": f"matmul {e.get('tf32_matmul')}, cudnn {e.get('tf32_cudnn')}",
+                "tf32": f"matmul {e.get('tf32_matmul')}, cudnn {e.get('tf32_cudnn')}"
+                + (" (no effect on a CPU)" if str(e.get("device")).startswith("cpu") else ""),
                 "jobs": 0,
             },
         )
@@ -536,8 +553,9 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
                 "train_time_s": t,
                 "samples_per_s": m.get("throughput"),
                 "speedup": base / t
-                if base and t and records.completed(s) and not records.emulated(s)
+                if base and t and records.completed(s) and not records.no_speedup(s)
                 else None,
+                "skipped": skipped_cell(m),
                 "test_acc": m.get("final_test_acc"),
                 "lm": records.is_language_model(s),
                 "valid_ppl": m.get("best_valid_ppl"),
@@ -546,6 +564,7 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
                 "loss_gap": gap,
                 "mfu": m.get("mfu"),
                 "peak_mem_mb": m.get("peak_memory_mb"),
+                "peak_mem_kind": m.get("peak_memory_kind"),
                 "batch": records.lookup(s, "trainer.batch_size"),
                 "compile": compile_cell(s),
                 "busy": m.get("gpu_busy_fraction"),
@@ -557,6 +576,8 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
                     filter(
                         None,
                         (
+                            skipped_note(m),
+                            fp32_note(s),
                             records.verdict_short(s),
                             records.reason(s),
                             host_bound_note(
@@ -568,6 +589,36 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
             }
         )
     return rows
+
+
+def skipped_most(m: dict) -> bool:
+    """The job skipped more than half its optimizer steps (non-finite gradients): it hardly
+    trained, whatever its time and accuracy say."""
+    k, n = m.get("skipped_steps"), m.get("steps")
+    return bool(isinstance(k, int) and n and k > n / 2)
+
+
+def skipped_cell(m: dict, flag: str = "") -> str | None:
+    """`skipped/steps` (None where not recorded), with `flag` after it when it skipped most."""
+    k, n = m.get("skipped_steps"), m.get("steps")
+    if k is None or n is None:
+        return None
+    return f"{k}/{n}" + (flag if skipped_most(m) else "")
+
+
+def skipped_note(m: dict) -> str | None:
+    """The sweep table's note on a job that skipped most of its steps (skipped_most)."""
+    if not skipped_most(m):
+        return None
+    return f"skipped {m['skipped_steps']} of {m['steps']} steps: did not train"
+
+
+def fp32_note(summary: dict) -> str | None:
+    """Why a tf32 job on a device without TF32 has no speed-up."""
+    if not records.fp32_arithmetic(summary):
+        return None
+    device = (records.env(summary) or {}).get("device", "this device")
+    return f"TF32 does nothing on {device}: plain fp32 arithmetic, no speed-up"
 
 
 def sharded_cell(summary: dict) -> str | None:

@@ -15,7 +15,7 @@ from ..runtime.dist import from_env
 from ..runtime.signals import resume_hint
 from .analyse import by_experiment, ladder_rows
 from .load import sweep_jobs
-from .render import LADDER_COLUMNS, format_table, ladder_cells, sweep_note
+from .render import LADDER_COLUMNS, format_table, ladder_cells, sweep_note, sweep_tables
 
 
 class SweepTable(Callback):
@@ -33,7 +33,7 @@ class SweepTable(Callback):
         print(f"\nsweep {sweep_dir}: {len(jobs)} jobs")
         if jobs:
             by_experiment(jobs)   # each job's sweep row, as the report has it
-            print(format_table([j.row for j in jobs]))
+            print(sweep_tables([j.row for j in jobs]))
             note = sweep_note(summaries)
             if note:
                 print(note)

@@ -6,6 +6,7 @@ follow fp32 or amp from one figure to the next.
 """
 from __future__ import annotations
 
+import functools
 import re
 import statistics
 import zlib
@@ -15,10 +16,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import font_manager  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .. import records  # noqa: E402
 from ..precision import modes  # noqa: E402
+from ..runtime.hardware import CPU_PEAK_KINDS  # noqa: E402
 from ..runtime.jobdirs import shorten  # noqa: E402
 from ..records import atomic_file  # noqa: E402
 from ..records import metrics  # noqa: E402
@@ -35,6 +38,21 @@ _PALETTE = plt.get_cmap("tab10").colors + (
     (0.1, 0.1, 0.45),
 ) + plt.get_cmap("tab20b").colors
 DPI = 110
+# fonts that have CJK glyphs, tried in turn after matplotlib's DejaVu Sans (which has none: a
+# Chinese or Japanese experiment name would be drawn as empty boxes); only those installed are named
+CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Source Han Sans SC", "WenQuanYi Zen Hei",
+             "WenQuanYi Micro Hei", "Droid Sans Fallback", "AR PL UMing CN", "IPAexGothic",
+             "IPAGothic", "Hiragino Sans", "PingFang SC", "Microsoft YaHei", "SimHei", "MS Gothic")
+
+
+def font_families() -> list[str]:
+    """matplotlib's font.family for the report: DejaVu Sans, then the installed CJK fonts, in
+    CJK_FONTS' order (matplotlib falls back glyph by glyph along the list)."""
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    return ["DejaVu Sans", *(f for f in CJK_FONTS if f in installed)]
+
+
+plt.rcParams["font.family"] = font_families()
 EMULATED_CAPTION = (" Hatched, (emulated): fp16/bf16 rounding emulated on fp32 kernels "
                     "(precision.emulate), so those bars are fp32 time and memory on their device, "
                     "not the precision's (as the runs table marks them).")
@@ -49,6 +67,11 @@ def color(precision: str):
         return _PALETTE[modes.MODES.index(precision) % len(_PALETTE)]
     free = _PALETTE[len(modes.MODES):] or _PALETTE
     return free[zlib.crc32(str(precision).encode()) % len(free)]
+
+
+def legend_outside(ax, **kw) -> None:
+    """The axes' legend to the right of the plot, where it covers no bar, value label or line."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kw)
 
 
 def save(fig, path: Path) -> Path:
@@ -86,9 +109,11 @@ def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "
         for bar, m in zip(bars, marked):
             if m:
                 bar.set_hatch(EMULATED_HATCH)
+        crowded = len(xpos) > 8   # so many bars that their labels side by side would overlap
         for (x, v), sd in zip(pts, spread):   # the value, above its error bar
             ax.annotate(fmt.format(v[0]), (x, v[0] + sd), xytext=(0, 2), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=8)
+                        ha="center", va="bottom", fontsize=7 if crowded else 8,
+                        rotation=90 if crowded else 0)
     long = max(map(len, labels), default=0) > 12
     ax.set_xticks(
         range(len(labels)), labels, rotation=20 if long else 0, ha="right" if long else "center"
@@ -119,7 +144,7 @@ def speedup_bars(path: Path, title: str, labels: list[str], series: dict, publis
             label="published" if n == 0 else None,
         )
     ax.set_title(title)
-    ax.legend(title="precision", fontsize=8)
+    legend_outside(ax, title="precision", fontsize=8)
     return save(fig, path)
 
 
@@ -137,7 +162,7 @@ def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict
     for ax in (a1, a2):
         # a panel with no numbers (e.g. no memory recorded) has no legend
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(title="precision", fontsize=8)
+            legend_outside(ax, title="precision", fontsize=8)
     fig.suptitle(title)
     return save(fig, path)
 
@@ -163,7 +188,8 @@ def accuracy_curves(path: Path, title: str, curves: list[dict], ylabel: str = "t
         ax.set_xlim(0.5, max((max(c["epochs"]) for c in curves), default=1) + 0.5)
     ax.grid(alpha=0.3)
     ax.set_title(title)
-    ax.legend(fontsize=8, title="model, precision (band: min-max over seeds)", title_fontsize=8)
+    legend_outside(ax, fontsize=8, title="model, precision\n(band: min-max over seeds)",
+                   title_fontsize=8)
     return save(fig, path)
 
 
@@ -222,7 +248,7 @@ def ladder(path: Path, title: str, steps: list[str], article: list, reproduced: 
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    legend_outside(ax, fontsize=8)
     return save(fig, path)
 
 
@@ -246,7 +272,7 @@ def loss_scale(path: Path, title: str, traces: list[dict]) -> Path:
     ax.set_ylabel("loss scale (log2 axis)")
     ax.grid(alpha=0.3)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    legend_outside(ax, fontsize=8)
     return save(fig, path)
 
 
@@ -316,7 +342,7 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                 if k
             }
         )
-        what = {"process_peak_rss": "process peak RSS: CPU run",
+        what = {**{k: f"CPU, {v}" for k, v in CPU_PEAK_KINDS.items()},
                 "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
         mem_kind = " / ".join(what.get(k, k) for k in kinds)
         emulated = frozenset((g.label, g.precision) for g in groups
@@ -338,7 +364,9 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                 + (EMULATED_CAPTION if emulated else ""),
             }
         )
-    losses = _loss_curves(groups)
+    curves = _curves(groups)
+    # a run of one epoch has one point per epoch: its per-step training loss is the curve then
+    losses = _loss_curves(groups, all_kinds=max((len(c["epochs"]) for c in curves), default=0) < 2)
     if losses:
         figs.append(
             {
@@ -349,13 +377,12 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                     "training loss (mean over the logged window)",
                     "step",
                 ),
-                "caption": "Training loss at each logged step (metrics.jsonl train rows), every "
-                           "run on one "
+                "caption": "Training loss at each logged step (metrics.jsonl train rows: every "
+                           "`trainer.log_every` steps and at each epoch's end), every run on one "
                 "plot: the gap between precisions at equal steps; mean over seeds.",
             }
         )
-    curves = _curves(groups)
-    if curves:
+    if max((len(c["epochs"]) for c in curves), default=0) > 1:   # not one point per run
         key, ylabel = curves[0]["key"], curves[0]["ylabel"]
         figs.append(
             {
@@ -416,17 +443,19 @@ def _curves(groups: list[Group]) -> list[dict]:
     return [dict(c, key=key, ylabel=ylabel) for c in curves]
 
 
-def _loss_curves(groups: list[Group]) -> list[dict]:
-    """Training loss per logged step: language-model experiments only (their train rows carry a
-    perplexity), where the loss is the comparison between precisions."""
-    return _mean_curves(
-        groups,
-        lambda r: (
-            (r["step"], r["loss"])
-            if r.get("kind") == "train" and "ppl" in r and number(r.get("loss")) is not None
-            else None
-        ),
-    )
+def _loss_curves(groups: list[Group], all_kinds: bool = False) -> list[dict]:
+    """Training loss per logged step: language-model experiments (their train rows carry a
+    perplexity), where the loss is the comparison between precisions; with all_kinds, image
+    models' too (runs too short for a curve per epoch). Left out where no run logged two steps."""
+    curves = _mean_curves(groups, functools.partial(_loss_point, all_kinds=all_kinds))
+    return curves if any(len(c["epochs"]) > 1 for c in curves) else []
+
+
+def _loss_point(r: dict, all_kinds: bool) -> tuple | None:
+    """A train row's (step, loss) for _loss_curves; None for other rows."""
+    if r.get("kind") != "train" or number(r.get("loss")) is None:
+        return None
+    return (r["step"], r["loss"]) if all_kinds or "ppl" in r else None
 
 
 def _mean_curves(groups: list[Group], point) -> list[dict]:

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from ..runtime import busy
+from ..runtime.hardware import CPU_PEAK_KINDS
 from .. import records
 from ..config import RNN_KINDS
 from .published import DERIVED
@@ -64,6 +65,13 @@ def format_reproduced(c: dict, r: dict) -> str:
     return mean_sd(rep, unit=c["unit"], of=r["runs"])
 
 
+# Latin fonts first, then CJK ones (a Chinese or Japanese experiment name, title or path draws in
+# the first font that has its glyphs), then the generic family
+FONT_STACK = ('system-ui,-apple-system,"Segoe UI",Roboto,"Noto Sans","Noto Sans CJK SC",'
+              '"Noto Sans CJK JP","Source Han Sans SC","PingFang SC","Hiragino Sans",'
+              '"Microsoft YaHei",sans-serif')
+
+
 class Doc:
     """Blocks (heading, paragraph, table, image, list) rendered to Markdown and to self-contained
     HTML."""
@@ -102,9 +110,9 @@ class Doc:
                     )
                 )
             elif b[0] == "img":
-                out.append(
-                    f"![{b[2]}]({os.path.relpath(b[1], base) if base else b[1]})\n\n*{b[2]}*"
-                )
+                # the caption once, under the figure; the alt text is the figure's name
+                out.append(f"![{Path(b[1]).stem}]({os.path.relpath(b[1], base) if base else b[1]})"
+                           f"\n\n*{b[2]}*")
             elif b[0] == "ul":
                 out.append("\n".join(f"- {i}" for i in b[1]))
         return "\n\n".join(out) + "\n"
@@ -113,8 +121,10 @@ class Doc:
         e = html.escape
         out = [
             f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{e(title)}</title><style>'
-            "body{font-family:system-ui,sans-serif;max-width:1250px;margin:auto;padding:1em;"
+            f"body{{font-family:{FONT_STACK};max-width:1250px;margin:auto;padding:1em;"
             "color:#222}"
+            # a long command wraps inside the page rather than widening it (a scrollbar)
+            "code{white-space:pre-wrap;overflow-wrap:anywhere}td,li,p{overflow-wrap:break-word}"
             "table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid "
             "#ccc;"
             "padding:3px 7px;text-align:left;vertical-align:top}th{background:#f2f2f2}"
@@ -140,7 +150,8 @@ class Doc:
                 )
             elif b[0] == "img":
                 data = base64.b64encode(Path(b[1]).read_bytes()).decode("ascii")
-                out.append(f"<figure><img alt=\"{e(b[2])}\" src=\"data:image/png;base64,{data}\">"
+                out.append(f"<figure><img alt=\"{e(Path(b[1]).stem)}\" "
+                           f"src=\"data:image/png;base64,{data}\">"
                            f"<figcaption>{e(b[2])}</figcaption></figure>")
             elif b[0] == "ul":
                 out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in b[1]) + "</ul>")
@@ -222,56 +233,7 @@ def document(data: dict) -> Doc:
             d.p(f"{unrecorded} job(s) failed before recording their environment (see below).")
         d.h(3, "Runs")
         gs = exp["groups"]
-        ttt = any(g["metrics"]["time_to_target_s"] for g in gs)
-        lm = any(g["metrics"]["loss_gap"] or g["metrics"]["mfu"] or g["metrics"].get("test_ppl")
-                 for g in gs)   # language models: perplexity, MFU, loss gap
-        heads = (
-            [
-                "model",
-                "precision",
-                "runs",
-                "train time (s)",
-                "speed-up vs fp32 (x)",
-                "tokens/s" if lm else "samples/s",
-                "test ppl (best valid epoch)" if lm else "test acc (%)",
-                "batch",
-                "compile",
-                "GPU busy (%)",
-            ]
-            + (["time to target (s)"] if ttt else [])
-            + ["peak memory (MB)"]
-            + (["MFU (%)", "valid loss - fp32's, same steps"] if lm else [])
-        )
-        rows = []
-        for g in gs:
-            runs = ", ".join(f"{n} {s}" for s, n in g["statuses"].items())
-            if len(g["seeds"]) > 1:
-                runs += " (seeds " + ",".join(str(s) for s in g["seeds"]) + ")"
-            m = g["metrics"]
-            done = g["statuses"].get("completed", 0)
-            precision = g["precision"] + (
-                " (emulated: not a low-precision time)" if g["emulated"] else ""
-            )
-            rows.append(
-                [
-                    g["label"],
-                    precision,
-                    runs,
-                    mean_sd(m["train_time_s"], ".3f"),
-                    mean_sd(m["speedup"], ".2f"),
-                    mean_sd(m["throughput"], ".1f"),
-                    mean_sd(m.get("test_ppl"), ".2f")
-                    if lm
-                    else mean_sd(m["final_test_acc"], ".2f", 100),
-                    ", ".join(g.get("batch", [])) or "-",
-                    ", ".join(g.get("compile", [])) or "-",
-                    mean_sd(m.get("gpu_busy_fraction"), ".0f", 100),
-                ]
-                + ([mean_sd(m["time_to_target_s"], ".3g", of=done)] if ttt else [])
-                + [mean_sd(m["peak_memory_mb"], ".0f")]
-                + ([mean_sd(m["mfu"], ".3g", 100), mean_sd(m["loss_gap"], "+.3g")] if lm else [])
-            )
-        d.table(heads, rows)
+        runs_tables(d, gs)
         bound = [
             g["label"] + " " + g["precision"]
             for g in gs
@@ -348,10 +310,72 @@ def document(data: dict) -> Doc:
             )
         for fig in exp.get("plots", []):
             d.image(fig["path"], fig["caption"])
-    if data["sources_without_runs"]:
-        d.h(2, "Published sources with no matching run")
-        d.bullets([unmatched_line(s) for s in data["sources_without_runs"]])
     return d
+
+
+def runs_tables(d: Doc, gs: list[dict]) -> None:
+    """The runs table, one per job kind: image models (samples/s, test accuracy) and language
+    models (tokens/s, perplexity, MFU, the loss gap), so that no row sits under another kind's
+    columns."""
+    kinds = [(lm, [g for g in gs if bool(g.get("language_model")) == lm]) for lm in (False, True)]
+    kinds = [(lm, of) for lm, of in kinds if of]
+    for lm, of in kinds:
+        if len(kinds) > 1:
+            d.p(f"**{'Language models' if lm else 'Image models'}:**")
+        d.table(*runs_table(of, lm))
+
+
+def runs_table(gs: list[dict], lm: bool) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows of one kind's runs table (runs_tables)."""
+    ttt = any(g["metrics"]["time_to_target_s"] for g in gs)
+    heads = (["model", "precision", "runs", "train time (s)", "speed-up vs fp32 (x)",
+              "tokens/s" if lm else "samples/s",
+              "test ppl (best valid epoch)" if lm else "test acc (%)", "skipped steps", "batch",
+              "compile", "GPU busy (%)"]
+             + (["time to target (s)"] if ttt else [])
+             + [f"peak memory (MB, {memory_kinds(gs)})"]
+             + (["MFU (%)", "valid loss - fp32's, same steps"] if lm else []))
+    rows = []
+    for g in gs:
+        runs = ", ".join(f"{n} {s}" for s, n in g["statuses"].items())
+        if len(g["seeds"]) > 1:
+            runs += " (seeds " + ",".join(str(s) for s in g["seeds"]) + ")"
+        m = g["metrics"]
+        rows.append(
+            [g["label"], precision_cell(g), runs, mean_sd(m["train_time_s"], ".3f"),
+             mean_sd(m["speedup"], ".2f"), mean_sd(m["throughput"], ".1f"),
+             mean_sd(m.get("test_ppl"), ".2f") if lm
+             else mean_sd(m["final_test_acc"], ".2f", 100),
+             ", ".join(k for k in g.get("skipped", []) if k) or "-",
+             ", ".join(g.get("batch", [])) or "-", ", ".join(g.get("compile", [])) or "-",
+             mean_sd(m.get("gpu_busy_fraction"), ".0f", 100)]
+            + ([mean_sd(m["time_to_target_s"], ".3g", of=g["statuses"].get("completed", 0))]
+               if ttt else [])
+            + [mean_sd(m["peak_memory_mb"], ".0f")]
+            + ([mean_sd(m["mfu"], ".3g", 100), mean_sd(m["loss_gap"], "+.3g")] if lm else []))
+    return heads, rows
+
+
+def precision_cell(g: dict) -> str:
+    """A group's precision, and why its time is no time of that precision's arithmetic."""
+    if g["emulated"]:
+        return g["precision"] + " (emulated: not a low-precision time)"
+    if g.get("fp32_arithmetic"):
+        return g["precision"] + " (plain fp32 here: TF32 does nothing on this device)"
+    return g["precision"]
+
+
+# what a peak memory figure measured (summary metrics' peak_memory_kind), as a column says it
+MEMORY_KINDS = {**CPU_PEAK_KINDS, "cuda_max_allocated": "allocated by tensors"}
+
+
+def memory_kinds(groups_or_rows: list[dict]) -> str:
+    """What the peak memory column measured, over the groups' (peak_memory_kind lists) or the
+    sweep rows' (peak_mem_kind) kinds."""
+    kinds = sorted({k for g in groups_or_rows
+                    for k in (g.get("peak_memory_kind") or [g.get("peak_mem_kind")]) if k}
+                   - {"?"})
+    return " / ".join(MEMORY_KINDS.get(k, k) for k in kinds) or "not recorded"
 
 
 def unmatched_line(s: dict) -> str:
@@ -574,6 +598,7 @@ SWEEP_COLUMNS = [
     ("busy", "GPU busy", ".2f"),
     ("speedup", "vs fp32", ".2f"),
     ("test_acc", "test acc", ".4f"),
+    ("skipped", "skipped", "s"),
     ("peak_mem_mb", "peak MB", ".0f"),
     ("note", "note", "s"),
 ]
@@ -588,6 +613,7 @@ LM_COLUMNS = SWEEP_COLUMNS[:6] + [
     ("test_ppl", "test ppl", ".2f"),
     ("loss_gap", "dloss vs fp32", "+.3g"),
     ("published", "published test ppl", "s"),
+    ("skipped", "skipped", "s"),
     ("peak_mem_mb", "peak MB", ".0f"),
     ("note", "note", "s"),
 ]
@@ -598,15 +624,28 @@ LM_COLUMNS = SWEEP_COLUMNS[:6] + [
 SHARDED_COLUMNS = [("strategy", "strategy", "s"), ("held_mb", "MB/rank p+g+o", "s")]
 
 
+def sweep_tables(rows: list[dict]) -> str:
+    """A sweep's table, one per job kind (image models, then language models: each under its own
+    columns), separated by a blank line."""
+    kinds = [[r for r in rows if bool(r.get("lm")) == lm] for lm in (False, True)]
+    return "\n\n".join(format_table(of) for of in kinds if of)
+
+
 def format_table(rows: list[dict], cols: list[tuple] | None = None) -> str:
     """rows as aligned text columns; cols: (row key, header, format spec) per column; by default
-    SWEEP_COLUMNS, or LM_COLUMNS when every row is a language model's, with SHARDED_COLUMNS before
-    peak MB when a row is a sharded job's."""
+    SWEEP_COLUMNS, or LM_COLUMNS when every row is a language model's, with the swept keys after
+    precision when rows differ in other keys than model and precision, SHARDED_COLUMNS before
+    peak MB when a row is a sharded job's, and peak MB saying what it measured."""
     if cols is None:
         cols = LM_COLUMNS if rows and all(r.get("lm") for r in rows) else SWEEP_COLUMNS
+        if any(r.get("swept") for r in rows):
+            at = [k for k, _, _ in cols].index("precision") + 1
+            cols = cols[:at] + [("swept", "swept", "s")] + cols[at:]
+        at = [k for k, _, _ in cols].index("peak_mem_mb")
         if any(r.get("strategy") for r in rows):
-            at = [k for k, _, _ in cols].index("peak_mem_mb")
-            cols = cols[:at] + SHARDED_COLUMNS + cols[at:]
+            cols, at = cols[:at] + SHARDED_COLUMNS + cols[at:], at + len(SHARDED_COLUMNS)
+        cols = cols[:at] + [("peak_mem_mb", f"peak MB ({memory_kinds(rows)})", ".0f")] \
+            + cols[at + 1:]
     cells = [[h for _, h, _ in cols]] + [row_cells(r, cols) for r in rows]
     cells = [[c if len(c) <= 90 else c[:87] + "..." for c in row] for row in cells]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
@@ -618,7 +657,8 @@ def format_table(rows: list[dict], cols: list[tuple] | None = None) -> str:
 def row_cells(row: dict, cols: list[tuple]) -> list[str]:
     """A row's cells as text, each formatted by its column's spec."""
     return [
-        row[k] if isinstance(row[k], str) else _fmt(row[k], spec if spec not in ("s", "d") else "")
+        row[k] if isinstance(row.get(k), str)
+        else _fmt(row.get(k), spec if spec not in ("s", "d") else "")
         for k, _, spec in cols
     ]
 

@@ -78,8 +78,8 @@ def configure(device: torch.device, trainer: TrainerConfig, seed: int) -> list[s
     torch.manual_seed(seed)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device)
-        torch.accelerator.reset_peak_memory_stats(device)
-        _MEMORY[device] = None
+    reset_memory_peak(device)
+    _MEMORY[device] = None
     return notes
 
 
@@ -172,14 +172,52 @@ def mark_steady(device: torch.device) -> None:
         torch.accelerator.reset_peak_memory_stats(device)
 
 
+def reset_memory_peak(device: torch.device) -> None:
+    """Start the device's memory peak afresh: the accelerator's peak of allocated bytes, or on a CPU
+    the process's peak RSS (Linux: writing 5 to /proc/self/clear_refs sets VmHWM to the RSS of now;
+    ru_maxrss never falls, so a sweep's jobs in one process would each report the largest job's
+    peak so far). Where the kernel offers no reset the CPU's peak stays the process's."""
+    if device.type != "cpu":
+        torch.accelerator.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        _RSS_RESET[0] = True
+    except OSError:
+        _RSS_RESET[0] = False
+
+
+# whether the CPU's peak RSS was reset at this job's start (reset_memory_peak)
+_RSS_RESET = [False]
+CPU_PEAK_KINDS = {
+    "process_rss_since_job_start": "RSS since job start",
+    "process_peak_rss": "process RSS, earlier jobs of the process included",
+}
+
+
+def rss_peak_mb() -> float:
+    """The CPU process's peak RSS in MB: VmHWM (since the last reset_memory_peak) where the kernel
+    has it, else ru_maxrss (since the process started)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def memory_metrics(device: torch.device) -> dict:
-    """peak_memory_mb: the job's peak since configure() (dataset, autotuning, training, evaluation);
-    peak_memory_steady_mb: the peak after the warm-up steps (training and evaluation; None without a
-    mark or on a CPU); peak_memory_kind: what was measured (max allocated by tensors on the device,
-    or the CPU process's RSS)."""
+    """peak_memory_mb: the job's peak since configure() (dataset, autotuning, training, evaluation;
+    prewarm's throwaway copies are left out: reset_memory_peak after them); peak_memory_steady_mb:
+    the peak after the warm-up steps (training and evaluation; None without a mark or on a CPU);
+    peak_memory_kind: what was measured (max allocated by tensors on the device; on a CPU the
+    process's RSS since the job's start, or since the process's start where it cannot be reset:
+    CPU_PEAK_KINDS)."""
     if device.type == "cpu":
-        return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "peak_memory_steady_mb": None, "peak_memory_kind": "process_peak_rss"}
+        kind = "process_rss_since_job_start" if _RSS_RESET[0] else "process_peak_rss"
+        return {"peak_memory_mb": rss_peak_mb(), "peak_memory_steady_mb": None,
+                "peak_memory_kind": kind}
     now = torch.accelerator.max_memory_allocated(device) / 2**20
     before = _MEMORY.get(device)
     return {"peak_memory_mb": now if before is None else max(now, before / 2**20),

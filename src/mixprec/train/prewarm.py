@@ -19,8 +19,9 @@ compile_time_s.
 Memory: the copies are freed when `run_prewarm` returns, and the job then calls `reset_peak` once
 prewarm and the compile warm-up are done (job.py), so that the device's peak (peak_memory_mb,
 hardware.memory_metrics) counts the run's own tensors, not the throwaway copy of model, optimizer
-and master weights (nor the warm-up's batches). On a CPU the peak is the process's maximum RSS,
-which cannot be reset: a CPU job's peak includes them.
+and master weights (nor the warm-up's batches). On a CPU the peak is the process's peak RSS, reset
+at the job's start and here (Linux's VmHWM; elsewhere ru_maxrss, which cannot be reset and then
+includes them and the earlier jobs of the process).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from ..runtime.hardware import flatten_rnns, fork_rng, synchronize
+from ..runtime.hardware import flatten_rnns, fork_rng, reset_memory_peak, synchronize
 from .step import backward_and_step
 from .warmup import ImageBatch, TokenBatch, image_loss, lm_loss
 
@@ -112,7 +113,6 @@ def run_prewarm(
 
 def reset_peak(device: torch.device) -> None:
     """Start the device's memory peak afresh (after prewarm's copies are freed and compilation is
-    done): the peak from here is that of what is allocated now and of the run. Nothing to reset on a
-    CPU (its peak is the RSS)."""
-    if device.type != "cpu":
-        torch.accelerator.reset_peak_memory_stats(device)
+    done): the peak from here is that of what is allocated now and of the run (on a CPU the peak
+    RSS, where the kernel can reset it: hardware.reset_memory_peak)."""
+    reset_memory_peak(device)
