@@ -3,9 +3,11 @@ tiny jobs."""
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from mixprec.runtime import dist
 from mixprec.data import pipelines
 from mixprec.config import ConfigError
 from mixprec.train.loop import LoopState
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -271,6 +274,144 @@ def test_a_failed_ranks_error_is_said_by_rank_0_or_by_itself():
     assert dist.error_said(other, store, wait_s=0.2) is True
     # no process group
     assert dist.error_said(dist.SINGLE) is True and dist.error_said(other) is False
+
+
+# A job of 2 gloo ranks in forked processes, each running mixprec.job.run_job as a torchrun rank
+# would (its variables set); a global optimizer-step hook acts on one rank at one step: it raises
+# (a failure of that rank alone) or signals its own process (a SIGTERM to one rank).
+RANKED = [*TINY, "trainer.max_steps=8", "trainer.log_every=2"]
+
+
+class ActAtStep:
+    """A global optimizer-step hook: at rank act_rank's second optimizer step, `act` (raise, or
+    SIGTERM its own process)."""
+
+    def __init__(self, rank, act_rank, act):
+        self.rank, self.act_rank, self.act, self.calls = rank, act_rank, act, 0
+
+    def __call__(self, optimizer, args, kwargs):
+        self.calls += 1
+        if self.rank == self.act_rank and self.calls == 2:
+            if self.act == "raise":
+                raise ValueError(f"injected failure on rank {self.rank}")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _jobs_on_rank(rank, port, out, jobs, act_rank, act, own_dirs):
+    """Rank `rank` of 2 runs `jobs` (each a list of overrides) in turn as one sweep's jobs (a
+    process that returns from a job goes on to the next, as Hydra's sweep does); what it returned
+    is noted in out/returned.<rank>. own_dirs: each rank's job dir its own, <job>/rank<rank> (nodes
+    without a shared file system)."""
+    from helpers import compose_config
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    register_optimizer_step_post_hook(ActAtStep(rank, act_rank, act))
+    for num, overrides in enumerate(jobs):
+        job_dir = out / f"{num}_job" / (f"rank{rank}" if own_dirs else "")
+        cfg = compose_config(*overrides, output_dir=job_dir)
+        if len(jobs) > 1:
+            with open_dict(cfg):
+                cfg.hydra.mode, cfg.hydra.sweep.dir, cfg.hydra.job.num = RunMode.MULTIRUN, out, num
+        HydraConfig.instance().set_config(cfg)
+        status = mixprec.job.run_job(cfg)["status"]
+        with open(out / f"returned.{rank}", "a") as f:
+            f.write(f"{num} {status}\n")
+
+
+def on_two_ranks(out, jobs, act_rank=None, act=None, own_dirs=False, timeout=90) -> list:
+    """Run _jobs_on_rank on 2 forked ranks; their exit codes (None: still running at `timeout`,
+    then killed)."""
+    ctx = torch.multiprocessing.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=_jobs_on_rank,
+                         args=(rank, port, out, jobs, act_rank, act, own_dirs))
+             for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(end - time.monotonic(), 0.1))
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    return codes
+
+
+def test_a_failure_on_one_rank_ends_every_ranks_sweep_at_once(tmp_path):
+    """Job 0 of a 2-job sweep fails on rank 1 alone, at its second step, while rank 0 waits for it
+    in the next collective: both ranks end their sweep at once with exit status 1 (rank 1 used to
+    go on to job 1 and rank 0 to wait there until the 10-minute timeout); the summary names
+    rank 1 and its error; job 1 never starts."""
+    start = time.monotonic()
+    codes = on_two_ranks(tmp_path, [RANKED, [*RANKED, "seed=1"]], act_rank=1, act="raise")
+    assert codes == [1, 1], codes
+    assert time.monotonic() - start < 60
+    s = json.loads((tmp_path / "0_job" / "summary.json").read_text())
+    assert s["status"] == "failed" and s["failed_rank"] == 1, s.get("error")
+    assert s["error"] == "rank 1: ValueError: injected failure on rank 1"
+    assert not (tmp_path / "1_job").exists()
+    assert not list(tmp_path.glob("returned.*"))   # no rank went on with the sweep
+
+
+def test_a_completed_job_seen_by_one_rank_only_ends_both_in_one_line(tmp_path, capfd):
+    """trainer.resume=auto where rank 0's job dir holds a completed job and rank 1's (its node's
+    own disk) none: the ranks agree on what they saw before acting, and both end in one line,
+    exit status 2 (rank 0 used to skip the job while rank 1 trained it, waiting for rank 0 in its
+    first collective); nothing trained."""
+    rank0 = tmp_path / "0_job" / "rank0"
+    rank0.mkdir(parents=True)
+    (rank0 / "summary.json").write_text('{"status": "completed"}')
+    codes = on_two_ranks(tmp_path, [[*RANKED, "trainer.resume=auto"]], own_dirs=True)
+    assert codes == [2, 2], codes
+    line = (f"mixprec: {rank0 / 'summary.json'}: the ranks do not see the same job (rank 0: a "
+            "completed job; rank 1: no finished job); under trainer.resume=auto every rank reads "
+            "the job dir")
+    err = capfd.readouterr().err
+    assert err.count(line) == 1, err[-3000:]
+    assert (rank0 / "summary.json").read_text() == '{"status": "completed"}'
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_a_signal_to_one_rank_ends_every_rank_with_its_exit_status(tmp_path, capfd):
+    """The quick twin of the slow test below: a SIGTERM to rank 0 alone stops both ranks after the
+    same step, and both exit with 143 (128 + SIGTERM: rank 1 used to exit 1), through the same
+    end of the process group as a completed job; the summary says interrupted, and rank 0 gives
+    the command that continues it, once."""
+    codes = on_two_ranks(tmp_path, [RANKED], act_rank=0, act="signal")
+    assert codes == [143, 143], codes
+    s = json.loads((tmp_path / "0_job" / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM", s.get("error")
+    err = capfd.readouterr().err
+    assert err.count("checkpoint saved. To continue: python train.py") == 1, err[-3000:]
+
+
+def test_a_dataloader_pipeline_on_two_ranks_is_refused_before_any_work(tmp_path, monkeypatch,
+                                                                        capsys):
+    """Rank 0 of 2 (torchrun's variables, no rendezvous: nothing may need one) with
+    dataset.pipeline=dataloader, in the dir of an interrupted job: one line, exit status 2, before
+    the process group, the summary block or any work; the interrupted job's records stay."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    records = {"summary.json": '{"status": "interrupted"}', "checkpoint.pt": "its state"}
+    for name, text in records.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as e:
+        run_tiny(tmp_path, "dataset.pipeline=dataloader")
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [
+        "mixprec: config error: dataset.pipeline=dataloader: not sharded across ranks (DDP or "
+        "FSDP); use dataset.pipeline=device"]
+    assert "status" not in out
+    assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.is_file()} == records
 
 
 def test_ranks_checks():
