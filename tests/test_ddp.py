@@ -3,11 +3,13 @@ tiny jobs."""
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -390,6 +392,63 @@ def test_a_signal_to_one_rank_ends_every_rank_with_its_exit_status(tmp_path, cap
     assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM", s.get("error")
     err = capfd.readouterr().err
     assert err.count("checkpoint saved. To continue: python train.py") == 1, err[-3000:]
+
+
+# about 64 steps an epoch on 2 ranks: a job still training when its first rows are logged
+LASTING = [*TINY, "dataset.train_size=1024", "trainer.max_steps=null", "trainer.epochs=2",
+           "trainer.log_every=4"]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's ranks)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def signal_ranks_once_training(job_dir, cwd):
+    """A 2-rank torchrun job, every rank sent SIGTERM once it has logged a training row (as
+    Slurm's scancel signals every task); torchrun's exit status, the ranks' exit codes its
+    report gives, its stderr."""
+    env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("MIXPREC_RUN_TIME", None)
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={free_port()}", str(ROOT / "train.py"), *LASTING,
+                          f"hydra.run.dir={job_dir}"],
+                         cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (job_dir / "metrics.jsonl").exists() or '"train"' not in (
+            job_dir / "metrics.jsonl").read_text():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+        time.sleep(0.05)
+    for rank in children(p.pid):
+        os.kill(rank, signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    return p.returncode, [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", err)], err
+
+
+@pytest.mark.slow
+def test_a_signalled_two_rank_job_exits_with_the_same_code_20_times(tmp_path):
+    """SIGTERM to both ranks of a torchrun job, 20 times: each time every rank torchrun reports
+    exited 143 (128 + SIGTERM; no rank aborted in gloo's teardown, none killed by torchrun as it
+    ended), the job is interrupted with its checkpoint, and the command that continues it is
+    said once. (test_a_signal_to_one_rank_ends_every_rank_with_its_exit_status is the quick
+    twin.)"""
+    for attempt in range(20):
+        job_dir = tmp_path / f"job{attempt}"
+        rc, codes, err = signal_ranks_once_training(job_dir, tmp_path)
+        assert rc == 1 and codes and set(codes) == {143}, (attempt, codes, err[-3000:])
+        s = json.loads((job_dir / "summary.json").read_text())
+        assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM", attempt
+        assert (job_dir / "checkpoint.pt").exists()
+        assert err.count("checkpoint saved. To continue: python train.py") == 1, err[-3000:]
 
 
 def test_a_dataloader_pipeline_on_two_ranks_is_refused_before_any_work(tmp_path, monkeypatch,

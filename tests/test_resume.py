@@ -530,14 +530,8 @@ def test_a_bad_checkpoint_gives_one_line_naming_the_file(
     args = EPOCHS2 if damage else [*EPOCHS2, "optimizer.lr=0.05"]
     if damage:
         damage(path)
-    before = {f: (tmp_path / f).read_bytes() for f in (SUMMARY, CHECKPOINT, METRICS)}
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        run_tiny(tmp_path, *args, "trainer.resume=auto")
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err, _ = refused(tmp_path, capsys, *args)
     assert err == [f"mixprec: {path}: {expect}" + err[0].split(expect, 1)[1]]
-    assert {f: (tmp_path / f).read_bytes() for f in before} == before
     # trainer.resume=never starts over in the same dir: the records are those of one run
     if damage is None:
         s = run_tiny(tmp_path, *args, "trainer.resume=never")
@@ -553,6 +547,19 @@ def interrupted(job_dir, run_dir):
              interrupted_by="SIGTERM")
     (run_dir / SUMMARY).write_text(json.dumps(s))
     shutil.copy(job_dir / METRICS, run_dir / METRICS)
+
+
+def refused(run_dir, capsys, *overrides):
+    """The job in run_dir under trainer.resume=auto, refused (exit status 2) with the dir's records
+    left as they were: its stderr lines and stdout."""
+    before = {f: (run_dir / f).read_bytes() for f in (SUMMARY, CHECKPOINT, METRICS)}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_tiny(run_dir, *overrides, "trainer.resume=auto")
+    assert e.value.code == 2
+    assert {f: (run_dir / f).read_bytes() for f in before} == before
+    out, err = capsys.readouterr()
+    return err.strip().splitlines(), out
 
 
 def without(run_dir, key):
@@ -589,16 +596,10 @@ def test_a_checkpoint_without_a_field_set_otherwise_now_is_refused_as_it_was(
     shutil.copy(failed_job / CHECKPOINT, tmp_path / CHECKPOINT)
     interrupted(failed_job, tmp_path)
     without(tmp_path, "trainer.eval_batch_size")
-    before = {f: (tmp_path / f).read_bytes() for f in (SUMMARY, CHECKPOINT, METRICS)}
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        run_tiny(tmp_path, *EPOCHS2, "trainer.resume=auto")
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err, _ = refused(tmp_path, capsys, *EPOCHS2)
     assert len(err) == 1 and err[0].startswith(
         f"mixprec: {tmp_path / CHECKPOINT}: written by a different config "
         "(trainer.eval_batch_size: (not set) -> 32)"), err
-    assert {f: (tmp_path / f).read_bytes() for f in before} == before
 
 
 def test_a_resume_on_another_world_size_is_refused_before_any_work(tmp_path, failed_job, capsys):
@@ -610,17 +611,11 @@ def test_a_resume_on_another_world_size_is_refused_before_any_work(tmp_path, fai
     ckpt = torch.load(tmp_path / CHECKPOINT, weights_only=True)
     ckpt["rng"] = ckpt["rng"] * 2
     torch.save(ckpt, tmp_path / CHECKPOINT)
-    before = {f: (tmp_path / f).read_bytes() for f in (SUMMARY, CHECKPOINT, METRICS)}
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        run_tiny(tmp_path, *EPOCHS2, "trainer.resume=auto")
-    assert e.value.code == 2
-    out, err = capsys.readouterr()
-    assert err.strip().splitlines() == [
+    err, out = refused(tmp_path, capsys, *EPOCHS2)
+    assert err == [
         f"mixprec: {tmp_path / CHECKPOINT}: written by 2 rank(s), this job has 1; resume with as "
         "many ranks (torchrun --nproc_per_node=2), or delete it to start over"]
     assert "status" not in out   # no summary block: nothing ran
-    assert {f: (tmp_path / f).read_bytes() for f in before} == before
 
 
 def test_an_older_default_batch_resumes_with_its_batch_and_says_so(tmp_path, caplog):

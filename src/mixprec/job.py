@@ -258,7 +258,7 @@ def refuse_for_ranks(config: Config, ranks: dist.Ranks) -> None:
 
 def record_training(config: Config, summary: dict, out_dir: Path, group: str | None, name: str,
                     device: torch.device, ranks: dist.Ranks, per_rank: int,
-                    stop: StopSignals, resume: dict | None) -> dict:
+                    stop: StopSignals, resume: dict | None = None) -> dict:
     """Set up the device and the job dir (resume, W&B), train, and complete the summary. per_rank:
     each rank's batch (dist.check's). `stop`: the job's stop signals, active since before the
     set-up: the loop stops after a step; note_signal records them. `resume`: the agreed checkpoint
@@ -316,10 +316,12 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
         summary.update(
             status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()
         )
-        failed_first = stop() is None and ranks.active
         note_failed_rank(summary, ranks)
+        # torchrun stops every rank once one has failed: a SIGTERM after this rank's failure, or
+        # after another rank's, is no stop the user asked for
+        failed_first = ranks.active and (stop() is None
+                                         or summary["failed_rank"] != ranks.rank)
     finally:
-        # torchrun stops every rank once one has failed: that SIGTERM is no stop the user asked for
         note_signal(summary, None if failed_first else stop() or agreed.last)
         complete_summary(summary, config, device, saver, ranks.world)
         recorder.write_summary(summary)

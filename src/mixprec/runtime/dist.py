@@ -31,6 +31,7 @@ submitit launcher the launcher names the dirs once, before the tasks start.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import io
 import os
@@ -213,9 +214,14 @@ def end_group(ranks: Ranks, wait: bool = True, wait_s: float = 60.0) -> None:
     job's exit code. `wait=False`: this rank's job failed first, while the others may wait for it
     in a collective: it arrives and goes (its peers' collective then ends in an error, or torchrun
     stops them). A store barrier, not a collective: a rank that is gone is waited for wait_s at
-    most. One rank: nothing to do (a 1-rank FSDP job's own group: `close`)."""
+    most. One rank: nothing to do (a 1-rank FSDP job's own group: `close`). From here a SIGTERM is
+    ignored: the job has ended, and torchrun, which stops every rank with SIGTERM once one has
+    exited with an error, would turn the exit status of a rank still ending into -15 (SIGKILL,
+    torchrun's next step, still ends a rank that hangs; Ctrl-C still acts)."""
     if not (ranks.active and tdist.is_initialized()):
         return
+    with contextlib.suppress(ValueError):   # not the main thread: SIGTERM keeps its handler
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         store = tdist.distributed_c10d._get_default_store()
         store.add(END, 1)
