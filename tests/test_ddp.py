@@ -473,6 +473,17 @@ def test_a_dataloader_pipeline_on_two_ranks_is_refused_before_any_work(tmp_path,
     assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.is_file()} == records
 
 
+def test_the_first_rank_that_failed_is_agreed_through_the_store():
+    """Rank 1 fails first and marks itself; rank 0, whose collective then ended in an error, learns
+    that rank 1 failed first and with what; no process group: this rank and its own line."""
+    store = torch.distributed.HashStore()
+    assert dist.first_failure(dist.Ranks(rank=1, world=2), "ValueError: boom", store) == (
+        1, "ValueError: boom")
+    assert dist.first_failure(dist.Ranks(rank=0, world=2), "RuntimeError: closed", store) == (
+        1, "ValueError: boom")
+    assert dist.first_failure(dist.Ranks(rank=1, world=2), "x") == (1, "x")
+
+
 def test_ranks_checks():
     ranks = dist.Ranks(rank=1, world=2)
     assert dist.check(16, False, torch.device("cpu"), ranks) == 8

@@ -549,6 +549,23 @@ def interrupted(job_dir, run_dir):
     shutil.copy(job_dir / METRICS, run_dir / METRICS)
 
 
+def test_a_key_a_config_lacks_is_no_change_when_its_value_now_is_the_schemas_default():
+    """config_diff: a key (or a whole section) the checkpoint's config lacks is no change when its
+    value now is the schema's default; another value is, named with the key."""
+    from mixprec.train.checkpoint import config_diff
+
+    old = {"trainer": {"epochs": 2}}
+    assert config_diff(old, {"trainer": {"epochs": 2, "replicate": "auto"}}) is None
+    assert config_diff(old, {"trainer": {"epochs": 2, "replicate": 2}}) == (
+        "trainer.replicate: (not set) -> 2")
+    assert config_diff(old, {"trainer": {"epochs": 2}, "probe": {
+        "name": "none", "every": 50, "max_skips": 20}}) is None
+    assert config_diff(old, {"trainer": {"epochs": 2}, "probe": {"name": "ranges"}}) == (
+        'probe: (not set) -> {"name": "ranges"}')
+    assert config_diff({"trainer": {"epochs": 2, "replicate": 2}}, old) == (
+        "trainer.replicate: 2 -> (not set)")
+
+
 def refused(run_dir, capsys, *overrides):
     """The job in run_dir under trainer.resume=auto, refused (exit status 2) with the dir's records
     left as they were: its stderr lines and stdout."""

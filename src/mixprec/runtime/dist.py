@@ -205,6 +205,13 @@ def finish() -> None:
 END = "mixprec_end"
 
 
+def attempt_key(name: str) -> str:
+    """A key of the process group's store for this attempt of the job: torchrun's agent keeps its
+    store across the restarts of --max-restarts, so each attempt counts its own arrivals and
+    failures (TORCHELASTIC_RESTART_COUNT)."""
+    return f"{name}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def end_group(ranks: Ranks, wait: bool = True, wait_s: float = 60.0) -> None:
     """The one way a torchrun process ends its process group, whatever ended its job (completed,
     interrupted, refused, failed): it arrives at a barrier on the group's store, waits there until
@@ -224,9 +231,10 @@ def end_group(ranks: Ranks, wait: bool = True, wait_s: float = 60.0) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         store = tdist.distributed_c10d._get_default_store()
-        store.add(END, 1)
+        key = attempt_key(END)
+        store.add(key, 1)
         end = time.monotonic() + wait_s
-        while wait and store.add(END, 0) < ranks.world and time.monotonic() < end:
+        while wait and store.add(key, 0) < ranks.world and time.monotonic() < end:
             time.sleep(0.01)
     except Exception:   # the store went with the rank that held it, after every rank arrived  # noqa: BLE001
         pass
@@ -246,7 +254,7 @@ def first_failure(ranks: Ranks, line: str, store=None) -> tuple[int, str]:
             return ranks.rank, line
         store = tdist.distributed_c10d._get_default_store()
     try:
-        first = store.compare_set(FAILED, "", f"{ranks.rank}:{line}").decode()
+        first = store.compare_set(attempt_key(FAILED), "", f"{ranks.rank}:{line}").decode()
     except Exception:   # the store is gone with the rank that held it   # noqa: BLE001
         return ranks.rank, line
     rank, _, said = first.partition(":")
