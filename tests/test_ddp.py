@@ -381,6 +381,47 @@ def test_a_completed_job_seen_by_one_rank_only_ends_both_in_one_line(tmp_path, c
     assert not list(tmp_path.rglob("metrics.jsonl"))
 
 
+# Put on PYTHONPATH: rank 1 of a torchrun job raises at its second optimizer step.
+FAIL_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":
+    import torch.optim.optimizer as o
+    calls = []
+    def hook(optimizer, args, kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("injected failure on rank 1")
+    o.register_optimizer_step_post_hook(hook)
+"""
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_ends_a_torchrun_sweep_at_once(tmp_path):
+    """The quick forked test above under torchrun: job 0 of a 2-job sweep fails on rank 1 alone;
+    torchrun stops rank 0 (SIGTERM, not taken for the user's stop), the sweep ends at once (not at
+    the 10-minute timeout), job 0's summary names rank 1 and its error, job 1 never starts."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAIL_ON_RANK_1)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    env.pop("MIXPREC_RUN_TIME", None)
+    sweep = tmp_path / "sweep"
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", str(ROOT / "train.py"), "-m", *RANKED,
+                        "seed=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and time.monotonic() - start < 120, r.stderr[-3000:]
+    summaries = list(sweep.glob("*/summary.json"))
+    assert len(summaries) == 1, summaries   # job 1 never started
+    s = json.loads(summaries[0].read_text())
+    assert s["status"] == "failed" and s["failed_rank"] == 1, s.get("error")
+    assert s["error"] == "rank 1: ValueError: injected failure on rank 1"
+    assert r.stderr.count("mixprec: the job failed: rank 1: ValueError: injected failure") == 1, (
+        r.stderr[-3000:])
+
+
 def test_a_signal_to_one_rank_ends_every_rank_with_its_exit_status(tmp_path, capfd):
     """The quick twin of the slow test below: a SIGTERM to rank 0 alone stops both ranks after the
     same step, and both exit with 143 (128 + SIGTERM: rank 1 used to exit 1), through the same
