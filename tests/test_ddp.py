@@ -408,10 +408,17 @@ def test_a_failure_on_one_rank_ends_a_torchrun_sweep_at_once(tmp_path):
     env.pop("MIXPREC_RUN_TIME", None)
     sweep = tmp_path / "sweep"
     start = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", str(ROOT / "train.py"), "-m", *RANKED,
-                        "seed=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={free_port()}", str(ROOT / "train.py"), "-m", *RANKED,
+                          "seed=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env,
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:   # the ranks left waiting (before: until gloo's timeout)
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+    r = subprocess.CompletedProcess(p.args, p.returncode, "", err)
     assert r.returncode == 1 and time.monotonic() - start < 120, r.stderr[-3000:]
     summaries = list(sweep.glob("*/summary.json"))
     assert len(summaries) == 1, summaries   # job 1 never started
