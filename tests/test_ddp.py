@@ -3,9 +3,13 @@ tiny jobs."""
 import json
 import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +22,7 @@ from mixprec.runtime import dist
 from mixprec.data import pipelines
 from mixprec.config import ConfigError
 from mixprec.train.loop import LoopState
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -271,6 +276,260 @@ def test_a_failed_ranks_error_is_said_by_rank_0_or_by_itself():
     assert dist.error_said(other, store, wait_s=0.2) is True
     # no process group
     assert dist.error_said(dist.SINGLE) is True and dist.error_said(other) is False
+
+
+# A job of 2 gloo ranks in forked processes, each running mixprec.job.run_job as a torchrun rank
+# would (its variables set); a global optimizer-step hook acts on one rank at one step: it raises
+# (a failure of that rank alone) or signals its own process (a SIGTERM to one rank).
+RANKED = [*TINY, "trainer.max_steps=8", "trainer.log_every=2"]
+
+
+class ActAtStep:
+    """A global optimizer-step hook: at rank act_rank's second optimizer step, `act` (raise, or
+    SIGTERM its own process)."""
+
+    def __init__(self, rank, act_rank, act):
+        self.rank, self.act_rank, self.act, self.calls = rank, act_rank, act, 0
+
+    def __call__(self, optimizer, args, kwargs):
+        self.calls += 1
+        if self.rank == self.act_rank and self.calls == 2:
+            if self.act == "raise":
+                raise ValueError(f"injected failure on rank {self.rank}")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _jobs_on_rank(rank, port, out, jobs, act_rank, act, own_dirs):
+    """Rank `rank` of 2 runs `jobs` (each a list of overrides) in turn as one sweep's jobs (a
+    process that returns from a job goes on to the next, as Hydra's sweep does); what it returned
+    is noted in out/returned.<rank>. own_dirs: each rank's job dir its own, <job>/rank<rank> (nodes
+    without a shared file system)."""
+    from helpers import compose_config
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    register_optimizer_step_post_hook(ActAtStep(rank, act_rank, act))
+    for num, overrides in enumerate(jobs):
+        job_dir = out / f"{num}_job" / (f"rank{rank}" if own_dirs else "")
+        cfg = compose_config(*overrides, output_dir=job_dir)
+        if len(jobs) > 1:
+            with open_dict(cfg):
+                cfg.hydra.mode, cfg.hydra.sweep.dir, cfg.hydra.job.num = RunMode.MULTIRUN, out, num
+        HydraConfig.instance().set_config(cfg)
+        status = mixprec.job.run_job(cfg)["status"]
+        with open(out / f"returned.{rank}", "a") as f:
+            f.write(f"{num} {status}\n")
+
+
+def on_two_ranks(out, jobs, act_rank=None, act=None, own_dirs=False, timeout=90) -> list:
+    """Run _jobs_on_rank on 2 forked ranks; their exit codes (None: still running at `timeout`,
+    then killed)."""
+    ctx = torch.multiprocessing.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=_jobs_on_rank,
+                         args=(rank, port, out, jobs, act_rank, act, own_dirs))
+             for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(end - time.monotonic(), 0.1))
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    return codes
+
+
+def test_a_failure_on_one_rank_ends_every_ranks_sweep_at_once(tmp_path):
+    """Job 0 of a 2-job sweep fails on rank 1 alone, at its second step, while rank 0 waits for it
+    in the next collective: both ranks end their sweep at once with exit status 1 (rank 1 used to
+    go on to job 1 and rank 0 to wait there until the 10-minute timeout); the summary names
+    rank 1 and its error; job 1 never starts."""
+    start = time.monotonic()
+    codes = on_two_ranks(tmp_path, [RANKED, [*RANKED, "seed=1"]], act_rank=1, act="raise")
+    assert codes == [1, 1], codes
+    assert time.monotonic() - start < 60
+    s = json.loads((tmp_path / "0_job" / "summary.json").read_text())
+    assert s["status"] == "failed" and s["failed_rank"] == 1, s.get("error")
+    assert s["error"] == "rank 1: ValueError: injected failure on rank 1"
+    assert not (tmp_path / "1_job").exists()
+    assert not list(tmp_path.glob("returned.*"))   # no rank went on with the sweep
+
+
+def test_a_completed_job_seen_by_one_rank_only_ends_both_in_one_line(tmp_path, capfd):
+    """trainer.resume=auto where rank 0's job dir holds a completed job and rank 1's (its node's
+    own disk) none: the ranks agree on what they saw before acting, and both end in one line,
+    exit status 2 (rank 0 used to skip the job while rank 1 trained it, waiting for rank 0 in its
+    first collective); nothing trained."""
+    rank0 = tmp_path / "0_job" / "rank0"
+    rank0.mkdir(parents=True)
+    (rank0 / "summary.json").write_text('{"status": "completed"}')
+    codes = on_two_ranks(tmp_path, [[*RANKED, "trainer.resume=auto"]], own_dirs=True)
+    assert codes == [2, 2], codes
+    line = (f"mixprec: {rank0 / 'summary.json'}: the ranks do not see the same job (rank 0: a "
+            "completed job; rank 1: no finished job); under trainer.resume=auto every rank reads "
+            "the job dir")
+    err = capfd.readouterr().err
+    assert err.count(line) == 1, err[-3000:]
+    assert (rank0 / "summary.json").read_text() == '{"status": "completed"}'
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+# Put on PYTHONPATH: rank 1 of a torchrun job raises at its second optimizer step.
+FAIL_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":
+    import torch.optim.optimizer as o
+    calls = []
+    def hook(optimizer, args, kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("injected failure on rank 1")
+    o.register_optimizer_step_post_hook(hook)
+"""
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_ends_a_torchrun_sweep_at_once(tmp_path):
+    """The quick forked test above under torchrun: job 0 of a 2-job sweep fails on rank 1 alone;
+    torchrun stops rank 0 (SIGTERM, not taken for the user's stop), the sweep ends at once (not at
+    the 10-minute timeout), job 0's summary names rank 1 and its error, job 1 never starts."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAIL_ON_RANK_1)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    env.pop("MIXPREC_RUN_TIME", None)
+    sweep = tmp_path / "sweep"
+    start = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={free_port()}", str(ROOT / "train.py"), "-m", *RANKED,
+                          "seed=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env,
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:   # the ranks left waiting (before: until gloo's timeout)
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+    r = subprocess.CompletedProcess(p.args, p.returncode, "", err)
+    assert r.returncode == 1 and time.monotonic() - start < 120, r.stderr[-3000:]
+    summaries = list(sweep.glob("*/summary.json"))
+    assert len(summaries) == 1, summaries   # job 1 never started
+    s = json.loads(summaries[0].read_text())
+    assert s["status"] == "failed" and s["failed_rank"] == 1, s.get("error")
+    assert s["error"] == "rank 1: ValueError: injected failure on rank 1"
+    assert r.stderr.count("mixprec: the job failed: rank 1: ValueError: injected failure") == 1, (
+        r.stderr[-3000:])
+
+
+def test_a_signal_to_one_rank_ends_every_rank_with_its_exit_status(tmp_path, capfd):
+    """The quick twin of the slow test below: a SIGTERM to rank 0 alone stops both ranks after the
+    same step, and both exit with 143 (128 + SIGTERM: rank 1 used to exit 1), through the same
+    end of the process group as a completed job; the summary says interrupted, and rank 0 gives
+    the command that continues it, once."""
+    codes = on_two_ranks(tmp_path, [RANKED], act_rank=0, act="signal")
+    assert codes == [143, 143], codes
+    s = json.loads((tmp_path / "0_job" / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM", s.get("error")
+    err = capfd.readouterr().err
+    assert err.count("checkpoint saved. To continue: python train.py") == 1, err[-3000:]
+
+
+# about 64 steps an epoch on 2 ranks: a job still training when its first rows are logged
+LASTING = [*TINY, "dataset.train_size=1024", "trainer.max_steps=null", "trainer.epochs=2",
+           "trainer.log_every=4"]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's ranks)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def signal_ranks_once_training(job_dir, cwd):
+    """A 2-rank torchrun job, every rank sent SIGTERM once it has logged a training row (as
+    Slurm's scancel signals every task); torchrun's exit status, the ranks' exit codes its
+    report gives, its stderr."""
+    env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("MIXPREC_RUN_TIME", None)
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={free_port()}", str(ROOT / "train.py"), *LASTING,
+                          f"hydra.run.dir={job_dir}"],
+                         cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (job_dir / "metrics.jsonl").exists() or '"train"' not in (
+            job_dir / "metrics.jsonl").read_text():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+        time.sleep(0.05)
+    for rank in children(p.pid):
+        os.kill(rank, signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    return p.returncode, [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", err)], err
+
+
+@pytest.mark.slow
+def test_a_signalled_two_rank_job_exits_with_the_same_code_20_times(tmp_path):
+    """SIGTERM to both ranks of a torchrun job, 20 times: each time every rank torchrun reports
+    exited 143 (128 + SIGTERM; no rank aborted in gloo's teardown, none killed by torchrun as it
+    ended), the job is interrupted with its checkpoint, and the command that continues it is
+    said once. (test_a_signal_to_one_rank_ends_every_rank_with_its_exit_status is the quick
+    twin.)"""
+    for attempt in range(20):
+        job_dir = tmp_path / f"job{attempt}"
+        rc, codes, err = signal_ranks_once_training(job_dir, tmp_path)
+        assert rc == 1 and codes and set(codes) == {143}, (attempt, codes, err[-3000:])
+        s = json.loads((job_dir / "summary.json").read_text())
+        assert s["status"] == "interrupted" and s["interrupted_by"] == "SIGTERM", attempt
+        assert (job_dir / "checkpoint.pt").exists()
+        assert err.count("checkpoint saved. To continue: python train.py") == 1, err[-3000:]
+
+
+def test_a_dataloader_pipeline_on_two_ranks_is_refused_before_any_work(tmp_path, monkeypatch,
+                                                                        capsys):
+    """Rank 0 of 2 (torchrun's variables, no rendezvous: nothing may need one) with
+    dataset.pipeline=dataloader, in the dir of an interrupted job: one line, exit status 2, before
+    the process group, the summary block or any work; the interrupted job's records stay."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    records = {"summary.json": '{"status": "interrupted"}', "checkpoint.pt": "its state"}
+    for name, text in records.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as e:
+        run_tiny(tmp_path, "dataset.pipeline=dataloader")
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [
+        "mixprec: config error: dataset.pipeline=dataloader: not sharded across ranks (DDP or "
+        "FSDP); use dataset.pipeline=device"]
+    assert "status" not in out
+    assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.is_file()} == records
+
+
+def test_the_first_rank_that_failed_is_agreed_through_the_store():
+    """Rank 1 fails first and marks itself; rank 0, whose collective then ended in an error, learns
+    that rank 1 failed first and with what; no process group: this rank and its own line."""
+    store = torch.distributed.HashStore()
+    assert dist.first_failure(dist.Ranks(rank=1, world=2), "ValueError: boom", store) == (
+        1, "ValueError: boom")
+    assert dist.first_failure(dist.Ranks(rank=0, world=2), "RuntimeError: closed", store) == (
+        1, "ValueError: boom")
+    assert dist.first_failure(dist.Ranks(rank=1, world=2), "x") == (1, "x")
 
 
 def test_ranks_checks():

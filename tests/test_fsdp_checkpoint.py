@@ -18,7 +18,6 @@ import torch.distributed.checkpoint as dcp
 
 from fakes import on_threads
 from helpers import ROOT, TINY, compose_config
-import mixprec.job
 from mixprec.config import PrecisionConfig, plain_config, validate
 from mixprec.models.gpt import GPT
 from mixprec.precision.sharded import ShardedPolicy, after_steps
@@ -198,14 +197,15 @@ def test_ranks_that_do_not_see_the_same_checkpoint_fail_alike_in_one_line(tmp_pa
     saw and what to do, before any load (rank 0 would load while rank 1 started over, and the
     first collective would pair different calls); a job dir both ranks see resumes on both."""
     cfg = compose_config(*TINY, "trainer.resume=auto")
-    config, plain = validate(cfg), plain_config(cfg)
+    plain = plain_config(cfg)
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     node1.mkdir()
     name = _checkpoint_in(node0, plain)
 
     def opened(dirs):
-        return on_threads(lambda ranks: mixprec.job.open_job_dir(config, {"config": plain},
-                                                          dirs[ranks.rank], "cpu", ranks))
+        # what train_and_record reads and agrees before any work (mixprec.job)
+        return on_threads(lambda ranks: checkpoint.read_agreed(dirs[ranks.rank], plain, "cpu",
+                                                               ranks))
     seen0 = f"checkpoint.pt of step 0 and {name}/"
     errors = opened([node0, node1])
     for rank, node in enumerate((node0, node1)):
@@ -299,17 +299,19 @@ def test_sigterm_to_a_sharded_job_and_an_exact_resume(tmp_path):
 
 @pytest.mark.slow
 def test_a_sharded_resume_on_another_world_size_is_refused_in_one_line(tmp_path):
-    """A 2-rank job's checkpoint resumed by one process: the job fails in one line, nothing
-    trained."""
+    """A 2-rank job's checkpoint resumed by one process: refused in one line before any work,
+    the interrupted job's summary left as it was (it still says how to continue)."""
     out = tmp_path / "cut"
     _signal_in_epoch_2(LONG, out, tmp_path)
+    before = (out / "summary.json").read_bytes()
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), *LONG, "trainer.resume=auto",
                         f"hydra.run.dir={out}"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=300)
-    s = json.loads((out / "summary.json").read_text())
-    assert s["error"] == (f"{out / 'checkpoint.pt'}: written by 2 rank(s), this job has 1; resume "
-                          "with as many ranks (torchrun --nproc_per_node=2), or delete it to start "
-                          "over"), r.stderr[-2000:]
+    line = (f"mixprec: {out / 'checkpoint.pt'}: written by 2 rank(s), this job has 1; resume "
+            "with as many ranks (torchrun --nproc_per_node=2), or delete it to start over")
+    assert r.returncode == 2 and r.stderr.count(line) == 1, r.stderr[-2000:]
+    assert (out / "summary.json").read_bytes() == before
+    assert json.loads(before)["status"] == "interrupted"
 
 
 @pytest.mark.slow
@@ -327,9 +329,10 @@ def test_a_sharded_resume_whose_ranks_have_their_own_job_dirs_fails_in_one_line(
     r = torchrun([*LONG, "trainer.resume=auto", f"hydra.run.dir={own}"], tmp_path, timeout=180)
     line = unshared_line(node0 / "checkpoint.pt", f"rank 0: checkpoint.pt of step {step} "
                          f"({name}/__1_0.distcp missing); rank 1: no checkpoint.pt", name)
+    # refused before any work: the interrupted job's summary stays, with the way to continue it
     s = json.loads((node0 / "summary.json").read_text())
-    assert r.returncode != 0 and s["status"] == "failed" and s["error"] == line
-    assert r.stderr.count(f"mixprec: the job failed: {line}") == 1, r.stderr[-3000:]
+    assert r.returncode != 0 and s["status"] == "interrupted"
+    assert r.stderr.count(f"mixprec: {line}") == 1, r.stderr[-3000:]
     assert "[rank 1]" not in r.stderr   # rank 1 ends with rank 0's line, saying nothing of its own
 
 

@@ -522,24 +522,117 @@ def failed_job(tmp_path_factory):
 def test_a_bad_checkpoint_gives_one_line_naming_the_file(
     tmp_path, failed_job, capsys, damage, expect
 ):
+    """Refused before any work, in one line (exit status 2, as a config error): the interrupted
+    job's records are left as they were, its summary still the one that says how to continue."""
     path = tmp_path / CHECKPOINT
     shutil.copy(failed_job / CHECKPOINT, path)
+    interrupted(failed_job, tmp_path)
     args = EPOCHS2 if damage else [*EPOCHS2, "optimizer.lr=0.05"]
     if damage:
         damage(path)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        run_tiny(tmp_path, *args, "trainer.resume=auto")
-    assert e.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"mixprec: the job failed: {path}: {expect}" + err[0].split(expect, 1)[1]]
-    s = json.loads((tmp_path / SUMMARY).read_text())
-    assert s["status"] == "failed" and s["error"].startswith(f"{path}: {expect}")
+    err, _ = refused(tmp_path, capsys, *args)
+    assert err == [f"mixprec: {path}: {expect}" + err[0].split(expect, 1)[1]]
     # trainer.resume=never starts over in the same dir: the records are those of one run
     if damage is None:
         s = run_tiny(tmp_path, *args, "trainer.resume=never")
         assert s["status"] == "completed" and "resumed" not in s and not path.exists()
         assert [r["epoch"] for r in rows(tmp_path) if r["kind"] == "epoch"] == [1, 2]
+
+
+def interrupted(job_dir, run_dir):
+    """job_dir's summary.json and metrics.jsonl into run_dir, its summary made an interrupted
+    job's (what a refused resume must leave as it was)."""
+    s = json.loads((job_dir / SUMMARY).read_text())
+    s.update(status="interrupted", reason="SIGTERM after step 4", stop_signal="SIGTERM",
+             interrupted_by="SIGTERM")
+    (run_dir / SUMMARY).write_text(json.dumps(s))
+    shutil.copy(job_dir / METRICS, run_dir / METRICS)
+
+
+def test_a_key_a_config_lacks_is_no_change_when_its_value_now_is_the_schemas_default():
+    """config_diff: a key (or a whole section) the checkpoint's config lacks is no change when its
+    value now is the schema's default; another value is, named with the key."""
+    from mixprec.train.checkpoint import config_diff
+
+    old = {"trainer": {"epochs": 2}}
+    assert config_diff(old, {"trainer": {"epochs": 2, "replicate": "auto"}}) is None
+    assert config_diff(old, {"trainer": {"epochs": 2, "replicate": 2}}) == (
+        "trainer.replicate: (not set) -> 2")
+    assert config_diff(old, {"trainer": {"epochs": 2}, "probe": {
+        "name": "none", "every": 50, "max_skips": 20}}) is None
+    assert config_diff(old, {"trainer": {"epochs": 2}, "probe": {"name": "ranges"}}) == (
+        'probe: (not set) -> {"name": "ranges"}')
+    assert config_diff({"trainer": {"epochs": 2, "replicate": 2}}, old) == (
+        "trainer.replicate: 2 -> (not set)")
+
+
+def refused(run_dir, capsys, *overrides):
+    """The job in run_dir under trainer.resume=auto, refused (exit status 2) with the dir's records
+    left as they were: its stderr lines and stdout."""
+    before = {f: (run_dir / f).read_bytes() for f in (SUMMARY, CHECKPOINT, METRICS)}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_tiny(run_dir, *overrides, "trainer.resume=auto")
+    assert e.value.code == 2
+    assert {f: (run_dir / f).read_bytes() for f in before} == before
+    out, err = capsys.readouterr()
+    return err.strip().splitlines(), out
+
+
+def without(run_dir, key):
+    """Remove `key` (dotted) from the config of run_dir's checkpoint and summary.json, as a version
+    before that field wrote them."""
+    section, name = key.split(".")
+    ckpt = torch.load(run_dir / CHECKPOINT, weights_only=True)
+    del ckpt["config"][section][name]
+    torch.save(ckpt, run_dir / CHECKPOINT)
+    s = json.loads((run_dir / SUMMARY).read_text())
+    del s["config"][section][name]
+    (run_dir / SUMMARY).write_text(json.dumps(s))
+
+
+def test_a_checkpoint_written_before_a_new_config_field_resumes_bit_for_bit(
+    tmp_path, failed_job, through
+):
+    """trainer.replicate came after the checkpoint: its value now is the schema's default (auto),
+    so the job resumes, to the uninterrupted run's weights."""
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(failed_job, run_dir)
+    without(run_dir, "trainer.replicate")
+    s = run_tiny(run_dir, *EPOCHS2, "trainer.resume=auto")
+    assert s["status"] == "completed" and s["resumed"]["from_step"] == 4
+    assert_same_run(run_dir, through)
+
+
+def test_a_checkpoint_without_a_field_set_otherwise_now_is_refused_as_it_was(
+    tmp_path, failed_job, capsys
+):
+    """The checkpoint's config lacks trainer.eval_batch_size and the job sets 32, not the schema's
+    default (256): a change, refused in one line naming the key; the interrupted job's records
+    are left as they were."""
+    shutil.copy(failed_job / CHECKPOINT, tmp_path / CHECKPOINT)
+    interrupted(failed_job, tmp_path)
+    without(tmp_path, "trainer.eval_batch_size")
+    err, _ = refused(tmp_path, capsys, *EPOCHS2)
+    assert len(err) == 1 and err[0].startswith(
+        f"mixprec: {tmp_path / CHECKPOINT}: written by a different config "
+        "(trainer.eval_batch_size: (not set) -> 32)"), err
+
+
+def test_a_resume_on_another_world_size_is_refused_before_any_work(tmp_path, failed_job, capsys):
+    """A checkpoint of 2 ranks (one RNG state each) resumed by one process: one line naming both
+    world sizes and the command, before any work (no summary block); the interrupted job's
+    records are left as they were."""
+    shutil.copy(failed_job / CHECKPOINT, tmp_path / CHECKPOINT)
+    interrupted(failed_job, tmp_path)
+    ckpt = torch.load(tmp_path / CHECKPOINT, weights_only=True)
+    ckpt["rng"] = ckpt["rng"] * 2
+    torch.save(ckpt, tmp_path / CHECKPOINT)
+    err, out = refused(tmp_path, capsys, *EPOCHS2)
+    assert err == [
+        f"mixprec: {tmp_path / CHECKPOINT}: written by 2 rank(s), this job has 1; resume with as "
+        "many ranks (torchrun --nproc_per_node=2), or delete it to start over"]
+    assert "status" not in out   # no summary block: nothing ran
 
 
 def test_an_older_default_batch_resumes_with_its_batch_and_says_so(tmp_path, caplog):
@@ -580,8 +673,16 @@ def test_a_checkpoint_is_refused_when_the_user_sets_another_batch(tmp_path, fail
     assert "written by a different config (trainer.batch_size: 16 -> 32)" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def through(tmp_path_factory):
+    """failed_job's 2 epochs run through (the uninterrupted run its resumes must end as)."""
+    run_dir = tmp_path_factory.mktemp("through")
+    assert run_tiny(run_dir, *EPOCHS2)["status"] == "completed"
+    return run_dir
+
+
 def test_a_job_resumed_from_its_epoch_1_checkpoint_ends_as_the_uninterrupted_run(
-    tmp_path, failed_job
+    tmp_path, failed_job, through
 ):
     """The quick loop's guard of "a resumed run gives the same metrics and bit-identical weights"
     (docs/checkpoints.md; the SIGKILL and SIGTERM tests above, in subprocesses, are slow):
@@ -591,8 +692,7 @@ def test_a_job_resumed_from_its_epoch_1_checkpoint_ends_as_the_uninterrupted_run
     shutil.copytree(failed_job, run_dir)
     s = run_tiny(run_dir, *EPOCHS2, "trainer.resume=auto")
     assert s["resumed"]["from_step"] == 4 and not s["resumed"]["mid_epoch"]
-    assert run_tiny(tmp_path / "through", *EPOCHS2)["status"] == "completed"
-    assert_same_run(run_dir, tmp_path / "through")
+    assert_same_run(run_dir, through)
 
 
 @pytest.mark.slow

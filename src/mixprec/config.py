@@ -677,6 +677,34 @@ def plain_config(cfg: DictConfig) -> dict:
         raise ConfigError(f"config does not resolve: {e}".splitlines()[0]) from None
 
 
+NO_DEFAULT = object()   # schema_default's answer for a key the schema gives no default
+
+
+def schema_default(key: str):
+    """The schema's default of a dotted config key ("trainer.replicate" -> "auto"; a section whose
+    field has a default, as a plain dict), or NO_DEFAULT (a required field, or no such key): what a
+    config written before the field existed stands for (a checkpoint's, train/checkpoint.py)."""
+    cls, parts = Config, key.split(".")
+    for i, name in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(
+            cls) else {}
+        if name not in fields:
+            return NO_DEFAULT
+        f = fields[name]
+        if i == len(parts) - 1:
+            if f.default is not dataclasses.MISSING:
+                value = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                return NO_DEFAULT
+            return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        cls = typing.get_type_hints(cls)[name]
+        if typing.get_origin(cls) is Union:   # Optional[Section]: the section's own fields
+            cls = next(a for a in typing.get_args(cls) if a is not type(None))
+    return NO_DEFAULT
+
+
 def _build(cls, data: Any, prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(

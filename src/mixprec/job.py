@@ -5,7 +5,8 @@ This is the only module that puts the parts together; each part takes plain valu
 validated config. `run_job` (the Hydra job) is also the one place where every way a job ends becomes
 its summary.json and its exit status: a `JobError` carries the console line and the status,
 `end_job` says it and exits (a sweep goes on with its other jobs, except after a signal, which was
-meant for the whole command).
+meant for the whole command, and after a failure on a multi-rank process group, where the ranks
+that did not fail may be waiting for one that did).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from omegaconf import DictConfig
 from .config import Config, ConfigError, PrecisionConfig, plain_config, validate_job
 from .data import Resumable, build_image_data, image_loaders
 from .data.files import DataError
+from .data.pipelines import check_shard
 from .data.wikitext import TokenWindows, batchify, load_text_corpus
 from .models import build_model, forward_flops
 from .models.resnet9 import resnet9_options
@@ -117,15 +119,17 @@ def run_job(cfg: DictConfig) -> dict:
             print(job_block(summary))
             print(f"records     {job.out}")
         return end_job(summary, job)
-    # bad input, or one the device or the ranks cannot serve: recorded by rank 0
+    # bad input, or one the device or the ranks cannot serve: recorded by rank 0, unless the dir
+    # holds a job that can still continue (its summary, interrupted or failed, says how)
     except ConfigError as e:
         summary["error"] = f"config error: {e}"
-        if job.ranks.main:
+        if job.ranks.main and not checkpoint.continuable(job.out):
             write_json_atomic(job.out / SUMMARY, summary)
         return end_job(summary, job, JobError(f"mixprec: config error: {e}", 2))
-    # an unreadable summary.json, left as it is: the sweep table lists it
+    # a summary.json or checkpoint.pt this job cannot use (unreadable; another config, device or
+    # world size), refused before any work: the dir is left as it is (the sweep table lists it)
     except checkpoint.CheckpointError as e:
-        return end_job({"status": "unreadable", "error": str(e)}, job, JobError(f"mixprec: {e}", 2))
+        return end_job({"status": "refused", "error": str(e)}, job, JobError(f"mixprec: {e}", 2))
     # a second Ctrl-C: the summary says interrupted, with no checkpoint of this step
     except KeyboardInterrupt:
         return end_job(
@@ -141,11 +145,12 @@ def run_job(cfg: DictConfig) -> dict:
 
 def final_prior(config: Config, job: JobDir) -> dict | None:
     """Under trainer.resume=auto, the summary of a job already completed or diverged in this dir (it
-    is skipped)."""
+    is skipped), agreed by every rank before any acts on it (checkpoint.final_agreed)."""
     if config.trainer.resume != "auto":
         return None
-    prior = checkpoint.prior_summary(job.out)
-    if prior is None or prior["status"] not in checkpoint.FINAL:
+    dist.init(job.ranks)   # the ranks agree on what they read (a no-op with one rank)
+    prior = checkpoint.final_agreed(job.out, job.ranks)
+    if prior is None:
         return None
     if job.ranks.main:
         print(
@@ -166,14 +171,19 @@ def end_job(summary: dict, job: JobDir, error: JobError | None = None) -> dict:
         error = JobError(f"mixprec: {by} as the job ended ({summary['status']}): the sweep stops "
                          f"here. To continue: {resume_hint(job.out, job.sweep)}",
                          128 + signal.Signals[by].value, stops_sweep=True)
-    if error is not None and not (job.sweep and error.code == 1):
+    first = summary.get("failed_rank") == job.ranks.rank   # this rank's job failed first
+    if error is not None and not (job.sweep and error.code == 1 and not job.ranks.active):
         if job.ranks.main:
             log.error(str(error))
             dist.error_said(job.ranks)
-        elif not dist.error_said(job.ranks):   # rank 0 did not fail alike: this rank's own error
+        # rank 0 did not fail alike: this rank's own error (said already when it failed first)
+        elif not first and not dist.error_said(job.ranks):
             print(f"[rank {job.ranks.rank}] {error}", file=sys.__stderr__, flush=True)
     if error is None or (job.sweep and not error.stops_sweep):
         return summary
+    # the group ends as after a completed job; a rank that failed first does not wait for ranks
+    # that wait for it in a collective
+    dist.end_group(job.ranks, wait=not first)
     sys.exit(error.code)
 
 
@@ -191,7 +201,8 @@ def outcome(summary: dict, job: JobDir) -> JobError:
     # not when the checkpoint is what failed
     if ckpt.exists() and str(ckpt) not in summary.get("error", ""):
         line += f"\nmixprec: to retry from its last checkpoint: {resume_hint(job.out, None)}"
-    return JobError(line, 1)
+    # on several ranks every rank's sweep ends at once: the others may be waiting in a collective
+    return JobError(line, 1, stops_sweep=job.ranks.active)
 
 
 def train_and_record(
@@ -209,23 +220,49 @@ def train_and_record(
     per_rank = dist.check(tr.batch_size, tr.sync_bn, device, ranks,
                           config.trick.ghost_splits if config.trick.ghost_bn else 1,
                           sharded=tr.sharded, replicate=tr.replicate)
+    refuse_for_ranks(config, ranks)
     # joins the job's process group (torchrun's is joined already, in train.py; FSDP on one rank
     # makes its own)
     made = dist.init(ranks, sharded=tr.sharded)
-    try:   # from here a SIGTERM/SIGINT stops the job (torchrun forwards a SIGTERM to every rank)
+    try:
+        # the checkpoint to resume, read and agreed by every rank before any work: one this job
+        # cannot resume (another config, device or world size) is refused, the dir left as it is
+        resume = (checkpoint.read_agreed(out_dir, summary["config"], device.type, ranks)
+                  if tr.resume == "auto" else None)
+        # from here a SIGTERM/SIGINT stops the job (torchrun forwards a SIGTERM to every rank)
         with StopSignals() as stop:
             return record_training(config, summary, out_dir, group, name, device, ranks,
-                                   per_rank, stop)
+                                   per_rank, stop, resume)
     finally:
         dist.close(made)
 
 
+def refuse_for_ranks(config: Config, ranks: dist.Ranks) -> None:
+    """What the job's ranks cannot run, refused in one line before any work (every rank alike): a
+    language model on several ranks but sharded, a recurrent one compiled, an image pipeline that
+    does not shard across ranks."""
+    tr, arch = config.trainer, config.model.arch
+    if not config.model.is_language_model:
+        check_shard(config.dataset, ranks.world)
+    elif ranks.active and not tr.sharded:
+        raise ConfigError(
+            "model=" + arch + ": language models train in one process here, or the "
+            "gpt sharded (trainer.strategy=fsdp); torchrun/DDP covers the image models"
+        )
+    elif tr.compile != "none" and arch != "gpt":
+        raise ConfigError(
+            f"trainer.compile={tr.compile} with model={arch}: {RNN_EAGER}; use "
+            "trainer.compile=none (the GPT and the image models compile)"
+        )
+
+
 def record_training(config: Config, summary: dict, out_dir: Path, group: str | None, name: str,
                     device: torch.device, ranks: dist.Ranks, per_rank: int,
-                    stop: StopSignals) -> dict:
+                    stop: StopSignals, resume: dict | None = None) -> dict:
     """Set up the device and the job dir (resume, W&B), train, and complete the summary. per_rank:
     each rank's batch (dist.check's). `stop`: the job's stop signals, active since before the
-    set-up: the loop stops after a step; note_signal records them."""
+    set-up: the loop stops after a step; note_signal records them. `resume`: the agreed checkpoint
+    to resume (None: start over)."""
     modes.configure(device, config.trainer, config.precision, config.seed)
     env = hardware.describe(device)
     profile = hardware.gpu_profile(
@@ -238,10 +275,10 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
                    arithmetic=modes.arithmetic(config.precision, device, emulated))
     warn_if_slow(config, device, profile, emulated)
     try:
-        resume = open_job_dir(config, summary, out_dir, device.type, ranks)
+        open_job_dir(config, summary, out_dir, resume, ranks)
         mirror = agreed_mirror(config, summary, out_dir, group, name, resume, ranks)
     # recorded as a failed job, in one line
-    except (checkpoint.CheckpointError, RuntimeError) as e:
+    except RuntimeError as e:
         summary["error"] = str(e)
         note_signal(summary, stop())
         if ranks.main:
@@ -260,11 +297,11 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
         sharded=config.trainer.sharded,
     )
     recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
+    agreed, failed_first = ranks.agreed_stop(stop), False
     try:
         train = functools.partial(train_job, per_rank=per_rank)
         with emulation.numerics(emulated):
-            summary.update(train(config, device, recorder, saver, resume, ranks.agreed_stop(stop),
-                                 ranks))
+            summary.update(train(config, device, recorder, saver, resume, agreed, ranks))
             # probe=none
             summary.update(replay.explain(summary, config, device, out_dir, ranks.active, train))
     except KeyboardInterrupt:
@@ -279,11 +316,13 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
         summary.update(
             status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()
         )
-        # rank 0 records the job's error; a failure of this rank alone is said here
-        if not ranks.main:
-            log.error(f"mixprec: rank {ranks.rank}: {summary['error']}".splitlines()[0])
+        note_failed_rank(summary, ranks)
+        # torchrun stops every rank once one has failed: a SIGTERM after this rank's failure, or
+        # after another rank's, is no stop the user asked for
+        failed_first = ranks.active and (stop() is None
+                                         or summary["failed_rank"] != ranks.rank)
     finally:
-        note_signal(summary, stop())
+        note_signal(summary, None if failed_first else stop() or agreed.last)
         complete_summary(summary, config, device, saver, ranks.world)
         recorder.write_summary(summary)
         if summary["status"] in checkpoint.FINAL and ranks.main:
@@ -292,6 +331,21 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
             mirror.finish(ok=summary["status"] in ("completed", "diverged"))
         recorder.close()
     return summary
+
+
+def note_failed_rank(summary: dict, ranks: dist.Ranks) -> None:
+    """A job that failed on a multi-rank process group: the first rank that failed (`failed_rank`,
+    agreed through the group's store: dist.first_failure) and its error; a rank that failed first
+    says its error here (rank 0 records the job's)."""
+    if not ranks.active:
+        return
+    line = (str(summary["error"]).splitlines() or ["?"])[0]
+    rank, said = dist.first_failure(ranks, line)
+    summary["failed_rank"] = rank
+    if rank != ranks.rank:   # this rank's collective ended when that rank left
+        summary.update(error=f"rank {rank}: {said}", error_here=summary["error"])
+    elif not ranks.main:
+        log.error(f"mixprec: rank {ranks.rank}: {line}")
 
 
 def note_signal(summary: dict, by: str | None) -> None:
@@ -312,19 +366,14 @@ def note_signal(summary: dict, by: str | None) -> None:
 
 
 def open_job_dir(
-    config: Config, summary: dict, out_dir: Path, device_type: str, ranks: dist.Ranks
-) -> dict | None:
-    """The checkpoint to resume from (trainer.resume=auto; None: start over), the dir's records made
-    to match."""
-    resume = prior = None
-    if config.trainer.resume == "auto":
-        prior = checkpoint.prior_summary(out_dir)
-        # every rank sees the same checkpoint, or all fail alike in one line (before a
-        # collective load waits for a rank that has none)
-        resume = checkpoint.read_agreed(out_dir, summary["config"], device_type, ranks)
+    config: Config, summary: dict, out_dir: Path, resume: dict | None, ranks: dist.Ranks
+) -> None:
+    """Make the dir's records match where the job starts: from `resume` (the agreed checkpoint,
+    read before any work) or over."""
+    prior = checkpoint.prior_summary(out_dir) if config.trainer.resume == "auto" else None
     ranks.barrier()   # every rank has read the dir (rank 0's checkpoint) before rank 0 writes to it
     if not ranks.main:
-        return resume
+        return
     if checkpoint.prepare_dir(out_dir, resume) and resume is None:
         why = ("no checkpoint to resume from" if config.trainer.resume == "auto"
                else "trainer.resume=never")
@@ -335,7 +384,6 @@ def open_job_dir(
             f"mixprec: resuming {out_dir} at step {r['from_step']} (epoch {r['from_epoch']:.2f}; "
             f"its last status: {r['previous_status']})"
         )
-    return resume
 
 
 def agreed_mirror(config: Config, summary: dict, out_dir: Path, group: str | None, name: str,
@@ -417,11 +465,6 @@ def train_job(
 ) -> dict:
     """Build the job's parts (image or language model), restore a checkpoint into them, and run the
     shared loop. per_rank: each rank's batch (dist.check's)."""
-    if config.model.is_language_model and ranks.active and not config.trainer.sharded:
-        raise ConfigError(
-            "model=" + config.model.arch + ": language models train in one process here, or the "
-            "gpt sharded (trainer.strategy=fsdp); torchrun/DDP covers the image models"
-        )
     build = language_model_parts if config.model.is_language_model else image_parts
     reset_compile_state(device)   # an earlier job of this process (a sweep's) leaves nothing
     steps, batches, policy, optimizer, info = build(config, device, ranks, per_rank)
@@ -607,11 +650,6 @@ def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks
     """A word-level language model on a text corpus (see train/lm.py); throughput and FLOPs are per
     token. per_rank: each rank's columns (the whole batch in one process; FSDP's ranks split it)."""
     tr, bptt = config.trainer, config.dataset.bptt
-    if tr.compile != "none" and config.model.arch != "gpt":
-        raise ConfigError(
-            f"trainer.compile={tr.compile} with model={config.model.arch}: {RNN_EAGER}; use "
-            "trainer.compile=none (the GPT and the image models compile)"
-        )
     corpus = load_text_corpus(config.dataset)
     # under FSDP each rank trains on its columns of the global batch; every rank scores the whole
     # validation and test splits (the same forwards: FSDP's all-gathers are collectives)

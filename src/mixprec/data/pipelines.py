@@ -39,11 +39,7 @@ def image_loaders(
     """(train batches, test batches) by `cfg.pipeline`; both have len() and yield (x float
     [B,3,S,S], y) on `device`. `shard=(rank, world)`: the training batches are this rank's slice of
     each global batch (the test batches are whole: every rank evaluates the full test set)."""
-    if shard[1] > 1 and cfg.pipeline != "device":
-        raise ConfigError(
-            f"dataset.pipeline={cfg.pipeline}: not sharded across ranks (DDP or FSDP); use "
-            "dataset.pipeline=device"
-        )
+    check_shard(cfg, shard[1])
     if shard[1] > 1 and len(data.train_y) < trainer.batch_size:
         raise ConfigError(f"trainer.batch_size={trainer.batch_size}: larger than the training set "
                           f"({len(data.train_y)}); under DDP every step needs a full global batch")
@@ -78,6 +74,16 @@ def image_loaders(
             **common,
         ),
     )
+
+
+def check_shard(cfg: DatasetConfig, world: int) -> None:
+    """ConfigError for an image pipeline that does not serve `world` ranks (job.py checks it
+    before any work; image_loaders again, for the scripts that build loaders alone)."""
+    if world > 1 and cfg.pipeline != "device":
+        raise ConfigError(
+            f"dataset.pipeline={cfg.pipeline}: not sharded across ranks (DDP or FSDP); use "
+            "dataset.pipeline=device"
+        )
 
 
 class Resumable:

@@ -15,8 +15,8 @@ default backend for its tensors (torch.distributed.get_default_backend_for_devic
 barrier: "cpu" is among the pairs). Each rank on a GPU uses cuda:LOCAL_RANK, one GPU per rank: NCCL
 refuses two ranks on one GPU, so more ranks per node than visible GPUs is a config error
 (`device_name`). torchrun's process group (made by train.py's `share_run_time` or `init`) lives as
-long as the process, shared by the jobs of a sweep, and is destroyed once at its end (after a
-barrier when the jobs ended well, `finish`; at exit otherwise); a 1-rank FSDP
+long as the process, shared by the jobs of a sweep, and is destroyed once at its end, the same way
+however its last job ended (`end_group`: a barrier on the store, then destroy); a 1-rank FSDP
 job's own in-memory group is destroyed at the job's end (`init` returns True for it, `close`).
 `Ranks` is what the loop sees: the rank, the world size, sums across ranks, a barrier; with one
 rank every method is a no-op, so the single-process path is unchanged. Rank 0 alone writes the
@@ -31,9 +31,11 @@ submitit launcher the launcher names the dirs once, before the tasks start.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import io
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -93,15 +95,29 @@ class Ranks:
             return flag
         return bool(self.sum_(torch.tensor([int(bool(flag))])).item())
 
-    def agreed_stop(self, stop):
-        """A stop() for the loop that every rank answers alike: a signal seen by one rank
-        (torchrun forwards SIGTERM to all, but not at the same step) stops all of them after the
-        same step. One small all-reduce on the CPU per step under DDP (none with one rank)."""
-        if not self.active:
-            return stop
-        return lambda: (
-            (stop() or "a signal to another rank") if self.any(stop() is not None) else None
-        )
+    def agreed_stop(self, stop) -> "AgreedStop":
+        """A stop() for the loop that every rank answers alike (AgreedStop)."""
+        return AgreedStop(stop, self)
+
+
+class AgreedStop:
+    """A stop() for the loop that every rank answers alike: a signal seen by one rank (torchrun
+    forwards SIGTERM to all, but not at the same step) stops all of them after the same step, and
+    every rank answers with the same signal's name (the highest signal number any rank saw), so
+    that every rank's job ends with the same status and exit code. One small all-reduce on the CPU
+    per call under DDP (none with one rank). `last`: the latest answer."""
+
+    def __init__(self, stop, ranks: Ranks):
+        self.stop, self.ranks, self.last = stop, ranks, None
+
+    def __call__(self) -> str | None:
+        seen = self.stop()
+        if self.ranks.active:
+            number = torch.tensor([signal.Signals[seen].value if seen else 0])
+            tdist.all_reduce(number, op=tdist.ReduceOp.MAX)
+            seen = signal.Signals(int(number.item())).name if number.item() else None
+        self.last = seen
+        return seen
 
 
 SINGLE = Ranks()
@@ -175,19 +191,74 @@ def init(ranks: Ranks, sharded: bool = False) -> bool:
 
 
 def close_at_exit() -> None:
-    """torchrun's group, at any exit (after an error too: no collective, a peer may be gone)."""
+    """torchrun's group, at an exit that end_group did not see (an error of mixprec's own: no
+    collective, a peer may be gone)."""
     if tdist.is_initialized():
         tdist.destroy_process_group()
 
 
 def finish() -> None:
-    """After the last job of a torchrun process ended well (train.py): wait for every rank, then
-    destroy the group. Without the barrier one rank tore its gloo pairs down while its peer was
-    still finishing, and the peer died in gloo's threads ("terminate called without an active
-    exception", SIGABRT) after a completed job. An error exit skips this (close_at_exit)."""
-    if from_env().active and tdist.is_initialized():
-        tdist.barrier()
-        tdist.destroy_process_group()
+    """After the last job of a torchrun process ended well (train.py): end_group."""
+    end_group(from_env())
+
+
+END = "mixprec_end"
+
+
+def attempt_key(name: str) -> str:
+    """A key of the process group's store for this attempt of the job: torchrun's agent keeps its
+    store across the restarts of --max-restarts, so each attempt counts its own arrivals and
+    failures (TORCHELASTIC_RESTART_COUNT)."""
+    return f"{name}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def end_group(ranks: Ranks, wait: bool = True, wait_s: float = 60.0) -> None:
+    """The one way a torchrun process ends its process group, whatever ended its job (completed,
+    interrupted, refused, failed): it arrives at a barrier on the group's store, waits there until
+    every rank has arrived (every rank done with its collectives), then destroys the group. Without
+    the barrier one rank tore its gloo pairs down while its peer was still finishing, and the peer
+    died in gloo's threads ("terminate called without an active exception", SIGABRT), changing the
+    job's exit code. `wait=False`: this rank's job failed first, while the others may wait for it
+    in a collective: it arrives and goes (its peers' collective then ends in an error, or torchrun
+    stops them). A store barrier, not a collective: a rank that is gone is waited for wait_s at
+    most. One rank: nothing to do (a 1-rank FSDP job's own group: `close`). From here a SIGTERM is
+    ignored: the job has ended, and torchrun, which stops every rank with SIGTERM once one has
+    exited with an error, would turn the exit status of a rank still ending into -15 (SIGKILL,
+    torchrun's next step, still ends a rank that hangs; Ctrl-C still acts)."""
+    if not (ranks.active and tdist.is_initialized()):
+        return
+    with contextlib.suppress(ValueError):   # not the main thread: SIGTERM keeps its handler
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        store = tdist.distributed_c10d._get_default_store()
+        key = attempt_key(END)
+        store.add(key, 1)
+        end = time.monotonic() + wait_s
+        while wait and store.add(key, 0) < ranks.world and time.monotonic() < end:
+            time.sleep(0.01)
+    except Exception:   # the store went with the rank that held it, after every rank arrived  # noqa: BLE001
+        pass
+    tdist.destroy_process_group()
+
+
+FAILED = "mixprec_failed"
+
+
+def first_failure(ranks: Ranks, line: str, store=None) -> tuple[int, str]:
+    """This rank's job failed (`line`: its error): the first rank whose job failed and that rank's
+    line, agreed through the process group's store, not a collective (a peer may be waiting for
+    this rank in one). The first rank to call it records itself; a rank whose collective ended in
+    an error because that rank left learns who failed first. One rank: (rank, line)."""
+    if store is None:
+        if not (ranks.active and tdist.is_initialized()):
+            return ranks.rank, line
+        store = tdist.distributed_c10d._get_default_store()
+    try:
+        first = store.compare_set(attempt_key(FAILED), "", f"{ranks.rank}:{line}").decode()
+    except Exception:   # the store is gone with the rank that held it   # noqa: BLE001
+        return ranks.rank, line
+    rank, _, said = first.partition(":")
+    return int(rank), said
 
 
 def backend() -> str:

@@ -47,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..config import validate
+from ..config import NO_DEFAULT, schema_default, validate
 from ..models import build_model
 from ..models.resnet9 import resnet9_options
 from ..runtime.defaults import RESOLVER
@@ -183,15 +183,50 @@ def read_agreed(out_dir: Path, config: dict, device_type: str, ranks: Ranks) -> 
 
 def unshared_error(path: Path, views: list) -> str:
     """The one line for ranks that do not see the same checkpoint: what each saw, what to do."""
-    by_view: dict = {}
-    for rank, (text, _) in enumerate(views):
-        by_view.setdefault(text, []).append(rank)
-    saw = "; ".join(f"{rank_list(r)}: {text}" for text, r in by_view.items())
+    saw = seen_by([text for text, _ in views])
     shards = next((s for _, s in views if s), None)
     copy = f"{CHECKPOINT} and {shards}/" if shards else CHECKPOINT
     return (f"{path}: the ranks do not see the same checkpoint ({saw}); every rank reads it: put "
             f"the job dir on a file system that every node shares, or copy {copy} into each "
             "node's job dir (or delete them on every node to start over)")
+
+
+def seen_by(views: list[str]) -> str:
+    """'rank 0: x; ranks 1-3: y': what each rank saw (views in rank order), ranks grouped."""
+    by_view: dict = {}
+    for rank, text in enumerate(views):
+        by_view.setdefault(text, []).append(rank)
+    return "; ".join(f"{rank_list(r)}: {text}" for text, r in by_view.items())
+
+
+def final_agreed(out_dir: Path, ranks: Ranks) -> dict | None:
+    """The summary of a job already final in out_dir (completed or diverged: trainer.resume=auto
+    skips it), else None, agreed by every rank (a gather) before any acts on it: ranks that see
+    different things (a job dir on each node's own disk) all fail in one line naming what each
+    saw, where one rank skipping the job and another training it would wait for each other in a
+    collective. An unreadable summary.json: CheckpointError on every rank alike."""
+    try:
+        prior, error = prior_summary(out_dir), None
+    except CheckpointError as e:
+        prior, error = None, e
+    final = prior is not None and prior["status"] in FINAL
+    seen = (f"a {prior['status']} job" if final else
+            "an unreadable summary.json" if error else "no finished job")
+    views = ranks.gather(seen)
+    if len(set(views)) > 1:
+        raise CheckpointError(
+            f"{Path(out_dir) / SUMMARY}: the ranks do not see the same job ({seen_by(views)}); "
+            "under trainer.resume=auto every rank reads the job dir: put it on a file system "
+            "every node shares, or delete the job dir on every node to run the job again")
+    if error is not None:
+        raise error
+    return prior if final else None
+
+
+def continuable(out_dir: Path) -> bool:
+    """Whether out_dir holds a job that trainer.resume=auto can continue (a checkpoint.pt): a job
+    refused before any work leaves that job's summary.json, interrupted or failed, as it is."""
+    return (Path(out_dir) / CHECKPOINT).exists()
 
 
 def rank_list(ranks: list[int]) -> str:
@@ -255,7 +290,9 @@ def set_batch(summary_file: Path) -> bool:
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> str | None:
     """The first setting that differs between two plain configs (ignoring VOLATILE ones), as 'key:
-    old -> new'."""
+    old -> new'. A key the old config lacks (a checkpoint written before the field existed, e.g.
+    trainer.replicate) whose new value is the schema's default is no change: the old job ran as
+    that default."""
     for key in sorted(set(old) | set(new)):
         name = prefix + key
         if name in VOLATILE:
@@ -265,9 +302,18 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> str | None:
             found = config_diff(a, b, name + ".")
             if found:
                 return found
+        elif key not in old and key in new and plain(schema_default(name)) == plain(b):
+            continue
         elif a != b:
-            return f"{name}: {json.dumps(a)} -> {json.dumps(b)}"
+            return (f"{name}: {json.dumps(a) if key in old else '(not set)'} -> "
+                    f"{json.dumps(b) if key in new else '(not set)'}")
     return None
+
+
+def plain(value):
+    """A config value as JSON has it (tuples as lists), for comparing a schema default with a
+    composed value; NO_DEFAULT stays itself (equal to no value)."""
+    return value if value is NO_DEFAULT else json.loads(json.dumps(value))
 
 
 def prepare_dir(out_dir: Path, ckpt: dict | None) -> bool:
