@@ -866,3 +866,25 @@ def test_a_one_epoch_run_gets_curves_not_points(tmp_path, monkeypatch):
     (ax,) = seen["default_train_loss.png"]
     assert ax["legend"] == ["small_cnn, fp32", "small_cnn, amp"]
     assert all(len(line) == 4 for line in ax["lines"]), ax["lines"]
+
+
+def test_side_by_side_gives_an_article_no_folder_planned_one_line_not_a_table():
+    """Two results folders of torch_amp only: page_ladder's 25 published values are one line naming
+    it, not a table of "not in this folder's plan" cells (report.json keeps every row)."""
+    from mixprec.report.reference import NOT_PLANNED
+    from mixprec.report.render import Doc, reference_section
+
+    row = lambda label, cells: {"label": label, "published": "1", "hardware": "V100",
+                                "cells": cells}
+    sec = {"columns": ["CPU (a)", "CPU (b)"], "folders": ["a", "b"], "ratios": None,
+           "articles": [
+               {"id": "torch_amp", "title": "AMP",
+                "rows": [row("speed-up", ["1.2x", NOT_PLANNED])]},
+               {"id": "page_ladder", "title": "Page",
+                "rows": [row(f"{i} step", [NOT_PLANNED, NOT_PLANNED]) for i in range(25)]}]}
+    d = Doc()
+    reference_section(d, sec)
+    md = d.markdown()
+    assert "### torch_amp: AMP" in md and "### page_ladder" not in md
+    assert "Not in any folder's plan (scripts/reproduce.py --only): page_ladder;" in md
+    assert md.count(NOT_PLANNED) == 1

@@ -109,11 +109,14 @@ def _cell(col: dict, source, value) -> str:
     )
 
 
+NOT_PLANNED = "missing: not in this folder's plan (--only)"
+
+
 def _reason(col: dict, source, value) -> str:
     """Why a folder has no number for a published value, from its plan."""
     art = next((a for a in col["state"].get("articles", []) if a["id"] == source.id), None)
     if art is None:
-        return "missing: not in this folder's plan (--only)"
+        return NOT_PLANNED
     if value.id in (art.get("not_reproduced") or {}):
         return f"missing: {art['not_reproduced'][value.id]}"
     sweeps = [col["sweeps"][n] for n in art["sweeps"] if n in col["sweeps"]]

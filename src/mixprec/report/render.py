@@ -17,6 +17,7 @@ from ..runtime.hardware import CPU_PEAK_KINDS
 from .. import records
 from ..config import RNN_KINDS
 from .published import DERIVED
+from .reference import NOT_PLANNED
 
 
 def mean_sd(
@@ -523,10 +524,17 @@ def reference_section(d: Doc, sec: dict) -> None:
         d.h(3, "FP32 / mixed-precision training time (fastai's ratio), per model and GPU")
         d.table(["model", *cols, "published"],
                 [[r["model"], *r["cells"], r["published"]] for r in sec["ratios"]["rows"]])
-    for a in sec["articles"]:
+    # an article no folder planned is one line, not a table of "not in this folder's plan" cells
+    planned = [a for a in sec["articles"]
+               if any(c != NOT_PLANNED for r in a["rows"] for c in r["cells"])]
+    for a in planned:
         d.h(3, f"{a['id']}: {a['title']}")
         d.table(["value", "published", "published on", *cols],
                 [[r["label"], r["published"], r["hardware"], *r["cells"]] for r in a["rows"]])
+    unplanned = [a["id"] for a in sec["articles"] if a not in planned]
+    if unplanned:
+        d.p(f"Not in any folder's plan (scripts/reproduce.py --only): {', '.join(unplanned)}; "
+            "their published values are in report.json.")
 
 
 # ------------------------------------------------------------------------------------------ console
