@@ -188,6 +188,13 @@ def reason(summary: dict) -> str:
     return summary.get("reason") or summary.get("error") or ""
 
 
+def eval_cap(summary: dict) -> str:
+    """"eval: first N batches" for a job whose evaluation scored only the first N batches of each
+    split (trainer.eval_batches; its test numbers are not the whole split's); "" otherwise."""
+    n = metrics(summary).get("eval_batches")
+    return f"eval: first {n} batches" if n else ""
+
+
 def fp8_emulated(summary: dict) -> bool:
     return bool((summary.get("fp8") or {}).get("fp8_emulated"))
 

@@ -559,6 +559,7 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
                         (
                             records.verdict_short(s),
                             records.reason(s),
+                            records.eval_cap(s),
                             host_bound_note(
                                 m, f, fp32.get(records.baseline_key(s)) not in (None, s)
                             ),
