@@ -36,7 +36,7 @@ from .precision import emulation, modes, sharded
 from .precision.modes import emulates, hazards
 from .precision.policy import PrecisionPolicy
 from .precision.state import PolicyState
-from .records import SUMMARY, Recorder, write_json_atomic
+from .records import SUMMARY, Recorder, this_process, write_json_atomic
 from .report.render import job_block
 from .runtime import busy, dist, hardware, logs
 from .runtime.signals import StopSignals, resume_hint
@@ -101,6 +101,8 @@ def run_job(cfg: DictConfig) -> dict:
         },
         "config": None,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # rank 0's process: a summary left `running` by a process that is gone reads `killed`
+        "process": this_process(),
     }
     try:
         checkpoint.keep_default_batch(cfg, job.out)   # a resume keeps a default batch that moved

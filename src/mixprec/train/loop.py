@@ -55,8 +55,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import itertools
+import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -72,6 +73,10 @@ from ..runtime.hardware import mark_steady, synchronize
 from ..precision.policy import Deferred, PrecisionPolicy, by_dtype
 from ..numerics.probe import Attribution
 from .shard import local
+
+# one line per log window where no progress bar is drawn (not a terminal: nohup, Slurm, a pipe);
+# conf/hydra/job_logging/mixprec.yaml sends it to stdout and train.log
+PROGRESS = logging.getLogger("mixprec.progress")
 
 # GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the
 # torch.amp recipe); PyTorch's warning about a scheduler step before an optimizer step says nothing
@@ -362,6 +367,18 @@ def flush(steps, window: Window, loop: Loop, state: LoopState) -> float:
     return loss
 
 
+def say_window(steps, loss: float, rate: float, loop: Loop, state: LoopState) -> None:
+    """The log window's line where no progress bar is drawn (a job without a terminal): step,
+    epoch, mean loss, throughput and loss scale, on stdout and in train.log (rank 0: the other
+    ranks' notes are errors only, runtime/logs.py)."""
+    scale = loop.policy.scale_value
+    PROGRESS.info(
+        f"step {state.step}/{loop.total_steps}  epoch {state.epoch + 1}/{loop.trainer.epochs}  "
+        f"loss {loss:.4f}  {rate:.1f} {steps.rate.removesuffix('_per_s')}/s  "
+        f"loss scale {'none' if scale is None else f'{scale:g}'}"
+    )
+
+
 def fit(steps, batches, loop: Loop, state: LoopState) -> dict:
     """Every job's training loop, image or language model (`steps` supplies the kind's step,
     evaluation and metrics): epochs from where `state` is (a checkpoint's place: it and the loader's
@@ -430,10 +447,11 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
             or state.batch == state.steps_per_epoch
             or state.step >= loop.total_steps
         ):
-            bar.set_postfix(
-                loss=f"{flush(steps, window, loop, state):.3f}",
-                rate=f"{window.samples / max(time.perf_counter() - window.t0, 1e-9):.0f}",
-            )
+            loss = flush(steps, window, loop, state)
+            rate = window.samples / max(time.perf_counter() - window.t0, 1e-9)
+            bar.set_postfix(loss=f"{loss:.3f}", rate=f"{rate:.0f}")
+            if not loop.progress:
+                say_window(steps, loss, rate, loop, state)
             window = loop.window = Window(first_step=state.step + 1)
         if loop.status != "completed" or state.step >= loop.total_steps:
             break
