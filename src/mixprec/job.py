@@ -36,6 +36,7 @@ from .precision import emulation, modes, sharded
 from .precision.modes import emulates, hazards
 from .precision.policy import PrecisionPolicy
 from .precision.state import PolicyState
+from . import records
 from .records import SUMMARY, Recorder, this_process, write_json_atomic
 from .report.render import job_block
 from .runtime import busy, dist, hardware, logs
@@ -115,8 +116,10 @@ def run_job(cfg: DictConfig) -> dict:
         dist.quiet_unless_main(job.ranks)
         summary = train_and_record(config, summary, job.out, group=job.group,
                                    name=hc.job.override_dirname or job.out.name, ranks=job.ranks)
-        if job.ranks.main:
+        # a job that failed before its first step has no numbers: end_job says its error, once
+        if job.ranks.main and records.metrics(summary).get("steps") is not None:
             print(job_block(summary))
+        if job.ranks.main:
             print(f"records     {job.out}")
         return end_job(summary, job)
     # bad input, or one the device or the ranks cannot serve: recorded by rank 0
