@@ -115,12 +115,14 @@ def run_job(cfg: DictConfig) -> dict:
             return prior
         dist.quiet_unless_main(job.ranks)
         summary = train_and_record(config, summary, job.out, group=job.group,
-                                   name=hc.job.override_dirname or job.out.name, ranks=job.ranks)
+                                   name=run_name(hc.job.override_dirname) or job.out.name,
+                                   ranks=job.ranks)
         # a job that failed before its first step has no numbers: end_job says its error, once
         if job.ranks.main and records.metrics(summary).get("steps") is not None:
             print(job_block(summary))
         if job.ranks.main:
             print(f"records     {job.out}")
+            say_offline_run(summary)
         return end_job(summary, job)
     # bad input, or one the device or the ranks cannot serve: recorded by rank 0
     except ConfigError as e:
@@ -142,6 +144,20 @@ def run_job(cfg: DictConfig) -> dict:
                 stops_sweep=True,
             ),
         )
+
+
+def run_name(override_dirname: str) -> str:
+    """The job's W&B run name: its overrides (Hydra's override_dirname) without the logger's own
+    (where the run goes is not what the run is)."""
+    return ",".join(o for o in override_dirname.split(",")
+                    if not o.lstrip("+~").startswith("logger"))
+
+
+def say_offline_run(summary: dict) -> None:
+    """Where an offline W&B run is, and the command that uploads it (nothing left the machine)."""
+    w = summary.get("wandb") or {}
+    if w.get("mode") == "offline":
+        print(f"wandb       offline run in {w['dir']}; to upload it: wandb sync {w['dir']}")
 
 
 def final_prior(config: Config, job: JobDir) -> dict | None:
@@ -383,7 +399,8 @@ def open_mirror(
         job_type=config.name,
         run_id=resume.get("wandb_run_id") if resume else None,
     )
-    summary["wandb"] = {"mode": config.logger.mode, "run_id": mirror.run.id, "dir": mirror.run_dir}
+    summary["wandb"] = {"mode": config.logger.mode, "run_id": mirror.run.id, "dir": mirror.run_dir,
+                        "name": mirror.run.name}
     return mirror
 
 
