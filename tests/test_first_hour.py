@@ -230,10 +230,15 @@ def test_reproduce_help_says_plan_runs_calibration_jobs():
 # ------------------------------------------------------------------------ 15: check_quotes.py
 
 
-def test_check_quotes_help_says_what_the_sources_are_and_where_to_get_them():
+def test_check_quotes_help_and_docs_name_every_source_text_and_where_it_is_read():
+    from mixprec.report.published import load_sources
+
+    seeds = [d.seed for s in load_sources() for d in s.documents.values() if d.seed]
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_quotes.py"), "--help"],
                        capture_output=True, text=True)
-    text = " ".join(r.stdout.split())
-    assert r.returncode == 0 and "docs/sources" in text and "http" in text, text
-    sources = (ROOT / "docs" / "sources").glob("*.md")
-    assert any("check_quotes.py" in p.read_text() for p in sources)
+    assert r.returncode == 0 and "not in the repository" in r.stdout, r.stdout
+    listed = [line for line in r.stdout.splitlines() if line.strip().startswith(tuple(seeds))]
+    assert len(listed) == len(seeds) == 4
+    assert all("from http" in line or "find it by the title" in line for line in listed)
+    docs = (ROOT / "docs" / "sources" / "README.md").read_text()
+    assert all(f"`{seed}`" in docs for seed in seeds) and "check_quotes.py" in docs
