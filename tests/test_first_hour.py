@@ -20,7 +20,7 @@ from mixprec.records import SUMMARY
 from mixprec.report import plots
 from mixprec.report.analyse import Group
 from mixprec.report.load import Job, load_jobs
-from tests.helpers import ROOT, compose_config, run_cli, run_tiny
+from tests.helpers import ROOT, compose_config, load_script, run_cli, run_tiny
 from tests.official_formats import UNREACHABLE
 
 
@@ -224,7 +224,54 @@ def test_reproduce_help_says_plan_runs_calibration_jobs():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--help"],
                        capture_output=True, text=True)
     text = " ".join(r.stdout.split())
-    assert "--plan" in text and "calibration jobs" in text
+    assert "the calibration runs jobs" in text and "11 min" in text, text
+    docs = " ".join((ROOT / "docs" / "reproduce.md").read_text().split())
+    assert "`--plan` runs jobs" in docs and "--estimate h100 --budget 30m" in docs
+
+
+def test_a_calibration_job_that_gave_no_time_says_why():
+    from mixprec.tools.plan import untimed_reason
+
+    diverged = {"status": "diverged", "nonfinite": {"step": 1}, "metrics": {"steps": 1}}
+    short = {"status": "completed", "metrics": {"steps": 2, "warmup_steps": 2,
+                                                "throughput_includes_warmup": True}}
+    failed = {"status": "failed", "error": "data error: CIFAR-10 not found\nmore"}
+    assert untimed_reason(diverged) == "diverged at step 1"
+    assert untimed_reason(short).startswith("too few steps (2, with 2 of warm-up")
+    assert untimed_reason(failed) == "failed: data error: CIFAR-10 not found"
+    reproduce = load_script("reproduce")
+    entry = {"article": "a", "name": "s", "jobs": 1, "planned_jobs": 1, "epochs": "1",
+             "predicted_s": 60.0, "prediction": "estimate", "untimed": "diverged at step 1",
+             "cuts": [], "dropped": False}
+    _, rows = reproduce.plan_rows({"sweeps": [entry]}, actual=False)
+    assert "(estimate: diverged at step 1)" in rows[0][4]
+
+
+def test_estimate_with_a_budget_says_what_would_be_cut_where(monkeypatch, capsys):
+    """--estimate --budget: the plan's cuts applied to the FLOP minutes (stubbed here: a minute per
+    job and epoch, so that the cuts' effect is plain); the real FLOP count is the slow test's."""
+    reproduce = load_script("reproduce")
+
+    def minute_per_job_epoch(plan, args, sweep, peaks):
+        configs = reproduce.job_configs(plan, sweep, args)
+        secs = 0.0 if sweep.dropped else sum(60.0 * c["trainer"]["epochs"] for c in configs)
+        return {p: secs for p in peaks}
+
+    monkeypatch.setattr(reproduce, "flop_seconds", minute_per_job_epoch)
+    assert reproduce.main(["--estimate", "v100", "--budget", "8m", "--only", "opt_levels"]) == 0
+    out = capsys.readouterr().out
+    cut = out[out.index("--budget 8m on v100"):]
+    assert "epochs 3->1" in cut and "OVER BUDGET" not in cut, cut
+    uncut = reproduce.main(["--estimate", "v100", "--only", "opt_levels"])
+    assert uncut == 0 and "--budget" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_estimate_with_a_budget_cuts_the_flop_minutes(capsys):
+    reproduce = load_script("reproduce")
+    assert reproduce.main(["--estimate", "v100", "--budget", "80s", "--only", "half_pitfalls"]) == 0
+    out = capsys.readouterr().out
+    assert "--budget 80s on v100" in out and "epochs 2->1" in out and "OVER BUDGET" not in out
 
 
 # ------------------------------------------------------------------------ 15: check_quotes.py

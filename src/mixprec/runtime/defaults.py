@@ -8,10 +8,10 @@ measure Python; at 256 the GPU's work shows (the measurements: docs/speed.md, "D
 precision"). A preset or an override that sets trainer.batch_size wins, so the articles' batches
 are kept.
 
-`${mixprec.by_data:${dataset.name},A,B,C}` (conf/experiment/smoke.yaml): A on the synthetic images, B
-on the synthetic text, C on real data (CIFAR, Wikitext-2), so that one preset sizes a short run on
-every dataset: synthetic data by its size, real splits (used whole) by their steps and evaluation
-batches.
+`${mixprec.by_data:${dataset.name},A,B,C}` (conf/experiment/smoke.yaml): A on the synthetic
+images, B on the synthetic text, C on real data (CIFAR, Wikitext-2), so that one preset sizes a
+short run on every dataset: synthetic data by its size, real splits (used whole) by their steps and
+evaluation batches.
 """
 from __future__ import annotations
 
