@@ -9,8 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 from torch import nn
 
 import mixprec.job
@@ -20,6 +22,7 @@ from mixprec.records import SUMMARY
 from mixprec.report import plots
 from mixprec.report.analyse import Group
 from mixprec.report.load import Job, load_jobs
+from mixprec.train.loop import EvalStopped, Scored
 from tests.helpers import ROOT, compose_config, load_script, run_cli, run_tiny
 from tests.official_formats import UNREACHABLE
 
@@ -103,6 +106,21 @@ def test_a_stop_signal_during_evaluation_stops_it_and_resume_evaluates(tmp_path,
     assert resumed["metrics"]["final_test_acc"] == reference["metrics"]["final_test_acc"]
     assert resumed["metrics"]["final_test_loss"] == reference["metrics"]["final_test_loss"]
     assert len(resumed["epochs"]) == len(reference["epochs"]) == 1
+
+
+def test_scored_takes_the_first_batches_and_stops_between_them_on_the_agreed_flag():
+    """loop.Scored: the first trainer.eval_batches batches; loop.stop (the ranks' agreed flag under
+    DDP/FSDP: every rank reads it at the same batch) read before each one."""
+    batches = [(torch.zeros(2), torch.zeros(4)) for _ in range(5)]
+    flags = iter([None, None, "SIGTERM"])
+    capped = SimpleNamespace(trainer=SimpleNamespace(eval_batches=2), stop=lambda: None)
+    scored = Scored(batches, capped)
+    assert len(list(scored)) == 2 and scored.count == 8
+    stopped = SimpleNamespace(trainer=SimpleNamespace(eval_batches=None), stop=lambda: next(flags))
+    seen = []
+    with pytest.raises(EvalStopped, match="SIGTERM"):
+        seen.extend(Scored(batches, stopped))
+    assert len(seen) == 2
 
 
 def dead_pid() -> int:
