@@ -12,9 +12,16 @@ published file, the values quoting it and the document it cites, and exits 1; ex
 quote checked was found. --seeds-only leaves out the quotes whose document is not one of the given
 source texts (an original at a commit, such as a README). --published DIR reads another folder of
 published files. A path that does not exist, or a folder without *.txt: one line on stderr, exit 2.
+
+The source texts are not in the repository (they are the articles' own words, under their authors'
+copyright): they are plain UTF-8 text copies of the documents the published files quote, one *.txt
+per document, named as its `seed:` says. `--help` lists them, each with where its text is read
+(docs/sources/README.md too): save each document's text under that name in one folder, give the
+folder.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import unicodedata
 from pathlib import Path
@@ -80,8 +87,32 @@ def problems(quotes: dict, texts: dict[str, str]) -> list[str]:
     return lines
 
 
+def source_texts(sources) -> list[str]:
+    """One line per source text the published files name: its file name, the source and document,
+    and where its text is read (the document's address, else its title and the original's)."""
+    lines = []
+    for s in sources:
+        for d in s.documents.values():
+            if d.seed:
+                where = (f"from {d.url}" if d.url else
+                         f"no address recorded: find it by the title \"{s.title}\""
+                         + (f" (the original: {s.url})" if s.url else ""))
+                lines.append(f"  {d.seed}  {s.id}: {d.name}; {where}")
+    return lines
+
+
+def epilog() -> str:
+    """--help's list of the source texts (docs/sources/README.md holds the same)."""
+    return (
+        "source texts: plain UTF-8 copies of the quoted documents, not in the repository (their "
+        "authors' words), one *.txt each in one folder, named as below (docs/sources/README.md):\n"
+        + "\n".join(source_texts(load_sources(PUBLISHED_DIR)))
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = cli.ArgumentParser(prog="check_quotes.py", description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(prog="check_quotes.py", description=__doc__.splitlines()[0],
+                            epilog=epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="folders of source texts (*.txt) or text files")
     ap.add_argument("--seeds-only", action="store_true",
                     help="check only the quotes whose document is one of the given source texts")

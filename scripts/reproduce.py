@@ -1,8 +1,8 @@
 """Reproduce every article on this machine's GPU within a time budget, into one folder to share.
 
     python scripts/reproduce.py [train.py overrides, e.g. gpu=h100 dataset.data_dir=/data] [--budget
-    60m] python scripts/reproduce.py --plan --budget 30m          # calibrate, print the plan, run
-    nothing python scripts/reproduce.py --only page_ladder,torch_amp  # some articles (or sweeps)
+    60m] python scripts/reproduce.py --plan --budget 30m          # calibration jobs, then the plan;
+    no sweep python scripts/reproduce.py --only page_ladder,torch_amp  # some articles (or sweeps)
     only python scripts/reproduce.py --smoke                       # the whole plan at tiny sizes: a
     CPU proof python scripts/reproduce.py --plan-file src/mixprec/tools/plan_cpu.yaml --only
     torch_amp dataset.data_dir=/data
@@ -55,7 +55,9 @@ from mixprec.tools.plan import (
     override_keys,
     parse_duration,
     predict_job,
+    steps_per_epoch,
     table,
+    untimed_reason,
 )
 from mixprec import records
 from mixprec.records import write_json_atomic, write_text_atomic
@@ -67,6 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FINAL = ("completed", "diverged", "failed")
 STATE = "plan.json"
 CALIBRATION = "calibration.json"   # the calibration so far (calibrate): a killed one continues
+REPORT_S = 60.0   # the report's minutes, kept aside from a --budget
 # the folder's report is made once, at the end
 FIXED = ["hydra.callbacks.sweep_table.report=false"]
 
@@ -397,11 +400,13 @@ def calibrate(plan, args, out: Path) -> dict:
         started = time.time()
         rc, wall = spawn(cmd, out, f"calibration_{s.name}", timeout_s=limit)
         record_exit(out, rc, wall)
-        costs, jobs = {}, sweep_jobs(folder)[0] if folder.exists() else []
+        costs, untimed, jobs = {}, {}, sweep_jobs(folder)[0] if folder.exists() else []
         for summ in (j.summary for j in jobs):
-            cost = cost_from_summary(summ)
+            cost, key = cost_from_summary(summ), "|".join(_job_key(summ, list(s.grid)))
             if cost is not None:
-                costs["|".join(_job_key(summ, list(s.grid)))] = cost.__dict__
+                costs[key] = cost.__dict__
+            else:
+                untimed[key] = untimed_reason(summ)
         # not skipped
         ran = [j.summary for j in jobs if (j.dir / records.SUMMARY).stat().st_mtime >= started]
         # the process, once per sweep
@@ -414,12 +419,14 @@ def calibrate(plan, args, out: Path) -> dict:
             "timeout_s": args.calibrate_timeout,
             "steps": steps,
             "startup_s": startup,
+            "untimed": untimed,   # job -> why it gave no time (untimed_reason)
         }
         write_json_atomic(
             path, {"key": key, "sweeps": result, "seconds": before + time.monotonic() - t_start}
         )
         log(f"calibrated {s.name}: {len(costs)}/{n} job(s) timed in {wall:.0f} s"
-            + (" (stopped: too slow here)" if rc == "timeout" else ""))
+            + (" (stopped: too slow here)" if rc == "timeout" else "")
+            + "".join(f"; not timed: {k or 'the job'}: {why}" for k, why in untimed.items()))
     return {
         "sweeps": result,
         "seconds": before + time.monotonic() - t_start,
@@ -494,12 +501,79 @@ def _flops(model_json: str, num_classes: int, image_size: int | None) -> float:
     return forward_flops(model, torch.zeros(1, 3, image_size, image_size)) or 0.0
 
 
+def flop_seconds(plan, args, sweep, peaks: dict) -> dict:
+    """Seconds of one sweep on each profile of `peaks` from FLOPs at MFU of the profile's dense peak
+    for the job's precision; a cut sweep's too (fewer epochs, a max_steps, a smaller grid; dropped:
+    0). Training and evaluation FLOPs only."""
+    from mixprec.precision.modes import peak_kind   # lazy: torch, as _flops
+
+    secs = {p: 0.0 for p in peaks}
+    if sweep.dropped:
+        return secs
+    if sweep.command != "train":
+        return {p: float(sweep.predicted_s or 0) for p in peaks}
+    for job in sweep.jobs:
+        plain = compose(tuple(merge_overrides(sweep.overrides, args.overrides,
+                                              [f"{k}={v}" for k, v in job.items()])))
+        c = validate(OmegaConf.create(plain))
+        text = c.dataset.name in ("wikitext2", "synthetic_text")
+        sizes = plan.datasets.get(c.dataset.name) or {
+            "train": c.dataset.train_size,
+            "test": c.dataset.test_size,
+        }
+        f = _flops(
+            json.dumps(c.model.__dict__, default=list),
+            33278 if text else c.dataset.num_classes,
+            None if text else c.dataset.image_size,
+        )
+        # a max_steps cut trains part of the epochs, each begun one evaluated
+        epochs = c.trainer.epochs if c.trainer.max_steps is None else min(
+            c.trainer.epochs, c.trainer.max_steps / steps_per_epoch(plain, plan.datasets))
+        work = epochs * sizes["train"] * 3 * f + math.ceil(epochs) * sizes["test"] * f
+        for p in peaks:
+            peak = peaks[p].get(peak_kind(c.precision)) or peaks[p]["fp32"]
+            secs[p] += work / (peak * 1e12 * MFU)
+    return secs
+
+
+class FlopPredict:
+    """plan.fit's predict(sweep) from FLOPs on one GPU profile: (seconds, job configs, "estimate"),
+    kept per sweep state (fit asks again for each cut it weighs)."""
+
+    def __init__(self, plan, args, peaks: dict, profile: str):
+        self.plan, self.args, self.peaks, self.profile, self.seen = plan, args, peaks, profile, {}
+
+    def __call__(self, sweep):
+        key = (sweep.name, sweep.overrides, tuple(sweep.grid.items()), sweep.dropped)
+        if key not in self.seen:
+            configs = job_configs(self.plan, sweep, self.args) if sweep.command == "train" else []
+            self.seen[key] = (flop_seconds(self.plan, self.args, sweep, self.peaks)[self.profile],
+                              configs, "estimate")
+        return self.seen[key]
+
+
+def estimate_cuts(plan, args, peaks: dict, profile: str, budget_s: float) -> str:
+    """What --budget would cut where on `profile`, by the FLOP estimate: the plan's cuts applied as
+    a --plan applies them to its calibrated minutes (plan.fit), the report's minute kept aside."""
+    predict = FlopPredict(plan, args, peaks, profile)
+    full = sum(predict(s)[0] for s in plan.sweeps)
+    cut = fit(plan.sweeps, predict, budget_s - REPORT_S)
+    rows = [[s.article, s.name, 0 if s.dropped else len(s.jobs), minutes(predict(s)[0]),
+             "; ".join(s.applied) or "none (full fidelity)"] for s in cut]
+    total = sum(predict(s)[0] for s in cut)
+    over = total > budget_s - REPORT_S
+    return (
+        f"\n--budget {args.budget} on {profile}: {total / 60:.1f} min after cuts (of "
+        f"{full / 60:.1f} uncut; + report ~{REPORT_S / 60:.0f} min; a GPU's --plan also spends its "
+        "calibration)" + ("; OVER BUDGET: every cut the plan allows is made" if over else "")
+        + "\n" + table(["article", "sweep", "jobs", f"{profile} min", "cut"], rows)
+    )
+
+
 def estimate(plan, args, profiles: list[str]) -> int:
     """Minutes of the full-fidelity plan on named GPU profiles from FLOPs at MFU of each profile's
     dense peak for the job's precision: a rough figure, not a measurement (a GPU's --plan replaces
-    it)."""
-    from mixprec.precision.modes import peak_kind   # lazy: torch, as _flops
-
+    it). With --budget, what the plan's cuts would make of it on each profile."""
     known = sorted(f.stem for f in (ROOT / "conf" / "gpu").glob("*.yaml") if f.stem != "auto")
     for p in profiles:
         if p not in known:
@@ -515,35 +589,7 @@ def estimate(plan, args, profiles: list[str]) -> int:
     peaks = {p: yaml_load(ROOT / "conf" / "gpu" / f"{p}.yaml")["peak_tflops"] for p in profiles}
     rows, totals = [], {p: 0.0 for p in profiles}
     for s in plan.sweeps:
-        secs = {p: 0.0 for p in profiles}
-        if s.command != "train":
-            secs = {p: float(s.predicted_s or 0) for p in profiles}
-        for job in s.jobs if s.command == "train" else []:
-            c = validate(
-                OmegaConf.create(
-                    compose(
-                        tuple(
-                            merge_overrides(
-                                s.overrides, args.overrides, [f"{k}={v}" for k, v in job.items()]
-                            )
-                        )
-                    )
-                )
-            )
-            text = c.dataset.name in ("wikitext2", "synthetic_text")
-            sizes = plan.datasets.get(c.dataset.name) or {
-                "train": c.dataset.train_size,
-                "test": c.dataset.test_size,
-            }
-            f = _flops(
-                json.dumps(c.model.__dict__, default=list),
-                33278 if text else c.dataset.num_classes,
-                None if text else c.dataset.image_size,
-            )
-            work = c.trainer.epochs * (sizes["train"] * 3 * f + sizes["test"] * f)
-            for p in profiles:
-                peak = peaks[p].get(peak_kind(c.precision)) or peaks[p]["fp32"]
-                secs[p] += work / (peak * 1e12 * MFU)
+        secs = flop_seconds(plan, args, s, peaks)
         rows.append([s.article, s.name, len(s.jobs)] + [minutes(secs[p]) for p in profiles])
         for p in profiles:
             totals[p] += secs[p]
@@ -557,6 +603,8 @@ def estimate(plan, args, profiles: list[str]) -> int:
         "it); training and evaluation FLOPs only (no data loading, start-up, launch overhead)\n"
     )
     print(table(["article", "sweep", "jobs", *[f"{p} min" for p in profiles]], rows))
+    for p in profiles if args.budget else []:
+        print(estimate_cuts(plan, args, peaks, p, parse_duration(args.budget)))
     return 0
 
 
@@ -569,7 +617,7 @@ def yaml_load(path: Path) -> dict:
 
 def make_state(plan, args, calibration: dict, budget_s) -> dict:
     predict = predictor(plan, args, calibration)
-    report_s = 60.0
+    report_s = REPORT_S
     room = None if budget_s is None else budget_s - calibration["seconds"] - report_s
     sweeps = fit(plan.sweeps, predict, room)
     entries = []
@@ -590,6 +638,9 @@ def make_state(plan, args, calibration: dict, budget_s) -> dict:
                 else "-",
                 "predicted_s": 0.0 if s.dropped else secs,
                 "prediction": how,
+                # why its calibration timed no job (the first job's reason), where it timed none
+                "untimed": next(iter(calibration["sweeps"].get(s.name, {}).get("untimed", {})
+                                     .values()), None) if how == "estimate" else None,
                 "cuts": list(s.applied),
                 "dropped": s.dropped,
                 "status": "dropped" if s.dropped else "planned",
@@ -636,7 +687,8 @@ def plan_rows(state: dict, actual: bool) -> tuple[list[str], list[list]]:
     rows = []
     for e in state["sweeps"]:
         pred = "-" if e["dropped"] else minutes(e["predicted_s"], e["prediction"] == ">=") + \
-            (" (estimate)" if e["prediction"] == "estimate" else "")
+            (f" (estimate{': ' + e['untimed'] if e.get('untimed') else ''})"
+             if e["prediction"] == "estimate" else "")
         jobs = f"{e['jobs']}" + (
             f" of {e['planned_jobs']}" if e["jobs"] != e["planned_jobs"] else ""
         )
@@ -835,7 +887,11 @@ def parse(argv):
     ap.add_argument(
         "--budget", help="time for the whole plan, e.g. 60m, 1h30m (default: full fidelity, uncut)"
     )
-    ap.add_argument("--plan", action="store_true", help="calibrate, print the plan and exit")
+    ap.add_argument(
+        "--plan", action="store_true",
+        help="calibrate, print the plan and exit; the calibration runs jobs (a few timed steps of "
+             "each sweep's jobs: minutes on a GPU, about 11 min on a 2-core CPU); --estimate "
+             "runs none")
     ap.add_argument(
         "--only",
         help="comma-separated article ids or sweep names (see src/mixprec/tools/plan.yaml)",
@@ -868,7 +924,8 @@ def parse(argv):
         "--estimate",
         metavar="PROFILES",
         help="print the full plan's minutes on these GPU profiles (e.g. h100,v100) from FLOPs, and "
-             "exit",
+             "exit, running no job; with --budget also what the plan's cuts would make of it on "
+             "each profile (each sweep's minutes and cuts)",
     )
     ap.add_argument(
         "--plan-file",

@@ -40,6 +40,8 @@ class TrainerConfig:
     max_steps: Optional[int] = None
     batch_size: int = 64
     eval_batch_size: int = 256
+    # the first N batches of each evaluated split (a short run on real data); None: every batch
+    eval_batches: Optional[int] = None
     device: str = "auto"
     target_acc: Optional[float] = None
     on_nonfinite: Literal["stop", "skip", "continue"] = "stop"
@@ -95,6 +97,8 @@ class TrainerConfig:
         _at_least(self, "log_every", 1)
         if self.max_steps is not None:
             _at_least(self, "max_steps", 1)
+        if self.eval_batches is not None:
+            _at_least(self, "eval_batches", 1)
         if self.target_acc is not None and not 0.0 < self.target_acc <= 1.0:
             raise ConfigError(
                 f"trainer.target_acc={self.target_acc}: must be a fraction in (0, 1], e.g. 0.94, "

@@ -38,7 +38,8 @@ from .precision import emulation, modes, sharded
 from .precision.modes import emulates, hazards
 from .precision.policy import PrecisionPolicy
 from .precision.state import PolicyState
-from .records import SUMMARY, Recorder, write_json_atomic
+from . import records
+from .records import SUMMARY, Recorder, this_process, write_json_atomic
 from .report.render import job_block
 from .runtime import busy, dist, hardware, logs
 from .runtime.signals import StopSignals, resume_hint
@@ -103,6 +104,8 @@ def run_job(cfg: DictConfig) -> dict:
         },
         "config": None,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # rank 0's process: a summary left `running` by a process that is gone reads `killed`
+        "process": this_process(),
     }
     try:
         checkpoint.keep_default_batch(cfg, job.out)   # a resume keeps a default batch that moved
@@ -114,10 +117,14 @@ def run_job(cfg: DictConfig) -> dict:
             return prior
         dist.quiet_unless_main(job.ranks)
         summary = train_and_record(config, summary, job.out, group=job.group,
-                                   name=hc.job.override_dirname or job.out.name, ranks=job.ranks)
-        if job.ranks.main:
+                                   name=run_name(hc.job.override_dirname) or job.out.name,
+                                   ranks=job.ranks)
+        # a job that failed before its first step has no numbers: end_job says its error, once
+        if job.ranks.main and records.metrics(summary).get("steps") is not None:
             print(job_block(summary))
+        if job.ranks.main:
             print(f"records     {job.out}")
+            say_offline_run(summary)
         return end_job(summary, job)
     # bad input, or one the device or the ranks cannot serve: recorded by rank 0, unless the dir
     # holds a job that can still continue (its summary, interrupted or failed, says how)
@@ -141,6 +148,20 @@ def run_job(cfg: DictConfig) -> dict:
                 stops_sweep=True,
             ),
         )
+
+
+def run_name(override_dirname: str) -> str:
+    """The job's W&B run name: its overrides (Hydra's override_dirname) without the logger's own
+    (where the run goes is not what the run is)."""
+    return ",".join(o for o in override_dirname.split(",")
+                    if not o.lstrip("+~").startswith("logger"))
+
+
+def say_offline_run(summary: dict) -> None:
+    """Where an offline W&B run is, and the command that uploads it (nothing left the machine)."""
+    w = summary.get("wandb") or {}
+    if w.get("mode") == "offline":
+        print(f"wandb       offline run in {w['dir']}; to upload it: wandb sync {w['dir']}")
 
 
 def final_prior(config: Config, job: JobDir) -> dict | None:
@@ -426,7 +447,8 @@ def open_mirror(
         job_type=config.name,
         run_id=resume.get("wandb_run_id") if resume else None,
     )
-    summary["wandb"] = {"mode": config.logger.mode, "run_id": mirror.run.id, "dir": mirror.run_dir}
+    summary["wandb"] = {"mode": config.logger.mode, "run_id": mirror.run.id, "dir": mirror.run_dir,
+                        "name": mirror.run.name}
     return mirror
 
 

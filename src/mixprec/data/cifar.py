@@ -32,7 +32,8 @@ from torchvision.datasets import CIFAR10, CIFAR100
 from torchvision.datasets.utils import extract_archive
 
 from .images import ImageData, channel_stats
-from .files import ENV_DATA_DIR, ArrayCache, DataError, data_root, fetch, md5sum, signature
+from .files import (ENV_DATA_DIR, ArrayCache, DataError, absent_note, data_root, fetch, md5sum,
+                    signature)
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,8 @@ def _locate(spec: CifarSpec, root: Path, download: bool, urls: tuple) -> list[Pa
         f" ({spec.folder}/ is there but lacks {', '.join(missing)})" if folder.is_dir() else ""
     )
     raise DataError(
-        f"{spec.title} not found in {root}: expected {spec.folder}/ with {', '.join(spec.files)} "
+        f"{spec.title} not found in {root}{absent_note(root)}: "
+        f"expected {spec.folder}/ with {', '.join(spec.files)} "
         f"(the official python version) or {spec.archive}{lacking}; {why}. Get {spec.url} (md5 "
         f"{spec.md5}) and unpack it in {root}, or point dataset.data_dir or ${ENV_DATA_DIR} at a "
         "folder that has it, or run without data with dataset=synthetic"

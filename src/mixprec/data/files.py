@@ -4,7 +4,8 @@
   project.
 - `fetch(urls, dest, md5=..., sha256=...)`: download with torchvision's helpers from the first URL
   that works, check the checksum, then move the file into place; a failed or mismatching download
-  leaves nothing behind.
+  leaves nothing behind, not even the folders it made (a mistyped dataset.data_dir stays absent;
+  `absent_note` says so in the error).
 - `ArrayCache`: decoded arrays as .npy files plus a manifest naming the source files (size, mtime)
   they came from. Each file is written to a temporary name and renamed; the manifest goes last, so a
   cache is either complete and current or ignored. A folder that cannot be written (read-only data)
@@ -44,6 +45,32 @@ def data_root(data_dir: str | None) -> Path:
     return base / "data"
 
 
+def absent_note(root: Path) -> str:
+    """" (<root> does not exist: ...)" when the data folder is not there (a mistyped
+    dataset.data_dir), else ""."""
+    return "" if root.exists() else (
+        f" ({root} does not exist: check dataset.data_dir or ${ENV_DATA_DIR} for a typo)"
+    )
+
+
+def made_folders(folder: Path) -> list[Path]:
+    """The folders from `folder` up that do not exist yet, deepest first (what a download makes)."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove each of `folders` (deepest first) that is an empty folder."""
+    for f in folders:
+        try:
+            f.rmdir()
+        except OSError:   # not empty (another download's file), or gone
+            return
+
+
 def sha256sum(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -56,9 +83,8 @@ def md5sum(path: Path) -> str:
 
 def fetch(urls, dest: Path, *, md5: str | None = None, sha256: str | None = None) -> None:
     """Download `dest` from the first of `urls` that gives a file with the expected checksum.
-    Raises DataError listing every URL tried and why it failed."""
-
-    failures = []
+    Raises DataError listing every URL tried and why it failed (and removes the folders it made)."""
+    made, failures = made_folders(dest.parent), []
     for url in urls:
         tmp = dest.parent / f".{dest.name}.{os.getpid()}.part"
         try:
@@ -82,6 +108,7 @@ def fetch(urls, dest: Path, *, md5: str | None = None, sha256: str | None = None
             )
         finally:
             tmp.unlink(missing_ok=True)
+    remove_empty(made)
     raise DataError("; ".join(failures) or "no download URL configured (dataset.urls is empty)")
 
 

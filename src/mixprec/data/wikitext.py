@@ -38,7 +38,8 @@ import torch
 
 from ..config import DatasetConfig
 from .pipelines import Resumable
-from .files import ENV_DATA_DIR, ArrayCache, DataError, data_root, fetch, sha256sum, signature
+from .files import (ENV_DATA_DIR, ArrayCache, DataError, absent_note, data_root, fetch, sha256sum,
+                    signature)
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,9 @@ def load_wikitext2(data_dir: str | None = None, download: bool = True, urls=()) 
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
         raise DataError(
-            f"Wikitext-2 not found: {folder} lacks {', '.join(missing)} (expected train.txt, "
-            "valid.txt, test.txt: the tokenized files of PyTorch's word_language_model example); "
+            f"Wikitext-2 not found: {folder} lacks {', '.join(missing)}{absent_note(root)} "
+            "(expected train.txt, valid.txt, test.txt: the tokenized files of PyTorch's "
+            "word_language_model example); "
             f"{why}. Get them from {OFFICIAL_URL} into {folder}, or point dataset.data_dir or "
             f"${ENV_DATA_DIR} at a folder that has {FOLDER}/, or run without data with "
             "dataset=synthetic_text"

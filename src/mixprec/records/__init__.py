@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -148,8 +149,32 @@ def overrides(summary: dict) -> list[str]:
     return summary.get("overrides") or []
 
 
+def this_process() -> dict:
+    """This process, as a job's summary records it at the start: what a reader looks for to tell a
+    job still running from one whose process died without recording its end."""
+    return {"pid": os.getpid(), "host": socket.gethostname()}
+
+
+def process_gone(summary: dict) -> bool:
+    """Whether the process the summary names is known to be gone: on this host, no process has its
+    pid. A job of another host (or one that recorded no process) is not known to be gone."""
+    p = summary.get("process") or {}
+    if not p.get("pid") or p.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(p["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:   # alive, another user's
+        return False
+    return False
+
+
 def status(summary: dict) -> str | None:
-    return summary.get("status")
+    """The job's status; `killed` for one that says `running` whose process is gone (SIGKILL, out
+    of memory, torchrun's grace running out: nothing could record its end)."""
+    s = summary.get("status")
+    return "killed" if s == "running" and process_gone(summary) else s
 
 
 def completed(summary: dict) -> bool:
@@ -183,9 +208,20 @@ def verdict_short(summary: dict) -> str:
 
 
 def reason(summary: dict) -> str:
-    """Why it did not complete (a divergence's reason, a failure's error); "" when it says
-    nothing."""
+    """Why it did not complete (a divergence's reason, a failure's error, a killed job's process);
+    "" when it says nothing."""
+    if status(summary) == "killed":
+        p = summary["process"]
+        return (f"killed: its process (pid {p['pid']} on {p['host']}) ended without recording "
+                "an end (SIGKILL, out of memory, or a stop signal it could not act on in time)")
     return summary.get("reason") or summary.get("error") or ""
+
+
+def eval_cap(summary: dict) -> str:
+    """"eval: first N batches" for a job whose evaluation scored only the first N batches of each
+    split (trainer.eval_batches; its test numbers are not the whole split's); "" otherwise."""
+    n = metrics(summary).get("eval_batches")
+    return f"eval: first {n} batches" if n else ""
 
 
 def fp8_emulated(summary: dict) -> bool:

@@ -580,6 +580,7 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
                             fp32_note(s),
                             records.verdict_short(s),
                             records.reason(s),
+                            records.eval_cap(s),
                             host_bound_note(
                                 m, f, fp32.get(records.baseline_key(s)) not in (None, s)
                             ),

@@ -54,6 +54,11 @@ class Job:
         return str(records.status(self.summary) or "unknown")
 
     @property
+    def plotted(self) -> bool:
+        """Whether its rows go into the figures: not a killed job's (its records stop anywhere)."""
+        return self.status != "killed"
+
+    @property
     def seed(self):
         return records.seed(self.summary)
 

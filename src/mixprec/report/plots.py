@@ -429,7 +429,8 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
 
 def _curves(groups: list[Group]) -> list[dict]:
     rows = {
-        g.label + g.precision: [r for j in g.jobs for r in j.rows() if r.get("kind") == "epoch"]
+        g.label + g.precision: [r for j in g.jobs if j.plotted for r in j.rows()
+                                if r.get("kind") == "epoch"]
         for g in groups
     }
     any_acc = any(number(r.get("test_acc")) is not None for rs in rows.values() for r in rs)
@@ -464,7 +465,7 @@ def _mean_curves(groups: list[Group], point) -> list[dict]:
     curves = []
     for g in groups:
         per_x: dict = {}
-        for j in g.jobs:
+        for j in filter(lambda j: j.plotted, g.jobs):
             for r in j.rows():
                 xy = point(r)
                 if xy is not None:
@@ -509,7 +510,7 @@ def _ladder(exp: dict, sources: list[Source], groups: list[Group]):
 def _loss_scale_traces(groups: list[Group], limit: int = 12) -> list[dict]:
     traces = []
     for g in groups:
-        for j in g.jobs:
+        for j in filter(lambda j: j.plotted, g.jobs):
             pts = [
                 (r["step"], r["loss_scale"])
                 for r in j.rows()

@@ -7,6 +7,11 @@ the host's time to launch its ops, alike in every precision, so a sweep's speed-
 measure Python; at 256 the GPU's work shows (the measurements: docs/speed.md, "Defaults that measure
 precision"). A preset or an override that sets trainer.batch_size wins, so the articles' batches
 are kept.
+
+`${mixprec.by_data:${dataset.name},A,B,C}` (conf/experiment/smoke.yaml): A on the synthetic
+images, B on the synthetic text, C on real data (CIFAR, Wikitext-2), so that one preset sizes a
+short run on every dataset: synthetic data by its size, real splits (used whole) by their steps and
+evaluation batches.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from omegaconf import OmegaConf
 from ..config import LM_ARCHS
 
 RESOLVER = "mixprec.batch_default"
+BY_DATA = "mixprec.by_data"
 CPU_BATCH, GPU_BATCH = 64, 256
 
 
@@ -32,6 +38,13 @@ def batch_default(device: str, arch: str) -> int:
     return GPU_BATCH if on_cuda(device) and arch not in LM_ARCHS else CPU_BATCH
 
 
+def by_data(dataset: str, synthetic, synthetic_text, real):
+    """The value for the kind of data `dataset` names: synthetic images, synthetic text, real."""
+    return {"synthetic": synthetic, "synthetic_text": synthetic_text}.get(dataset, real)
+
+
 def register() -> None:
     if not OmegaConf.has_resolver(RESOLVER):
         OmegaConf.register_new_resolver(RESOLVER, batch_default)
+    if not OmegaConf.has_resolver(BY_DATA):
+        OmegaConf.register_new_resolver(BY_DATA, by_data)

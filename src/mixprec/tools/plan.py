@@ -284,6 +284,21 @@ def cost_from_summary(summary: dict) -> JobCost | None:
     return JobCost(step_s=step_s, eval_s=eval_s, overhead_s=overhead)
 
 
+def untimed_reason(summary: dict) -> str:
+    """Why a calibration job gave no cost (cost_from_summary is None), in a few words: "diverged at
+    step 1", "too few steps (2, all warm-up)", "failed: <its error>"..."""
+    status, m = records.status(summary), records.metrics(summary)
+    if status == "diverged":
+        return f"diverged at step {(summary.get('nonfinite') or {}).get('step', '?')}"
+    if status in ("failed", "interrupted", "killed"):
+        why = (records.reason(summary).splitlines() or [""])[0]
+        return f"{status}: {why}" if why else status
+    if m.get("throughput_includes_warmup"):
+        return (f"too few steps ({m.get('steps')}, with {m.get('warmup_steps')} of warm-up: no "
+                "steady step to time)")
+    return f"no throughput recorded (status {status})"
+
+
 def predict_job(config: dict, cost: JobCost, datasets: dict) -> float:
     """Seconds for one job of this config (the run's own epochs and max_steps) at the calibrated
     cost."""

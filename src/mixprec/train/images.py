@@ -13,7 +13,7 @@ from torch import nn
 from ..models import set_bn_eval
 from ..precision.policy import PrecisionPolicy
 from .compile import GRAPH_MODES, GraphCalls, mark_step
-from .loop import Loop, LoopState, Window
+from .loop import Loop, LoopState, Scored, Window
 from .step import forward, image_forward, train_step
 from .tricks import tta_logits
 
@@ -90,10 +90,10 @@ class ImageSteps:
         return {"acc": window.correct_total / max(window.samples, 1)}
 
     def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
-        b = state.best
+        b, scored = state.best, Scored(self.test_batches, loop)
         loss, plain, tta = evaluate(
             self.model if self.ema is None else self.ema.model,
-            self.test_batches,
+            scored,
             loop.policy,
             tta=self.tta or final,
             compile_mode=loop.trainer.compile,
@@ -104,7 +104,8 @@ class ImageSteps:
         target = loop.trainer.target_acc
         if target is not None and b.get("time_to_target") is None and acc >= target:
             b.update(time_to_target=loop.clock.total, epochs_to_target=state.epoch + 1)
-        return {"test_loss": loss, "test_acc": acc, "test_acc_no_tta": plain, "test_acc_tta": tta}
+        return {"test_loss": loss, "test_acc": acc, "test_acc_no_tta": plain, "test_acc_tta": tta,
+                "eval_samples": scored.count}
 
     def metrics(self, state: LoopState, loop: Loop) -> dict:
         b, done = state.best, loop.status == "completed"

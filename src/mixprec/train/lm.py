@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .compile import mark_step
-from .loop import Loop, LoopState, Window
+from .loop import Loop, LoopState, Scored, Window
 from .step import lm_forward, train_step
 from ..precision.policy import PrecisionPolicy
 from ..models.rnnlm import repackage_hidden
@@ -43,21 +43,25 @@ def perplexity(loss: float) -> float:
 
 
 def evaluate(
-    model, source: torch.Tensor, bptt: int, policy: PrecisionPolicy, compile_mode: str = "none"
+    model, source: torch.Tensor, bptt: int, policy: PrecisionPolicy, compile_mode: str = "none",
+    windows=None,
 ) -> float:
-    """Mean cross-entropy per token over every target of a batchified split: ((rows - 1) x columns)
-    tokens. Each window is a CUDA-graph step of its own under a graph mode (only its loss, an eager
-    op's output, is kept)."""
+    """Mean cross-entropy per token over every target of a batchified split ((rows - 1) x columns
+    tokens), or over `windows` (its TokenWindows in a Scored: the first trainer.eval_batches, the
+    stop flag read between them). Each window is a CUDA-graph step of its own under a graph mode
+    (only its loss, an eager op's output, is kept)."""
     model.eval()
     hidden = model.init_hidden(source.size(1))
     total = torch.zeros((), device=source.device, dtype=torch.float64)
+    tokens = 0
     with torch.no_grad():
-        for x, y in TokenWindows(source, bptt):
+        for x, y in TokenWindows(source, bptt) if windows is None else windows:
             mark_step(compile_mode)
             loss, _, hidden = lm_forward(model, x, y, hidden, policy)
             total += loss.double() * y.numel()
+            tokens += y.numel()
     model.train()
-    return total.item() / ((len(source) - 1) * source.size(1))
+    return total.item() / tokens
 
 
 def carried(hidden, device: torch.device):
@@ -114,14 +118,19 @@ class LMSteps:
         return {"ppl": perplexity(loss)}
 
     def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
-        mode = loop.trainer.compile
-        valid_loss = evaluate(self.model, self.valid_source, self.bptt, loop.policy, mode)
-        test_loss = evaluate(self.model, self.test_source, self.bptt, loop.policy, mode)
+        losses, tokens = {}, {}
+        for split, source in (("valid", self.valid_source), ("test", self.test_source)):
+            windows = Scored(TokenWindows(source, self.bptt), loop)
+            losses[split] = evaluate(self.model, source, self.bptt, loop.policy,
+                                     loop.trainer.compile, windows)
+            tokens[split] = windows.count
+        valid_loss, test_loss = losses["valid"], losses["test"]
         record = {
             "valid_loss": valid_loss,
             "valid_ppl": perplexity(valid_loss),
             "test_loss": test_loss,
             "test_ppl": perplexity(test_loss),
+            "eval_tokens": tokens,
         }
         best = state.best.get("record")
         if best is None or valid_loss < best["valid_loss"]:

@@ -46,17 +46,22 @@ batch: the logged loss and accuracy are summed over the ranks at each host sync 
 the same stop decision), samples are counted for the global batch (throughput = global samples/s),
 and the clock waits for every rank (a barrier after each device sync). Evaluation: every rank
 evaluates the whole test set (the weights are the same on all ranks, so the numbers are; no
-communication, and the wall time is that of one rank alone).
+communication, and the wall time is that of one rank alone). `trainer.eval_batches` caps each split
+at its first N batches (Scored); the stop flag is read between evaluation batches, so a signal
+during evaluation stops it there: the checkpoint then holds the epoch's training with its
+evaluation pending (LoopState.eval_pending), which a resume runs first.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
+import logging
 import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from tqdm.auto import tqdm
@@ -68,6 +73,10 @@ from ..runtime.hardware import mark_steady, synchronize
 from ..precision.policy import Deferred, PrecisionPolicy, by_dtype
 from ..numerics.probe import Attribution
 from .shard import local
+
+# one line per log window where no progress bar is drawn (not a terminal: nohup, Slurm, a pipe);
+# conf/hydra/job_logging/mixprec.yaml sends it to stdout and train.log
+PROGRESS = logging.getLogger("mixprec.progress")
 
 # GradScaler skips optimizer.step() on an overflow by design, and the schedule still advances (the
 # torch.amp recipe); PyTorch's warning about a scheduler step before an optimizer step says nothing
@@ -181,6 +190,8 @@ class LoopState:
     epochs: list = field(default_factory=list)   # the epoch records
     # the job kind's accumulators (best accuracy, time to target, ...)
     best: dict = field(default_factory=dict)
+    # the epoch's training is done, its evaluation not (a signal stopped it): a resume evaluates it
+    eval_pending: bool = False
 
     def state_dict(self) -> dict:
         return copy.deepcopy(dataclasses.asdict(self))
@@ -227,6 +238,28 @@ class Loop:
         if self.checkpoint is not None:
             state.train_time, state.steady_time = self.clock.total, self.clock.steady
             self.checkpoint(state)
+
+
+class EvalStopped(Exception):
+    """A stop signal read between evaluation batches; the message is the signal's name."""
+
+
+class Scored:
+    """An evaluation's batches: the first `trainer.eval_batches` of `batches` (all when null), the
+    loop's stop flag read before each (under DDP/FSDP an agreed flag: every rank evaluates the same
+    batches, so every rank stops at the same one; EvalStopped). `count`: the targets scored (images
+    or tokens)."""
+
+    def __init__(self, batches: Iterable, loop: "Loop"):
+        self.batches, self.loop, self.count = batches, loop, 0
+
+    def __iter__(self):
+        for x, y in itertools.islice(self.batches, self.loop.trainer.eval_batches):
+            why = self.loop.stop()
+            if why:
+                raise EvalStopped(why)
+            self.count += y.numel()
+            yield x, y
 
 
 def total_steps(trainer: TrainerConfig, steps_per_epoch: int) -> int:
@@ -334,6 +367,18 @@ def flush(steps, window: Window, loop: Loop, state: LoopState) -> float:
     return loss
 
 
+def say_window(steps, loss: float, rate: float, loop: Loop, state: LoopState) -> None:
+    """The log window's line where no progress bar is drawn (a job without a terminal): step,
+    epoch, mean loss, throughput and loss scale, on stdout and in train.log (rank 0: the other
+    ranks' notes are errors only, runtime/logs.py)."""
+    scale = loop.policy.scale_value
+    PROGRESS.info(
+        f"step {state.step}/{loop.total_steps}  epoch {state.epoch + 1}/{loop.trainer.epochs}  "
+        f"loss {loss:.4f}  {rate:.1f} {steps.rate.removesuffix('_per_s')}/s  "
+        f"loss scale {'none' if scale is None else f'{scale:g}'}"
+    )
+
+
 def fit(steps, batches, loop: Loop, state: LoopState) -> dict:
     """Every job's training loop, image or language model (`steps` supplies the kind's step,
     evaluation and metrics): epochs from where `state` is (a checkpoint's place: it and the loader's
@@ -347,12 +392,12 @@ def fit(steps, batches, loop: Loop, state: LoopState) -> dict:
     loop.warm_at = state.step + loop.trainer.warmup_steps
     if loop.busy is not None:
         loop.busy.start(loop.clock.steady)
-    while (
-        loop.status == "completed"
-        and state.epoch < loop.trainer.epochs
-        and state.step < loop.total_steps
+    while loop.status == "completed" and (
+        state.eval_pending
+        or (state.epoch < loop.trainer.epochs and state.step < loop.total_steps)
     ):
-        run_epoch(steps, batches, loop, state)
+        if not state.eval_pending:   # else a resumed job: its epoch trained, not evaluated
+            run_epoch(steps, batches, loop, state)
         if loop.status == "interrupted":
             loop.save(state)   # mid-epoch: the loader knows its place, the state the rest
             break
@@ -402,10 +447,11 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
             or state.batch == state.steps_per_epoch
             or state.step >= loop.total_steps
         ):
-            bar.set_postfix(
-                loss=f"{flush(steps, window, loop, state):.3f}",
-                rate=f"{window.samples / max(time.perf_counter() - window.t0, 1e-9):.0f}",
-            )
+            loss = flush(steps, window, loop, state)
+            rate = window.samples / max(time.perf_counter() - window.t0, 1e-9)
+            bar.set_postfix(loss=f"{loss:.3f}", rate=f"{rate:.0f}")
+            if not loop.progress:
+                say_window(steps, loss, rate, loop, state)
             window = loop.window = Window(first_step=state.step + 1)
         if loop.status != "completed" or state.step >= loop.total_steps:
             break
@@ -424,7 +470,8 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
 
 def end_epoch(steps, loop: Loop, state: LoopState) -> None:
     """The epoch's record (evaluated unless the run diverged), then between epochs a checkpoint and
-    the stop check."""
+    the stop check. A signal during evaluation stops it: a checkpoint with the evaluation pending,
+    and no record (the resume evaluates the epoch and records it)."""
     record = {
         "kind": "epoch",
         "epoch": state.epoch + 1,
@@ -436,8 +483,18 @@ def end_epoch(steps, loop: Loop, state: LoopState) -> None:
     if loop.busy is not None:
         record.update(loop.busy.epoch_record(loop.clock.steady))
     if loop.status == "completed":
-        t_eval = time.perf_counter()
-        record.update(steps.evaluate(state, loop, final=state.step >= loop.total_steps))
+        state.eval_pending, t_eval = True, time.perf_counter()
+        try:
+            record.update(steps.evaluate(state, loop, final=state.step >= loop.total_steps))
+        except EvalStopped as e:
+            loop.status, loop.reason = (
+                "interrupted",
+                f"{e} during evaluation after step {state.step} (epoch {state.epoch + 1}; "
+                "it is evaluated again on resume)",
+            )
+            loop.save(state)
+            return
+        state.eval_pending = False
         record["eval_time_s"] = time.perf_counter() - t_eval
     state.epochs.append(record)
     loop.log(record)
@@ -474,6 +531,8 @@ def loop_metrics(state: LoopState, loop: Loop) -> dict:
         state.samples / clock.total,
         "throughput_includes_warmup": not steady,
         "warmup_steps": loop.trainer.warmup_steps,
+        # each evaluated split's first N batches only (None: whole splits)
+        "eval_batches": loop.trainer.eval_batches,
         "loss_scale": None if loop.policy.scale_value is None else
         {"min": state.scale_min, "max": state.scale_max, "final": loop.policy.scale_value},
         **(busy.no_metrics() if loop.busy is None else loop.busy.metrics(clock.steady)),
