@@ -9,8 +9,10 @@ import torch.distributed as tdist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from helpers import compose_config
+from mixprec import job
 from mixprec.config import validate
 from mixprec.models import build_model
+from mixprec.runtime import dist
 from mixprec.train import shard
 from mixprec.train.loop import finite_flag
 
@@ -62,3 +64,37 @@ def test_gpu_an_empty_tensor_counts_as_finite():
     assert finite_flag(tensors).item() == 1.0
     tensors[1][0] = float("inf")
     assert finite_flag(tensors).item() == 0.0
+
+
+def groups() -> int:
+    return len(tdist.distributed_c10d._world.pg_map)
+
+
+def test_a_jobs_hsdp_groups_are_destroyed_at_its_end(rank_7_of_8, monkeypatch):
+    """trainer.replicate=2 on 8 ranks: the job's (2, 4) mesh makes a replicate and a shard group
+    besides the default one. A torchrun sweep runs its jobs in one process, and every job made
+    its own groups, never destroyed (NCCL communicators that hold GPU memory). Each job's groups
+    are destroyed at its end, whether it ended well or raised; the default group is the
+    process's."""
+    config = validate(compose_config("model=resnet18", "trainer.device=cpu",
+                                     "trainer.strategy=fsdp", "trainer.replicate=2"))
+    ranks, during = dist.Ranks(7, 8, nodes=2), []
+
+    def parts(config, device, ranks, per_rank):   # the job's FSDP model over the job's mesh
+        model = job.wrapper(config, device, ranks)(build_model(config.model, 10))
+        return None, None, None, None, {"model": model}
+
+    def run(*args):
+        during.append(groups())
+        if len(during) == 2:
+            raise RuntimeError("the job failed")
+        return {"status": "completed"}
+
+    monkeypatch.setattr(job, "image_parts", parts)
+    monkeypatch.setattr(job, "run_parts", run)
+    assert groups() == 1
+    assert job.train_job(config, CPU, None, None, ranks=ranks, per_rank=2)["status"] == "completed"
+    assert groups() == 1
+    with pytest.raises(RuntimeError, match="the job failed"):
+        job.train_job(config, CPU, None, None, ranks=ranks, per_rank=2)
+    assert groups() == 1 and during == [3, 3]

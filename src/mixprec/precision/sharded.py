@@ -69,6 +69,12 @@ def mixed_precision(cfg: PrecisionConfig, root: bool = False) -> MixedPrecisionP
                                 output_dtype=torch.float32 if root else None)
 
 
+def compile_options(cfg: PrecisionConfig) -> dict:
+    """Inductor's settings for the mode's compiled units (train/shard.compile_units): fp8's
+    rowwise recipe emulates the precision casts (fp8.inductor_options)."""
+    return fp8.inductor_options(cfg.fp8_recipe)
+
+
 def keeps_fp32(cfg: PrecisionConfig, module: nn.Module) -> bool:
     """Whether `module` is a BatchNorm the mode keeps in fp32 (its own unit, no cast)."""
     return (cfg.keep_bn_fp32 and param_dtype(cfg) is not None
