@@ -13,7 +13,9 @@ The compiled module shares its parameters and buffers with the model: optimizer,
 and the saved weights use the plain model and see the same tensors. Image models and the GPT are
 compiled; precision=fp8 compiles the float8-converted model, as torchao intends (its Float8Linear
 casts fuse into the matmuls' neighbours under inductor). The RNN language models stay eager
-(RNN_EAGER says why).
+(RNN_EAGER says why). Under FSDP each unit (GPT block, ResNet stage) is compiled before
+fully_shard (train/shard.py's compile_units, as torchtitan does) and compile_model leaves the
+sharded root as it is; the warm-up's recompile limit counts the units (recompile_limit).
 
 One process, many jobs (a Hydra sweep): dynamo's caches are per process and keyed by code objects
 that every job's model shares, so each compiled job would add its graphs to the earlier jobs' until
@@ -22,7 +24,8 @@ job afresh (job.train_job calls it first; a script that compiles several models 
 should call it between them): dynamo's caches, the CUDA-graph trees and their memory pools, the
 device's cached blocks. `GraphWatch` records what a job's compilation did: the graphs dynamo
 compiled (`compiled_graphs`) and the calls of the compiled model after the warm-up that ran eagerly
-(`eager_calls`, said in one warning line and in the sweep table when not 0).
+(`eager_calls`, said in one warning line and in the sweep table when not 0; under FSDP the calls
+of each layer with weights inside a compiled unit, `watched`).
 
 Stop signals: inductor compiles Triton kernels in a pool of worker processes, in the job's process
 group, and caches the pool: a SIGTERM sent to the group (`timeout`, scancel, a terminal) would kill
