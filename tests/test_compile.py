@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.train import compile
+from mixprec.train import compile, shard
 from mixprec import job
 from helpers import run_tiny
 from mixprec.report.analyse import sweep_rows
@@ -131,9 +131,14 @@ def test_a_compiled_gpt_under_cuda_graphs_marks_each_window(tmp_path, monkeypatc
 
 def traced_only(monkeypatch) -> list:
     """trainer.compile through dynamo with the eager backend: every (re)compilation counted, seconds
-    instead of inductor's minutes. Returns the graphs made during fit (training and evaluation)."""
+    instead of inductor's minutes, FSDP's units too (train/shard.py compiles them before
+    fully_shard; the job then leaves the root as it is). Returns the graphs made during fit
+    (training and evaluation)."""
     made = []
-    monkeypatch.setattr(job, "compile_model", lambda net, mode: torch.compile(net, backend="eager"))
+    monkeypatch.setattr(job, "compile_model", lambda net, mode: net if compile.compiled_parts(net)
+                        else torch.compile(net, backend="eager"))
+    monkeypatch.setattr(shard, "compile_model",
+                        lambda net, mode, **options: torch.compile(net, backend="eager"))
     fit = job.loop.fit
 
     def counted_fit(*args, **kwargs):

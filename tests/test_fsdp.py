@@ -11,17 +11,21 @@ import sys
 import pytest
 import torch
 import torch.distributed as tdist
+from torch import nn
 
 from helpers import ROOT, TINY, compose_config, run_tiny
 from mixprec.config import ConfigError, PrecisionConfig, validate
+import mixprec.job
 from mixprec.data import build_image_data, pipelines
 from mixprec.job import validate_job
 from mixprec.models.gpt import GPT
 from mixprec.precision.sharded import ShardedPolicy, after_steps
 from mixprec.runtime import dist
-from mixprec.train import shard
+from mixprec.train import compile, shard
 from mixprec.train.optim import build_optimizer
 from mixprec.train.step import backward_and_step
+from test_compile import CountingBackend
+from test_speed import SMALL
 
 # A 2-layer GPT on a synthetic corpus of 64 words; every dim-0 of a parameter is even, so 2 ranks
 # hold exactly half of each. Global batch 8: 4 columns per rank.
@@ -581,3 +585,113 @@ def test_resnet_stages_and_gpt_blocks_are_units_and_batchnorm_computes_in_fp32(t
         assert shard.units(gpt) == list(gpt.blocks)
     finally:
         tdist.destroy_process_group()
+
+
+class ConvGraphs(CountingBackend):
+    """The counting backend (graphs run as traced, their calls counted), noting also how many
+    convolutions each graph holds."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        call = super().__call__(gm, example_inputs)
+        self.graphs[-1]["convs"] = sum(n.op == "call_function" and "conv" in str(n.target)
+                                       for n in gm.graph.nodes)
+        return call
+
+    def convs_after_warmup(self) -> int:
+        return sum(g["convs"] * (g["calls"] - (g["at_fit"] or 0)) for g in self.graphs)
+
+
+class Calls(nn.Module):
+    """The loop's model, its calls counted (outside any compiled frame)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net, self.calls, self.at_fit = net, 0, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.net(*args)
+
+
+# ResNet-18 (8x8 images, stem 3x3): 20 convolutions a forward, the stem's in the root (eager under
+# FSDP: torchtitan compiles the units), 19 in the 4 stages (4, 5, 5, 5 with the shortcuts')
+RESNET18_FSDP = [o for o in SMALL if not o.startswith("model")] + [
+    "model=resnet18", "trainer.strategy=fsdp", "trainer.compile=default", "trainer.max_steps=2"]
+
+
+@pytest.mark.slow   # about 20 s of dynamo tracing on a CPU
+@pytest.mark.parametrize("limit", [None, 1])
+def test_fsdp_compiles_each_unit_whole_and_counts_every_eager_call(tmp_path, monkeypatch, limit):
+    """trainer.compile under FSDP (a 1-rank ResNet-18, the counting backend): compiled after
+    fully_shard, the root broke its graph at every unit's FSDP hooks (dynamo-disabled) and 72 of
+    its 140 convolution calls after the warm-up ran outside any graph while the job recorded
+    eager_calls=0. Each stage is compiled before fully_shard, one graph a stage and mode (4, 5, 5,
+    5 convolutions): every stage convolution of every call after the warm-up runs in a graph. With
+    dynamo's recompile limit at 1 (the evaluation graphs past it), every convolution that ran
+    outside a graph is counted in eager_calls (each layer with weights of a compiled unit counts
+    its eager calls)."""
+    if limit is not None:
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)
+    s, outside, backend = unit_compiled_job(tmp_path, monkeypatch, RESNET18_FSDP)
+    if limit is None:
+        assert outside == 0 and s["metrics"]["eager_calls"] == 0
+        assert [g["convs"] for g in backend.graphs] == [4, 5, 5, 5] * 2   # training, evaluation
+    else:
+        assert outside > 0 and s["metrics"]["eager_calls"] >= outside
+
+
+@pytest.mark.gpu
+def test_gpu_fsdp_compiles_each_unit_whole(tmp_path, monkeypatch):
+    """The CPU test's job on the GPU (FSDP on one rank over NCCL, the counting backend): every
+    stage convolution after the warm-up in a graph, no eager call."""
+    base = [o for o in RESNET18_FSDP if not o.startswith("trainer.device")]
+    s, outside, _ = unit_compiled_job(tmp_path, monkeypatch, base)
+    assert s["distributed"]["backend"] == "nccl"
+    assert outside == 0 and s["metrics"]["eager_calls"] == 0
+
+
+def unit_compiled_job(tmp_path, monkeypatch, base):
+    """A sharded ResNet-18 job compiled through the counting backend (ConvGraphs); its summary, the
+    stage convolutions of the calls after the warm-up that ran outside a graph, the backend."""
+    torch._dynamo.reset()
+    backend, model = ConvGraphs(), []
+
+    def compiled(net, mode, **options):
+        return compile.compile_model(net, mode, backend=backend)
+
+    def counted(net, mode):
+        model.append(Calls(compiled(net, mode)))
+        return model[0]
+
+    def marked(*args, **kwargs):
+        backend.mark()
+        model[0].at_fit = model[0].calls
+        return fit(*args, **kwargs)
+
+    monkeypatch.setattr(shard, "compile_model", compiled, raising=False)
+    monkeypatch.setattr(mixprec.job, "compile_model", counted)
+    fit = mixprec.job.loop.fit
+    monkeypatch.setattr(mixprec.job.loop, "fit", marked)
+    s = run_tiny(tmp_path, base=base)
+    assert s["status"] == "completed", s.get("error")
+    forwards = model[0].calls - model[0].at_fit
+    assert forwards >= 3   # 2 steps, the evaluations
+    assert s["metrics"]["compiled_graphs"] == len(backend.graphs)
+    return s, 19 * forwards - backend.convs_after_warmup(), backend
+
+
+@pytest.mark.parametrize("recipe, options", [
+    ("rowwise", {"dynamic": False, "options": {"emulate_precision_casts": True}}),
+    ("tensorwise", {"mode": "default", "dynamic": False}),
+])
+def test_fsdp_compiles_rowwise_fp8_units_with_emulated_precision_casts(monkeypatch, recipe,
+                                                                        options):
+    """As torchtitan's float8 converter, the rowwise recipe compiles with inductor's
+    emulate_precision_casts (here each FSDP unit's torch.compile, not a process-wide setting that
+    a sweep's later jobs would inherit); tensorwise compiles in its mode alone."""
+    config = validate(compose_config(*GPT_TINY, "precision=fp8", f"precision.fp8_recipe={recipe}",
+                                     "trainer.strategy=fsdp", "trainer.compile=default"))
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda net, **kwargs: seen.append(kwargs) or net)
+    shard.compile_units(GPT(64, 2, 2, 32, 16), config.precision, config.trainer.compile)
+    assert seen == [options, options]   # the 2 blocks

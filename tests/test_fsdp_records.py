@@ -10,14 +10,19 @@ import pytest
 import torch
 
 from helpers import ROOT, compose_config, run_tiny
-from mixprec.config import validate
+from mixprec.config import ConfigError, validate
+from mixprec.job import wrapper
+from mixprec.models import build_model
 from mixprec.report.analyse import fsdp_rows, sweep_rows
 from mixprec.report.render import Doc, format_table, fsdp_section
+from mixprec.runtime import dist
 from mixprec.train import checkpoint
+from mixprec.train.build import build_trained
 from test_compile import traced_only
 from test_fsdp import GPT_TINY, assert_one_rank_fsdp_job, free_port, job, whole_bytes
 from test_presets import sweep_params
 
+CPU = torch.device("cpu")
 ADAMW = ["optimizer=adamw", "optimizer.lr=3e-3", "trainer.max_steps=4"]
 
 
@@ -160,3 +165,40 @@ def test_the_fsdp_precision_preset_sweeps_under_torchrun(tmp_path):
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
     assert "Sharded jobs (FSDP): bf16 against fp32 gradient reduction" in report
     assert "MB/rank p+g+o" in r.stdout
+
+
+MODES = sorted(p.stem for p in (ROOT / "conf" / "precision").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_saved_weights_are_plain_fp32_tensors_in_every_mode_and_strategy(tmp_path, strategy):
+    """model_fp32.pt of every precision mode the strategy takes (the GPT, as built for a job: the
+    policy's weights, float8 Linear layers, FSDP's shards) loads with torch.load(weights_only=True),
+    as scripts/generate.py and evaluate.py load it, every value a plain fp32 torch.Tensor, into the
+    unsharded GPT. An FSDP fp8 job's weights were torchao's float8 weight subclass
+    (WeightWithDynamicFloat8CastTensor), which weights_only refuses to unpickle. FSDP's weights are
+    its fp32 shards gathered: the built model's weights exactly."""
+    made = dist.init(dist.SINGLE, sharded=strategy == "fsdp")
+    saved = []
+    try:
+        for mode in MODES:
+            try:
+                config = validate(compose_config(*GPT_TINY, f"precision={mode}",
+                                                 f"trainer.strategy={strategy}"))
+            except ConfigError:
+                continue   # a mode FSDP cannot express (half, bf16, o3, apex_fp16_2018)
+            torch.manual_seed(0)
+            model = build_model(config.model, 64)
+            initial = {k: v.clone() for k, v in model.state_dict().items()}
+            built = build_trained(model, config, CPU, wrap=wrapper(config, CPU, dist.SINGLE))
+            checkpoint.save_weights(tmp_path / mode, built.policy.fp32_state_dict(built.model), 64)
+            weights = torch.load(tmp_path / mode / checkpoint.WEIGHTS, weights_only=True)
+            assert {type(v) for v in weights.values()} == {torch.Tensor}, mode
+            assert {v.dtype for v in weights.values()} == {torch.float32}, mode
+            build_model(config.model, 64).load_state_dict(weights)
+            if strategy == "fsdp":
+                assert all(torch.equal(weights[k], v) for k, v in initial.items()), mode
+            saved.append(mode)
+    finally:
+        dist.close(made)
+    assert "fp8" in saved and len(saved) == (len(MODES) if strategy == "auto" else len(MODES) - 4)

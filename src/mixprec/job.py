@@ -489,14 +489,16 @@ def train_job(
     shared loop. per_rank: each rank's batch (dist.check's)."""
     build = language_model_parts if config.model.is_language_model else image_parts
     reset_compile_state(device)   # an earlier job of this process (a sweep's) leaves nothing
-    steps, batches, policy, optimizer, info = build(config, device, ranks, per_rank)
+    steps = batches = None
     try:
+        steps, batches, policy, optimizer, info = build(config, device, ranks, per_rank)
         return run_parts(config, device, steps, batches, policy, optimizer, info, saver, resume,
                          stop, ranks, per_rank, recorder)
-    finally:   # a DataLoader's workers end with the job, whatever ended it
+    finally:   # a DataLoader's workers and FSDP's mesh groups end with the job, whatever ended it
         for loader in (batches, getattr(steps, "test_batches", None)):
             if isinstance(loader, Resumable):
                 loader.close()
+        shard.release_meshes()
 
 
 def run_parts(
@@ -647,7 +649,7 @@ def wrapper(config: Config, device: torch.device, ranks: dist.Ranks):
     trainer.replicate, else DDP under several ranks, else nothing."""
     if config.trainer.sharded:
         shape = dist.mesh_shape(config.trainer.replicate, ranks)
-        return lambda m: shard.shard(m, config.precision, device, shape)
+        return lambda m: shard.shard(m, config.precision, device, shape, config.trainer.compile)
     return lambda m: dist.wrap(m, device, config.trainer.sync_bn, ranks)
 
 

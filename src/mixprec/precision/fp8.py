@@ -108,6 +108,14 @@ def convert(model: nn.Module, recipe: str, device: torch.device, fsdp: bool = Fa
             **({"fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather} if fsdp else {})}
 
 
+def inductor_options(recipe: str | None) -> dict:
+    """What inductor is told when it compiles a float8 model of `recipe`: the rowwise recipe with
+    emulate_precision_casts, so that its fused kernels round the intermediate low-precision casts
+    as eager does (torchtitan's float8 converter sets it for rowwise, for pytorch/pytorch#150859);
+    nothing for the others."""
+    return {"emulate_precision_casts": True} if recipe == "rowwise" else {}
+
+
 def precompute_scales(model: nn.Module) -> None:
     """After an optimizer step under FSDP's FP8 all-gather: every float8 weight's scale for the
     next all-gather, computed at once for all of them (one all-reduce of their amaxes), as torchao

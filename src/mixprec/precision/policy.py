@@ -103,6 +103,16 @@ def clip_scaled_model_grads_(params: list[torch.Tensor], max_norm: float) -> Non
     torch._foreach_mul_(grads, coef)
 
 
+def plain_fp32(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `t`'s values as a plain torch.Tensor, in fp32 when it is floating point: what
+    model_fp32.pt holds, which torch.load(weights_only=True) reads without the package of a tensor
+    subclass (torchao's float8 weight under FSDP's float8 all-gather would stay one through
+    .to(); copying into a plain tensor unwraps it)."""
+    out = torch.empty(t.shape, dtype=torch.float32 if t.is_floating_point() else t.dtype)
+    out.copy_(t.detach())
+    return out
+
+
 def by_dtype(*lists: list[torch.Tensor]) -> list[list[list[torch.Tensor]]]:
     """Parallel tensor lists cut into groups whose first-list tensors share one device and dtype, so
     that each foreach call sees one dtype per list, as GradScaler groups its gradients
@@ -318,11 +328,7 @@ class PrecisionPolicy:
         tensors back on the device they were saved from); for the model this policy trains under
         master weights, the fp32 masters rather than the rounded fp16 copies (another model, e.g. an
         EMA copy, is simply cast)."""
-        cpu = torch.device("cpu")
-        state = {
-            k: v.detach().to(cpu, torch.float32 if v.is_floating_point() else v.dtype, copy=True)
-            for k, v in model.state_dict().items()
-        }
+        state = {k: plain_fp32(v) for k, v in model.state_dict().items()}
         # a shared (tied) parameter has several names, and the state dict an entry for each
         names = {}
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -330,5 +336,5 @@ class PrecisionPolicy:
         if self.master_params is not None and all(id(p) in names for p in self.model_params):
             for p, master in zip(self.model_params, self.master_params):
                 for n in names[id(p)]:
-                    state[n] = master.detach().to(cpu, copy=True)
+                    state[n] = plain_fp32(master)
         return state

@@ -40,7 +40,7 @@ from torch import nn
 from ..config import PrecisionConfig
 from . import fp8
 from .modes import DTYPES, low_dtype
-from .policy import PrecisionPolicy
+from .policy import PrecisionPolicy, plain_fp32
 
 
 def param_dtype(cfg: PrecisionConfig) -> torch.dtype | None:
@@ -67,6 +67,12 @@ def mixed_precision(cfg: PrecisionConfig, root: bool = False) -> MixedPrecisionP
     fp32)."""
     return MixedPrecisionPolicy(param_dtype=param_dtype(cfg), reduce_dtype=reduce_dtype(cfg),
                                 output_dtype=torch.float32 if root else None)
+
+
+def compile_options(cfg: PrecisionConfig) -> dict:
+    """Inductor's settings for the mode's compiled units (train/shard.compile_units): fp8's
+    rowwise recipe emulates the precision casts (fp8.inductor_options)."""
+    return fp8.inductor_options(cfg.fp8_recipe)
 
 
 def keeps_fp32(cfg: PrecisionConfig, module: nn.Module) -> bool:
@@ -109,11 +115,13 @@ class ShardedPolicy(PrecisionPolicy):
 
     def fp32_state_dict(self, model: nn.Module) -> dict:
         """The whole model's weights in fp32 on the CPU, gathered from every rank's shards: a
-        collective that every rank calls; rank 0 gets the weights, the others an empty dict."""
+        collective that every rank calls; rank 0 gets the weights, the others an empty dict. Plain
+        tensors (policy.plain_fp32): a float8 Linear's weight under FP8 all-gather is torchao's
+        subclass."""
         full = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return {k: v.float() if v.is_floating_point() else v for k, v in full.items()}
+        return {k: plain_fp32(v) for k, v in full.items()}
 
 
 def after_steps(model: nn.Module, optimizer: torch.optim.Optimizer, fp8_info: dict | None) -> None:

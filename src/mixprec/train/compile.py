@@ -13,7 +13,9 @@ The compiled module shares its parameters and buffers with the model: optimizer,
 and the saved weights use the plain model and see the same tensors. Image models and the GPT are
 compiled; precision=fp8 compiles the float8-converted model, as torchao intends (its Float8Linear
 casts fuse into the matmuls' neighbours under inductor). The RNN language models stay eager
-(RNN_EAGER says why).
+(RNN_EAGER says why). Under FSDP each unit (GPT block, ResNet stage) is compiled before
+fully_shard (train/shard.py's compile_units, as torchtitan does) and compile_model leaves the
+sharded root as it is; the warm-up's recompile limit counts the units (recompile_limit).
 
 One process, many jobs (a Hydra sweep): dynamo's caches are per process and keyed by code objects
 that every job's model shares, so each compiled job would add its graphs to the earlier jobs' until
@@ -22,7 +24,8 @@ job afresh (job.train_job calls it first; a script that compiles several models 
 should call it between them): dynamo's caches, the CUDA-graph trees and their memory pools, the
 device's cached blocks. `GraphWatch` records what a job's compilation did: the graphs dynamo
 compiled (`compiled_graphs`) and the calls of the compiled model after the warm-up that ran eagerly
-(`eager_calls`, said in one warning line and in the sweep table when not 0).
+(`eager_calls`, said in one warning line and in the sweep table when not 0; under FSDP the calls
+of each layer with weights inside a compiled unit, `watched`).
 
 Stop signals: inductor compiles Triton kernels in a pool of worker processes, in the job's process
 group, and caches the pool: a SIGTERM sent to the group (`timeout`, scancel, a terminal) would kill
@@ -82,15 +85,28 @@ RNN_EAGER = (
 )
 
 
-def compile_model(net: nn.Module, mode: str, backend="inductor") -> nn.Module:
+def compile_model(net: nn.Module, mode: str, backend="inductor", options: dict | None = None
+                  ) -> nn.Module:
     """`net` through torch.compile in `mode` with static shapes (the module's note); `net` itself
-    under "none". backend: inductor, or a test's counting backend (a callable: `mode` is inductor's,
-    not passed)."""
-    if mode == "none":
+    under "none", and when its parts were compiled already (FSDP's units, compiled before
+    fully_shard: `compiled_parts`). backend: inductor, or a test's counting backend (a callable:
+    `mode` and `options` are inductor's, not passed). options: inductor's settings on top of the
+    mode's (precision/fp8.inductor_options)."""
+    if mode == "none" or compiled_parts(net):
         return net
     if backend != "inductor":
         return torch.compile(net, backend=backend, dynamic=False)
+    if options:
+        options = {**torch._inductor.list_mode_options(mode), **options}
+        return torch.compile(net, dynamic=False, options=options)
     return torch.compile(net, mode=mode, dynamic=False)
+
+
+def compiled_parts(net: nn.Module) -> list[nn.Module]:
+    """The modules inside `net` that torch.compile wrapped in place of themselves (the units of an
+    FSDP model, train/shard.py): each one's own module, which its compiled frame calls."""
+    wrapper = torch._dynamo.eval_frame.OptimizedModule
+    return [m._orig_mod for m in net.modules() if isinstance(m, wrapper)]
 
 
 def reset_compile_state(device: torch.device | None = None) -> None:
@@ -156,6 +172,21 @@ class EagerCalls:
             self.count += 1
 
 
+def watched(net: nn.Module, mode: str) -> list[nn.Module]:
+    """The modules whose eager calls a job counts: the compiled model; under FSDP (its units
+    compiled, its root eager) every layer with weights inside a compiled unit, whose call runs
+    eagerly where the unit's graph stops: a whole unit that dynamo gave up on, and the stretches
+    between graph breaks (the hooks of an fp32 BatchNorm unit inside a stage, FSDP's and so
+    dynamo-disabled)."""
+    if mode == "none":
+        return []
+    parts = compiled_parts(net)
+    if not parts:
+        return [net]
+    return [m for part in parts for m in part.modules()
+            if next(m.parameters(recurse=False), None) is not None]
+
+
 class GraphWatch:
     """What a job's compiled model did: the graphs dynamo compiled from its creation (at the job's
     start, after reset_compile_state) and the calls after the warm-up that ran eagerly. Nothing for
@@ -164,7 +195,7 @@ class GraphWatch:
     def __init__(self, net: nn.Module, mode: str):
         self.mode, self.graphs_at_start, self.eager_at_warm = mode, dynamo_graphs(), 0
         self.eager = EagerCalls()
-        self.handle = None if mode == "none" else net.register_forward_pre_hook(self.eager)
+        self.handles = [m.register_forward_pre_hook(self.eager) for m in watched(net, mode)]
 
     def warmed(self) -> None:
         self.eager_at_warm = self.eager.count
@@ -172,9 +203,10 @@ class GraphWatch:
     def finish(self) -> dict:
         """The job's `compiled_graphs` and `eager_calls` (metrics); a warning line when calls ran
         eagerly."""
-        if self.handle is None:
+        if not self.handles:
             return {}
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
         eager = self.eager.count - self.eager_at_warm
         if eager:
             log.warning(f"mixprec: trainer.compile={self.mode}: {eager} calls of the compiled "
@@ -240,7 +272,7 @@ def warm_compile(net: nn.Module, policy, mode: str, warmup: Warmup) -> float:
     synchronize(device)
     start = time.perf_counter()
     saved = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    with fork_rng(device):
+    with fork_rng(device), torch._dynamo.config.patch(recompile_limit=recompile_limit(net)):
         gen = torch.Generator(device=device).manual_seed(0)
         # see warm_compile's note on a second pass
         for _ in range(2 if mode in GRAPH_MODES else 1):
@@ -255,6 +287,16 @@ def warm_compile(net: nn.Module, policy, mode: str, warmup: Warmup) -> float:
             p.grad = None
     synchronize(device)
     return time.perf_counter() - start
+
+
+def recompile_limit(net: nn.Module) -> int:
+    """Dynamo's recompile limit while the warm-up compiles `net`: its own for a model compiled
+    whole; under FSDP that limit times the compiled units. Dynamo counts its graphs per code
+    object, and every unit's wrapper runs the same one (nn.Module's call): the 4 ResNet stages,
+    each in training and in evaluation on 2 batch shapes, are 12 graphs of one code object, past
+    the default 8, and the rest of the stages ran eagerly. After the warm-up the limit is dynamo's
+    again: a recompilation in the timed steps is refused and counted as eager calls."""
+    return torch._dynamo.config.recompile_limit * max(1, len(compiled_parts(net)))
 
 
 def warm_evaluation(

@@ -278,7 +278,9 @@ def finite_flag(tensors: list) -> torch.Tensor:
     """1.0 when every element of every tensor is finite, else 0.0, on the device, in a few ops: the
     inf-norm (max |x|) of each tensor in one foreach call per dtype (inf or NaN when any element is;
     never an overflow of finite values, as a 2-norm or a sum in fp16 could), then one isfinite over
-    their stack."""
+    their stack. An empty tensor (an FSDP rank's empty shard of a small head: 10 classes on 8
+    ranks) is finite; it is left out, as _foreach_norm refuses its inf-norm."""
+    tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.ones(1)
     norms = [n for (group,) in by_dtype(tensors) for n in torch._foreach_norm(group, float("inf"))]

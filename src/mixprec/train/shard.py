@@ -14,6 +14,8 @@ HSDP), so the optimizer must be built after it, on them (train/build.py's order)
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as tdist
 from torch import nn
@@ -24,21 +26,70 @@ from torch.distributed.tensor import DTensor
 from ..config import PrecisionConfig
 from ..models.gpt import GPT
 from ..precision import sharded
+from .compile import compile_model
+
+log = logging.getLogger(__name__)
+
+
+def unit_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Where the units are: (parent, name) of each GPT block, each ResNet stage."""
+    if isinstance(model, GPT):
+        return [(model.blocks, name) for name, _ in model.blocks.named_children()]
+    return [(model, name) for name, _ in model.named_children() if name.startswith("layer")]
 
 
 def units(model: nn.Module) -> list[nn.Module]:
     """The sub-modules sharded as units of their own: the GPT's blocks, a ResNet's stages."""
-    if isinstance(model, GPT):
-        return list(model.blocks)
-    return [m for name, m in model.named_children() if name.startswith("layer")]
+    return [parent.get_submodule(name) for parent, name in unit_slots(model)]
+
+
+def compile_units(model: nn.Module, cfg: PrecisionConfig, mode: str) -> None:
+    """trainer.compile under FSDP: each unit through torch.compile, put in its place, before
+    fully_shard (torchtitan's apply_compile, then apply_fsdp). FSDP's hooks are dynamo-disabled:
+    compiled after fully_shard, the whole root broke its graph at every unit's hooks and dynamo's
+    recompile limit left part of the model eager. A unit's wrapper carries FSDP's hooks outside
+    its compiled frame; the root's own layers (embeddings and head, stem and classifier) run
+    eagerly. A model without units is compiled whole, after fully_shard, as before
+    (compile.compile_model). Parameter names gain the wrapper's `_orig_mod.`, which DCP's state
+    dicts (checkpoints, the saved weights) leave out."""
+    if mode == "none":
+        return
+    for parent, name in unit_slots(model):
+        unit = parent.get_submodule(name)
+        parent.register_module(
+            name, compile_model(unit, mode, options=sharded.compile_options(cfg)))
+
+
+# the process groups the meshes of this process's jobs made (HSDP's replicate and shard groups),
+# destroyed at the job's end (release_meshes): a torchrun sweep's jobs share one process
+_MADE_GROUPS: list = []
 
 
 def device_mesh(device: torch.device, shape: tuple[int, ...] | None = None) -> DeviceMesh:
     """The job's device mesh: 1-D over every rank (shape None or (world,)), or HSDP's 2-D
-    (replicas, ranks per replica), its dimensions named "replicate" and "shard"."""
+    (replicas, ranks per replica), its dimensions named "replicate" and "shard". The groups it
+    makes besides the default one are destroyed at the job's end (release_meshes)."""
     if shape is None or len(shape) == 1:
-        return init_device_mesh(device.type, (tdist.get_world_size(),))
-    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
+    else:
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    world = tdist.distributed_c10d._get_default_group()
+    _MADE_GROUPS.extend(g for g in mesh.get_all_groups() if g is not world)
+    return mesh
+
+
+def release_meshes() -> None:
+    """Destroy the process groups the job's meshes made (job.train_job, however the job ended): each
+    job of a sweep makes its own, and NCCL's communicators hold GPU memory and connections for as
+    long as they live. The default group is left to runtime/dist.py."""
+    while _MADE_GROUPS:
+        group = _MADE_GROUPS.pop()
+        if not (tdist.is_initialized() and group in tdist.distributed_c10d._world.pg_map):
+            continue   # the default group's end took it along
+        try:
+            tdist.destroy_process_group(group)
+        except Exception as e:   # never in place of the error that ended the job
+            log.warning(f"mixprec: note: FSDP's mesh group not destroyed at the job's end ({e})")
 
 
 def mesh_record(shape: tuple[int, ...]) -> dict:
@@ -47,9 +98,11 @@ def mesh_record(shape: tuple[int, ...]) -> dict:
 
 
 def shard(model: nn.Module, cfg: PrecisionConfig, device: torch.device,
-          shape: tuple[int, ...] | None = None) -> nn.Module:
+          shape: tuple[int, ...] | None = None, compile_mode: str = "none") -> nn.Module:
     """fully_shard `model` in place over the mesh of `shape` (runtime/dist.mesh_shape; None: 1-D
-    over every rank; see above); returns it."""
+    over every rank; see above), its units compiled first in `compile_mode` (trainer.compile,
+    compile_units); returns it."""
+    compile_units(model, cfg, compile_mode)
     mesh = device_mesh(device, shape)
     for m in model.modules():
         if sharded.keeps_fp32(cfg, m):
