@@ -163,3 +163,36 @@ def test_the_ledger_sits_under_the_device_peak(tmp_path):
     mem = s["memory"]
     assert mem["device_peak_allocated_bytes"] >= mem["total_bytes"]
     assert 0 <= mem["unaccounted_bytes"] < 4 * mem["total_bytes"]
+
+
+def test_the_ledger_reaches_the_block_the_sweep_table_and_the_report(tmp_path, monkeypatch):
+    """An o2 job's ledger: a line of the end-of-job block, B/param and activation MB per sample in
+    the sweep table, and a stacked bar (one per part it holds, summing to its total) in the
+    report."""
+    from mixprec.report import analyse, plots, render
+    from mixprec.report.make import make_report
+
+    s = run_tiny(tmp_path / "runs" / "o2", "precision=o2", *ADAM)
+    mem = s["memory"]
+    block = render.job_block(s)
+    assert (f"ledger      {mem['total_bytes'] / 2**20:.3g} MB at step 2 (weights "
+            f"{mem['bytes']['weights'] / 2**20:.3g}, masters ") in block
+    assert f"{mem['bytes_per_param']:.2f} B/param" in block
+    table = render.format_table(analyse.sweep_rows([s]))
+    head, _, row = table.splitlines()
+    assert "B/param" in head and "act MB/sample" in head
+    assert f"{mem['bytes_per_param']:.2f}" in row
+    assert f"{mem['activation_mb_per_sample']:.3g}" in row
+    bars = {}
+    real = plots.save
+
+    def keep(fig, path):
+        bars[path.name] = [p.get_height() for p in fig.axes[0].patches]
+        return real(fig, path)
+
+    monkeypatch.setattr(plots, "save", keep)
+    data = make_report([str(tmp_path / "runs")], tmp_path / "report")
+    (fig,) = [f for f in data["experiments"][0]["plots"] if f["path"].endswith("_ledger.png")]
+    heights = bars[fig["path"].rsplit("/", 1)[1]]
+    assert len(heights) == sum(1 for v in mem["bytes"].values() if v)
+    assert sum(heights) == pytest.approx(mem["total_bytes"] / 2**20)
