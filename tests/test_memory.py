@@ -155,14 +155,15 @@ def test_fsdp_on_one_rank_counts_its_shards(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_ledger_sits_under_the_device_peak(tmp_path):
-    """On CUDA the ledger's total is at most the peak of allocated bytes at its step, and what it
-    leaves out (the backward's activation gradients, cuBLAS/cuDNN workspaces, transient casts) is
-    under 4x the total on a small CNN."""
+    """On CUDA the ledger's total is at most the peak of allocated bytes after its step, and what it
+    leaves out (the backward's activation gradients, cuBLAS/cuDNN workspaces, transient casts, the
+    device-resident dataset of 96 small images) is at most the total plus 256 MiB on a small CNN:
+    workspaces are tens of MiB, the rest scales with what the ledger counts."""
     s = run_tiny(tmp_path, "precision=amp", *ADAM,
                  base=[o for o in TINY if not o.startswith("trainer.device")])
     mem = s["memory"]
     assert mem["device_peak_allocated_bytes"] >= mem["total_bytes"]
-    assert 0 <= mem["unaccounted_bytes"] < 4 * mem["total_bytes"]
+    assert 0 <= mem["unaccounted_bytes"] <= mem["total_bytes"] + 256 * 2**20
 
 
 def test_the_ledger_reaches_the_block_the_sweep_table_and_the_report(tmp_path, monkeypatch):
