@@ -197,3 +197,23 @@ def test_the_ledger_reaches_the_block_the_sweep_table_and_the_report(tmp_path, m
     heights = bars[fig["path"].rsplit("/", 1)[1]]
     assert len(heights) == sum(1 for v in mem["bytes"].values() if v)
     assert sum(heights) == pytest.approx(mem["total_bytes"] / 2**20)
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_ranks_counts_each_ranks_half(tmp_path):
+    """trainer.strategy=fsdp on 2 gloo ranks under torchrun (every dim-0 of the GPT's parameters
+    even): rank 0's ledger holds half of each parameter part, as shard.held_bytes (another count,
+    of numel times element size) says, its Adam state plus the step scalars that count leaves
+    out."""
+    from test_fsdp import GPT_TINY, job
+
+    s = job([*GPT_TINY, "optimizer=adam", "precision=amp", "trainer.strategy=fsdp"],
+            tmp_path / "two", tmp_path)
+    mem, held = s["memory"], s["distributed"]["held_bytes"][0]
+    tensors = list(fresh_model(validate(compose_config(*GPT_TINY))).parameters())
+    n = sum(t.numel() for t in tensors)
+    assert mem["parameters"] == n // 2
+    assert mem["bytes"]["weights"] == held["params"] == 2 * n
+    assert mem["bytes"]["grads"] == held["grads"] == 2 * n
+    steps = 4 * len(tensors)   # Adam's step counters, one fp32 scalar a tensor
+    assert mem["bytes"]["optimizer"] == held["optimizer"] + steps == 4 * n + steps
