@@ -44,7 +44,7 @@ from .report.render import job_block
 from .runtime import busy, dist, hardware, logs
 from .runtime.signals import StopSignals, resume_hint
 from .tools import replay
-from .train import checkpoint, images, loop, shard, tricks
+from .train import checkpoint, images, loop, memory, shard, tricks
 from .train.build import build_trained
 from .train.compile import (
     RNN_EAGER,
@@ -530,8 +530,10 @@ def run_parts(
         run = loop.Loop(policy, optimizer, tr, loop.total_steps(tr, len(batches)), log=recorder.log,
                            checkpoint=saver.save, stop=stop, ranks=ranks,
                            progress=sys.stderr.isatty() and ranks.main, probe=probe,
-                           busy=busy.meter_for(device, ranks.world))
+                           busy=busy.meter_for(device, ranks.world),
+                           memory=memory.Ledger(model, policy, optimizer, probe))
         result = loop.fit(steps, batches, run, state)
+        result["memory"] = run.memory.summary()
         result["numerics"] = probe.summary()
         result["verdict"] = verdicts.judge(
             result["numerics"],

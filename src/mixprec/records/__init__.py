@@ -291,6 +291,11 @@ def held_mb(summary: dict) -> list[dict] | None:
     return [{k: v / 2**20 for k, v in rank.items()} for rank in d.get("held_bytes") or []] or None
 
 
+def memory(summary: dict) -> dict:
+    """The job's memory ledger (train/memory.py; {} before a step or in an older record)."""
+    return summary.get("memory") or {}
+
+
 def fsdp_float8_all_gather(summary: dict) -> bool:
     """Whether a sharded fp8 job all-gathered its float8 weights in float8."""
     return bool((summary.get("fp8") or {}).get("fsdp_float8_all_gather"))

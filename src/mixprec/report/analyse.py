@@ -565,6 +565,8 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
                 "mfu": m.get("mfu"),
                 "peak_mem_mb": m.get("peak_memory_mb"),
                 "peak_mem_kind": m.get("peak_memory_kind"),
+                "bytes_per_param": records.memory(s).get("bytes_per_param"),
+                "act_mb_per_sample": records.memory(s).get("activation_mb_per_sample"),
                 "batch": records.lookup(s, "trainer.batch_size"),
                 "compile": compile_cell(s),
                 "busy": m.get("gpu_busy_fraction"),

@@ -167,6 +167,39 @@ def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict
     return save(fig, path)
 
 
+def memory_ledger(path: Path, title: str, jobs: list[tuple[str, dict]]) -> Path:
+    """A stacked bar per job: its memory ledger's parts in MB (summary.json's "memory",
+    train/memory.py), bottom to top in the ledger's order; a part no job holds is left out."""
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(jobs) + 3.5), 4.8))
+    parts = list(dict.fromkeys(k for _, mem in jobs for k in mem["bytes"]))
+    bottom = [0.0] * len(jobs)
+    for i, part in enumerate(parts):
+        values = [mem["bytes"].get(part, 0) / 2**20 for _, mem in jobs]
+        if any(values):
+            ax.bar(range(len(jobs)), values, bottom=bottom, label=part,
+                   color=plt.get_cmap("tab10").colors[i % 10])
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(jobs)), [label for label, _ in jobs], rotation=30, ha="right",
+                  fontsize=8)
+    ax.set_ylabel("MB held by one rank")
+    ax.set_title(title)
+    legend_outside(ax, title="part", fontsize=8)
+    return save(fig, path)
+
+
+def ledger_figure(name: str, groups: list[Group], path: Path) -> list[dict]:
+    """The memory ledger's figure ([] when no job has a ledger)."""
+    jobs = [(f"{g.label} {g.precision} #{records.job_num(j.summary)}", records.memory(j.summary))
+            for g in groups for j in g.jobs if records.memory(j.summary)]
+    if not jobs:
+        return []
+    return [{"path": memory_ledger(path, f"{name}: memory ledger per job", jobs),
+             "caption": "What each job's training holds, part by part (summary.json `memory`): "
+                        "weights, fp32 masters, gradients and optimizer state from the tensors "
+                        "at the end, activations as autograd saved them at one steady step, "
+                        "each storage once; on one rank (docs/memory.md)."}]
+
+
 def accuracy_curves(path: Path, title: str, curves: list[dict], ylabel: str = "test accuracy (%)",
                     xlabel: str = "epoch") -> Path:
     """curves: {label, precision, epochs: [...], mean: [...], lo: [...], hi: [...]} (lo/hi over
@@ -364,6 +397,7 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                 + (EMULATED_CAPTION if emulated else ""),
             }
         )
+    figs += ledger_figure(exp["name"], groups, pdir / f"{slug}_memory_ledger.png")
     curves = _curves(groups)
     # a run of one epoch has one point per epoch: its per-step training loss is the curve then
     losses = _loss_curves(groups, all_kinds=max((len(c["epochs"]) for c in curves), default=0) < 2)

@@ -608,6 +608,8 @@ SWEEP_COLUMNS = [
     ("test_acc", "test acc", ".4f"),
     ("skipped", "skipped", "s"),
     ("peak_mem_mb", "peak MB", ".0f"),
+    ("bytes_per_param", "B/param", ".2f"),
+    ("act_mb_per_sample", "act MB/sample", ".3g"),
     ("note", "note", "s"),
 ]
 # language models: tokens/s, MFU, and perplexity (best validation, test at that epoch) beside apex's
@@ -623,6 +625,8 @@ LM_COLUMNS = SWEEP_COLUMNS[:6] + [
     ("published", "published test ppl", "s"),
     ("skipped", "skipped", "s"),
     ("peak_mem_mb", "peak MB", ".0f"),
+    ("bytes_per_param", "B/param", ".2f"),
+    ("act_mb_per_sample", "act MB/token", ".3g"),
     ("note", "note", "s"),
 ]
 
@@ -671,6 +675,23 @@ def row_cells(row: dict, cols: list[tuple]) -> list[str]:
     ]
 
 
+def ledger_line(mem: dict) -> str:
+    """The end-of-job block's memory ledger (train/memory.py): its parts in MB, bytes per parameter,
+    activations per sample, and on an accelerator its total beside the peak of allocated bytes."""
+    if not mem:
+        return "ledger      none (no training step measured)"
+    mb = {k: v / 2**20 for k, v in mem["bytes"].items()}
+    parts = ", ".join(f"{k} {v:.3g}" for k, v in mb.items() if v)
+    line = (f"ledger      {mem['total_bytes'] / 2**20:.3g} MB at step {mem['step']} ({parts}); "
+            f"{_fmt(mem['bytes_per_param'], '.2f')} B/param, "
+            f"{_fmt(mem['activation_mb_per_sample'], '.3g')} MB activations/sample")
+    if mem.get("device_peak_allocated_bytes") is not None:
+        line += (f"; device peak {mem['device_peak_allocated_bytes'] / 2**20:.3g} MB, "
+                 f"{mem['unaccounted_bytes'] / 2**20:.3g} MB outside it (workspaces, the "
+                 f"backward's temporaries)")
+    return line
+
+
 def job_block(summary: dict) -> str:
     """The one-screen summary printed when a job ends."""
     m = records.metrics(summary)
@@ -712,6 +733,7 @@ def job_block(summary: dict) -> str:
             else ""
         ),
         f"memory      peak {_fmt(m.get('peak_memory_mb'), '.0f')} MB ({m.get('peak_memory_kind')})",
+        ledger_line(records.memory(summary)),
         f"loss scale  {scale}; skipped steps {m.get('skipped_steps')}",
     ]
     v = summary.get("verdict")

@@ -72,6 +72,7 @@ from ..runtime.dist import SINGLE, Ranks
 from ..runtime.hardware import mark_steady, synchronize
 from ..precision.policy import Deferred, PrecisionPolicy, by_dtype
 from ..numerics.probe import Attribution
+from .memory import Ledger
 from .shard import local
 
 # one line per log window where no progress bar is drawn (not a terminal: nohup, Slurm, a pipe);
@@ -224,6 +225,8 @@ class Loop:
     window: Window | None = None
     # busy.BusyMeter on a single-process CUDA job: the GPU's share of a steady step
     busy: object = None
+    # the memory ledger (memory.py): what autograd saves at one steady step
+    memory: Ledger = field(default_factory=Ledger)
 
     def __post_init__(self):
         self.clock = TrainClock(self.policy.device, self.ranks.barrier)
@@ -432,9 +435,11 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
     loop.clock.start()
     for x, y in batches:
         sampled = loop.busy is not None and loop.busy.wants(state.step >= loop.warm_at)
-        loss, correct, n = (loop.busy.sample(steps.step, (x, y, loop, state), loop.clock) if sampled
-                            else steps.step(x, y, loop, state))
+        with loop.memory.around(loop, state.step + 1):
+            loss, correct, n = (loop.busy.sample(steps.step, (x, y, loop, state), loop.clock)
+                                if sampled else steps.step(x, y, loop, state))
         state.step, state.batch = state.step + 1, state.batch + 1
+        loop.memory.took(state.step, n)
         state.samples += n * n_ranks   # the global batch
         steady = state.step > loop.warm_at   # a sampled step too: only its spin is out of the clock
         state.steady_samples += n * n_ranks if steady else 0
