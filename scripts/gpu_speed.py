@@ -499,8 +499,9 @@ def environment(dry: bool) -> dict:
     device = hardware.select_device("cpu" if dry else "auto")
     env = hardware.describe(device)
     env.update(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), dry_run=dry)
-    if device.type == "cpu" and not dry:
-        raise SystemExit("gpu_speed: no GPU is visible; use --dry-run for the CPU rehearsal")
+    if device.type == "cpu" and not dry:   # exit 2, as gpu_check.sh's "no GPU" (1: a failure)
+        print("gpu_speed: no GPU is visible; use --dry-run for the CPU rehearsal", file=sys.stderr)
+        raise SystemExit(2)
     return env
 
 

@@ -37,6 +37,11 @@ def test_eval_batches_caps_an_image_jobs_evaluation_and_says_so(tmp_path):
     assert s["metrics"]["eval_batches"] == 2 and s["epochs"][-1]["eval_samples"] == 32
     whole = run_tiny(tmp_path / "whole", "dataset.test_size=64", "trainer.eval_batch_size=16")
     assert whole["metrics"]["eval_batches"] is None and whole["epochs"][-1]["eval_samples"] == 64
+    from mixprec.report.render import job_block
+
+    assert ("evaluation  eval: 2 batches (evenly spaced) of each split: not the whole split's"
+            in job_block(s))
+    assert "evaluation  " not in job_block(whole)
 
 
 def test_eval_batches_caps_a_language_models_evaluation(tmp_path):
@@ -50,12 +55,27 @@ def test_eval_batches_caps_a_language_models_evaluation(tmp_path):
     assert s["epochs"][-1]["eval_tokens"] == {"valid": 60, "test": 60}
 
 
+def test_eval_batches_of_an_image_job_are_spread_over_a_split_stored_by_class():
+    """A test split stored by class (the JPEG copy of CIFAR-10: its first 1,000 images class 0)
+    scored on its first batches gives the accuracy of one class; an image job's capped evaluation
+    takes batches evenly spaced over the split, a language model's its first (consecutive)."""
+    from types import SimpleNamespace
+
+    from mixprec.train.loop import Scored
+
+    loop = SimpleNamespace(trainer=SimpleNamespace(eval_batches=4), stop=lambda: None)
+    by_class = [(torch.zeros(1), torch.full((8,), c)) for c in range(10) for _ in range(3)]
+    spread = [int(y[0]) for _, y in Scored(by_class, loop, spread=True)]
+    assert spread == [0, 2, 5, 7] and len(set(spread)) == 4
+    assert [int(y[0]) for _, y in Scored(by_class, loop)] == [0, 0, 0, 1]
+
+
 def test_eval_batches_is_said_in_the_sweep_table():
     from mixprec.report.analyse import sweep_rows
 
     summary = {"status": "completed", "choices": {"model": "small_cnn", "precision": "fp32"},
                "config": {"trainer": {"eval_batches": 2}}, "metrics": {"eval_batches": 2}}
-    assert "eval: first 2 batches" in sweep_rows([summary])[0]["note"]
+    assert "eval: 2 batches (evenly spaced)" in sweep_rows([summary])[0]["note"]
 
 
 def test_eval_batches_below_one_is_refused():

@@ -98,3 +98,17 @@ def test_a_jobs_hsdp_groups_are_destroyed_at_its_end(rank_7_of_8, monkeypatch):
     with pytest.raises(RuntimeError, match="the job failed"):
         job.train_job(config, CPU, None, None, ranks=ranks, per_rank=2)
     assert groups() == 1 and during == [3, 3]
+
+
+def test_a_failed_jobs_groups_are_aborted_under_nccl_and_destroyed_under_gloo(monkeypatch):
+    """A rank whose job failed first ends its groups without a collective: under NCCL, whose
+    graceful destroy was a collective in some versions (a peer waiting for this rank in its own
+    collective would never join), it aborts them; under gloo it destroys them as usual."""
+    from mixprec.runtime import dist
+
+    aborted = []
+    monkeypatch.setattr(dist.tdist.distributed_c10d, "_abort_process_group", aborted.append)
+    monkeypatch.setattr(dist.tdist, "get_backend", lambda group=None: "nccl")
+    assert dist.abort("g") and aborted == ["g"]
+    monkeypatch.setattr(dist.tdist, "get_backend", lambda group=None: "gloo")
+    assert not dist.abort("h") and aborted == ["g"]

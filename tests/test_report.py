@@ -652,6 +652,10 @@ def test_tf32_on_a_cpu_gets_no_speedup(fp32_and_tf32):
     (tf32,) = [r for r in table if r[1].startswith("tf32")]
     assert tf32[4] == "-" and "plain fp32" in tf32[1]
     assert not any(p["path"].endswith("_speedup.png") for p in data["experiments"][0]["plots"])
+    # the time plot draws its bar, hatched and said to be fp32 arithmetic (not a faster tf32)
+    (timing,) = [p for p in data["experiments"][0]["plots"] if p["path"].endswith("_memory.png")
+                 and "time" in p["path"]]
+    assert "(fp32 arithmetic)" in timing["caption"] and "not a speed-up" in timing["caption"]
 
 
 def test_the_hardware_row_shows_each_jobs_own_tf32_flags(fp32_and_tf32):

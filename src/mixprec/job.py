@@ -490,15 +490,18 @@ def train_job(
     build = language_model_parts if config.model.is_language_model else image_parts
     reset_compile_state(device)   # an earlier job of this process (a sweep's) leaves nothing
     steps = batches = None
+    failed = True
     try:
         steps, batches, policy, optimizer, info = build(config, device, ranks, per_rank)
-        return run_parts(config, device, steps, batches, policy, optimizer, info, saver, resume,
-                         stop, ranks, per_rank, recorder)
+        result = run_parts(config, device, steps, batches, policy, optimizer, info, saver, resume,
+                           stop, ranks, per_rank, recorder)
+        failed = False
+        return result
     finally:   # a DataLoader's workers and FSDP's mesh groups end with the job, whatever ended it
         for loader in (batches, getattr(steps, "test_batches", None)):
             if isinstance(loader, Resumable):
                 loader.close()
-        shard.release_meshes()
+        shard.release_meshes(failed)
 
 
 def run_parts(

@@ -218,10 +218,14 @@ def reason(summary: dict) -> str:
 
 
 def eval_cap(summary: dict) -> str:
-    """"eval: first N batches" for a job whose evaluation scored only the first N batches of each
-    split (trainer.eval_batches; its test numbers are not the whole split's); "" otherwise."""
+    """"eval: N batches" for a job whose evaluation scored only N batches of each split
+    (trainer.eval_batches: an image job's evenly spaced, a language model's first; its test numbers
+    are not the whole split's); "" otherwise."""
     n = metrics(summary).get("eval_batches")
-    return f"eval: first {n} batches" if n else ""
+    if not n:
+        return ""
+    return f"eval: {n} batches " + ("(the first)" if is_language_model(summary)
+                                     else "(evenly spaced)")
 
 
 def fp8_emulated(summary: dict) -> bool:

@@ -56,6 +56,9 @@ plt.rcParams["font.family"] = font_families()
 EMULATED_CAPTION = (" Hatched, (emulated): fp16/bf16 rounding emulated on fp32 kernels "
                     "(precision.emulate), so those bars are fp32 time and memory on their device, "
                     "not the precision's (as the runs table marks them).")
+PLAIN_FP32_CAPTION = (" Hatched, (fp32 arithmetic): a TF32 mode on a device without TF32 (a CPU) "
+                      "ran fp32's arithmetic: its bar is an fp32 job's time, and a gap to fp32 is "
+                      "noise or one-time costs, not a speed-up.")
 EMULATED_LADDER = (" Dashed, (emulated): fp16/bf16 rounding emulated on fp32 kernels, so that "
                    "staircase is an fp32 time on its device, not the precision's.")
 
@@ -87,11 +90,12 @@ EMULATED_HATCH = "//"
 
 
 def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "{:.2f}",
-                  emulated: frozenset = frozenset()) -> list[float]:
+                  emulated: frozenset = frozenset(), tag: str = "emulated") -> list[float]:
     """series: precision -> list over labels of (mean, std) or None. The bars a label has sit side
     by side, centred on it; returns, per label, the x of each precision's bar (for markers on top).
     emulated: the (label, precision) bars whose arithmetic was emulated: hatched, and their
-    precision's legend entry says so, as the tables mark them (an fp32 time and memory)."""
+    precision's legend entry says so, as the tables mark them (an fp32 time and memory); tag: the
+    word it says (emulated, or fp32 arithmetic for TF32 where the device has none)."""
     present = [[p for p in series if series[p][j] is not None] for j in range(len(labels))]
     width = 0.8 / max(max((len(ps) for ps in present), default=1), 1)
     xpos = {}
@@ -102,7 +106,7 @@ def _grouped_bars(ax, labels: list[str], series: dict, ylabel: str, fmt: str = "
         pts = [(xpos[(j, p)], v) for j, v in enumerate(values) if v is not None]
         spread = [v[1] or 0.0 for _, v in pts]
         marked = [(labels[j], p) in emulated for j, v in enumerate(values) if v is not None]
-        name = f"{p} (emulated)" if all(marked) else f"{p} (hatched: emulated)"
+        name = f"{p} ({tag})" if all(marked) else f"{p} (hatched: {tag})"
         name = name if any(marked) else p
         bars = ax.bar([x for x, _ in pts], [v[0] for _, v in pts], width * 0.95, label=name,
                       color=color(p), yerr=spread if any(spread) else None, capsize=3)
@@ -150,14 +154,16 @@ def speedup_bars(path: Path, title: str, labels: list[str], series: dict, publis
 
 def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict, mem_series: dict,
                     mem_kind: str, emulated: frozenset = frozenset()) -> Path:
-    """Training time and peak memory per label and precision; emulated bars hatched."""
+    """Training time and peak memory per label and precision; bars that are not their precision's
+    arithmetic (emulated, or TF32 that ran as fp32: records.no_speedup) hatched."""
     if len(labels) <= 3:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(10.0, 2.4 * len(labels) + 5), 4.4))
     else:   # many models or variants: one above the other, each as wide as a page
         fig, (a1, a2) = plt.subplots(2, 1, figsize=(min(14.0, 1.3 * len(labels) + 4), 9.0))
-    _grouped_bars(a1, labels, time_series, "training time (s)", "{:.3g}", emulated)
+    tag = "emulated" if all(p != "tf32" for _, p in emulated) else "emulated or fp32 arithmetic"
+    _grouped_bars(a1, labels, time_series, "training time (s)", "{:.3g}", emulated, tag)
     a1.set_title("training time (eval excluded)")
-    _grouped_bars(a2, labels, mem_series, "peak memory (MB)", "{:.0f}", emulated)
+    _grouped_bars(a2, labels, mem_series, "peak memory (MB)", "{:.0f}", emulated, tag)
     a2.set_title(f"peak memory ({mem_kind})" if mem_kind else "peak memory")
     for ax in (a1, a2):
         # a panel with no numbers (e.g. no memory recorded) has no legend
@@ -379,7 +385,8 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                 "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
         mem_kind = " / ".join(what.get(k, k) for k in kinds)
         emulated = frozenset((g.label, g.precision) for g in groups
-                             if any(records.emulated(j.summary) for j in g.jobs))
+                             if any(records.no_speedup(j.summary) for j in g.jobs))
+        plain = any(records.fp32_arithmetic(j.summary) for g in groups for j in g.jobs)
         figs.append(
             {
                 "path": time_and_memory(
@@ -394,7 +401,8 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                 "caption": "Training time (eval excluded) and peak memory per model and precision, "
                            "mean over "
                 "completed runs; error bars: standard deviation over seeds."
-                + (EMULATED_CAPTION if emulated else ""),
+                + (EMULATED_CAPTION if emulated - {(lb, "tf32") for lb, _ in emulated} else "")
+                + (PLAIN_FP32_CAPTION if plain else ""),
             }
         )
     figs += ledger_figure(exp["name"], groups, pdir / f"{slug}_memory_ledger.png")

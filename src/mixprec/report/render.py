@@ -734,6 +734,8 @@ def job_block(summary: dict) -> str:
         ),
         f"memory      peak {_fmt(m.get('peak_memory_mb'), '.0f')} MB ({m.get('peak_memory_kind')})",
         ledger_line(records.memory(summary)),
+        *([f"evaluation  {records.eval_cap(summary)} of each split: not the whole split's "
+           "numbers (trainer.eval_batches)"] if records.eval_cap(summary) else []),
         f"loss scale  {scale}; skipped steps {m.get('skipped_steps')}",
     ]
     v = summary.get("verdict")

@@ -190,7 +190,8 @@ def reset_memory_peak(device: torch.device) -> None:
 # whether the CPU's peak RSS was reset at this job's start (reset_memory_peak)
 _RSS_RESET = [False]
 CPU_PEAK_KINDS = {
-    "process_rss_since_job_start": "RSS since job start",
+    # the RSS at the start holds what the allocator kept of earlier jobs: the ledger is the own part
+    "process_rss_since_job_start": "RSS since job start, heap kept from earlier jobs included",
     "process_peak_rss": "process RSS, earlier jobs of the process included",
 }
 

@@ -90,7 +90,7 @@ class ImageSteps:
         return {"acc": window.correct_total / max(window.samples, 1)}
 
     def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
-        b, scored = state.best, Scored(self.test_batches, loop)
+        b, scored = state.best, Scored(self.test_batches, loop, spread=True)
         loss, plain, tta = evaluate(
             self.model if self.ema is None else self.ema.model,
             scored,

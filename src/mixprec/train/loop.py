@@ -248,16 +248,26 @@ class EvalStopped(Exception):
 
 
 class Scored:
-    """An evaluation's batches: the first `trainer.eval_batches` of `batches` (all when null), the
-    loop's stop flag read before each (under DDP/FSDP an agreed flag: every rank evaluates the same
-    batches, so every rank stops at the same one; EvalStopped). `count`: the targets scored (images
-    or tokens)."""
+    """An evaluation's batches: `trainer.eval_batches` of `batches` (all when null), the loop's stop
+    flag read before each (under DDP/FSDP an agreed flag: every rank evaluates the same batches, so
+    every rank stops at the same one; EvalStopped). `count`: the targets scored (images or tokens).
+    spread: the N batches evenly spaced over the split (an image test set stored by class, as a
+    JPEG copy of CIFAR-10 is, would give its first batches of one class: an accuracy of nothing);
+    else the first N (a language model's windows, consecutive so its hidden state carries)."""
 
-    def __init__(self, batches: Iterable, loop: "Loop"):
-        self.batches, self.loop, self.count = batches, loop, 0
+    def __init__(self, batches: Iterable, loop: "Loop", spread: bool = False):
+        self.batches, self.loop, self.count, self.spread = batches, loop, 0, spread
+
+    def chosen(self) -> Iterable:
+        n = self.loop.trainer.eval_batches
+        total = len(self.batches) if self.spread and hasattr(self.batches, "__len__") else None
+        if n is None or total is None or total <= n:
+            return itertools.islice(self.batches, n)
+        keep = {i * total // n for i in range(n)}   # 0, total/n, 2 total/n, ...
+        return (b for i, b in enumerate(self.batches) if i in keep)
 
     def __iter__(self):
-        for x, y in itertools.islice(self.batches, self.loop.trainer.eval_batches):
+        for x, y in self.chosen():
             why = self.loop.stop()
             if why:
                 raise EvalStopped(why)

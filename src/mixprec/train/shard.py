@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config import PrecisionConfig
+from ..runtime import dist
 from ..models.gpt import GPT
 from ..precision import sharded
 from .compile import compile_model
@@ -78,16 +79,19 @@ def device_mesh(device: torch.device, shape: tuple[int, ...] | None = None) -> D
     return mesh
 
 
-def release_meshes() -> None:
+def release_meshes(failed: bool = False) -> None:
     """Destroy the process groups the job's meshes made (job.train_job, however the job ended): each
     job of a sweep makes its own, and NCCL's communicators hold GPU memory and connections for as
-    long as they live. The default group is left to runtime/dist.py."""
+    long as they live. failed: the job raised, and a peer may wait in a collective on one of them:
+    under NCCL they are aborted instead (dist.abort). The default group is left to
+    runtime/dist.py."""
     while _MADE_GROUPS:
         group = _MADE_GROUPS.pop()
         if not (tdist.is_initialized() and group in tdist.distributed_c10d._world.pg_map):
             continue   # the default group's end took it along
         try:
-            tdist.destroy_process_group(group)
+            if not (failed and dist.abort(group)):
+                tdist.destroy_process_group(group)
         except Exception as e:   # never in place of the error that ended the job
             log.warning(f"mixprec: note: FSDP's mesh group not destroyed at the job's end ({e})")
 
