@@ -656,6 +656,13 @@ def test_tf32_on_a_cpu_gets_no_speedup(fp32_and_tf32):
     (timing,) = [p for p in data["experiments"][0]["plots"] if p["path"].endswith("_memory.png")
                  and "time" in p["path"]]
     assert "(fp32 arithmetic)" in timing["caption"] and "not a speed-up" in timing["caption"]
+    # and the tf32 job's own block says it, a job on several ranks says how many
+    from mixprec.report.render import job_block
+
+    tf32_job, = [s for s in ss if s["choices"]["precision"] == "tf32"]
+    assert "TF32 does nothing here: plain fp32 arithmetic" in job_block(tf32_job)
+    assert "; 2 ranks, fsdp (gloo)" in job_block(
+        {**tf32_job, "distributed": {"world_size": 2, "strategy": "fsdp", "backend": "gloo"}})
 
 
 def test_the_hardware_row_shows_each_jobs_own_tf32_flags(fp32_and_tf32):

@@ -692,6 +692,14 @@ def ledger_line(mem: dict) -> str:
     return line
 
 
+def ranks_said(distributed: dict | None) -> str:
+    """"; 2 ranks, fsdp (gloo)" for a job on several ranks or sharded; "" for one process."""
+    if not distributed:
+        return ""
+    d = distributed
+    return f"; {d.get('world_size')} ranks, {d.get('strategy')} ({d.get('backend')})"
+
+
 def job_block(summary: dict) -> str:
     """The one-screen summary printed when a job ends."""
     m = records.metrics(summary)
@@ -707,7 +715,10 @@ def job_block(summary: dict) -> str:
         f"job         model={ch.get('model')} precision={ch.get('precision')} "
         f"dataset={ch.get('dataset')} "
         f"optimizer={ch.get('optimizer')}",
-        f"device      {env.get('device_name')} ({env.get('device')}), torch {env.get('torch')}",
+        f"device      {env.get('device_name')} ({env.get('device')}), torch {env.get('torch')}"
+        + ("; TF32 does nothing here: plain fp32 arithmetic" if records.fp32_arithmetic(summary)
+           else "")
+        + ranks_said(summary.get("distributed")),
         f"training    {_fmt(m.get('epochs'), '.2f')} epochs, {m.get('steps')} steps, "
         f"{_fmt(m.get('train_time_s'), '.2f')} s (eval excluded), epochs "
         f"{[round(t, 2) for t in m.get('epoch_times_s') or []]}"
