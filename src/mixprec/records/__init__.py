@@ -224,7 +224,7 @@ def eval_cap(summary: dict) -> str:
     n = metrics(summary).get("eval_batches")
     if not n:
         return ""
-    return f"eval: {n} batches " + ("(the first)" if is_language_model(summary)
+    return f"eval: {n} batch{'es' if n > 1 else ''} " + ("(the first)" if is_language_model(summary)
                                      else "(evenly spaced)")
 
 
