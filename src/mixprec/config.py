@@ -327,8 +327,9 @@ class PrecisionConfig:
     init_scale: float = 65536.0
     growth_interval: int = 2000
     tf32: bool = False
-    # precision=fp8: torchao float8 Linear layers
-    fp8_recipe: Optional[Literal["tensorwise", "rowwise"]] = None
+    # precision=fp8: torchao float8 Linear layers (tensorwise, rowwise); precision=mxfp8: its MXFP8
+    # Linear layers (mxfp8: 32-element blocks, one E8M0 scale each)
+    fp8_recipe: Optional[Literal["tensorwise", "rowwise", "mxfp8"]] = None
     # fp16/bf16 rounding emulated on fp32 kernels (precision/emulation.py): auto = wherever the
     # device is not CUDA
     emulate: Union[bool, Literal["auto"]] = "auto"
@@ -573,6 +574,7 @@ class Config:
     def check(self) -> None:
         self.trick.check_for(self.model.arch, self.trainer.batch_size)
         self.check_strategy()
+        self.check_mxfp8()
         if self.model.arch == "gpt" and self.dataset.bptt > self.model.block_size:
             raise ConfigError(
                 f"dataset.bptt={self.dataset.bptt}: a gpt window must fit its context, "
@@ -626,6 +628,31 @@ class Config:
         for refused, line in refusals:
             if refused:
                 raise ConfigError(line)
+
+    def check_mxfp8(self) -> None:
+        """What torchao's MXFP8 Linear layers cannot do (precision/mxfp8.py), refused in one line
+        before any work: FSDP (torchao 0.18's MXFP8 training of sharded weights is its tensor-
+        subclass recipe, which needs a PyTorch nightly), and a training step whose rows reaching a
+        Linear layer (tokens, or images) are not a multiple of 32: the weight gradient's MX blocks
+        run along them, and torchao does not pad."""
+        if self.precision.fp8_recipe != "mxfp8":
+            return
+        tr, name = self.trainer, f"precision={self.precision.name}"
+        if tr.sharded:
+            raise ConfigError(
+                f"{name} under trainer.strategy=fsdp: torchao 0.18's MXFP8 Linear layers take no "
+                "sharded weights; use trainer.strategy=auto or ddp, or precision=fp8 under FSDP"
+            )
+        lm = self.model.arch == "gpt"
+        rows = tr.batch_size * (self.dataset.bptt if lm else 1)
+        if rows % 32:
+            what = (f"trainer.batch_size={tr.batch_size} x dataset.bptt={self.dataset.bptt}"
+                    if lm else f"trainer.batch_size={tr.batch_size}")
+            raise ConfigError(
+                f"{name}: {what} = {rows} rows per step reach each Linear layer, not a multiple "
+                "of 32: the weight gradient's MX blocks of 32 run along them and torchao does not "
+                "pad; choose a batch size (per rank) that makes them a multiple of 32"
+            )
 
     def check_task(self) -> None:
         """What validates field by field but cannot make one job: a model and a dataset of different
