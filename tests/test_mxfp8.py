@@ -99,3 +99,24 @@ def test_what_torchao_mxfp8_cannot_do_is_one_config_error(overrides, says):
     with pytest.raises(ConfigError) as e:
         validate(compose_config("precision=mxfp8", *MX_JOB, *overrides))
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def mxfp8_and_bf16(tmp_path_factory):
+    pytest.importorskip("torchao")
+    runs = {}
+    for name in ("mxfp8", "amp_bf16"):
+        out = tmp_path_factory.mktemp(name)
+        s = run_tiny(out, f"precision={name}", base=MX_JOB)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = (s, [r["loss"] for r in rows if r["kind"] == "train"])
+    return runs
+
+
+@pytest.mark.slow
+def test_fifty_mxfp8_steps_fall_and_end_within_the_measured_tolerance_of_amp_bf16(mxfp8_and_bf16):
+    (mx, losses), (bf, _) = mxfp8_and_bf16["mxfp8"], mxfp8_and_bf16["amp_bf16"]
+    assert mx["status"] == "completed" and mx["metrics"]["steps"] == 50 and len(losses) == 5
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.8
+    gap = abs(mx["metrics"]["final_valid_loss"] - bf["metrics"]["final_valid_loss"])
+    assert MX_DIFFERS < gap < MX_VS_BF16_TOL, gap

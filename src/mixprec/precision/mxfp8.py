@@ -33,6 +33,7 @@ from . import emulation
 
 MX_CAPABILITY = (10, 0)   # Blackwell: MXFP8 tensor cores (tcgen05 block-scaled MMA)
 BLOCK = 32                # elements per shared E8M0 scale
+log = logging.getLogger(__name__)
 INSTALL = 'pip install -e ".[fp8]"'
 
 
@@ -103,6 +104,9 @@ def convert(model: nn.Module, device: torch.device) -> dict:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, mx)
         converted.append(name)
+    if why is not None:
+        log.info(f"mixprec: note: precision=mxfp8 emulated ({why}): torchao's emulated path casts "
+                 "to MXFP8 in PyTorch and multiplies in bf16: the loss is MXFP8's, the time is not")
     return {"recipe": "mxfp8", "block": BLOCK, "scale": "e8m0 (rceil)",
             "fp8_emulated": why is not None, "emulation_reason": why,
             "float8_layers": converted, "bf16_layers": kept}
