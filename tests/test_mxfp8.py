@@ -21,9 +21,11 @@ CPU = torch.device("cpu")
 MX_JOB = [*GPT_JOB, "model.n_embd=64"]
 QUICK = ["trainer.max_steps=8", "trainer.log_every=4"]
 E4M3_MAX = 448.0
-# mxfp8 (emulated) against amp_bf16 after MX_JOB's 50 steps, final validation loss: measured
-# |gap| in docs/transformer_fp8.md (MXFP8 section); the bound is 1.5x the largest of seeds 0-2.
-MX_VS_BF16_TOL = 0.02
+# mxfp8 (emulated) against amp_bf16 after MX_JOB's 50 steps (loss 4.0 -> 1.9), final validation
+# loss: measured |gap| 0.0014, 0.0022, 0.0024 for seeds 0, 1, 2 (fp8 tensorwise 0.0034, 0.0084,
+# 0.0032; rowwise 0.0042, 0.0017, 0.0010; docs/transformer_fp8.md). Bound: 0.004, 1.7x the
+# largest; and mxfp8 must differ from bf16 at all (its block rounding took effect).
+MX_VS_BF16_TOL = 0.004
 MX_DIFFERS = 1e-4
 
 
