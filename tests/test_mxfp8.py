@@ -3,7 +3,9 @@ elements) on the GPT, emulated on the CPU: which layers convert, their matmul ag
 block-scaled reference, a tiny job that trains and is probed layer by layer, the refusals in one
 line, and (slow) 50 steps against amp_bf16 and fp8's two recipes from the same seed."""
 import json
+import logging
 import math
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from test_gpt import GPT_JOB
 from test_lm import one_thread  # noqa: F401  (autouse: tiny models on one thread)
 from mixprec.config import ConfigError, validate
 from mixprec.models.gpt import GPT
+from mixprec.precision import modes
 from mixprec.precision.policy import PrecisionPolicy
 
 CPU = torch.device("cpu")
@@ -48,8 +51,13 @@ def converted_gpt(n_embd: int):
     return policy.prepare_model(model), policy.fp8
 
 
-def test_mxfp8_converts_the_32_divisible_linear_layers_and_lists_those_left_in_bf16():
-    model, info = converted_gpt(64)
+def test_mxfp8_converts_the_32_divisible_linear_layers_and_lists_those_left_in_bf16(caplog):
+    with caplog.at_level(logging.INFO, logger="mixprec.precision.mxfp8"):
+        model, info = converted_gpt(64)
+    assert [r.getMessage() for r in caplog.records] == [
+        "mixprec: note: precision=mxfp8 emulated (cpu: no MXFP8 tensor cores): torchao's "
+        "emulated path casts to MXFP8 in PyTorch and multiplies in bf16: the loss is MXFP8's, "
+        "the time is not"]
     blocks = ["blocks.0.attn.c_attn", "blocks.0.attn.c_proj", "blocks.0.mlp.0", "blocks.0.mlp.2"]
     assert info["recipe"] == "mxfp8" and info["block"] == 32 and info["fp8_emulated"]
     assert info["emulation_reason"] == "cpu: no MXFP8 tensor cores"
@@ -101,6 +109,16 @@ def test_what_torchao_mxfp8_cannot_do_is_one_config_error(overrides, says):
     with pytest.raises(ConfigError) as e:
         validate(compose_config("precision=mxfp8", *MX_JOB, *overrides))
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_without_torchao_mxfp8_is_one_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)   # import torchao raises ImportError
+    monkeypatch.setitem(sys.modules, "torchao.prototype.moe_training.mxfp8_linear", None)
+    config = validate(compose_config("precision=mxfp8", *MX_JOB))
+    with pytest.raises(ConfigError) as e:
+        modes.check_installed(config.precision)
+    assert str(e.value).startswith("precision=mxfp8 needs torchao's MXFP8 training") and str(
+        e.value).endswith('install it with: pip install -e ".[fp8]"') and "\n" not in str(e.value)
 
 
 @pytest.fixture(scope="module")
