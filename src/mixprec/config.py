@@ -632,26 +632,12 @@ class Config:
     def check_mxfp8(self) -> None:
         """What torchao's MXFP8 Linear layers cannot do (precision/mxfp8.py), refused in one line
         before any work: FSDP (torchao 0.18's MXFP8 training of sharded weights is its tensor-
-        subclass recipe, which needs a PyTorch nightly), and a training step whose rows reaching a
-        Linear layer (tokens, or images) are not a multiple of 32: the weight gradient's MX blocks
-        run along them, and torchao does not pad."""
-        if self.precision.fp8_recipe != "mxfp8":
-            return
-        tr, name = self.trainer, f"precision={self.precision.name}"
-        if tr.sharded:
+        subclass recipe, which needs a PyTorch nightly)."""
+        if self.precision.fp8_recipe == "mxfp8" and self.trainer.sharded:
             raise ConfigError(
-                f"{name} under trainer.strategy=fsdp: torchao 0.18's MXFP8 Linear layers take no "
-                "sharded weights; use trainer.strategy=auto or ddp, or precision=fp8 under FSDP"
-            )
-        lm = self.model.arch == "gpt"
-        rows = tr.batch_size * (self.dataset.bptt if lm else 1)
-        if rows % 32:
-            what = (f"trainer.batch_size={tr.batch_size} x dataset.bptt={self.dataset.bptt}"
-                    if lm else f"trainer.batch_size={tr.batch_size}")
-            raise ConfigError(
-                f"{name}: {what} = {rows} rows per step reach each Linear layer, not a multiple "
-                "of 32: the weight gradient's MX blocks of 32 run along them and torchao does not "
-                "pad; choose a batch size (per rank) that makes them a multiple of 32"
+                f"precision={self.precision.name} under trainer.strategy=fsdp: torchao 0.18's "
+                "MXFP8 Linear layers take no sharded weights; use trainer.strategy=auto or ddp, or "
+                "precision=fp8 under FSDP"
             )
 
     def check_task(self) -> None:

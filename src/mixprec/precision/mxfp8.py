@@ -11,8 +11,9 @@ elements in float8_e4m3fn (gradients too), then multiplies and returns bf16. The
 the activations' dtype (bf16) first, as the bf16 weights torchtitan's FSDP hands the layer are.
 Left in bf16 (listed in the summary): the output head when tied to the embedding, and any Linear
 with a dimension not divisible by 32 (a block must not straddle a row: torchao does not pad).
-The tokens of a training step must be a multiple of 32 too (the weight gradient's blocks run along
-them): config.Config.check_mxfp8 refuses the rest in one line.
+The tokens of a step need not be a multiple of 32: _forward pads them with zeros (the weight
+gradient's blocks run along them; zeros change no block's scale), which torchao does not.
+config.Config.check_mxfp8 refuses what it cannot do (FSDP) in one line.
 
 Where the GPU has no MXFP8 tensor cores (a CPU; CUDA before compute capability 10.0, i.e. before
 Blackwell) torchao's emulated path runs (KernelPreference.EMULATED): the same PyTorch casts to
@@ -26,6 +27,7 @@ import types
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..config import ConfigError
 from ..runtime.hardware import capability
@@ -116,13 +118,19 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     """MXFP8Linear.forward with its operands in the activations' dtype: the input cast as autocast
     would (torchao casts it under no autocast), the fp32 weight cast to it (torchao's emulated
     matmul needs both operands of one dtype; under torchtitan's FSDP the weight arrives in bf16
-    alike), then torchao's MXFP8 matmul (forward and both gradients) and the bias."""
+    alike), then torchao's MXFP8 matmul (forward and both gradients) and the bias. The rows (tokens)
+    are padded with zeros to a multiple of 32, which torchao does not do: the weight gradient's
+    blocks run along them, and zeros change no block's amax, so the result is the unpadded MX
+    product's (an epoch's last, shorter bptt window; any batch size)."""
     # lazy: torchao is optional; require_torchao has imported it by now
     from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
     dtype = emulation.autocast_dtype(x.device.type)   # the real autocast's or the emulated one's
     if dtype is not None:
         x = x.to(dtype)
+    rows = x.shape[:-1].numel()
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % BLOCK))
     out = _to_mxfp8_then_scaled_mm(
-        x, self.weight.to(x.dtype), kernel_preference=self.kernel_preference,
+        flat, self.weight.to(x.dtype), kernel_preference=self.kernel_preference,
         scale_calculation_mode=self.scale_calculation_mode, wgrad_with_hp=self.wgrad_with_hp)
+    out = out[:rows].reshape(*x.shape[:-1], out.shape[-1])
     return out if self.bias is None else out + self.bias.to(out.dtype)
