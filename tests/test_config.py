@@ -30,6 +30,7 @@ def test_groups_are_the_designed_ones():
         "apex_fp16",
         "apex_fp16_2018",
         "fp8",
+        "mxfp8",
     }
     assert {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152"} <= set(options("model"))
     assert {"auto", "h100", "a100", "v100", "rtx2080ti", "gtx1080ti"} <= set(options("gpu"))
@@ -64,7 +65,13 @@ def test_precision_table_semantics():
         and p["fp8"].autocast_dtype == "bfloat16"
         and p["fp8"].loss_scale == "none"
     )
-    assert all(p[o].fp8_recipe is None for o in p if o != "fp8")
+    assert (
+        p["mxfp8"].fp8_recipe == "mxfp8"
+        and p["mxfp8"].autocast_dtype == "bfloat16"
+        and p["mxfp8"].param_dtype == "float32"
+        and p["mxfp8"].loss_scale == "none"
+    )
+    assert all(p[o].fp8_recipe is None for o in p if o not in ("fp8", "mxfp8"))
     assert p["o1"].autocast_dtype == "float16" and p["o0"].param_dtype == "float32"
     assert p["o3"].param_dtype == "float16" and not p["o3"].master_weights
 

@@ -186,7 +186,7 @@ def test_saved_weights_are_plain_fp32_tensors_in_every_mode_and_strategy(tmp_pat
                 config = validate(compose_config(*GPT_TINY, f"precision={mode}",
                                                  f"trainer.strategy={strategy}"))
             except ConfigError:
-                continue   # a mode FSDP cannot express (half, bf16, o3, apex_fp16_2018)
+                continue   # a mode FSDP cannot express (half, bf16, o3, apex_fp16_2018, mxfp8)
             torch.manual_seed(0)
             model = build_model(config.model, 64)
             initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -201,4 +201,4 @@ def test_saved_weights_are_plain_fp32_tensors_in_every_mode_and_strategy(tmp_pat
             saved.append(mode)
     finally:
         dist.close(made)
-    assert "fp8" in saved and len(saved) == (len(MODES) if strategy == "auto" else len(MODES) - 4)
+    assert "fp8" in saved and len(saved) == (len(MODES) if strategy == "auto" else len(MODES) - 5)

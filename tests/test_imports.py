@@ -177,6 +177,12 @@ LAZY = {
     ("mixprec.job", "mixprec.records.wandb_mirror"): OPTIONAL_WANDB,
     ("mixprec.precision.fp8", "torchao.float8"): "torchao: optional (the fp8 extra)",
     ("mixprec.precision.fp8", "torchao.float8.float8_linear"): "torchao: optional (the fp8 extra)",
+    ("mixprec.precision.mxfp8", "torchao.prototype.moe_training.mxfp8_linear"):
+        "torchao: optional (the fp8 extra)",
+    ("mixprec.precision.mxfp8", "torchao.prototype.mx_formats.config"):
+        "torchao: optional (the fp8 extra)",
+    ("mixprec.precision.mxfp8", "torchao.quantization.quantize_.common.kernel_preference"):
+        "torchao: optional (the fp8 extra)",
     ("mixprec.records.wandb_mirror", "wandb"): OPTIONAL_WANDB,
     ("mixprec.report.callbacks", "mixprec.report.make"): "matplotlib: only a sweep's report",
     ("mixprec.report.wandb_report", "wandb"): OPTIONAL_WANDB,

@@ -327,8 +327,9 @@ class PrecisionConfig:
     init_scale: float = 65536.0
     growth_interval: int = 2000
     tf32: bool = False
-    # precision=fp8: torchao float8 Linear layers
-    fp8_recipe: Optional[Literal["tensorwise", "rowwise"]] = None
+    # precision=fp8: torchao float8 Linear layers (tensorwise, rowwise); precision=mxfp8: its MXFP8
+    # Linear layers (mxfp8: 32-element blocks, one E8M0 scale each)
+    fp8_recipe: Optional[Literal["tensorwise", "rowwise", "mxfp8"]] = None
     # fp16/bf16 rounding emulated on fp32 kernels (precision/emulation.py): auto = wherever the
     # device is not CUDA
     emulate: Union[bool, Literal["auto"]] = "auto"
@@ -573,6 +574,7 @@ class Config:
     def check(self) -> None:
         self.trick.check_for(self.model.arch, self.trainer.batch_size)
         self.check_strategy()
+        self.check_mxfp8()
         if self.model.arch == "gpt" and self.dataset.bptt > self.model.block_size:
             raise ConfigError(
                 f"dataset.bptt={self.dataset.bptt}: a gpt window must fit its context, "
@@ -626,6 +628,17 @@ class Config:
         for refused, line in refusals:
             if refused:
                 raise ConfigError(line)
+
+    def check_mxfp8(self) -> None:
+        """What torchao's MXFP8 Linear layers cannot do (precision/mxfp8.py), refused in one line
+        before any work: FSDP (torchao 0.18's MXFP8 training of sharded weights is its tensor-
+        subclass recipe, which needs a PyTorch nightly)."""
+        if self.precision.fp8_recipe == "mxfp8" and self.trainer.sharded:
+            raise ConfigError(
+                f"precision={self.precision.name} under trainer.strategy=fsdp: torchao 0.18's "
+                "MXFP8 Linear layers take no sharded weights; use trainer.strategy=auto or ddp, or "
+                "precision=fp8 under FSDP"
+            )
 
     def check_task(self) -> None:
         """What validates field by field but cannot make one job: a model and a dataset of different

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..runtime.hardware import capability
-from . import emulation
+from . import emulation, mxfp8
 
 FP8_CAPABILITY = (8, 9)   # Ada / Hopper and later: FP8 tensor cores
 FP8_INSTALL = 'pip install -e ".[fp8]"'
@@ -83,10 +83,12 @@ def kept_in_bf16(model: nn.Module) -> dict[str, str]:
 
 
 def convert(model: nn.Module, recipe: str, device: torch.device, fsdp: bool = False) -> dict:
-    """Swap the model's eligible Linear layers for Float8Linear in place; returns what the summary
-    records. fsdp (trainer.strategy=fsdp): FSDP2 all-gathers their weights in float8, cast with the
-    scales precomputed after each optimizer step (precompute_scales); torchao has it for the
-    tensorwise recipe only."""
+    """Swap the model's eligible Linear layers for Float8Linear (MXFP8Linear for the mxfp8 recipe:
+    mxfp8.convert) in place; returns what the summary records. fsdp (trainer.strategy=fsdp):
+    FSDP2 all-gathers their weights in float8, cast with the scales precomputed after each
+    optimizer step (precompute_scales); torchao has it for the tensorwise recipe only."""
+    if recipe == "mxfp8":
+        return mxfp8.convert(model, device)
     float8, Float8Linear = require_torchao()
     why = emulation_reason(device)
     config = dataclasses.replace(

@@ -10,7 +10,7 @@ import torch
 
 from ..config import ConfigError, OptimizerConfig, PrecisionConfig, TrainerConfig
 from ..runtime import hardware
-from . import fp8
+from . import fp8, mxfp8
 
 log = logging.getLogger(__name__)
 
@@ -18,15 +18,17 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # The modes of conf/precision/ in the order tables and plots list them, each plot colour following
 # its place (report/plots.py): fp32 first (the baseline), torch's modes, apex's opt levels, fp8, the
 # articles' modes. A mode not named here is listed after them, by name, in a colour of its own.
-MODES = ("fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3", "fp8",
+MODES = ("fp32", "tf32", "amp", "amp_bf16", "half", "bf16", "o0", "o1", "o2", "o3", "fp8", "mxfp8",
          "fastai_fp16", "apex_fp16", "apex_fp16_2018")
 
 
 def check_installed(cfg: PrecisionConfig) -> None:
     """What the mode needs from this installation, asked before any work (config.validate checks
-    the values, which need no package): precision=fp8's torchao. A missing one: one ConfigError
-    line saying what to install."""
-    if cfg.fp8_recipe is not None:
+    the values, which need no package): precision=fp8's torchao (mxfp8's, its MXFP8 layers). A
+    missing one: one ConfigError line saying what to install."""
+    if cfg.fp8_recipe == "mxfp8":
+        mxfp8.require_torchao()
+    elif cfg.fp8_recipe is not None:
         fp8.require_torchao()
 
 

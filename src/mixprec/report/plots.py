@@ -29,10 +29,12 @@ from .analyse import Group, precision_key, stats  # noqa: E402
 from .load import number  # noqa: E402
 from .published import Source, ladder_steps, matches  # noqa: E402
 
-# one colour per precision.modes.MODES entry, in its order: tab10, then fp8 black, fastai_fp16
-# olive, apex_fp16 teal, apex_fp16_2018 navy; then tab20b's for the modes named after them
+# one colour per precision.modes.MODES entry, in its order: tab10, then fp8 black, mxfp8 grey,
+# fastai_fp16 olive, apex_fp16 teal, apex_fp16_2018 navy; then tab20b's for the modes named after
+# them
 _PALETTE = plt.get_cmap("tab10").colors + (
     (0.0, 0.0, 0.0),
+    (0.5, 0.5, 0.5),
     (0.45, 0.45, 0.0),
     (0.0, 0.45, 0.45),
     (0.1, 0.1, 0.45),

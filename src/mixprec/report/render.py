@@ -549,8 +549,9 @@ APEX_NOTE = (
 
 FP8_EMULATED_NOTE = (
     "fp8(emulated): no FP8 tensor cores on this device (a CPU, or a GPU before compute capability "
-    "8.9): torchao emulated the float8 matmuls in fp32, so its loss is FP8's but its time, "
-    "tokens/s and speed-up are not FP8 timings"
+    "8.9; before 10.0 for mxfp8's block-scaled FP8): torchao emulated the float8 matmuls (in "
+    "fp32; mxfp8's in bf16), so its loss is FP8's but its time, tokens/s and speed-up are not FP8 "
+    "timings"
 )
 
 
