@@ -9,7 +9,7 @@ import torchao.optim.adam
 from torch.distributed.tensor import DTensor
 
 from ..config import FUSED_SGD_SHARDED, ConfigError, OptimizerConfig, ScheduleConfig
-from ..precision.modes import resolve_impl
+from ..precision.modes import resolve_impl, rounds_stochastically
 
 
 def impl_kwargs(impl: str, params: list, name: str) -> dict:
@@ -131,7 +131,7 @@ class EagerStep:
             state["exp_avg"] = self._new_buffer(p, True)
             state["exp_avg_sq"] = self._new_buffer(p, False)
         state["step"] += 1
-        sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+        sr = rounds_stochastically(self.bf16_stochastic_round, p.dtype)
         torchao.optim.adam.single_param_adam(
             p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
             group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
