@@ -130,18 +130,22 @@ def test_pure_bf16_rounds_its_updates_away_and_stochastic_rounding_does_not(tmp_
     assert along[False] < 0.33 and 0.7 < along[True] < 1.3, along
 
 
+# docs/pitfalls.md's GPT run, 150 steps: its command and numbers
+GPT = ["logger=none", "model=gpt", "dataset=synthetic_text", "dataset.vocab_size=64",
+       "dataset.train_size=160000", "dataset.test_size=4000", "trainer.eval_batches=20",
+       "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=32",
+       "dataset.bptt=32", "model.dropout=0", "model.vocab_multiple=1", "trainer.batch_size=16",
+       "trainer.eval_batch_size=16", "schedule=constant", "trainer.max_steps=150",
+       "trainer.epochs=1", "trainer.warmup_steps=0", "trainer.device=cpu", "seed=0"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LOW_BIT)
 def test_low_bit_gpt_job_trains_like_fp32_state_adamw(tmp_path, name):
-    """The GPT as a job (2 layers, 64 wide, synthetic text): the low-bit states run through the
-    job's step and end near AdamW's loss."""
-    gpt = ["logger=none", "model=gpt", "dataset=synthetic_text", "dataset.vocab_size=64",
-           "dataset.train_size=20000", "dataset.test_size=1000", "model.n_layer=2",
-           "model.n_head=2", "model.n_embd=64", "model.block_size=16", "dataset.bptt=16",
-           "model.dropout=0", "model.vocab_multiple=1", "trainer.batch_size=8",
-           "trainer.eval_batch_size=8", "schedule=constant", "trainer.max_steps=60",
-           "trainer.epochs=1", "trainer.warmup_steps=0", "trainer.device=cpu"]
-    ref = run_tiny(tmp_path / "ref", "optimizer=adamw", base=gpt)
-    low = run_tiny(tmp_path / name, f"optimizer={name}", base=gpt)
-    a, b = ref["metrics"]["valid_loss"], low["metrics"]["valid_loss"]
+    """The GPT as a job: the low-bit states run through the job's step and end within 3% of
+    fp32-state AdamW's validation loss (measured: 4 bits 1.5% above it at 150 steps, 8 bits 0.3%
+    below at 300)."""
+    ref = run_tiny(tmp_path / "ref", "optimizer=adamw", base=GPT)
+    low = run_tiny(tmp_path / name, f"optimizer={name}", base=GPT)
+    a, b = ref["metrics"]["final_valid_loss"], low["metrics"]["final_valid_loss"]
     assert low["status"] == "completed" and abs(a - b) <= 0.03 * a, (a, b)
