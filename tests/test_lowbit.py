@@ -13,6 +13,7 @@ from helpers import compose_config, run_tiny
 from mixprec.config import ConfigError, OptimizerConfig, PrecisionConfig, validate
 from mixprec.numerics import verdicts
 from mixprec.train.optim import build_optimizer
+from test_fsdp import GPT_TINY, job
 from test_probe_verdicts import ctx, fit_probed
 
 LOW_BIT = ["adamw8bit", "adamw4bit", "adamw_fp8"]
@@ -157,8 +158,6 @@ def test_low_bit_adamw_runs_under_fsdp_near_adamw(tmp_path, name):
     """trainer.strategy=fsdp on 2 gloo ranks: torchao quantizes each rank's shard of the moments
     (DTensor); 4 steps of the tiny GPT end near AdamW's (measured: 8 bits and FP8 equal to 4
     digits, 4 bits 0.5% above)."""
-    from test_fsdp import GPT_TINY, job
-
     args = [*GPT_TINY, "model.n_embd=64", "trainer.max_steps=4", "trainer.strategy=fsdp"]
     ref = job([*args, "optimizer=adamw"], tmp_path / "ref", tmp_path)
     low = job([*args, f"optimizer={name}"], tmp_path / name, tmp_path)
@@ -176,3 +175,15 @@ def test_gpt_in_pure_bf16_trails_and_stochastic_rounding_catches_up_with_amp_bf1
     sr = run_tiny(tmp_path / "sr", "precision=bf16", "optimizer.stochastic_round=true",
                   base=GPT)["metrics"]["final_valid_loss"]
     assert pure >= 1.04 * amp and abs(sr - amp) <= 0.02 * amp, (amp, pure, sr)
+
+
+@pytest.mark.slow
+def test_the_pitfall_pair_as_jobs_gets_its_verdict(tmp_path):
+    """experiment=half_pitfalls' bf16_pure as a job: the verdict in summary.json names the updates
+    rounded away; bf16_stochastic_round's job gets none."""
+    pure = run_tiny(tmp_path / "pure", "pitfall=bf16_pure", "trainer.max_steps=3", "probe.every=1")
+    sr = run_tiny(tmp_path / "sr", "pitfall=bf16_stochastic_round", "trainer.max_steps=3",
+                  "probe.every=1")
+    assert pure["verdict"]["mechanism"] == "updates_rounded_away"
+    assert "updates rounded away" in pure["verdict"]["line"], pure["verdict"]
+    assert sr["status"] == "completed" and sr["verdict"] is None, sr["verdict"]
