@@ -150,6 +150,9 @@ def test_pitfall_and_opt_level_sweeps_run_every_job_with_their_tables(tmp_path):
         "small_half": "completed",
         "large_fp32": "completed",
         "large_half": "completed",
+        "bf16_pure": "completed",
+        "bf16_stochastic_round": "completed",
+        "bf16_amp": "completed",
     }
     r = run_cli(
         "-m",

@@ -56,17 +56,19 @@ def ctx(
 
 
 def fit_probed(
-    model, precision: PrecisionConfig, tmp_path, probe="ranges", steps=3, x_scale=1.0, bn_eval=False
+    model, precision: PrecisionConfig, tmp_path, probe="ranges", steps=3, x_scale=1.0,
+    bn_eval=False, optimizer=None,
 ):
-    """loop.fit on a constructed model and random batches (x_scale=0: blank ones); returns
-    (result, numerics summary, rows)."""
+    """loop.fit on a constructed model and random batches (x_scale=0: blank ones), stepped by SGD or
+    `optimizer(params)`; returns (result, numerics summary, rows)."""
     torch.manual_seed(0)
     batches = [
         (torch.randn(8, 3, 8, 8) * x_scale, torch.randint(0, 10, (8,))) for _ in range(steps)
     ]
     policy = PrecisionPolicy(precision, CPU)
     model = policy.prepare_model(model)
-    opt = torch.optim.SGD(policy.optimizer_params(model), lr=0.01)
+    params = policy.optimizer_params(model)
+    opt = optimizer(params) if optimizer else torch.optim.SGD(params, lr=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     tr = TrainerConfig(epochs=1, warmup_steps=0, channels_last=False, log_every=1)
     p = build_probe(ProbeConfig(name=probe, every=1), model, tmp_path)

@@ -27,6 +27,9 @@ FUSED_SGD_SHARDED = ("optimizer.impl=fused: torch's fused SGD has no DTensor rul
                      "foreach")
 
 
+# optimizer names that are torchao's low-bit AdamW (OptimizerConfig.low_bit)
+LOW_BIT_OPTIMIZERS = ("adamw8bit", "adamw4bit", "adamw_fp8")
+
 DType = Literal["float32", "float16", "bfloat16"]
 # model.arch values that are recurrent language models
 RNN_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -399,7 +402,9 @@ class GpuConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    name: Literal["sgd", "adam", "adamw"]
+    # adamw8bit, adamw4bit, adamw_fp8: torchao's AdamW with its two moments in 8-bit, 4-bit or
+    # FP8 (e4m3) blocks of one scale each (train/optim.py, docs/pitfalls.md)
+    name: Literal["sgd", "adam", "adamw", "adamw8bit", "adamw4bit", "adamw_fp8"]
     lr: float = 0.1
     momentum: float = 0.9
     nesterov: bool = False
@@ -412,8 +417,28 @@ class OptimizerConfig:
     # not biases and norms); auto: the model family's recipe (matrices for the gpt, all otherwise;
     # optim.DECAY_AUTO)
     decay: Literal["auto", "all", "matrices"] = "auto"
+    # optimizer=adamw on bfloat16 weights without fp32 masters (precision=bf16): torchao's AdamW
+    # computes the step in fp32 and rounds the new weight to bf16 stochastically (unbiased), so an
+    # update below half a unit in the last place moves the weight in expectation
+    stochastic_round: bool = False
+
+    @property
+    def low_bit(self) -> bool:
+        """torchao's AdamW with quantized moments (optimizer=adamw8bit, adamw4bit, adamw_fp8)."""
+        return self.name in LOW_BIT_OPTIMIZERS
 
     def check(self) -> None:
+        if self.stochastic_round and self.name != "adamw":
+            raise ConfigError(
+                f"optimizer.stochastic_round=true: torchao's bf16 stochastic rounding is its "
+                f"AdamW's; use optimizer=adamw, not {self.name}"
+            )
+        if (self.low_bit or self.stochastic_round) and self.impl != "auto":
+            raise ConfigError(
+                f"optimizer.impl={self.impl}: torchao's AdamW (optimizer={self.name}"
+                f"{' stochastic_round' if self.stochastic_round else ''}) has one implementation "
+                "of its own; use optimizer.impl=auto"
+            )
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"optimizer.lr={self.lr}: must be a positive number")
         if not 0 <= self.momentum < 1:
@@ -575,6 +600,14 @@ class Config:
         self.trick.check_for(self.model.arch, self.trainer.batch_size)
         self.check_strategy()
         self.check_mxfp8()
+        p = self.precision
+        if self.optimizer.stochastic_round and (p.param_dtype != "bfloat16" or p.master_weights):
+            raise ConfigError(
+                f"optimizer.stochastic_round=true: it rounds bfloat16 weights stepped without fp32 "
+                f"masters (precision=bf16), and precision={p.name} steps "
+                f"{'fp32 masters' if p.master_weights else p.param_dtype + ' weights'}; use "
+                "precision=bf16"
+            )
         if self.model.arch == "gpt" and self.dataset.bptt > self.model.block_size:
             raise ConfigError(
                 f"dataset.bptt={self.dataset.bptt}: a gpt window must fit its context, "

@@ -26,6 +26,12 @@ taken from the config alone:
                           more below fp16's normal range (they lose bits, the smaller ones are
                           already 0); it says which power-of-two loss scale would have lifted them
                           (probe_stats.smallest_scale)
+  updates_rounded_away    the weights are stepped in bfloat16 with round-to-nearest (no fp32
+                          masters, no stochastic rounding) and, on the last probed step, half
+                          or more of the elements with a non-zero gradient did not move (the
+                          update row's stall.stepped, pooled over the layers by size): each
+                          update below half a unit in the last place of its weight rounded
+                          away; it names the worst layer
   blank_inputs            nothing else fits, and step 1's batch, labels or first layer output were
   degenerate
 
@@ -43,6 +49,7 @@ from .probe import MODEL
 
 STREAK = 5          # consecutive skipped steps that make a backing-off scale a verdict
 UNDERFLOW = 0.25    # fraction of non-zero activation gradients below fp16's normal range
+ROUNDED_AWAY = 0.5  # fraction of a step's bf16 weight updates that left the weight unchanged
 
 
 def context(config, status: str, steps: int | None) -> dict:
@@ -57,6 +64,7 @@ def context(config, status: str, steps: int | None) -> dict:
         "keep_bn_fp32": p.keep_bn_fp32,
         "optimizer": o.name,
         "eps": o.eps,
+        "stochastic_round": o.stochastic_round,
         "bn_eval": config.model.bn_eval,
         "status": status,
         "steps": steps,
@@ -332,6 +340,42 @@ def underflow_verdict(step: int, at: list[dict], frac: float, rows: list[dict]) 
     )
 
 
+def updates_rounded_away(e, n, rows, ctx):
+    """Pure bf16's stall (seed 001's pure-half pitfall in its modern form): the probe's update
+    rows of bf16-stepped weights, each layer's stall.stepped the fraction of its elements with a
+    non-zero gradient (so a non-zero fp32 update) whose weight did not change. Under stochastic
+    rounding a single step also leaves most of them in place, but moves each with the probability
+    that keeps the update unbiased: not this rule's case."""
+    if e or ctx.get("stochastic_round"):
+        return None
+    ups = [r for r in rows if r["kind"] == "update" and r["name"] != MODEL
+           and r.get("dtype") == "bfloat16" and "stall" in r]
+    if not ups:
+        return None
+    step = max(r["step"] for r in ups)
+    at = [r for r in ups if r["step"] == step]
+    frac = sum(r["n"] * r["stall"]["stepped"] for r in at) / max(sum(r["n"] for r in at), 1)
+    if frac < ROUNDED_AWAY:
+        return None
+    worst = max(at, key=lambda r: (r["stall"]["stepped"], r["n"]))
+    e = {"step": step, "pass": "optimizer update", "module": worst["name"], "tensor": "update"}
+    line = (
+        f"updates rounded away ({where(e)}): {frac:.0%} of the bfloat16 weights' updates (non-zero "
+        "gradient) left the weight unchanged, each below half a unit in the last place of its "
+        f"weight (worst: {worst['name']}, {worst['stall']['stepped']:.0%}); the run stalls"
+    )
+    cites = [f"numerics.jsonl step {step} update {r['name']} (stall {r['stall']['stepped']:.1%})"
+             for r in sorted(at, key=lambda r: -r["stall"]["stepped"])[:3]]
+    return verdict(
+        "updates_rounded_away",
+        line,
+        e,
+        cites,
+        "stochastic rounding of the update (optimizer.stochastic_round=true) or fp32 master "
+        "weights (precision=amp_bf16)",
+    )
+
+
 def blank_inputs(e, n, rows, ctx):
     found = n.get("inputs") or []
     if not found or e is not None:
@@ -355,5 +399,6 @@ RULES = (
     adam_eps_zero,
     scale_backoff,
     grad_underflow,
+    updates_rounded_away,
     blank_inputs,
 )

@@ -68,6 +68,13 @@ def has_tf32(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and cap is not None and cap >= (8, 0)
 
 
+def rounds_stochastically(stochastic_round: bool, dtype: torch.dtype) -> bool:
+    """Whether optimizer.stochastic_round rounds this stepped tensor: torchao's rounding is from
+    fp32 to bfloat16, so a weight of another dtype (an fp32 one) is stepped as torchao's AdamW
+    steps it without (its _AdamBase.step's own test)."""
+    return stochastic_round and dtype is torch.bfloat16
+
+
 def resolve_impl(impl: str, on_cuda: bool) -> str:
     """optimizer.impl with auto resolved: fused when the stepped tensors are floating-point CUDA
     tensors."""

@@ -235,7 +235,7 @@ class Loop:
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return float(self.optimizer.param_groups[0]["lr"])   # torchao's optimizers: a tensor
 
     def save(self, state: LoopState) -> None:
         if self.checkpoint is not None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torchao.optim
+import torchao.optim.adam
 from torch.distributed.tensor import DTensor
 
 from ..config import FUSED_SGD_SHARDED, ConfigError, OptimizerConfig, ScheduleConfig
-from ..precision.modes import resolve_impl
+from ..precision.modes import resolve_impl, rounds_stochastically
 
 
 def impl_kwargs(impl: str, params: list, name: str) -> dict:
@@ -18,11 +20,7 @@ def impl_kwargs(impl: str, params: list, name: str) -> dict:
     (torch/amp/grad_scaler.py: `_step_supports_amp_scaling`). FSDP's parameters are DTensors, and
     DTensor has a rule for fused Adam and AdamW but none for fused SGD (its first step would raise
     NotImplementedError): over DTensors auto gives foreach SGD, and fused SGD is refused."""
-    tensors = (
-        [p for g in params for p in g["params"]]
-        if params and isinstance(params[0], dict)
-        else list(params)
-    )
+    tensors = flat_params(params)
     no_fused = name == "sgd" and any(isinstance(p, DTensor) for p in tensors)
     if no_fused and impl == "fused":
         raise ConfigError(FUSED_SGD_SHARDED)
@@ -104,9 +102,81 @@ def param_groups(
     return groups, {"decay": mode, "groups": record}
 
 
+class EagerStep:
+    """torchao's step, run eagerly: torchao compiles its one-parameter step (torch.compile,
+    fullgraph) for every parameter shape, which on a CPU costs tens of seconds of C++ compilation
+    per job and cannot trace the emulated fp16/bf16 tensors (precision/emulation.py). The same
+    function (torchao.optim.adam.single_param_adam) runs op by op instead, with the arguments
+    torchao's _AdamBase.step gives it: the same arithmetic, the quantized states' own ops, the
+    same stochastic rounding."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.step_one(group, p)
+        return loss
+
+    def step_one(self, group: dict, p: torch.Tensor) -> None:
+        """One parameter's step: its state made on first use (torchao's _new_buffer: quantized
+        where the tensor is large enough), then torchao's single_param_adam."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = self._new_buffer(p, True)
+            state["exp_avg_sq"] = self._new_buffer(p, False)
+        state["step"] += 1
+        sr = rounds_stochastically(self.bf16_stochastic_round, p.dtype)
+        torchao.optim.adam.single_param_adam(
+            p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
+            group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
+            group["eps"], self.is_adamw, sr,
+        )
+
+
+# optimizer=adamw8bit, adamw4bit, adamw_fp8: torchao's AdamW with both moments quantized in blocks
+# of one scale (8-bit: dynamic-tree codes, 256 per block; 4-bit: 128 per block; FP8: e4m3, 256 per
+# block); tensors under 4096 elements (or of a size no block divides) keep fp32 moments, as
+# bitsandbytes does. torchao rather than bitsandbytes: torchao is already a dependency (fp8.py),
+# its states are tensor subclasses that run on a CPU and under FSDP2's DTensors, bitsandbytes needs
+# its own CUDA library.
+TORCHAO_ADAMW = {
+    "adamw8bit": torchao.optim.AdamW8bit,
+    "adamw4bit": torchao.optim.AdamW4bit,
+    "adamw_fp8": torchao.optim.AdamWFp8,
+    "adamw_sr": torchao.optim._AdamW,
+}
+EAGER_ADAMW = {k: type(f"Eager{c.__name__}", (EagerStep, c), {}) for k, c in TORCHAO_ADAMW.items()}
+
+
+def torchao_adamw(cfg: OptimizerConfig, params: list, on_cuda: bool) -> torch.optim.Optimizer:
+    """torchao's AdamW for optimizer=adamw8bit/adamw4bit/adamw_fp8 or optimizer.stochastic_round
+    (its plain AdamW with bf16_stochastic_round); compiled on CUDA (torchao's way), eager
+    elsewhere (EagerStep)."""
+    key = "adamw_sr" if cfg.stochastic_round else cfg.name
+    cls = (TORCHAO_ADAMW if on_cuda else EAGER_ADAMW)[key]
+    extra = {"bf16_stochastic_round": True} if cfg.stochastic_round else {}
+    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+               weight_decay=cfg.weight_decay, **extra)
+
+
+def flat_params(params: list) -> list:
+    """The tensors of `params` (tensors or param groups)."""
+    if params and isinstance(params[0], dict):
+        return [p for g in params for p in g["params"]]
+    return list(params)
+
+
 def build_optimizer(cfg: OptimizerConfig, params: list) -> torch.optim.Optimizer:
     """The optimizer of `cfg` over `params` (tensors or param groups), in the implementation
-    optimizer.impl picks."""
+    optimizer.impl picks; torchao's AdamW for the low-bit states and stochastic rounding."""
+    if cfg.low_bit or cfg.stochastic_round:
+        return torchao_adamw(cfg, params, all(p.is_cuda for p in flat_params(params)))
     try:
         optimizer = _build(cfg, params, impl_kwargs(cfg.impl, params, cfg.name))
     except RuntimeError as e:  # fused=True on parameters its kernels do not take
@@ -234,7 +304,10 @@ class FastaiOneCycle:
     def _apply(self) -> None:
         for group, lr_max in zip(self.optimizer.param_groups, self.max_lrs):
             lr, mom = fastai_onecycle_values(self.last_step, self.total_steps, lr_max, *self.args)
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):   # torchao's optimizers keep lr a tensor
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
             if "betas" in group:
                 group["betas"] = (mom, group["betas"][1])
             elif "momentum" in group:
@@ -245,7 +318,7 @@ class FastaiOneCycle:
         self._apply()
 
     def get_last_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
         return {"last_step": self.last_step, "max_lrs": list(self.max_lrs)}
