@@ -155,14 +155,14 @@ def speedup_bars(path: Path, title: str, labels: list[str], series: dict, publis
 
 
 def time_and_memory(path: Path, title: str, labels: list[str], time_series: dict, mem_series: dict,
-                    mem_kind: str, emulated: frozenset = frozenset()) -> Path:
+                    mem_kind: str, emulated: frozenset = frozenset(),
+                    tag: str = "emulated") -> Path:
     """Training time and peak memory per label and precision; bars that are not their precision's
     arithmetic (emulated, or TF32 that ran as fp32: records.no_speedup) hatched."""
     if len(labels) <= 3:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(10.0, 2.4 * len(labels) + 5), 4.4))
     else:   # many models or variants: one above the other, each as wide as a page
         fig, (a1, a2) = plt.subplots(2, 1, figsize=(min(14.0, 1.3 * len(labels) + 4), 9.0))
-    tag = "emulated" if all(p != "tf32" for _, p in emulated) else "emulated or fp32 arithmetic"
     _grouped_bars(a1, labels, time_series, "training time (s)", "{:.3g}", emulated, tag)
     a1.set_title("training time (eval excluded)")
     _grouped_bars(a2, labels, mem_series, "peak memory (MB)", "{:.0f}", emulated, tag)
@@ -387,8 +387,11 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                 "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
         mem_kind = " / ".join(what.get(k, k) for k in kinds)
         emulated = frozenset((g.label, g.precision) for g in groups
-                             if any(records.no_speedup(j.summary) for j in g.jobs))
-        plain = any(records.fp32_arithmetic(j.summary) for g in groups for j in g.jobs)
+                             if any(records.emulated(j.summary) for j in g.jobs))
+        plain = frozenset((g.label, g.precision) for g in groups
+                          if any(records.fp32_arithmetic(j.summary) for j in g.jobs))
+        tag = " or ".join(([] if not emulated else ["emulated"])
+                          + ([] if not plain else ["fp32 arithmetic"])) or "emulated"
         figs.append(
             {
                 "path": time_and_memory(
@@ -398,12 +401,13 @@ def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
                     times,
                     mems,
                     mem_kind,
-                    emulated,
+                    emulated | plain,
+                    tag,
                 ),
                 "caption": "Training time (eval excluded) and peak memory per model and precision, "
                            "mean over "
                 "completed runs; error bars: standard deviation over seeds."
-                + (EMULATED_CAPTION if emulated - {(lb, "tf32") for lb, _ in emulated} else "")
+                + (EMULATED_CAPTION if emulated else "")
                 + (PLAIN_FP32_CAPTION if plain else ""),
             }
         )

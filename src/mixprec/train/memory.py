@@ -144,14 +144,18 @@ class SavedCount:
         self.params: set = set()
         self.seen: set = set()
         self.parts = {"activations": defaultdict(int), "weight_copies": defaultdict(int)}
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.hooks = None
 
     def __enter__(self) -> "SavedCount":
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self.hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        # the hooks hold this object's bound methods: dropped, so no cycle keeps the model alive
+        # past its job (a finished job frees its model without the cycle collector)
         self.hooks.__exit__(*exc)
+        self.hooks = None
 
     def refresh(self) -> None:
         """The parameters' storages now (FSDP registers a unit's gathered weights in its
