@@ -604,3 +604,18 @@ def test_submitit_local_sweep(tmp_path):
     assert "fp32" in table and "tf32" in table and table.count("completed") == 2
     assert (sweep / "report" / "report.md").exists()
     assert list(sweep.glob(".submitit/*/*_0_log.out"))   # the jobs ran through submitit
+
+
+def test_the_memory_ledger_under_ddp_counts_a_ranks_whole_replica(tmp_path):
+    """DDP replicates: each rank holds the whole model, its gradients and Adam's state, so rank
+    0's ledger (summary.json's memory) is the one-process count, 16 bytes a parameter for fp32
+    Adam, while its activations are those of its own half of the global batch."""
+    from test_memory import ADAM, expected_state
+
+    codes = on_two_ranks(tmp_path, [[*RANKED, *ADAM]])
+    assert codes == [0, 0], codes
+    mem = json.loads((tmp_path / "0_job" / "summary.json").read_text())["memory"]
+    want = expected_state("fp32")
+    for part in ("weights", "masters", "grads", "optimizer", "buffers"):
+        assert mem["bytes"][part] == want[part], (part, mem["bytes"], want)
+    assert mem["samples"] == 8 and mem["bytes"]["activations"] > 0   # 16 a step over 2 ranks

@@ -8,7 +8,7 @@ from torch import nn
 from helpers import TINY, compose_config, run_tiny
 from mixprec.config import validate
 from mixprec.models import build_model
-from mixprec.precision import emulation
+from mixprec.precision import emulation, modes
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.train.memory import SavedCount, pieces
 
@@ -17,6 +17,8 @@ MODES = ["fp32", "amp", "half", "o2", "bf16", "fp8"]
 ADAM = ["optimizer=adam", "optimizer.eps=1e-4", "trainer.max_steps=3", "trainer.log_every=2",
         "trainer.warmup_steps=1"]
 SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+# every mode: the six above in the quick loop, the other nine slow (a job each)
+ALL_MODES = [m if m in MODES else pytest.param(m, marks=pytest.mark.slow) for m in modes.MODES]
 
 
 def fresh_model(config) -> nn.Module:
@@ -49,7 +51,7 @@ def expected_state(mode: str, overrides=()) -> dict:
             "buffers": floats * (4 if p.keep_bn_fp32 else low) + ints}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_the_ledger_counts_each_part_as_an_independent_count(tmp_path, mode):
     """A real job (small CNN, Adam, CPU, fp16/bf16 emulated): weights, masters, gradients and
     optimizer state as the config says they are (fp32 Adam: 16 bytes a parameter; o2 adds the fp16
@@ -69,7 +71,7 @@ def test_the_ledger_counts_each_part_as_an_independent_count(tmp_path, mode):
         assert abs(mem["bytes_per_param"] - 16) < 0.01          # fp32 Adam (+ its step scalars)
     if mode == "o2":
         assert 18 <= mem["bytes_per_param"] < 18.1              # + the fp16 model
-    scaled = mode in ("amp", "o2")
+    scaled = validate(compose_config(*TINY, f"precision={mode}")).precision.loss_scale == "dynamic"
     assert mem["bytes"]["scaler"] == (8 if scaled else 0)       # GradScaler: scale, growth tracker
     assert mem["bytes"]["buffers"] == want["buffers"]
     assert mem["step"] == 2 and mem["samples"] == 16 and mem["bytes"]["activations"] > 0
