@@ -402,11 +402,12 @@ def calibrate(plan, args, out: Path) -> dict:
         record_exit(out, rc, wall)
         costs, untimed, jobs = {}, {}, sweep_jobs(folder)[0] if folder.exists() else []
         for summ in (j.summary for j in jobs):
-            cost, key = cost_from_summary(summ), "|".join(_job_key(summ, list(s.grid)))
+            # job_key, not key: that is the calibration's own, written below
+            cost, job_key = cost_from_summary(summ), "|".join(_job_key(summ, list(s.grid)))
             if cost is not None:
-                costs[key] = cost.__dict__
+                costs[job_key] = cost.__dict__
             else:
-                untimed[key] = untimed_reason(summ)
+                untimed[job_key] = untimed_reason(summ)
         # not skipped
         ran = [j.summary for j in jobs if (j.dir / records.SUMMARY).stat().st_mtime >= started]
         # the process, once per sweep

@@ -500,8 +500,9 @@ def test_a_cpu_jobs_peak_is_its_own_not_an_earlier_jobs(tmp_path, monkeypatch):
 @pytest.mark.slow   # a subprocess sweep
 def test_a_sweep_reports_each_cpu_jobs_own_peak(tmp_path):
     """A CPU sweep in one process (train.py -m): ResNet-18 on 32x32 images, then a small CNN
-    (width 32); the small CNN's peak is below ResNet-18's, and the sweep's table says what the
-    column measured."""
+    (width 32). The RSS since the job's start still holds the heap glibc kept from ResNet-18 (in a
+    fresh CI venv the small CNN read 1510 MB against 1558), so the column says so; each job's own
+    bytes are the memory ledger's, the small CNN's far below ResNet-18's."""
     import json
 
     from helpers import run_cli
@@ -514,6 +515,6 @@ def test_a_sweep_reports_each_cpu_jobs_own_peak(tmp_path):
     peak = {}
     for p in tmp_path.glob("*/summary.json"):
         s = json.loads(p.read_text())
-        peak[s["choices"]["model"]] = s["metrics"]["peak_memory_mb"]
-    assert peak["small_cnn"] < peak["resnet18"] - 50, peak
+        peak[s["choices"]["model"]] = s["memory"]["total_bytes"]
+    assert peak["small_cnn"] < peak["resnet18"] / 5, peak
     assert "peak MB (RSS since job start, heap kept from earlier jobs included)" in r.stdout

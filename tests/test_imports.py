@@ -183,6 +183,8 @@ LAZY = {
         "torchao: optional (the fp8 extra)",
     ("mixprec.precision.mxfp8", "torchao.quantization.quantize_.common.kernel_preference"):
         "torchao: optional (the fp8 extra)",
+    ("mixprec.train.optim", "torchao.optim"): "torchao: optional (the fp8 extra)",
+    ("mixprec.train.optim", "torchao.optim.adam"): "torchao: optional (the fp8 extra)",
     ("mixprec.records.wandb_mirror", "wandb"): OPTIONAL_WANDB,
     ("mixprec.report.callbacks", "mixprec.report.make"): "matplotlib: only a sweep's report",
     ("mixprec.report.wandb_report", "wandb"): OPTIONAL_WANDB,

@@ -218,7 +218,8 @@ def test_every_plot_is_a_png_embedded_in_the_html(runs):
     figs = runs["data"]["experiments"][0]["plots"]
     names = sorted(Path(f["path"]).name for f in figs)
     assert names == sorted(
-        f"default_{k}.png" for k in ("speedup", "time_memory", "curves", "ladder", "loss_scale")
+        f"default_{k}.png" for k in ("speedup", "time_memory", "curves", "ladder", "loss_scale",
+                                     "memory_ledger")
     )
     html = (runs["out"] / "report.html").read_text()
     md = (runs["out"] / "report.md").read_text()
@@ -240,7 +241,8 @@ def test_the_sweep_ends_with_its_report(runs):
     assert f"report      {runs['sweep'] / 'report' / 'report.html'}" in out
     data = json.loads((runs["sweep"] / "report" / "report.json").read_text())
     # no ladder: no source lists `default`
-    assert data["jobs"] == 4 and len(data["experiments"][0]["plots"]) == 4
+    # speed-up, time and memory, curves, loss scale, the memory ledger's bars
+    assert data["jobs"] == 4 and len(data["experiments"][0]["plots"]) == 5
     assert all(
         (runs["sweep"] / "report" / "plots" / Path(f["path"]).name).exists()
         for f in data["experiments"][0]["plots"]

@@ -440,7 +440,8 @@ def test_sweep_records_a_failing_job_goes_on_and_resume_skips_completed_jobs(tmp
     assert "IsADirectoryError" in s[1]["error"] and "Traceback" in s[1]["traceback"]
     table = r.stdout[r.stdout.index(f"sweep {sweep}: 3 jobs"):].splitlines()
     assert (
-        table[4].split()[:4] == ["1", "small_cnn", "fp32", "failed"]
+        table[4].split()[:3] == ["1", "small_cnn", "fp32"]   # then its swept seed, its status
+        and table[4].split()[3].startswith("seed=") and table[4].split()[4] == "failed"
         and "IsADirectoryError" in table[4]
     )
     assert "trainer.resume=auto" in r.stderr and f"hydra.sweep.dir={sweep}" in r.stderr

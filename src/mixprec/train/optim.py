@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torchao.optim
-import torchao.optim.adam
 from torch.distributed.tensor import DTensor
 
 from ..config import FUSED_SGD_SHARDED, ConfigError, OptimizerConfig, ScheduleConfig
@@ -132,7 +130,9 @@ class EagerStep:
             state["exp_avg_sq"] = self._new_buffer(p, False)
         state["step"] += 1
         sr = rounds_stochastically(self.bf16_stochastic_round, p.dtype)
-        torchao.optim.adam.single_param_adam(
+        from torchao.optim.adam import single_param_adam   # lazy: torchao is the fp8 extra
+
+        single_param_adam(
             p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
             group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
             group["eps"], self.is_adamw, sr,
@@ -145,13 +145,20 @@ class EagerStep:
 # bitsandbytes does. torchao rather than bitsandbytes: torchao is already a dependency (fp8.py),
 # its states are tensor subclasses that run on a CPU and under FSDP2's DTensors, bitsandbytes needs
 # its own CUDA library.
-TORCHAO_ADAMW = {
-    "adamw8bit": torchao.optim.AdamW8bit,
-    "adamw4bit": torchao.optim.AdamW4bit,
-    "adamw_fp8": torchao.optim.AdamWFp8,
-    "adamw_sr": torchao.optim._AdamW,
-}
-EAGER_ADAMW = {k: type(f"Eager{c.__name__}", (EagerStep, c), {}) for k, c in TORCHAO_ADAMW.items()}
+TORCHAO_ADAMW = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit", "adamw_fp8": "AdamWFp8",
+                 "adamw_sr": "_AdamW"}
+
+
+def torchao_class(key: str, on_cuda: bool) -> type:
+    """torchao's optimizer class for `key` (TORCHAO_ADAMW), or its EagerStep twin off CUDA; a
+    ConfigError in one line without torchao (an optional dependency: the fp8 extra)."""
+    try:
+        import torchao.optim   # lazy: torchao is the fp8 extra
+    except ImportError as e:
+        raise ConfigError(f"optimizer {key}: torchao is not installed ({e}); "
+                          'pip install -e ".[fp8]"') from None
+    cls = getattr(torchao.optim, TORCHAO_ADAMW[key])
+    return cls if on_cuda else type(f"Eager{cls.__name__}", (EagerStep, cls), {})
 
 
 def torchao_adamw(cfg: OptimizerConfig, params: list, on_cuda: bool) -> torch.optim.Optimizer:
@@ -159,7 +166,7 @@ def torchao_adamw(cfg: OptimizerConfig, params: list, on_cuda: bool) -> torch.op
     (its plain AdamW with bf16_stochastic_round); compiled on CUDA (torchao's way), eager
     elsewhere (EagerStep)."""
     key = "adamw_sr" if cfg.stochastic_round else cfg.name
-    cls = (TORCHAO_ADAMW if on_cuda else EAGER_ADAMW)[key]
+    cls = torchao_class(key, on_cuda)
     extra = {"bf16_stochastic_round": True} if cfg.stochastic_round else {}
     return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                weight_decay=cfg.weight_decay, **extra)
