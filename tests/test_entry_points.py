@@ -156,7 +156,9 @@ def test_each_shell_scripts_inline_python_compiles_and_its_imports_resolve(path)
 
 
 def run_shell(*args):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    # the script runs `python`: this interpreter's, as in an activated venv
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", PATH=path)
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env=env)
 
