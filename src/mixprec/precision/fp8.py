@@ -65,23 +65,6 @@ def emulation_reason(device: torch.device) -> str | None:
     return None
 
 
-def kept_in_bf16(model: nn.Module) -> dict[str, str]:
-    """The Linear layers left out of float8, by name, with the reason."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    kept = {}
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear):
-            continue
-        if id(m.weight) in embeddings:
-            kept[name] = "output head tied to the embedding"
-        elif m.in_features % 16 or m.out_features % 16:
-            kept[name] = (
-                f"{m.in_features}x{m.out_features}: a dimension not divisible by 16 "
-                "(torch._scaled_mm)"
-            )
-    return kept
-
-
 def convert(model: nn.Module, recipe: str, device: torch.device, fsdp: bool = False) -> dict:
     """Swap the model's eligible Linear layers for Float8Linear (MXFP8Linear for the mxfp8 recipe:
     mxfp8.convert) in place; returns what the summary records. fsdp (trainer.strategy=fsdp):
@@ -98,7 +81,7 @@ def convert(model: nn.Module, recipe: str, device: torch.device, fsdp: bool = Fa
         pad_inner_dim=why is None,
         enable_fsdp_float8_all_gather=fsdp and recipe == "tensorwise",
     )
-    kept = kept_in_bf16(model)
+    kept = mxfp8.kept_in_bf16(model)
     float8.convert_to_float8_training(
         model, config=config, module_filter_fn=lambda m, name: name not in kept
     )

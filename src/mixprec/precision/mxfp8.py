@@ -71,8 +71,11 @@ def emulation_reason(device: torch.device) -> str | None:
     return None
 
 
-def kept_in_bf16(model: nn.Module) -> dict[str, str]:
-    """The Linear layers left out of MXFP8, by name, with the reason."""
+def kept_in_bf16(model: nn.Module, multiple: int = 16,
+                 why: str = "torch._scaled_mm") -> dict[str, str]:
+    """The Linear layers left out of float8 (fp8.py: multiple 16) or MXFP8 (multiple 32, its
+    blocks), by name, with the reason: a head tied to the embedding, a dimension `multiple` does
+    not divide."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     kept = {}
     for name, m in model.named_modules():
@@ -80,9 +83,11 @@ def kept_in_bf16(model: nn.Module) -> dict[str, str]:
             continue
         if id(m.weight) in embeddings:
             kept[name] = "output head tied to the embedding"
-        elif m.in_features % BLOCK or m.out_features % BLOCK:
-            kept[name] = (f"{m.in_features}x{m.out_features}: a dimension not divisible by "
-                          f"{BLOCK} (MX blocks)")
+        elif m.in_features % multiple or m.out_features % multiple:
+            kept[name] = (
+                f"{m.in_features}x{m.out_features}: a dimension not divisible by {multiple} "
+                f"({why})"
+            )
     return kept
 
 
@@ -93,7 +98,7 @@ def convert(model: nn.Module, device: torch.device) -> dict:
     MXFP8Linear, KernelPreference, ScaleCalculationMode = require_torchao()
     why = emulation_reason(device)
     preference = KernelPreference.EMULATED if why is not None else KernelPreference.AUTO
-    kept = kept_in_bf16(model)
+    kept = kept_in_bf16(model, BLOCK, "MX blocks")
     converted = []
     for name, m in list(model.named_modules()):
         if type(m) is not nn.Linear or name in kept:
