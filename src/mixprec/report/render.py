@@ -139,7 +139,23 @@ def _inline(text: str) -> str:
 
 
 def document(data: dict) -> Doc:
+    """The whole report: its opening, the results folders side by side, the unreadable records,
+    then each experiment's sections (experiment_section)."""
     d = Doc()
+    opening(d, data)
+    if data.get("reference"):
+        reference_section(d, data["reference"])
+    if data["problems"]:
+        d.p("Unreadable records (left out):")
+        d.bullets(data["problems"])
+    stand_ins = has_stand_ins(data.get("reference"))
+    for exp in data["experiments"]:
+        experiment_section(d, exp, stand_ins)
+    return d
+
+
+def opening(d: Doc, data: dict) -> None:
+    """The title, and what the numbers are read from and how they are computed."""
     d.h(1, "mixprec reproduction report")
     d.p(
         f"Generated {data['generated']} from {data['jobs']} job(s) under: "
@@ -150,139 +166,146 @@ def document(data: dict) -> Doc:
         "`a ± b (n=k)` is the mean and sample standard deviation over k seeds. Ratio = reproduced "
         "/ published."
     )
-    if data.get("reference"):
-        reference_section(d, data["reference"])
-    stand_ins = any(
+
+
+def has_stand_ins(reference: dict | None) -> bool:
+    """Whether a results folder's plan ran a smaller stand-in for some published value (a cell
+    "[stand-in: ...]" of the side-by-side section)."""
+    return any(
         "[stand-in:" in c
-        for a in (data.get("reference") or {}).get("articles", [])
+        for a in (reference or {}).get("articles", [])
         for r in a["rows"]
         for c in r["cells"]
     )
-    if data["problems"]:
-        d.p("Unreadable records (left out):")
-        d.bullets(data["problems"])
-    for exp in data["experiments"]:
-        d.h(2, f"Experiment `{exp['name']}` ({exp['jobs']} jobs)")
-        d.p("Published sources: " + (", ".join(exp["sources"]) if exp["sources"] else
-                                      "none lists this experiment; reproduced numbers only."))
-        d.h(3, "Hardware and software")
-        d.table(
-            [
-                "device",
-                "torch",
-                "CUDA",
-                "cuDNN",
-                "python",
-                "TF32",
-                "git commit",
-                "jobs",
-                "versions",
-            ],
-            [
-                [
-                    r["device"],
-                    r["torch"],
-                    r["cuda"],
-                    r["cudnn"],
-                    r["python"],
-                    r["tf32"],
-                    r["git_commit"],
-                    r["jobs"],
-                    r.get("pinned", "-"),
-                ]
-                for r in exp["env"]
-            ],
+
+
+def experiment_section(d: Doc, exp: dict, stand_ins: bool) -> None:
+    """One experiment: its sources, environment and runs, then each table its data has, then its
+    figures."""
+    d.h(2, f"Experiment `{exp['name']}` ({exp['jobs']} jobs)")
+    d.p("Published sources: " + (", ".join(exp["sources"]) if exp["sources"] else
+                                  "none lists this experiment; reproduced numbers only."))
+    environment_section(d, exp)
+    runs_section(d, exp)
+    if exp.get("ladder"):
+        ladder_section(d, exp["ladder"])
+    if exp.get("parity"):
+        parity_section(d, exp["parity"])
+    if exp.get("fsdp"):
+        fsdp_section(d, exp["fsdp"])
+    if exp.get("perplexity"):
+        perplexity_section(d, exp["perplexity"])
+    if exp["comparisons"]:
+        d.h(3, "Reproduced against published")
+        comparisons_section(d, exp, stand_ins)
+    if exp["not_completed"]:
+        failures_section(d, exp["not_completed"])
+    if exp.get("verdicts"):
+        verdicts_section(d, exp["verdicts"])
+    for fig in exp.get("plots", []):
+        d.image(fig["path"], fig["caption"])
+
+
+ENV_HEADS = ["device", "torch", "CUDA", "cuDNN", "python", "TF32", "git commit", "jobs", "versions"]
+
+
+def environment_section(d: Doc, exp: dict) -> None:
+    """Hardware and software: a row per environment the jobs ran in, what ran with other package
+    versions than the tested ones, and how many jobs recorded none."""
+    d.h(3, "Hardware and software")
+    d.table(
+        ENV_HEADS,
+        [[r["device"], r["torch"], r["cuda"], r["cudnn"], r["python"], r["tf32"], r["git_commit"],
+          r["jobs"], r.get("pinned", "-")] for r in exp["env"]],
+    )
+    unpinned = sum(r["jobs"] for r in exp["env"] if r.get("unpinned"))
+    if unpinned:
+        d.p(
+            f"**Versions:** {unpinned} job(s) ran with package versions other than the tested "
+            "ones (constraints.txt; the README's set-up command installs them): see the "
+            "versions column."
         )
-        unpinned = sum(r["jobs"] for r in exp["env"] if r.get("unpinned"))
-        if unpinned:
-            d.p(
-                f"**Versions:** {unpinned} job(s) ran with package versions other than the tested "
-                "ones (constraints.txt; the README's set-up command installs them): see the "
-                "versions column."
-            )
-        unrecorded = exp["jobs"] - sum(r["jobs"] for r in exp["env"])
-        if unrecorded:
-            d.p(f"{unrecorded} job(s) failed before recording their environment (see below).")
-        d.h(3, "Runs")
-        gs = exp["groups"]
-        runs_tables(d, gs)
-        bound = [
-            g["label"] + " " + g["precision"]
-            for g in gs
-            if busy.verdict((g["metrics"].get("gpu_busy_fraction") or {}).get("mean"))
-            == "host-bound"
-        ]
-        if bound:
-            d.p(f"**Host-bound:** {', '.join(bound)}: {HOST_BOUND_NOTE}.")
-        if exp["variants"]:
-            d.p("Variants (what else differs between these jobs): "
-                + "; ".join(f"{k} = `{v}`" for k, v in exp["variants"].items()))
-        if exp.get("ladder"):
-            d.h(3, "Ladder")
-            d.p(
-                "Per ladder step, as the sweep's console table: statistics over all the step's "
-                "runs (seeds); Page s and Page ep: the article's V100 time and epochs for that "
-                "step (step 1's 75 s on his clock, started before the data's padding and "
-                "normalisation: compare it with time+prep s)."
-            )
-            d.table(
-                [h for _, h, _ in LADDER_COLUMNS],
-                [row_cells(ladder_cells(r), LADDER_COLUMNS) for r in exp["ladder"]],
-            )
-        if exp.get("parity"):
-            parity_section(d, exp["parity"])
-        if exp.get("fsdp"):
-            fsdp_section(d, exp["fsdp"])
-        if exp.get("perplexity"):
-            d.h(3, "Perplexity per epoch")
-            d.p(
-                "Validation and test perplexity after each epoch (metrics.jsonl epoch rows), mean "
-                "over the completed runs of each model and precision."
-            )
-            d.table(PPL_HEADS, [ppl_cells(r) for r in exp["perplexity"]])
-        if exp["comparisons"]:
-            d.h(3, "Reproduced against published")
-            comparisons_section(d, exp, stand_ins)
-        if exp["not_completed"]:
-            d.h(3, "Runs that diverged or failed")
-            d.table(
-                ["job", "model", "precision", "seed", "status", "reason", "non-finite at step"],
-                [
-                    [
-                        p["job"] if p["job"] is not None else Path(p["dir"]).name,
-                        f"{p['model']} {p['variant']}".strip(),
-                        p["precision"],
-                        p["seed"],
-                        p["status"],
-                        p["reason"],
-                        p["step"] if p["step"] is not None else "-",
-                    ]
-                    for p in exp["not_completed"]
-                ],
-            )
-        if exp.get("verdicts"):
-            d.h(3, "Numerics verdicts")
-            d.p(
-                "What the numerics probe's rules read from each job's measurements "
-                "(src/mixprec/numerics/verdicts.py), and the rows each verdict came from."
-            )
-            d.table(
-                ["job", "model", "precision", "status", "verdict", "from"],
-                [
-                    [
-                        v["job"],
-                        v["model"],
-                        v["precision"],
-                        v["status"],
-                        v["verdict"],
-                        "; ".join(v["cites"]),
-                    ]
-                    for v in exp["verdicts"]
-                ],
-            )
-        for fig in exp.get("plots", []):
-            d.image(fig["path"], fig["caption"])
-    return d
+    unrecorded = exp["jobs"] - sum(r["jobs"] for r in exp["env"])
+    if unrecorded:
+        d.p(f"{unrecorded} job(s) failed before recording their environment (see below).")
+
+
+def runs_section(d: Doc, exp: dict) -> None:
+    """Runs: the runs tables, the groups a host-bound GPU makes no precision's speed-up, and the
+    variants (what else differs between the jobs)."""
+    d.h(3, "Runs")
+    gs = exp["groups"]
+    runs_tables(d, gs)
+    bound = [
+        g["label"] + " " + g["precision"]
+        for g in gs
+        if busy.verdict((g["metrics"].get("gpu_busy_fraction") or {}).get("mean"))
+        == "host-bound"
+    ]
+    if bound:
+        d.p(f"**Host-bound:** {', '.join(bound)}: {HOST_BOUND_NOTE}.")
+    if exp["variants"]:
+        d.p("Variants (what else differs between these jobs): "
+            + "; ".join(f"{k} = `{v}`" for k, v in exp["variants"].items()))
+
+
+def ladder_section(d: Doc, rows: list[dict]) -> None:
+    """Page's ladder, per step, as the sweep's console table has it (analyse.ladder_rows)."""
+    d.h(3, "Ladder")
+    d.p(
+        "Per ladder step, as the sweep's console table: statistics over all the step's "
+        "runs (seeds); Page s and Page ep: the article's V100 time and epochs for that "
+        "step (step 1's 75 s on his clock, started before the data's padding and "
+        "normalisation: compare it with time+prep s)."
+    )
+    d.table(
+        [h for _, h, _ in LADDER_COLUMNS],
+        [row_cells(ladder_cells(r), LADDER_COLUMNS) for r in rows],
+    )
+
+
+def perplexity_section(d: Doc, rows: list[dict]) -> None:
+    """Validation and test perplexity per epoch (analyse.perplexity_rows)."""
+    d.h(3, "Perplexity per epoch")
+    d.p(
+        "Validation and test perplexity after each epoch (metrics.jsonl epoch rows), mean "
+        "over the completed runs of each model and precision."
+    )
+    d.table(PPL_HEADS, [ppl_cells(r) for r in rows])
+
+
+def failures_section(d: Doc, rows: list[dict]) -> None:
+    """The runs that diverged or failed: how, why, and at which step a value went non-finite."""
+    d.h(3, "Runs that diverged or failed")
+    d.table(
+        ["job", "model", "precision", "seed", "status", "reason", "non-finite at step"],
+        [
+            [
+                p["job"] if p["job"] is not None else Path(p["dir"]).name,
+                f"{p['model']} {p['variant']}".strip(),
+                p["precision"],
+                p["seed"],
+                p["status"],
+                p["reason"],
+                p["step"] if p["step"] is not None else "-",
+            ]
+            for p in rows
+        ],
+    )
+
+
+def verdicts_section(d: Doc, rows: list[dict]) -> None:
+    """The numerics probe's verdicts per job, each with the rows it came from."""
+    d.h(3, "Numerics verdicts")
+    d.p(
+        "What the numerics probe's rules read from each job's measurements "
+        "(src/mixprec/numerics/verdicts.py), and the rows each verdict came from."
+    )
+    d.table(
+        ["job", "model", "precision", "status", "verdict", "from"],
+        [[v["job"], v["model"], v["precision"], v["status"], v["verdict"], "; ".join(v["cites"])]
+         for v in rows],
+    )
 
 
 def runs_tables(d: Doc, gs: list[dict]) -> None:
