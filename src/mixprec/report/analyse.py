@@ -1,7 +1,7 @@
 """The report's analysis: jobs grouped by experiment and by model x variant x precision, each
 published value compared with the runs it matches, the per-job sweep rows and Page's ladder rows. It
-returns plain data (written as report.json); render.py turns it into the report and the end-of-sweep
-console tables, plots.py into figures.
+returns plain data (written as report.json); render.py turns it into the report, console.py into the
+end-of-sweep console tables, plots.py into figures.
 
 Within an experiment (summary["name"]) the variant is whatever else differs between its jobs: a
 trick, an optimizer, a ladder step; seeds are not a variant: repeated seeds are summarised as mean
