@@ -130,7 +130,7 @@ def test_tables_and_report_say_batch_compile_and_host_bound(tmp_path):
     from mixprec import records
     from mixprec.report.analyse import sweep_rows
     from mixprec.report.make import make_report
-    from mixprec.report.render import format_table, job_block, sweep_note
+    from mixprec.report.console import format_table, job_block, sweep_note
 
     jobs = []
     for i, (precision, b) in enumerate([("fp32", 0.3), ("tf32", 0.95)]):

@@ -11,7 +11,7 @@ from mixprec.train import compile, shard
 from mixprec import job
 from helpers import run_tiny
 from mixprec.report.analyse import sweep_rows
-from mixprec.report.render import job_block
+from mixprec.report.console import job_block
 from test_gpt import GPT_JOB
 from test_speed import SMALL
 

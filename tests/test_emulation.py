@@ -726,7 +726,7 @@ def test_a_job_records_and_shows_its_arithmetic(tmp_path, emulate):
     from helpers import run_tiny
 
     from mixprec.report.analyse import precision_label, sweep_rows
-    from mixprec.report.render import job_block, sweep_note
+    from mixprec.report.console import job_block, sweep_note
 
     s = run_tiny(tmp_path, "precision=amp", f"precision.emulate={emulate}", "dataset.image_size=8")
     assert s["status"] == "completed"

@@ -28,7 +28,7 @@ from mixprec.precision import emulation
 from mixprec.train.prewarm import prewarm
 from mixprec.report.published import PUBLISHED_DIR, load_source, load_sources, matches
 from mixprec.report.analyse import ladder_rows
-from mixprec.report.render import ladder_cells
+from mixprec.report.rows import ladder_cells
 
 
 def composed(*overrides):

@@ -37,7 +37,7 @@ def test_eval_batches_caps_an_image_jobs_evaluation_and_says_so(tmp_path):
     assert s["metrics"]["eval_batches"] == 2 and s["epochs"][-1]["eval_samples"] == 32
     whole = run_tiny(tmp_path / "whole", "dataset.test_size=64", "trainer.eval_batch_size=16")
     assert whole["metrics"]["eval_batches"] is None and whole["epochs"][-1]["eval_samples"] == 64
-    from mixprec.report.render import job_block
+    from mixprec.report.console import job_block
 
     assert ("evaluation  eval: 2 batches (evenly spaced) of each split: not the whole split's"
             in job_block(s))

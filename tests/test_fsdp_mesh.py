@@ -17,7 +17,7 @@ from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.models.gpt import GPT
 from mixprec.precision.sharded import ShardedPolicy, after_steps
 from mixprec.report.analyse import sharded_cell, sweep_rows
-from mixprec.report.render import format_table
+from mixprec.report.console import format_table
 from mixprec.runtime import dist
 from mixprec.train import checkpoint, shard
 from mixprec.train.loop import LoopState

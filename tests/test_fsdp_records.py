@@ -14,7 +14,8 @@ from mixprec.config import ConfigError, validate
 from mixprec.job import wrapper
 from mixprec.models import build_model
 from mixprec.report.analyse import fsdp_rows, sweep_rows
-from mixprec.report.render import Doc, format_table, fsdp_section
+from mixprec.report.console import format_table
+from mixprec.report.render import Doc, fsdp_section
 from mixprec.runtime import dist
 from mixprec.train import checkpoint
 from mixprec.train.build import build_trained

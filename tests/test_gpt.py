@@ -21,7 +21,7 @@ from mixprec.models import build_model
 from mixprec.precision import modes
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.report.analyse import sweep_rows
-from mixprec.report.render import format_table, sweep_note
+from mixprec.report.console import format_table, sweep_note
 from mixprec.train.build import build_trained
 
 CPU = torch.device("cpu")

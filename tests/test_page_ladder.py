@@ -8,7 +8,7 @@ from helpers import compose_config, run_cli, run_tiny
 from mixprec.config import validate
 from mixprec.report.analyse import ladder_rows
 from mixprec.report.published import page_ladder
-from mixprec.report.render import ladder_cells
+from mixprec.report.rows import ladder_cells
 
 PAGE_LADDER = page_ladder()
 STEPS = list(PAGE_LADDER)

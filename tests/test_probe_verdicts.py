@@ -366,7 +366,7 @@ def test_the_verdict_is_in_the_console_block_the_sweep_note_report_md_and_wandb(
     pytest.importorskip("wandb")
     from mixprec.report.analyse import sweep_rows
     from mixprec.report.make import make_report
-    from mixprec.report.render import job_block
+    from mixprec.report.console import job_block
     from test_wandb_mirror import final_summary
 
     s = run_tiny(

@@ -641,7 +641,7 @@ def test_tf32_on_a_cpu_gets_no_speedup(fp32_and_tf32):
     is an fp32 job, and a gap between their times is noise and one-time costs. The sweep table,
     the runs table and the speed-up plot show no ratio for it, and say why."""
     from mixprec.report.analyse import sweep_rows
-    from mixprec.report.render import format_table
+    from mixprec.report.console import format_table
 
     root, data = fp32_and_tf32
     ss = summaries(root / "runs")
@@ -659,7 +659,7 @@ def test_tf32_on_a_cpu_gets_no_speedup(fp32_and_tf32):
                  and "time" in p["path"]]
     assert "(fp32 arithmetic)" in timing["caption"] and "not a speed-up" in timing["caption"]
     # and the tf32 job's own block says it, a job on several ranks says how many
-    from mixprec.report.render import job_block
+    from mixprec.report.console import job_block
 
     tf32_job, = [s for s in ss if s["choices"]["precision"] == "tf32"]
     assert "TF32 does nothing here: plain fp32 arithmetic" in job_block(tf32_job)
@@ -683,7 +683,7 @@ def test_skipped_steps_are_a_column_and_a_job_that_skipped_most_is_flagged(tmp_p
     table say so; a job that skipped none says 0."""
     from mixprec.report.analyse import by_experiment
     from mixprec.report.load import sweep_jobs
-    from mixprec.report.render import format_table
+    from mixprec.report.console import format_table
 
     fake_job(tmp_path / "runs", "0_fp32", "fp32", "resnet152")
     fake_job(tmp_path / "runs", "1_amp", "amp", "resnet152", skipped_steps=3)
@@ -707,7 +707,7 @@ def test_the_sweep_table_shows_every_swept_key(tmp_path):
     alike."""
     from mixprec.report.analyse import by_experiment
     from mixprec.report.load import sweep_jobs
-    from mixprec.report.render import format_table
+    from mixprec.report.console import format_table
 
     for n, (ds, seed) in enumerate([("cifar10", 0), ("synthetic", 0), ("synthetic", 1)]):
         fake_job(tmp_path / "runs", f"{n}_{ds}_{seed}", dataset=ds, seed=seed,
@@ -724,7 +724,7 @@ def test_image_and_language_model_jobs_get_a_table_each(tmp_path):
     test accuracy, the language models under tokens/s and perplexity."""
     from mixprec.report.analyse import by_experiment
     from mixprec.report.load import sweep_jobs
-    from mixprec.report.render import sweep_tables
+    from mixprec.report.console import sweep_tables
 
     fake_job(tmp_path / "runs", "0_cnn", "fp32", "small_cnn", throughput=123.0)
     fake_job(tmp_path / "runs", "1_lstm", "fp32", "lstm", throughput=4567.0)

@@ -40,7 +40,7 @@ from .precision.policy import PrecisionPolicy
 from .precision.state import PolicyState
 from . import records
 from .records import SUMMARY, Recorder, this_process, write_json_atomic
-from .report.render import job_block
+from .report.console import job_block
 from .runtime import busy, dist, hardware, logs
 from .runtime.signals import StopSignals, resume_hint
 from .tools import replay

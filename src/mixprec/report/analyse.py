@@ -1,7 +1,7 @@
 """The report's analysis: jobs grouped by experiment and by model x variant x precision, each
 published value compared with the runs it matches, the per-job sweep rows and Page's ladder rows. It
-returns plain data (written as report.json); render.py turns it into the report and the end-of-sweep
-console tables, plots.py into figures.
+returns plain data (written as report.json); render.py turns it into the report, console.py into the
+end-of-sweep console tables, plots.py into figures.
 
 Within an experiment (summary["name"]) the variant is whatever else differs between its jobs: a
 trick, an optimizer, a ladder step; seeds are not a variant: repeated seeds are summarised as mean
@@ -533,16 +533,10 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
     rows = []
     for s in summaries:
         m = records.metrics(s)
-        f = records.metrics(fp32.get(records.baseline_key(s)) or {})
+        partner = fp32.get(records.baseline_key(s))
+        f = records.metrics(partner or {})
         base = f.get("train_time_s")
         t = m.get("train_time_s")
-        gap = (
-            m["final_valid_loss"] - f["final_valid_loss"]
-            if f.get("steps") == m.get("steps")
-            and isinstance(m.get("final_valid_loss"), float)
-            and isinstance(f.get("final_valid_loss"), float)
-            else None
-        )
         rows.append(
             {
                 "job": records.job_num(s),
@@ -561,7 +555,7 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
                 "valid_ppl": m.get("best_valid_ppl"),
                 "test_ppl": m.get("test_ppl_at_best_valid"),
                 "published": published_ppl(s),
-                "loss_gap": gap,
+                "loss_gap": loss_gap(m, f),
                 "mfu": m.get("mfu"),
                 "peak_mem_mb": m.get("peak_memory_mb"),
                 "peak_mem_kind": m.get("peak_memory_kind"),
@@ -572,26 +566,30 @@ def sweep_rows(summaries: list[dict]) -> list[dict]:
                 "busy": m.get("gpu_busy_fraction"),
                 "strategy": sharded_cell(s),
                 "held_mb": held_cell(s),
-                "note": column_note(s)
-                + _case_note(s.get("case"))
-                + "; ".join(
-                    filter(
-                        None,
-                        (
-                            skipped_note(m),
-                            fp32_note(s),
-                            records.verdict_short(s),
-                            records.reason(s),
-                            records.eval_cap(s),
-                            host_bound_note(
-                                m, f, fp32.get(records.baseline_key(s)) not in (None, s)
-                            ),
-                        ),
-                    )
-                ),
+                "note": row_note(s, m, f, partner not in (None, s)),
             }
         )
     return rows
+
+
+def loss_gap(m: dict, f: dict) -> float | None:
+    """A job's final validation loss minus its fp32 partner's (metrics m and f), when both ran
+    the same number of steps and have one; None otherwise."""
+    if (f.get("steps") == m.get("steps") and isinstance(m.get("final_valid_loss"), float)
+            and isinstance(f.get("final_valid_loss"), float)):
+        return m["final_valid_loss"] - f["final_valid_loss"]
+    return None
+
+
+def row_note(s: dict, m: dict, f: dict, has_partner: bool) -> str:
+    """A sweep row's note: the article's column, the pitfall case, then what to read the row's
+    numbers beside (skipped steps, fp32 arithmetic, the verdict, why it stopped, a capped
+    evaluation, a host-bound GPU); f: the fp32 partner's metrics, has_partner: it is another
+    job."""
+    return column_note(s) + _case_note(s.get("case")) + "; ".join(
+        filter(None, (skipped_note(m), fp32_note(s), records.verdict_short(s), records.reason(s),
+                      records.eval_cap(s), host_bound_note(m, f, has_partner)))
+    )
 
 
 def skipped_most(m: dict) -> bool:

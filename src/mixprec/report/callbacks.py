@@ -1,7 +1,7 @@
 """The Hydra callback (conf/config.yaml: hydra.callbacks.sweep_table): at the end of a multirun,
 print the table of every job and, for a sweep over Page's ladder, the ladder table: the rows the
-report is made from (load.sweep_jobs -> analyse.by_experiment / ladder_rows -> render.format_table);
-with report=true, also the sweep's report."""
+report is made from (load.sweep_jobs -> analyse.by_experiment / ladder_rows ->
+console.format_table); with report=true, also the sweep's report."""
 from __future__ import annotations
 
 import sys
@@ -15,7 +15,8 @@ from ..runtime.dist import from_env
 from ..runtime.signals import resume_hint
 from .analyse import by_experiment, ladder_rows
 from .load import sweep_jobs
-from .render import LADDER_COLUMNS, format_table, ladder_cells, sweep_note, sweep_tables
+from .console import format_table, sweep_note, sweep_tables
+from .rows import LADDER_COLUMNS, ladder_cells
 
 
 class SweepTable(Callback):

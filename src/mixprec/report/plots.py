@@ -321,158 +321,170 @@ def loss_scale(path: Path, title: str, traces: list[dict]) -> Path:
 
 
 def make_plots(exp: dict, sources: list[Source], out: Path) -> list[dict]:
-    """The experiment's figures as [{path, caption}]; a figure with nothing to show is left out."""
+    """The experiment's figures as [{path, caption}], in the report's order: speed-up, time and
+    memory, memory ledger, training loss, curves per epoch, Page's ladder, loss scale; a figure with
+    nothing to show is left out."""
     groups: list[Group] = exp["_groups"]
     # a file name: 255 bytes at most
     slug = shorten(re.sub(r"[^A-Za-z0-9_.-]+", "_", exp["name"]), 100, 60)
     pdir = out / "plots"
-    figs = []
+    curves = _curves(groups)
+    figs = (speedup_figure(exp, groups, pdir / f"{slug}_speedup.png")
+            + time_memory_figure(exp["name"], groups, pdir / f"{slug}_time_memory.png")
+            + ledger_figure(exp["name"], groups, pdir / f"{slug}_memory_ledger.png")
+            + loss_figure(exp["name"], groups, curves, pdir / f"{slug}_train_loss.png")
+            + curves_figure(exp["name"], curves, pdir / f"{slug}_curves.png")
+            + ladder_figure(exp, sources, groups, pdir / f"{slug}_ladder.png")
+            + loss_scale_figure(exp["name"], groups, pdir / f"{slug}_loss_scale.png"))
+    return [{"path": str(f["path"]), "caption": f["caption"]} for f in figs]
+
+
+def series(groups: list[Group], metric: str, only=None, labs: list[str] | None = None
+           ) -> tuple[list[str], dict]:
+    """A metric's bars: (the labels with a value, precision -> [(mean, std) or None per label]);
+    only: the precisions kept (all by default); labs: the labels to show (those with a value by
+    default)."""
     labels = list(dict.fromkeys(g.label for g in groups))
     precisions = sorted({g.precision for g in groups}, key=precision_key)
+    table = {(g.label, g.precision): g.stats(metric) for g in groups
+             if only is None or only(g.precision)}
+    if labs is None:
+        labs = [lab for lab in labels if any(table.get((lab, p)) for p in precisions)]
+    by_precision = {
+        p: [
+            table.get((lab, p)) and (table[(lab, p)]["mean"], table[(lab, p)]["std"])
+            for lab in labs
+        ]
+        for p in precisions
+        if any(table.get((lab, p)) for lab in labs)
+    }
+    return labs, by_precision
 
-    def series(metric: str, only=lambda p: True, labs=None) -> tuple[list[str], dict]:
-        """(labels with a value, precision -> [(mean, std) or None per label])."""
-        table = {(g.label, g.precision): g.stats(metric) for g in groups if only(g.precision)}
-        if labs is None:
-            labs = [lab for lab in labels if any(table.get((lab, p)) for p in precisions)]
-        out_ = {
-            p: [
-                table.get((lab, p)) and (table[(lab, p)]["mean"], table[(lab, p)]["std"])
-                for lab in labs
-            ]
-            for p in precisions
-            if any(table.get((lab, p)) for lab in labs)
+
+def not_fp32(precision: str) -> bool:
+    """The speed-up figure's precisions: all but the baseline, fp32 = 1x."""
+    return precision != "fp32"
+
+
+def speedup_figure(exp: dict, groups: list[Group], path: Path) -> list[dict]:
+    """Each precision's speed-up over fp32 per model, beside the published values for the same
+    model and precision ([] when no job has a speed-up)."""
+    speed_labels, speed = series(groups, "speedup", only=not_fp32)
+    if not speed:
+        return []
+    published = []
+    for c in exp["comparisons"]:
+        if c["metric"] == "speedup":
+            for r in c["rows"]:
+                if r["group"] in speed_labels and r["reproduced"] is not None:
+                    value = tuple(c["value"]) if isinstance(c["value"], list) else c["value"]
+                    published.append(
+                        (speed_labels.index(r["group"]), r["precision"], value, c["label"])
+                    )
+    return [{
+        "path": speedup_bars(path, f"{exp['name']}: speed-up over fp32 (training time)",
+                             speed_labels, speed, published),
+        "caption": "Speed-up of each precision over fp32 (fp32 training time / its "
+                   "training time, "
+        "same other settings); error bars: standard deviation over seeds; diamonds: "
+        "published values for the same model and precision.",
+    }]
+
+
+def time_memory_figure(name: str, groups: list[Group], path: Path) -> list[dict]:
+    """Training time and peak memory per model and precision, the bars that are no time of their
+    precision's arithmetic hatched ([] when no job has a time)."""
+    time_labels, times = series(groups, "train_time_s")
+    _, mems = series(groups, "peak_memory_mb", labs=time_labels)
+    if not times:
+        return []
+    kinds = sorted(
+        {
+            k
+            for g in groups
+            for j in g.jobs
+            for k in [metrics(j.summary).get("peak_memory_kind")]
+            if k
         }
-        return labs, out_
+    )
+    what = {**{k: f"CPU, {v}" for k, v in CPU_PEAK_KINDS.items()},
+            "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
+    mem_kind = " / ".join(what.get(k, k) for k in kinds)
+    emulated = frozenset((g.label, g.precision) for g in groups
+                         if any(records.emulated(j.summary) for j in g.jobs))
+    plain = frozenset((g.label, g.precision) for g in groups
+                      if any(records.fp32_arithmetic(j.summary) for j in g.jobs))
+    tag = " or ".join(([] if not emulated else ["emulated"])
+                      + ([] if not plain else ["fp32 arithmetic"])) or "emulated"
+    return [{
+        "path": time_and_memory(path, f"{name}: training time and peak memory", time_labels,
+                                times, mems, mem_kind, emulated | plain, tag),
+        "caption": "Training time (eval excluded) and peak memory per model and precision, "
+                   "mean over "
+        "completed runs; error bars: standard deviation over seeds."
+        + (EMULATED_CAPTION if emulated else "")
+        + (PLAIN_FP32_CAPTION if plain else ""),
+    }]
 
-    speed_labels, speed = series("speedup", only=lambda p: p != "fp32")
-    if speed:
-        published = []
-        for c in exp["comparisons"]:
-            if c["metric"] == "speedup":
-                for r in c["rows"]:
-                    if r["group"] in speed_labels and r["reproduced"] is not None:
-                        value = tuple(c["value"]) if isinstance(c["value"], list) else c["value"]
-                        published.append(
-                            (speed_labels.index(r["group"]), r["precision"], value, c["label"])
-                        )
-        figs.append(
-            {
-                "path": speedup_bars(
-                    pdir / f"{slug}_speedup.png",
-                    f"{exp['name']}: speed-up over fp32 (training time)",
-                    speed_labels,
-                    speed,
-                    published,
-                ),
-                "caption": "Speed-up of each precision over fp32 (fp32 training time / its "
-                           "training time, "
-                "same other settings); error bars: standard deviation over seeds; diamonds: "
-                "published values for the same model and precision.",
-            }
-        )
-    time_labels, times = series("train_time_s")
-    _, mems = series("peak_memory_mb", labs=time_labels)
-    if times:
-        kinds = sorted(
-            {
-                k
-                for g in groups
-                for j in g.jobs
-                for k in [metrics(j.summary).get("peak_memory_kind")]
-                if k
-            }
-        )
-        what = {**{k: f"CPU, {v}" for k, v in CPU_PEAK_KINDS.items()},
-                "cuda_max_allocated": "max memory allocated by tensors on the GPU"}
-        mem_kind = " / ".join(what.get(k, k) for k in kinds)
-        emulated = frozenset((g.label, g.precision) for g in groups
-                             if any(records.emulated(j.summary) for j in g.jobs))
-        plain = frozenset((g.label, g.precision) for g in groups
-                          if any(records.fp32_arithmetic(j.summary) for j in g.jobs))
-        tag = " or ".join(([] if not emulated else ["emulated"])
-                          + ([] if not plain else ["fp32 arithmetic"])) or "emulated"
-        figs.append(
-            {
-                "path": time_and_memory(
-                    pdir / f"{slug}_time_memory.png",
-                    f"{exp['name']}: training time and peak memory",
-                    time_labels,
-                    times,
-                    mems,
-                    mem_kind,
-                    emulated | plain,
-                    tag,
-                ),
-                "caption": "Training time (eval excluded) and peak memory per model and precision, "
-                           "mean over "
-                "completed runs; error bars: standard deviation over seeds."
-                + (EMULATED_CAPTION if emulated else "")
-                + (PLAIN_FP32_CAPTION if plain else ""),
-            }
-        )
-    figs += ledger_figure(exp["name"], groups, pdir / f"{slug}_memory_ledger.png")
-    curves = _curves(groups)
+
+def loss_figure(name: str, groups: list[Group], curves: list[dict], path: Path) -> list[dict]:
+    """Training loss at each logged step, every run on one plot: language models' always, image
+    models' when their runs have too few epochs for a curve per epoch (curves: _curves')."""
     # a run of one epoch has one point per epoch: its per-step training loss is the curve then
     losses = _loss_curves(groups, all_kinds=max((len(c["epochs"]) for c in curves), default=0) < 2)
-    if losses:
-        figs.append(
-            {
-                "path": accuracy_curves(
-                    pdir / f"{slug}_train_loss.png",
-                    f"{exp['name']}: training loss",
-                    losses,
-                    "training loss (mean over the logged window)",
-                    "step",
-                ),
-                "caption": "Training loss at each logged step (metrics.jsonl train rows: every "
-                           "`trainer.log_every` steps and at each epoch's end), every run on one "
-                "plot: the gap between precisions at equal steps; mean over seeds.",
-            }
-        )
-    if max((len(c["epochs"]) for c in curves), default=0) > 1:   # not one point per run
-        key, ylabel = curves[0]["key"], curves[0]["ylabel"]
-        figs.append(
-            {
-                "path": accuracy_curves(
-                    pdir / f"{slug}_curves.png",
-                    f"{exp['name']}: {ylabel.split(' (')[0]} per epoch",
-                    curves,
-                    ylabel,
-                ),
-                "caption": f"{ylabel} after each epoch (metrics.jsonl `{key}`), mean over seeds.",
-            }
-        )
+    if not losses:
+        return []
+    return [{
+        "path": accuracy_curves(path, f"{name}: training loss", losses,
+                                "training loss (mean over the logged window)", "step"),
+        "caption": "Training loss at each logged step (metrics.jsonl train rows: every "
+                   "`trainer.log_every` steps and at each epoch's end), every run on one "
+        "plot: the gap between precisions at equal steps; mean over seeds.",
+    }]
+
+
+def curves_figure(name: str, curves: list[dict], path: Path) -> list[dict]:
+    """Test accuracy (or perplexity) after each epoch, mean over seeds ([] with one point per
+    run)."""
+    if max((len(c["epochs"]) for c in curves), default=0) <= 1:   # one point per run
+        return []
+    key, ylabel = curves[0]["key"], curves[0]["ylabel"]
+    return [{
+        "path": accuracy_curves(path, f"{name}: {ylabel.split(' (')[0]} per epoch", curves,
+                                ylabel),
+        "caption": f"{ylabel} after each epoch (metrics.jsonl `{key}`), mean over seeds.",
+    }]
+
+
+def ladder_figure(exp: dict, sources: list[Source], groups: list[Group], path: Path
+                  ) -> list[dict]:
+    """Page's staircase of training time per ladder step against the reproduced one ([] when the
+    experiment has no ladder source or no job matches a step)."""
     staircase = _ladder(exp, sources, groups)
-    if staircase:
-        figs.append(
-            {
-                "path": ladder(
-                    pdir / f"{slug}_ladder.png",
-                    f"{exp['name']}: training time per step",
-                    *staircase,
-                ),
-                "caption": "Training time per ladder step: the article's staircase against the "
-                           "reproduced one "
-                "(Page's times are each step's whole fixed schedule, eval excluded, with a mean "
-                "final accuracy of the target over his runs; ours: the same time, mean over "
-                "seeds; the ladder table gives the fraction of runs that reached the target)."
-                + (EMULATED_LADDER if staircase[-1] else ""),
-            }
-        )
+    if not staircase:
+        return []
+    return [{
+        "path": ladder(path, f"{exp['name']}: training time per step", *staircase),
+        "caption": "Training time per ladder step: the article's staircase against the "
+                   "reproduced one "
+        "(Page's times are each step's whole fixed schedule, eval excluded, with a mean "
+        "final accuracy of the target over his runs; ours: the same time, mean over "
+        "seeds; the ladder table gives the fraction of runs that reached the target)."
+        + (EMULATED_LADDER if staircase[-1] else ""),
+    }]
+
+
+def loss_scale_figure(name: str, groups: list[Group], path: Path) -> list[dict]:
+    """The loss scale at each logged step, a trace per run ([] when no run logged one)."""
     traces = _loss_scale_traces(groups)
-    if traces:
-        figs.append(
-            {
-                "path": loss_scale(
-                    pdir / f"{slug}_loss_scale.png", f"{exp['name']}: loss scale", traces
-                ),
-                "caption": "Loss scale at each logged step (metrics.jsonl train rows); a drop is a "
-                           "step "
-                "skipped for non-finite gradients.",
-            }
-        )
-    return [{"path": str(f["path"]), "caption": f["caption"]} for f in figs]
+    if not traces:
+        return []
+    return [{
+        "path": loss_scale(path, f"{name}: loss scale", traces),
+        "caption": "Loss scale at each logged step (metrics.jsonl train rows); a drop is a "
+                   "step "
+        "skipped for non-finite gradients.",
+    }]
 
 
 def _curves(groups: list[Group]) -> list[dict]:

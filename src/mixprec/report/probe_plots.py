@@ -70,25 +70,6 @@ def layer_heatmap(path: Path, title: str, rows: list[dict]) -> Path | None:
     """Two panels, layers (forward order) x probed steps: the fraction of forward outputs that would
     overflow fp16, and the fraction of (unscaled) activation gradients that would underflow it
     (subnormal or rounded to 0)."""
-    def over(r):
-        return r["fp16"]["overflow"]
-
-    def under(r):
-        return r["fp16"]["subnormal"] + r["fp16"]["lost"]
-
-    grad = (
-        "act_grad_unscaled" if any(r["kind"] == "act_grad_unscaled" for r in rows) else "act_grad"
-    )
-    panels = [
-        ("forward", over, "forward output: fraction overflowing fp16"),
-        (
-            grad,
-            under,
-            "activation gradient"
-            + (" (unscaled)" if grad == "act_grad_unscaled" else "")
-            + ": fraction below fp16's normal range",
-        ),
-    ]
     steps = sorted({r["step"] for r in rows})
     layers = sorted(
         {(r["order"], r["name"]) for r in rows if r["kind"] == "forward" and r["name"] != MODEL}
@@ -102,31 +83,65 @@ def layer_heatmap(path: Path, title: str, rows: list[dict]) -> Path | None:
         figsize=(min(16.0, 6 + 0.5 * len(steps) * 2), max(4.0, 0.16 * len(names) + 2)),
         sharey=True,
     )
-    for ax, (kind, value, label) in zip(axes, panels):
+    for ax, (kind, value, label) in zip(axes, heatmap_panels(rows)):
         grid = np.full((len(names), len(steps)), np.nan)
         for r in rows:
             if r["kind"] == kind and r["name"] in names:
                 grid[names.index(r["name"]), steps.index(r["step"])] = value(r)
-        im = ax.imshow(
-            grid,
-            aspect="auto",
-            cmap="magma_r",
-            vmin=0,
-            vmax=max(np.nanmax(grid, initial=0), 1e-3),
-            interpolation="nearest",
-        )
-        ax.set_xticks(
-            range(len(steps)),
-            [str(s) for s in steps],
-            rotation=90 if len(steps) > 12 else 0,
-            fontsize=7,
-        )
-        ax.set_xlabel("optimizer step")
-        ax.set_title(label, fontsize=9)
-        fig.colorbar(im, ax=ax, fraction=0.04)
+        heatmap_panel(fig, ax, grid, steps, label)
     axes[0].set_yticks(range(len(names)), names, fontsize=6 if len(names) > 30 else 8)
     fig.suptitle(title)
     return save(fig, path)
+
+
+def fp16_overflow(r: dict) -> float:
+    """A probe row's fraction of values that would overflow fp16."""
+    return r["fp16"]["overflow"]
+
+
+def fp16_underflow(r: dict) -> float:
+    """A probe row's fraction of values below fp16's normal range (subnormal or rounded to 0)."""
+    return r["fp16"]["subnormal"] + r["fp16"]["lost"]
+
+
+def heatmap_panels(rows: list[dict]) -> list[tuple]:
+    """The heatmap's two panels as (row kind, value of a row, title): forward outputs overflowing
+    fp16, activation gradients (unscaled where the probe recorded them so) below its normal
+    range."""
+    grad = (
+        "act_grad_unscaled" if any(r["kind"] == "act_grad_unscaled" for r in rows) else "act_grad"
+    )
+    return [
+        ("forward", fp16_overflow, "forward output: fraction overflowing fp16"),
+        (
+            grad,
+            fp16_underflow,
+            "activation gradient"
+            + (" (unscaled)" if grad == "act_grad_unscaled" else "")
+            + ": fraction below fp16's normal range",
+        ),
+    ]
+
+
+def heatmap_panel(fig, ax, grid, steps: list[int], label: str) -> None:
+    """One panel of layer_heatmap: grid (layers x steps) as colours from 0, a colour bar beside."""
+    im = ax.imshow(
+        grid,
+        aspect="auto",
+        cmap="magma_r",
+        vmin=0,
+        vmax=max(np.nanmax(grid, initial=0), 1e-3),
+        interpolation="nearest",
+    )
+    ax.set_xticks(
+        range(len(steps)),
+        [str(s) for s in steps],
+        rotation=90 if len(steps) > 12 else 0,
+        fontsize=7,
+    )
+    ax.set_xlabel("optimizer step")
+    ax.set_title(label, fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.04)
 
 
 def act_grad_hists(rows: list[dict], step: int) -> list[tuple[str, dict, int]]:

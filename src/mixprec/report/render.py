@@ -1,49 +1,20 @@
-"""Rendering the analysis: the report as Markdown and self-contained HTML (Doc, document()), and the
-plain-text tables printed at the end of a job (job_block) and of a sweep (format_table over
-analyse.sweep_rows and analyse.ladder_rows: the same rows the report is made from). Only formatting
-here: the numbers are analyse.py's.
+"""The report as Markdown and self-contained HTML: Doc (the blocks and their two renderings) and
+document(), one function per section, over analyse.analyse's data (report.md, report.html; readme.py
+and wandb_report.py reuse the blocks and cells). Only formatting here: the numbers are analyse.py's,
+the cells the report shares with the console's tables rows.py's.
 """
 from __future__ import annotations
 
 import base64
 import html
-import math
 import os
 import re
 from pathlib import Path
 
 from ..runtime import busy
-from ..runtime.hardware import CPU_PEAK_KINDS
-from .. import records
-from ..config import RNN_KINDS
 from .published import DERIVED
 from .reference import NOT_PLANNED
-
-
-def mean_sd(
-    st: dict | None,
-    spec: str = ".3g",
-    scale: float = 1.0,
-    unit: str = "",
-    of: int = 0,
-    pm: str = " ± ",
-    counts: bool = True,
-) -> str:
-    """`mean ± std unit (n=k)` of analyse.stats() (`-` for None); `of`: how many runs could have had
-    a value (says when some had none); counts=False leaves out the (n=...)."""
-    if st is None:
-        return "-"
-    s = format(scale * st["mean"], spec)
-    if st["n"] > 1:
-        s += f"{pm}{format(scale * st['std'], spec)}"
-    s += f" {unit}" if unit else ""
-    if not counts:
-        return s
-    if of > st["n"]:
-        s += f" (n={st['n']} of {of})"
-    elif st["n"] > 1:
-        s += f" (n={st['n']})"
-    return s
+from .rows import HOST_BOUND_NOTE, LADDER_COLUMNS, ladder_cells, mean_sd, memory_kinds, row_cells
 
 
 def format_ratio(r: dict) -> str:
@@ -168,7 +139,23 @@ def _inline(text: str) -> str:
 
 
 def document(data: dict) -> Doc:
+    """The whole report: its opening, the results folders side by side, the unreadable records,
+    then each experiment's sections (experiment_section)."""
     d = Doc()
+    opening(d, data)
+    if data.get("reference"):
+        reference_section(d, data["reference"])
+    if data["problems"]:
+        d.p("Unreadable records (left out):")
+        d.bullets(data["problems"])
+    stand_ins = has_stand_ins(data.get("reference"))
+    for exp in data["experiments"]:
+        experiment_section(d, exp, stand_ins)
+    return d
+
+
+def opening(d: Doc, data: dict) -> None:
+    """The title, and what the numbers are read from and how they are computed."""
     d.h(1, "mixprec reproduction report")
     d.p(
         f"Generated {data['generated']} from {data['jobs']} job(s) under: "
@@ -179,139 +166,146 @@ def document(data: dict) -> Doc:
         "`a ± b (n=k)` is the mean and sample standard deviation over k seeds. Ratio = reproduced "
         "/ published."
     )
-    if data.get("reference"):
-        reference_section(d, data["reference"])
-    stand_ins = any(
+
+
+def has_stand_ins(reference: dict | None) -> bool:
+    """Whether a results folder's plan ran a smaller stand-in for some published value (a cell
+    "[stand-in: ...]" of the side-by-side section)."""
+    return any(
         "[stand-in:" in c
-        for a in (data.get("reference") or {}).get("articles", [])
+        for a in (reference or {}).get("articles", [])
         for r in a["rows"]
         for c in r["cells"]
     )
-    if data["problems"]:
-        d.p("Unreadable records (left out):")
-        d.bullets(data["problems"])
-    for exp in data["experiments"]:
-        d.h(2, f"Experiment `{exp['name']}` ({exp['jobs']} jobs)")
-        d.p("Published sources: " + (", ".join(exp["sources"]) if exp["sources"] else
-                                      "none lists this experiment; reproduced numbers only."))
-        d.h(3, "Hardware and software")
-        d.table(
-            [
-                "device",
-                "torch",
-                "CUDA",
-                "cuDNN",
-                "python",
-                "TF32",
-                "git commit",
-                "jobs",
-                "versions",
-            ],
-            [
-                [
-                    r["device"],
-                    r["torch"],
-                    r["cuda"],
-                    r["cudnn"],
-                    r["python"],
-                    r["tf32"],
-                    r["git_commit"],
-                    r["jobs"],
-                    r.get("pinned", "-"),
-                ]
-                for r in exp["env"]
-            ],
+
+
+def experiment_section(d: Doc, exp: dict, stand_ins: bool) -> None:
+    """One experiment: its sources, environment and runs, then each table its data has, then its
+    figures."""
+    d.h(2, f"Experiment `{exp['name']}` ({exp['jobs']} jobs)")
+    d.p("Published sources: " + (", ".join(exp["sources"]) if exp["sources"] else
+                                  "none lists this experiment; reproduced numbers only."))
+    environment_section(d, exp)
+    runs_section(d, exp)
+    if exp.get("ladder"):
+        ladder_section(d, exp["ladder"])
+    if exp.get("parity"):
+        parity_section(d, exp["parity"])
+    if exp.get("fsdp"):
+        fsdp_section(d, exp["fsdp"])
+    if exp.get("perplexity"):
+        perplexity_section(d, exp["perplexity"])
+    if exp["comparisons"]:
+        d.h(3, "Reproduced against published")
+        comparisons_section(d, exp, stand_ins)
+    if exp["not_completed"]:
+        failures_section(d, exp["not_completed"])
+    if exp.get("verdicts"):
+        verdicts_section(d, exp["verdicts"])
+    for fig in exp.get("plots", []):
+        d.image(fig["path"], fig["caption"])
+
+
+ENV_HEADS = ["device", "torch", "CUDA", "cuDNN", "python", "TF32", "git commit", "jobs", "versions"]
+
+
+def environment_section(d: Doc, exp: dict) -> None:
+    """Hardware and software: a row per environment the jobs ran in, what ran with other package
+    versions than the tested ones, and how many jobs recorded none."""
+    d.h(3, "Hardware and software")
+    d.table(
+        ENV_HEADS,
+        [[r["device"], r["torch"], r["cuda"], r["cudnn"], r["python"], r["tf32"], r["git_commit"],
+          r["jobs"], r.get("pinned", "-")] for r in exp["env"]],
+    )
+    unpinned = sum(r["jobs"] for r in exp["env"] if r.get("unpinned"))
+    if unpinned:
+        d.p(
+            f"**Versions:** {unpinned} job(s) ran with package versions other than the tested "
+            "ones (constraints.txt; the README's set-up command installs them): see the "
+            "versions column."
         )
-        unpinned = sum(r["jobs"] for r in exp["env"] if r.get("unpinned"))
-        if unpinned:
-            d.p(
-                f"**Versions:** {unpinned} job(s) ran with package versions other than the tested "
-                "ones (constraints.txt; the README's set-up command installs them): see the "
-                "versions column."
-            )
-        unrecorded = exp["jobs"] - sum(r["jobs"] for r in exp["env"])
-        if unrecorded:
-            d.p(f"{unrecorded} job(s) failed before recording their environment (see below).")
-        d.h(3, "Runs")
-        gs = exp["groups"]
-        runs_tables(d, gs)
-        bound = [
-            g["label"] + " " + g["precision"]
-            for g in gs
-            if busy.verdict((g["metrics"].get("gpu_busy_fraction") or {}).get("mean"))
-            == "host-bound"
-        ]
-        if bound:
-            d.p(f"**Host-bound:** {', '.join(bound)}: {HOST_BOUND_NOTE}.")
-        if exp["variants"]:
-            d.p("Variants (what else differs between these jobs): "
-                + "; ".join(f"{k} = `{v}`" for k, v in exp["variants"].items()))
-        if exp.get("ladder"):
-            d.h(3, "Ladder")
-            d.p(
-                "Per ladder step, as the sweep's console table: statistics over all the step's "
-                "runs (seeds); Page s and Page ep: the article's V100 time and epochs for that "
-                "step (step 1's 75 s on his clock, started before the data's padding and "
-                "normalisation: compare it with time+prep s)."
-            )
-            d.table(
-                [h for _, h, _ in LADDER_COLUMNS],
-                [row_cells(ladder_cells(r), LADDER_COLUMNS) for r in exp["ladder"]],
-            )
-        if exp.get("parity"):
-            parity_section(d, exp["parity"])
-        if exp.get("fsdp"):
-            fsdp_section(d, exp["fsdp"])
-        if exp.get("perplexity"):
-            d.h(3, "Perplexity per epoch")
-            d.p(
-                "Validation and test perplexity after each epoch (metrics.jsonl epoch rows), mean "
-                "over the completed runs of each model and precision."
-            )
-            d.table(PPL_HEADS, [ppl_cells(r) for r in exp["perplexity"]])
-        if exp["comparisons"]:
-            d.h(3, "Reproduced against published")
-            comparisons_section(d, exp, stand_ins)
-        if exp["not_completed"]:
-            d.h(3, "Runs that diverged or failed")
-            d.table(
-                ["job", "model", "precision", "seed", "status", "reason", "non-finite at step"],
-                [
-                    [
-                        p["job"] if p["job"] is not None else Path(p["dir"]).name,
-                        f"{p['model']} {p['variant']}".strip(),
-                        p["precision"],
-                        p["seed"],
-                        p["status"],
-                        p["reason"],
-                        p["step"] if p["step"] is not None else "-",
-                    ]
-                    for p in exp["not_completed"]
-                ],
-            )
-        if exp.get("verdicts"):
-            d.h(3, "Numerics verdicts")
-            d.p(
-                "What the numerics probe's rules read from each job's measurements "
-                "(src/mixprec/numerics/verdicts.py), and the rows each verdict came from."
-            )
-            d.table(
-                ["job", "model", "precision", "status", "verdict", "from"],
-                [
-                    [
-                        v["job"],
-                        v["model"],
-                        v["precision"],
-                        v["status"],
-                        v["verdict"],
-                        "; ".join(v["cites"]),
-                    ]
-                    for v in exp["verdicts"]
-                ],
-            )
-        for fig in exp.get("plots", []):
-            d.image(fig["path"], fig["caption"])
-    return d
+    unrecorded = exp["jobs"] - sum(r["jobs"] for r in exp["env"])
+    if unrecorded:
+        d.p(f"{unrecorded} job(s) failed before recording their environment (see below).")
+
+
+def runs_section(d: Doc, exp: dict) -> None:
+    """Runs: the runs tables, the groups a host-bound GPU makes no precision's speed-up, and the
+    variants (what else differs between the jobs)."""
+    d.h(3, "Runs")
+    gs = exp["groups"]
+    runs_tables(d, gs)
+    bound = [
+        g["label"] + " " + g["precision"]
+        for g in gs
+        if busy.verdict((g["metrics"].get("gpu_busy_fraction") or {}).get("mean"))
+        == "host-bound"
+    ]
+    if bound:
+        d.p(f"**Host-bound:** {', '.join(bound)}: {HOST_BOUND_NOTE}.")
+    if exp["variants"]:
+        d.p("Variants (what else differs between these jobs): "
+            + "; ".join(f"{k} = `{v}`" for k, v in exp["variants"].items()))
+
+
+def ladder_section(d: Doc, rows: list[dict]) -> None:
+    """Page's ladder, per step, as the sweep's console table has it (analyse.ladder_rows)."""
+    d.h(3, "Ladder")
+    d.p(
+        "Per ladder step, as the sweep's console table: statistics over all the step's "
+        "runs (seeds); Page s and Page ep: the article's V100 time and epochs for that "
+        "step (step 1's 75 s on his clock, started before the data's padding and "
+        "normalisation: compare it with time+prep s)."
+    )
+    d.table(
+        [h for _, h, _ in LADDER_COLUMNS],
+        [row_cells(ladder_cells(r), LADDER_COLUMNS) for r in rows],
+    )
+
+
+def perplexity_section(d: Doc, rows: list[dict]) -> None:
+    """Validation and test perplexity per epoch (analyse.perplexity_rows)."""
+    d.h(3, "Perplexity per epoch")
+    d.p(
+        "Validation and test perplexity after each epoch (metrics.jsonl epoch rows), mean "
+        "over the completed runs of each model and precision."
+    )
+    d.table(PPL_HEADS, [ppl_cells(r) for r in rows])
+
+
+def failures_section(d: Doc, rows: list[dict]) -> None:
+    """The runs that diverged or failed: how, why, and at which step a value went non-finite."""
+    d.h(3, "Runs that diverged or failed")
+    d.table(
+        ["job", "model", "precision", "seed", "status", "reason", "non-finite at step"],
+        [
+            [
+                p["job"] if p["job"] is not None else Path(p["dir"]).name,
+                f"{p['model']} {p['variant']}".strip(),
+                p["precision"],
+                p["seed"],
+                p["status"],
+                p["reason"],
+                p["step"] if p["step"] is not None else "-",
+            ]
+            for p in rows
+        ],
+    )
+
+
+def verdicts_section(d: Doc, rows: list[dict]) -> None:
+    """The numerics probe's verdicts per job, each with the rows it came from."""
+    d.h(3, "Numerics verdicts")
+    d.p(
+        "What the numerics probe's rules read from each job's measurements "
+        "(src/mixprec/numerics/verdicts.py), and the rows each verdict came from."
+    )
+    d.table(
+        ["job", "model", "precision", "status", "verdict", "from"],
+        [[v["job"], v["model"], v["precision"], v["status"], v["verdict"], "; ".join(v["cites"])]
+         for v in rows],
+    )
 
 
 def runs_tables(d: Doc, gs: list[dict]) -> None:
@@ -366,17 +360,8 @@ def precision_cell(g: dict) -> str:
     return g["precision"]
 
 
-# what a peak memory figure measured (summary metrics' peak_memory_kind), as a column says it
-MEMORY_KINDS = {**CPU_PEAK_KINDS, "cuda_max_allocated": "allocated by tensors"}
 
 
-def memory_kinds(groups_or_rows: list[dict]) -> str:
-    """What the peak memory column measured, over the groups' (peak_memory_kind lists) or the
-    sweep rows' (peak_mem_kind) kinds."""
-    kinds = sorted({k for g in groups_or_rows
-                    for k in (g.get("peak_memory_kind") or [g.get("peak_mem_kind")]) if k}
-                   - {"?"})
-    return " / ".join(MEMORY_KINDS.get(k, k) for k in kinds) or "not recorded"
 
 
 def unmatched_line(s: dict) -> str:
@@ -535,299 +520,3 @@ def reference_section(d: Doc, sec: dict) -> None:
     if unplanned:
         d.p(f"Not in any folder's plan (scripts/reproduce.py --only): {', '.join(unplanned)}; "
             "their published values are in report.json.")
-
-
-# ------------------------------------------------------------------------------------------ console
-
-
-APEX_NOTE = (
-    "published test ppl: NVIDIA apex's word_language_model README (published/apex_word_lm.yaml), "
-    "shown beside the runs of the model, precision and loss scale it was reported for, with the "
-    "epochs it was reported at; test ppl here = the test perplexity of the best-validation epoch, "
-    "as the example reports it"
-)
-
-FP8_EMULATED_NOTE = (
-    "fp8(emulated): no FP8 tensor cores on this device (a CPU, or a GPU before compute capability "
-    "8.9; before 10.0 for mxfp8's block-scaled FP8): torchao emulated the float8 matmuls (in "
-    "fp32; mxfp8's in bf16), so its loss is FP8's but its time, tokens/s and speed-up are not FP8 "
-    "timings"
-)
-
-
-def _fmt(v, spec: str = ".3g", none: str = "-") -> str:
-    if v is None:
-        return none
-    if isinstance(v, float):
-        return format(v, spec)
-    return str(v)
-
-
-EMULATED_NOTE = (
-    "(emulated): fp16/bf16 rounding emulated on fp32 kernels (precision.emulate, "
-    "docs/numerics.md): its loss and accuracy are a GPU's numerics, its time and samples/s are "
-    "fp32 timings on this device, and no speed-up is shown"
-)
-
-
-HOST_BOUND_NOTE = (
-    f"host-bound: GPU busy below {busy.HOST_BOUND:.0%} of a steady step (GPU busy column; "
-    "docs/speed.md): the GPU waited for Python, so a speed-up measured there says little about "
-    f"the precision; use {busy.ADVICE}. GPU busy '-': not measured (a CPU job)"
-)
-
-
-def sweep_note(summaries: list[dict]) -> str | None:
-    """What a sweep's table is to be read beside: the published numbers of a recurrent
-    language-model sweep; that an emulated job's time is no fp16/bf16/FP8 time."""
-    notes = []
-    if summaries and all(records.arch(s) in RNN_KINDS for s in summaries):
-        notes.append(APEX_NOTE)
-    if any(records.fp8_emulated(s) for s in summaries):
-        notes.append(FP8_EMULATED_NOTE)
-    if any(s.get("arithmetic") == "emulated" for s in summaries):
-        notes.append(EMULATED_NOTE)
-    if any(
-        busy.verdict(records.metrics(s).get("gpu_busy_fraction")) == "host-bound" for s in summaries
-    ):
-        notes.append(HOST_BOUND_NOTE)
-    return "\n".join(notes) or None
-
-
-SWEEP_COLUMNS = [
-    ("job", "job", "d"),
-    ("model", "model", "s"),
-    ("precision", "precision", "s"),
-    ("status", "status", "s"),
-    ("epochs", "epochs", ".2f"),
-    ("train_time_s", "time s", ".2f"),
-    ("samples_per_s", "samples/s", ".1f"),
-    ("batch", "batch", "d"),
-    ("compile", "compile", "s"),
-    ("busy", "GPU busy", ".2f"),
-    ("speedup", "vs fp32", ".2f"),
-    ("test_acc", "test acc", ".4f"),
-    ("skipped", "skipped", "s"),
-    ("peak_mem_mb", "peak MB", ".0f"),
-    ("bytes_per_param", "B/param", ".2f"),
-    ("act_mb_per_sample", "act MB/sample", ".3g"),
-    ("note", "note", "s"),
-]
-# language models: tokens/s, MFU, and perplexity (best validation, test at that epoch) beside apex's
-# published one, the validation-loss gap to fp32 after the same steps
-LM_COLUMNS = SWEEP_COLUMNS[:6] + [
-    ("samples_per_s", "tokens/s", ".0f"),
-    *SWEEP_COLUMNS[7:10],
-    ("speedup", "vs fp32", ".2f"),
-    ("mfu", "MFU", ".1%"),
-    ("valid_ppl", "valid ppl", ".2f"),
-    ("test_ppl", "test ppl", ".2f"),
-    ("loss_gap", "dloss vs fp32", "+.3g"),
-    ("published", "published test ppl", "s"),
-    ("skipped", "skipped", "s"),
-    ("peak_mem_mb", "peak MB", ".0f"),
-    ("bytes_per_param", "B/param", ".2f"),
-    ("act_mb_per_sample", "act MB/token", ".3g"),
-    ("note", "note", "s"),
-]
-
-
-# a sweep with sharded jobs: each job's strategy (ranks, param/reduce dtypes) and the most MB of
-# parameters + gradients + optimizer state one rank held, before peak MB
-SHARDED_COLUMNS = [("strategy", "strategy", "s"), ("held_mb", "MB/rank p+g+o", "s")]
-
-
-def sweep_tables(rows: list[dict]) -> str:
-    """A sweep's table, one per job kind (image models, then language models: each under its own
-    columns), separated by a blank line."""
-    kinds = [[r for r in rows if bool(r.get("lm")) == lm] for lm in (False, True)]
-    return "\n\n".join(format_table(of) for of in kinds if of)
-
-
-def format_table(rows: list[dict], cols: list[tuple] | None = None) -> str:
-    """rows as aligned text columns; cols: (row key, header, format spec) per column; by default
-    SWEEP_COLUMNS, or LM_COLUMNS when every row is a language model's, with the swept keys after
-    precision when rows differ in other keys than model and precision, SHARDED_COLUMNS before
-    peak MB when a row is a sharded job's, and peak MB saying what it measured."""
-    if cols is None:
-        cols = LM_COLUMNS if rows and all(r.get("lm") for r in rows) else SWEEP_COLUMNS
-        if any(r.get("swept") for r in rows):
-            at = [k for k, _, _ in cols].index("precision") + 1
-            cols = cols[:at] + [("swept", "swept", "s")] + cols[at:]
-        at = [k for k, _, _ in cols].index("peak_mem_mb")
-        if any(r.get("strategy") for r in rows):
-            cols, at = cols[:at] + SHARDED_COLUMNS + cols[at:], at + len(SHARDED_COLUMNS)
-        cols = cols[:at] + [("peak_mem_mb", f"peak MB ({memory_kinds(rows)})", ".0f")] \
-            + cols[at + 1:]
-    cells = [[h for _, h, _ in cols]] + [row_cells(r, cols) for r in rows]
-    cells = [[c if len(c) <= 90 else c[:87] + "..." for c in row] for row in cells]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def row_cells(row: dict, cols: list[tuple]) -> list[str]:
-    """A row's cells as text, each formatted by its column's spec."""
-    return [
-        row[k] if isinstance(row.get(k), str)
-        else _fmt(row.get(k), spec if spec not in ("s", "d") else "")
-        for k, _, spec in cols
-    ]
-
-
-def ledger_line(mem: dict) -> str:
-    """The end-of-job block's memory ledger (train/memory.py): its parts in MB, bytes per parameter,
-    activations per sample, and on an accelerator its total beside the peak of allocated bytes."""
-    if not mem:
-        return "ledger      none (no training step measured)"
-    mb = {k: v / 2**20 for k, v in mem["bytes"].items()}
-    parts = ", ".join(f"{k} {v:.3g}" for k, v in mb.items() if v)
-    line = (f"ledger      {mem['total_bytes'] / 2**20:.3g} MB at step {mem['step']} ({parts}); "
-            f"{_fmt(mem['bytes_per_param'], '.2f')} B/param, "
-            f"{_fmt(mem['activation_mb_per_sample'], '.3g')} MB activations/sample")
-    if mem.get("device_peak_allocated_bytes") is not None:
-        line += (f"; device peak {mem['device_peak_allocated_bytes'] / 2**20:.3g} MB, "
-                 f"{mem['unaccounted_bytes'] / 2**20:.3g} MB outside it (workspaces, the "
-                 f"backward's temporaries)")
-    return line
-
-
-def ranks_said(distributed: dict | None) -> str:
-    """"; 2 ranks, fsdp (gloo)" for a job on several ranks or sharded; "" for one process."""
-    if not distributed:
-        return ""
-    d = distributed
-    return f"; {d.get('world_size')} ranks, {d.get('strategy')} ({d.get('backend')})"
-
-
-def job_block(summary: dict) -> str:
-    """The one-screen summary printed when a job ends."""
-    m = records.metrics(summary)
-    ch = records.choices(summary)
-    env = records.env(summary)
-    ls = m.get("loss_scale")
-    warm = ("warm-up included: too few steps" if m.get("throughput_includes_warmup")
-            else f"first {m.get('warmup_steps')} steps excluded")
-    scale = "none" if not ls else f"min {ls['min']:g}, max {ls['max']:g}, final {ls['final']:g}"
-    lines = [
-        f"status      {records.status(summary)}"
-        + (f"  ({records.reason(summary)})" if records.reason(summary) else ""),
-        f"job         model={ch.get('model')} precision={ch.get('precision')} "
-        f"dataset={ch.get('dataset')} "
-        f"optimizer={ch.get('optimizer')}",
-        f"device      {env.get('device_name')} ({env.get('device')}), torch {env.get('torch')}"
-        + ("; TF32 does nothing here: plain fp32 arithmetic" if records.fp32_arithmetic(summary)
-           else "")
-        + ranks_said(summary.get("distributed")),
-        f"training    {_fmt(m.get('epochs'), '.2f')} epochs, {m.get('steps')} steps, "
-        f"{_fmt(m.get('train_time_s'), '.2f')} s (eval excluded), epochs "
-        f"{[round(t, 2) for t in m.get('epoch_times_s') or []]}"
-        + (
-            f"; compiled in {m['compile_time_s']:.2f} s and prewarmed "
-            f"{_fmt(m.get('prewarm_time_s'), '.2f')} s before the clock"
-            if m.get("compile_time_s")
-            else ""
-        )
-        + compiled_note(m),
-        f"throughput  {_fmt(m.get('throughput'), '.1f')} {m.get('throughput_unit', 'samples/s')} "
-        f"({warm})",
-        f"perplexity  valid final {_fmt(m.get('final_valid_ppl'), '.2f')}, best "
-        f"{_fmt(m.get('best_valid_ppl'), '.2f')} (epoch {m.get('best_valid_epoch')}); test final "
-        f"{_fmt(m.get('final_test_ppl'), '.2f')}, at best valid "
-        f"{_fmt(m.get('test_ppl_at_best_valid'), '.2f')}"
-        if records.is_language_model(summary)
-        else f"accuracy    final {_fmt(m.get('final_test_acc'), '.4f')}, best "
-             f"{_fmt(m.get('best_test_acc'), '.4f')}"
-        + (
-            f", {_fmt(m.get('time_to_target_s'), '.2f')} s to {m.get('target_acc')}"
-            if m.get("target_acc")
-            else ""
-        ),
-        f"memory      peak {_fmt(m.get('peak_memory_mb'), '.0f')} MB ({m.get('peak_memory_kind')})",
-        ledger_line(records.memory(summary)),
-        *([f"evaluation  {records.eval_cap(summary)} of each split: not the whole split's "
-           "numbers (trainer.eval_batches)"] if records.eval_cap(summary) else []),
-        f"loss scale  {scale}; skipped steps {m.get('skipped_steps')}",
-    ]
-    v = summary.get("verdict")
-    if v:
-        lines[1:1] = [f"verdict     {v['line']}"] + [f"            from {c}" for c in v["cites"]]
-    if summary.get("resumed"):
-        r = summary["resumed"]
-        lines.append(
-            f"resumed     at step {r['from_step']} (epoch {r['from_epoch']:.2f}), "
-            f"{len(r['history'])} time(s); the time before is included"
-        )
-    fp8 = summary.get("fp8")
-    if fp8:
-        lines.append(
-            f"fp8         recipe {fp8['recipe']}, {len(fp8['float8_layers'])} Linear layers in "
-            f"float8, {len(fp8['bf16_layers'])} in bf16 "
-            f"({', '.join(fp8['bf16_layers']) or 'none'}); fp8_emulated: "
-            + (
-                f"true ({fp8['emulation_reason']}: the time above is not an FP8 time)"
-                if fp8["fp8_emulated"]
-                else "false"
-            )
-        )
-    if summary.get("arithmetic") == "emulated":
-        lines.append(
-            "numerics    emulated: fp16/bf16 rounding on fp32 kernels with CUDA's autocast "
-            "policy; the losses are a GPU's, the time above is an fp32 time on this device, not a "
-            "low-precision one"
-        )
-    if m.get("gpu_busy_fraction") is not None:
-        lines.append(
-            f"GPU busy    {100 * m['gpu_busy_fraction']:.0f}% of a steady step "
-            f"({_fmt(m.get('gpu_step_ms'), '.2f')} of {_fmt(m.get('wall_step_ms'), '.2f')} ms; "
-            f"batch {records.lookup(summary, 'trainer.batch_size')}, compile "
-            f"{records.lookup(summary, 'trainer.compile')})"
-            + (f": {busy.note(m['gpu_busy_fraction'])}" if m.get("host_bound") else "")
-        )
-    if m.get("mfu") is not None:
-        lines.append(
-            f"MFU         {100 * m['mfu']:.1f}% of {summary.get('gpu_profile', {}).get('name')} "
-            "peak"
-        )
-    return "\n".join(lines)
-
-
-def compiled_note(m: dict) -> str:
-    """A compiled job's graphs, and its calls after the warm-up that ran eagerly if some did
-    (GraphWatch)."""
-    if m.get("compiled_graphs") is None:
-        return ""
-    eager = m.get("eager_calls")
-    return (f" ({m['compiled_graphs']} graphs"
-            + (f"; {eager} calls ran EAGERLY after the warm-up)" if eager else ")"))
-
-
-LADDER_COLUMNS = [
-    ("step", "step", "s"),
-    ("variant", "variant", "s"),
-    ("runs", "runs", "s"),
-    ("epochs", "epochs", ".2f"),
-    ("train_time_s", "time s", "s"),
-    ("page_clock_s", "time+prep s", ".2f"),
-    ("setup_s", "setup s", ".2f"),
-    ("acc", "acc (no TTA)", "s"),
-    ("acc_tta", "acc (TTA)", "s"),
-    ("reached", "reached", "s"),
-    ("to_94_s", "to target s (median)", "s"),
-    ("page_s", "Page s", ".1f"),
-    ("page_epochs", "Page ep", "d"),
-    ("note", "note", "s"),
-]
-NOT_REACHED = "not reached"
-
-
-def ladder_cells(row: dict) -> dict:
-    """An analyse.ladder_rows row as the ladder table's text cells (mean +- sample std over the
-    step's runs)."""
-    to_target = row["to_94_s"]
-    return dict(row, runs="{}/{}".format(*row["runs"]), reached="{}/{}".format(*row["reached"]),
-                train_time_s=mean_sd(row["train_time_s"], ".2f", pm=" +- ", counts=False),
-                acc=mean_sd(row["acc"], ".4f", pm=" +- ", counts=False),
-                acc_tta=mean_sd(row["acc_tta"], ".4f", pm=" +- ", counts=False),
-                to_94_s=NOT_REACHED if math.isinf(to_target) else f"{to_target:.2f}")
