@@ -46,7 +46,8 @@ def ranks_ran(tmp_path_factory):
     (tests/test_fsdp.py's checks_on_rank): one spawn for the session, shared by pytest-xdist's
     workers (-n 2) under a file lock (the first worker to ask spawns; the other waits and reads):
     one spawn's CPU, not one per worker."""
-    from test_fsdp import checks_on_rank, on_ranks   # torch.distributed: only where asked for
+    from helpers.distributed import on_ranks   # torch.distributed: only where asked for
+    from helpers.fsdp_ranks import checks_on_rank
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -12,8 +12,8 @@ from argparse import Namespace
 import pytest
 import torch
 
-from fakes import FakeClock, Timed
 from helpers import ROOT, load_script
+from helpers.fakes import FakeClock, Timed
 
 BENCH = [sys.executable, str(ROOT / "scripts" / "benchmark.py")]
 TINY = ["model=small_cnn", "model.width=8", "trainer.batch_size=16", "trainer.device=cpu"]
@@ -257,7 +257,7 @@ def test_a_table_cell_samples_until_the_host_queued_a_step_ahead_and_reports_its
 ):
     """A cell samples a job's steady steps (busy.SAMPLE_AT) with the job's meter: the first
     sample, which the host waited in, gives no figure and a longer spin; the second does."""
-    from test_busy import FakeTimer
+    from helpers.fakes import FakeTimer
 
     from mixprec.runtime import busy
 
@@ -312,7 +312,7 @@ def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides
     """A cell runs a job's loop (loop.fit: a log window, its one flush): tests/test_speed.py's
     sync count for a job, here for a cell: 0 syncs in a steady fused-amp step, and the window
     flushed as a job flushes it."""
-    from test_speed import SyncCounter
+    from helpers.fakes import SyncCounter
 
     from mixprec.train import images
     from mixprec.train import loop

@@ -5,8 +5,8 @@ and the report show."""
 import pytest
 
 import mixprec.job
-from fakes import with_clock
 from helpers import run_tiny
+from helpers.fakes import FakeTimer, with_clock
 from mixprec.runtime import busy
 
 CPU = ["trainer.device=cpu"]
@@ -16,54 +16,6 @@ TEN_STEPS = [
     "trainer.epochs=1",
     "trainer.warmup_steps=2",
 ]
-
-
-class FakeEvent:
-    def __init__(self, timer):
-        self.timer, self.t = timer, None
-
-    def record(self):   # the GPU time (on the host's clock) at which the GPU reaches the event
-        self.t = self.timer.reach()
-
-    def query(self):
-        return self.t <= self.timer.clock.now
-
-    def elapsed_time(self, end):   # ms, as torch.cuda.Event's
-        return 1e3 * (end.t - self.t)
-
-
-class FakeTimer:
-    """A fake GPU: a spin keeps it busy for its seconds; the work the host queues takes `fraction`
-    of the host's time queuing it and starts once the GPU is free (after the spin). host_waited
-    (read once a sample): the host waits out the spin before it queues the step, as a step that
-    reads the device first does."""
-
-    def __init__(self, clock, fraction, host_waited=False):
-        self.clock, self.fraction, self.host_waited, self.spins = clock, fraction, host_waited, []
-        self.free = clock.now   # when the GPU's queued work ends
-        self.mark = clock.now   # the host time the GPU's queue is counted up to
-
-    def queue(self):   # the work the host queued since the last mark
-        self.free = max(self.free, self.mark) + self.fraction * (self.clock.now - self.mark)
-        self.mark = self.clock.now
-
-    def reach(self):
-        self.queue()
-        return self.free
-
-    def sync(self):
-        self.queue()
-        self.clock.now = self.mark = max(self.clock.now, self.free)
-
-    def event(self):
-        return FakeEvent(self)
-
-    def spin(self, seconds):
-        self.queue()
-        self.spins.append(seconds)
-        self.free = max(self.free, self.clock.now) + seconds
-        if self.host_waited:
-            self.sync()
 
 
 def run_busy(tmp_path, monkeypatch, fraction, host_waited=False):
@@ -175,7 +127,7 @@ def test_tables_and_report_say_batch_compile_and_host_bound(tmp_path):
 
 
 def test_sampling_stops_after_max_invalid_samples_and_leaves_the_clock_whole():
-    from fakes import FakeClock
+    from helpers.fakes import FakeClock
 
     class Clock:   # loop.TrainClock's exclude, recorded
         excluded = 0.0
@@ -199,7 +151,7 @@ def test_sampling_stops_after_max_invalid_samples_and_leaves_the_clock_whole():
 
 
 def test_after_a_step_the_host_took_long_to_queue_the_spin_covers_twice_its_queuing_time():
-    from fakes import FakeClock
+    from helpers.fakes import FakeClock
 
     class Clock:
         def exclude(self, seconds):
@@ -220,7 +172,7 @@ def test_a_valid_sample_keeps_the_slower_side_of_its_step_in_the_clock(fraction,
     """A host-bound sampled step (the GPU's share 30% of the host's 10 ms) keeps the host's 10 ms;
     a GPU-bound one (the GPU 20 ms) keeps the GPU's 20 ms: what a pipelined steady step takes.
     Out go the spin and its wait."""
-    from fakes import FakeClock
+    from helpers.fakes import FakeClock
 
     clock, train = FakeClock(), HostClock()
     meter = busy.BusyMeter(FakeTimer(clock, fraction), clock)

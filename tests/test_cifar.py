@@ -9,12 +9,19 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 
 from helpers import TINY, compose_config, run_cli
-from test_flops import small_cnn_flops
+from helpers.expected import small_cnn_flops
+from helpers.official_formats import (
+    cifar_files,
+    FOLDERS,
+    py2_pickle,
+    Serve,
+    UNREACHABLE,
+    write_cifar,
+)
 from mixprec.data import cifar
 from mixprec.config import ConfigError, validate
 from mixprec.data import build_image_data
 from mixprec.data.files import DataError
-from official_formats import FOLDERS, UNREACHABLE, Serve, cifar_files, py2_pickle, write_cifar
 
 
 def dataset(name, root, *more):

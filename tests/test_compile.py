@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.train import compile, shard
+from mixprec.train import compile
 from mixprec import job
 from helpers import run_tiny
+from helpers.compiling import CountingBackend, traced_only
+from helpers.configs import GPT_JOB, SMALL
 from mixprec.report.analyse import sweep_rows
 from mixprec.report.render import job_block
-from test_gpt import GPT_JOB
-from test_speed import SMALL
 
 
 class FakeGraphs(nn.Module):
@@ -129,28 +129,6 @@ def test_a_compiled_gpt_under_cuda_graphs_marks_each_window(tmp_path, monkeypatc
     assert all(r["loss"] == r["loss"] for r in train_rows(tmp_path))   # not NaN
 
 
-def traced_only(monkeypatch) -> list:
-    """trainer.compile through dynamo with the eager backend: every (re)compilation counted, seconds
-    instead of inductor's minutes, FSDP's units too (train/shard.py compiles them before
-    fully_shard; the job then leaves the root as it is). Returns the graphs made during fit
-    (training and evaluation)."""
-    made = []
-    monkeypatch.setattr(job, "compile_model", lambda net, mode: net if compile.compiled_parts(net)
-                        else torch.compile(net, backend="eager"))
-    monkeypatch.setattr(shard, "compile_model",
-                        lambda net, mode, **options: torch.compile(net, backend="eager"))
-    fit = job.loop.fit
-
-    def counted_fit(*args, **kwargs):
-        before = compile.dynamo_graphs()
-        try:
-            return fit(*args, **kwargs)
-        finally:
-            made.append(compile.dynamo_graphs() - before)
-    monkeypatch.setattr(job.loop, "fit", counted_fit)
-    return made
-
-
 @pytest.mark.parametrize("mode", ["default", "max-autotune"])
 def test_the_compile_warmup_leaves_no_compilation_to_the_run(tmp_path, monkeypatch, mode):
     """Every shape an image job's model sees (the training batch; the evaluation batch and the test
@@ -184,42 +162,6 @@ def test_a_gpt_compile_warmup_covers_its_windows(tmp_path, monkeypatch):
     )
     assert s["status"] == "completed", s.get("error")
     assert s["metrics"]["compile_time_s"] > 0 and made == [0]
-
-
-class CountingBackend:
-    """A dynamo backend that runs each graph as traced (the eager backend) and notes, per graph,
-    whether a size of its inputs is symbolic (a dynamic-shape graph), the input shapes and its
-    calls; `marked()` notes each graph's calls so far (at the start of fit: what the timed steps and
-    evaluations call comes after)."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        values = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
-        graph = {"dynamic": any(symbolic(v) for v in values), "calls": 0, "at_fit": None,
-                 "shapes": [tuple(v.shape) for v in values
-                            if isinstance(v, torch.Tensor) and v.dim() >= 2]}
-        self.graphs.append(graph)
-
-        def call(*args):
-            graph["calls"] += 1
-            return gm.forward(*args)
-        return call
-
-    def mark(self):
-        for graph in self.graphs:
-            graph["at_fit"] = graph["calls"]
-
-    def after_warmup(self) -> list[dict]:
-        """The graphs called after the mark (a graph compiled after it counts whole)."""
-        return [g for g in self.graphs if g["calls"] > (g["at_fit"] or 0)]
-
-
-def symbolic(value) -> bool:
-    if isinstance(value, torch.SymInt):
-        return True
-    return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
 
 
 def counted(monkeypatch) -> CountingBackend:

@@ -16,10 +16,9 @@ import torch
 from mixprec.train import compile
 from mixprec import job
 from helpers import ROOT, run_cli, run_tiny
+from helpers.configs import GPT_JOB, SMALL
 from mixprec.runtime import dist
 from mixprec.records import SUMMARY
-from test_gpt import GPT_JOB
-from test_speed import SMALL
 
 PRECISIONS = ["fp32", "tf32", "amp_bf16", "bf16", "amp", "half"]
 # precision.emulate=false: native CPU fp16/bf16 kernels (emulated precisions run eagerly)

@@ -610,7 +610,8 @@ def test_the_memory_ledger_under_ddp_counts_a_ranks_whole_replica(tmp_path):
     """DDP replicates: each rank holds the whole model, its gradients and Adam's state, so rank
     0's ledger (summary.json's memory) is the one-process count, 16 bytes a parameter for fp32
     Adam, while its activations are those of its own half of the global batch."""
-    from test_memory import ADAM, expected_state
+    from helpers.configs import ADAM
+    from helpers.expected import expected_state
 
     codes = on_two_ranks(tmp_path, [[*RANKED, *ADAM]])
     assert codes == [0, 0], codes

@@ -23,8 +23,8 @@ from mixprec.report import plots
 from mixprec.report.analyse import Group
 from mixprec.report.load import Job, load_jobs
 from mixprec.train.loop import EvalStopped, Scored
-from tests.helpers import ROOT, compose_config, load_script, run_cli, run_tiny
-from tests.official_formats import UNREACHABLE
+from helpers import compose_config, load_script, ROOT, run_cli, run_tiny
+from helpers.official_formats import UNREACHABLE
 
 
 # ------------------------------------------------------------------------------ 6: eval_batches

@@ -5,20 +5,9 @@ import pytest
 import torch
 
 from helpers import compose_config, run_tiny
+from helpers.expected import conv, small_cnn_flops
 from mixprec.config import validate
 from mixprec.models import build_model, forward_flops
-
-
-def conv(c_in, c_out, k, side):
-    """A k x k convolution producing a side x side map: 2 * C_in * C_out * k^2 per output
-    position."""
-    return 2 * c_in * c_out * k * k * side * side
-
-
-def small_cnn_flops(w, classes=10, side=32):
-    # each conv keeps the size, a 2x2 max-pool after each of the first three halves it
-    return (conv(3, w, 3, side) + conv(w, 2 * w, 3, side // 2) + conv(2 * w, 4 * w, 3, side // 4)
-            + conv(4 * w, 4 * w, 3, side // 8) + 2 * 4 * w * classes)
 
 
 def resnet18_cifar_flops(classes=10):

@@ -2,11 +2,6 @@
 gloo ranks under torchrun, 2 spawned gloo ranks for what one job cannot show (per-rank bytes, an
 overflow in one rank's shard), and the one-line refusals."""
 import json
-import math
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,73 +9,32 @@ import torch.distributed as tdist
 from torch import nn
 
 from helpers import ROOT, TINY, compose_config, run_tiny
-from mixprec.config import ConfigError, PrecisionConfig, validate
+from helpers.compiling import CountingBackend
+from helpers.configs import GPT_TINY, SGD, SMALL
+from helpers.distributed import (
+    assert_one_rank_fsdp_job,
+    assert_same_weights,
+    job,
+    on_ranks,
+    PARAM_DTYPE,
+    rows,
+    weights,
+    whole_bytes,
+)
+from helpers.fsdp_ranks import FP32, gpu_checks_on_rank
+from mixprec.config import ConfigError, validate
 import mixprec.job
 from mixprec.data import build_image_data, pipelines
 from mixprec.job import validate_job
 from mixprec.models.gpt import GPT
-from mixprec.precision.sharded import ShardedPolicy, after_steps
 from mixprec.runtime import dist
 from mixprec.train import compile, shard
 from mixprec.train.optim import build_optimizer
-from mixprec.train.step import backward_and_step
-from test_compile import CountingBackend
-from test_speed import SMALL
 
-# A 2-layer GPT on a synthetic corpus of 64 words; every dim-0 of a parameter is even, so 2 ranks
-# hold exactly half of each. Global batch 8: 4 columns per rank.
-GPT_TINY = [
-    "logger=none", "model=gpt", "dataset=synthetic_text", "dataset.vocab_size=64",
-    "dataset.train_size=2000", "dataset.test_size=200", "model.n_layer=2", "model.n_head=2",
-    "model.n_embd=32", "model.block_size=16", "dataset.bptt=16", "model.dropout=0",
-    "model.vocab_multiple=1", "trainer.batch_size=8", "trainer.eval_batch_size=8",
-    "schedule=constant", "trainer.deterministic=true", "trainer.max_steps=6",
-    "trainer.log_every=2", "trainer.warmup_steps=0", "trainer.device=cpu", "trainer.epochs=1",
-]
-SGD = ["optimizer=sgd", "optimizer.lr=0.5"]
 GPU_GPT = [o for o in GPT_TINY if not o.startswith("trainer.device")]   # auto: the GPU
 # small_cnn with BatchNorm in eval mode (statistics independent of the split, as tests/test_ddp.py)
 CNN = [*TINY, "trainer.max_steps=4", "trainer.log_every=2", "trainer.deterministic=true",
        "+model.bn_eval=true", "schedule=constant", "optimizer.lr=0.2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(args, cwd, timeout=300):
-    """train.py on 2 gloo ranks; the completed process."""
-    env = dict(os.environ, WANDB_SILENT="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.pop("MIXPREC_RUN_TIME", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", str(ROOT / "train.py"), *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def job(args, out, cwd):
-    """A 2-rank job that must complete; its summary."""
-    r = torchrun([*args, f"hydra.run.dir={out}"], cwd)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed", summary.get("error")
-    return summary
-
-
-def rows(job_dir, key="loss"):
-    return [json.loads(line)[key] for line in (job_dir / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line)["kind"] == "train"]
-
-
-def weights(job_dir):
-    return torch.load(job_dir / "model_fp32.pt", weights_only=True)
-
-
-def assert_same_weights(a, b, atol):
-    assert set(a) == set(b)
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
 
 
 def test_fsdp_fp32_gpt_on_two_ranks_and_one_equals_one_process(tmp_path):
@@ -123,79 +77,6 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
                               reason="NCCL across 2 GPUs needs 2 GPUs")
 
 
-def on_ranks(fn, *args, world=2, backend="gloo"):
-    """fn(rank, *args) on `world` ranks (gloo; "nccl": one GPU each, cuda:rank), spawned: a fork
-    of this process after an in-process FSDP job (its gloo group's threads) can hang."""
-    torch.multiprocessing.start_processes(_rank_main, args=(world, free_port(), fn, args, backend),
-                                          nprocs=world, start_method="spawn")
-
-
-def checks_on_rank(rank, folder):
-    """What the spawned-rank tests read (conftest.py's ranks_ran), made in one spawn of 2 ranks
-    (each spawn costs a process start and torch's import): the per-rank bytes, the overflow, the FP8
-    all-gather, a sharded checkpoint's exact resume and ranks that see different checkpoints
-    (tests/test_fsdp_checkpoint.py), HSDP's 2-D mesh (tests/test_fsdp_mesh.py)."""
-    from test_fsdp_checkpoint import (   # it imports this module
-        _save_and_resume_on_rank,
-        _unshared_on_rank,
-    )
-    from test_fsdp_mesh import _hsdp_on_rank
-
-    for fn in (_bytes_on_rank, _overflow_on_rank, _fp8_on_rank, _save_and_resume_on_rank,
-               _unshared_on_rank, _hsdp_on_rank):
-        fn(rank, folder)
-
-
-def gpu_checks_on_rank(rank, folder):
-    """The spawned-rank checks the CPU's ranks_ran makes, on cuda:rank over NCCL: the per-rank
-    bytes and the FP8 all-gather."""
-    for fn in (_bytes_on_rank, _fp8_on_rank):
-        fn(rank, folder, torch.device("cuda", rank))
-
-
-def _rank_main(rank, world, port, fn, args, backend="gloo"):
-    if backend != "gloo":
-        torch.cuda.set_device(rank)
-    tdist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=world)
-    try:
-        fn(rank, *args)
-    finally:
-        tdist.destroy_process_group()
-
-
-FP32 = PrecisionConfig(name="fp32")
-
-
-def _gpt_step(model, optimizer, seed=0):
-    """One AdamW step of the tiny GPT on a fixed batch (on the model's device); gradients kept (no
-    zero_grad)."""
-    x = torch.randint(0, 64, (16, 4), generator=torch.Generator().manual_seed(seed))
-    x = x.to(next(model.parameters()).device)
-    out, _ = model(x)
-    torch.nn.functional.cross_entropy(out.float().reshape(-1, 64), x.reshape(-1)).backward()
-    optimizer.step()
-
-
-def whole_bytes() -> dict:
-    """One process's bytes of the tiny GPT's parameters, gradients and AdamW's two moments (fp32;
-    the tied embedding once)."""
-    n = sum(p.numel() for p in {id(p): p for p in GPT(64, 2, 2, 32, 16).parameters()}.values())
-    return {"params": 4 * n, "grads": 4 * n, "optimizer": 2 * 4 * n}
-
-
-def _bytes_on_rank(rank, folder, device=torch.device("cpu")):
-    torch.manual_seed(0)
-    whole = GPT(64, 2, 2, 32, 16).to(device)
-    sharded = shard.shard(GPT(64, 2, 2, 32, 16).to(device), FP32, device)
-    held = {}
-    for name, model in (("whole", whole), ("sharded", sharded)):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        _gpt_step(model, optimizer)
-        held[name] = shard.held_bytes(model, optimizer)
-    (folder / f"bytes.{rank}").write_text(json.dumps(held))
-
-
 def test_each_rank_holds_half_of_the_parameters_gradients_and_optimizer_state(ranks_ran):
     """2 ranks: each holds half of every parameter (dim 0 split; every dim 0 of this GPT is even,
     so exactly half), of its gradient and of AdamW's two moments; the tied embedding counts once."""
@@ -208,30 +89,6 @@ def assert_half_held(folder):
         held = json.loads((folder / f"bytes.{rank}").read_text())
         assert held["whole"] == whole_bytes()
         assert held["sharded"] == {k: v // 2 for k, v in held["whole"].items()}
-
-
-AMP = PrecisionConfig(name="amp", autocast_dtype="float16", loss_scale="dynamic",
-                      init_scale=1024.0, growth_interval=1000)
-
-
-def _overflow_on_rank(rank, folder):
-    """Steps of the fp16 GPT under FSDP; at step 2 rank 1's shard of one gradient is inf (an
-    overflow only that rank sees)."""
-    torch.manual_seed(0)
-    policy = ShardedPolicy(AMP, torch.device("cpu"))
-    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), AMP, torch.device("cpu"))
-    optimizer = torch.optim.SGD(policy.optimizer_params(model), lr=0.1)
-    first = next(model.parameters())
-    seen = []
-    for step in range(1, 4):
-        x = torch.randint(0, 64, (16, 4), generator=torch.Generator().manual_seed(step))
-        out, _ = model(x)
-        loss = torch.nn.functional.cross_entropy(out.float().reshape(-1, 64), x.reshape(-1))
-        poison = lambda: step == 2 and rank == 1 and shard.local(first.grad).fill_(torch.inf)
-        skipped = backward_and_step(loss, policy, optimizer, 1.0, after_backward=poison)
-        optimizer.zero_grad(set_to_none=True)
-        seen.append([bool(skipped), policy.scale_value])
-    (folder / f"steps.{rank}").write_text(json.dumps(seen))
 
 
 def test_an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(ranks_ran):
@@ -390,34 +247,6 @@ def test_gpu_sgd_over_fsdps_dtensors_steps_with_foreach():
         tdist.destroy_process_group()
 
 
-FP8 = PrecisionConfig(name="fp8", autocast_dtype="bfloat16", fp8_recipe="tensorwise")
-
-
-def _fp8_on_rank(rank, folder, device=torch.device("cpu")):
-    """The fp8 GPT sharded as the job builds it (train/build.py: policy, shard, optimizer, the
-    scales' step hook), one AdamW step; what each float8 weight would all-gather next."""
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
-    torch.manual_seed(0)
-    policy = ShardedPolicy(FP8, device)
-    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)).to(device), FP8, device)
-    optimizer = torch.optim.AdamW(policy.optimizer_params(model), lr=1e-2)
-    after_steps(model, optimizer, policy.fp8)
-    _gpt_step(model, optimizer)
-    seen = {}
-    for name in policy.fp8["float8_layers"]:
-        weight = model.get_submodule(name).weight
-        shard_ = weight._local_tensor   # the object itself (to_local() returns an alias)
-        (data,), (scale,) = shard_.fsdp_pre_all_gather(weight.device_mesh)
-        expected = torch.finfo(torch.float8_e4m3fn).max / weight.full_tensor().abs().max().double()
-        seen[name] = {"subclass": isinstance(shard_, WeightWithDynamicFloat8CastTensor),
-                      "sent": str(data.dtype),
-                      "scale_ok": shard_._precomputed_scale is not None
-                      and torch.equal(shard_._precomputed_scale, expected.float())
-                      and torch.equal(scale.reshape(()), expected.float())}
-    (folder / f"fp8.{rank}").write_text(json.dumps(seen))
-
-
 def test_fp8_weights_are_all_gathered_in_float8_with_scales_precomputed_after_the_step(ranks_ran):
     """precision=fp8 under FSDP (torchao's emulation on the CPU): each float8 Linear's shard is
     torchao's WeightWithDynamicFloat8CastTensor, which sends float8_e4m3fn over the all-gather, cast
@@ -498,9 +327,6 @@ def test_fp8_all_gather_gpt_compiled_on_two_ranks(tmp_path, device):
 
 
 ADAMW = ["optimizer=adamw", "optimizer.lr=3e-3"]
-# the dtype FSDP all-gathers and computes in, per mode (docs/fsdp.md's table)
-PARAM_DTYPE = {"fp32": "float32", "tf32": "float32", "amp_bf16": "bfloat16", "amp": "float16",
-               "o2": "float16", "apex_fp16": "float16", "fp8": "bfloat16"}
 
 
 @pytest.mark.gpu
@@ -515,22 +341,6 @@ def test_gpu_one_rank_fsdp_job_per_precision_mode(tmp_path, mode):
     if mode == "fp8":
         native = torch.cuda.get_device_capability(0) >= (8, 9)
         assert s["fp8"]["fsdp_float8_all_gather"] is True and s["fp8"]["fp8_emulated"] is not native
-
-
-def assert_one_rank_fsdp_job(s: dict, job_dir, mode: str, device: str) -> None:
-    """What a completed 1-rank FSDP job of the tiny GPT with AdamW must show: on `device`, native
-    arithmetic, the mode's param dtype and a float32 reduction in its distributed block, every
-    fp32 byte of one process held by its one rank, and finite training and validation losses
-    that fall (tests/test_fsdp_records.py runs it on the CPU)."""
-    assert s["status"] == "completed", s.get("error")
-    assert s["env"]["device"] == device and s["arithmetic"] == "native"
-    d = s["distributed"]
-    assert (d["strategy"], d["world_size"], d["param_dtype"], d["reduce_dtype"]) == \
-        ("fsdp", 1, PARAM_DTYPE[mode], "float32")
-    assert d["held_bytes"] == [whole_bytes()]
-    losses = rows(job_dir)
-    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
-    assert math.isfinite(s["metrics"]["final_valid_loss"])
 
 
 @pytest.mark.gpu

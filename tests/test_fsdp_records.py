@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from helpers import ROOT, compose_config, run_tiny
+from helpers.compiling import traced_only
+from helpers.configs import GPT_TINY, sweep_params
+from helpers.distributed import assert_one_rank_fsdp_job, free_port, job, whole_bytes
 from mixprec.config import ConfigError, validate
 from mixprec.job import wrapper
 from mixprec.models import build_model
@@ -18,9 +21,6 @@ from mixprec.report.render import Doc, format_table, fsdp_section
 from mixprec.runtime import dist
 from mixprec.train import checkpoint
 from mixprec.train.build import build_trained
-from test_compile import traced_only
-from test_fsdp import GPT_TINY, assert_one_rank_fsdp_job, free_port, job, whole_bytes
-from test_presets import sweep_params
 
 CPU = torch.device("cpu")
 ADAMW = ["optimizer=adamw", "optimizer.lr=3e-3", "trainer.max_steps=4"]

@@ -14,7 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import compose_config, run_cli, run_tiny, load_script
-from test_lm import one_thread  # noqa: F401  (autouse: tiny models on one thread)
+from helpers.configs import GPT_JOB
+from helpers.fixtures import one_thread  # noqa: F401  (autouse: tiny models on one thread)
 from mixprec.config import ConfigError, validate
 from mixprec.models.gpt import GPT
 from mixprec.models import build_model
@@ -25,34 +26,6 @@ from mixprec.report.render import format_table, sweep_note
 from mixprec.train.build import build_trained
 
 CPU = torch.device("cpu")
-# Tiny but real: a 1-layer GPT of width 32 on a synthetic corpus of 64 words, AdamW, deterministic,
-# 50 steps.
-GPT_JOB = [
-    "logger=none",
-    "model=gpt",
-    "dataset=synthetic_text",
-    "dataset.vocab_size=64",
-    "dataset.train_size=4000",
-    "dataset.test_size=400",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.n_embd=32",
-    "model.block_size=16",
-    "dataset.bptt=16",
-    "model.dropout=0",
-    "model.vocab_multiple=1",
-    "trainer.batch_size=4",
-    "trainer.eval_batch_size=8",
-    "optimizer=adamw",
-    "optimizer.lr=3e-3",
-    "schedule=constant",
-    "trainer.deterministic=true",
-    "trainer.max_steps=50",
-    "trainer.log_every=10",
-    "trainer.warmup_steps=0",
-    # FP8 emulated, as asserted: on a GPU machine auto would pick the GPU
-    "trainer.device=cpu",
-]
 # fp8 (emulated) against amp_bf16 after the 50 steps above, final validation loss: measured |gap|
 # 0.0084, 0.0042, 0.0024 for seeds 0, 1, 2 (the loss falls from 4.0 to 2.6 meanwhile; amp_bf16 -
 # fp32: 0.0003 or less; docs/transformer_fp8.md). Bound: 0.01, 1.2x the largest (it was 3x when

@@ -11,6 +11,8 @@ from mixprec.precision import emulation
 from torch import nn
 
 from helpers import ROOT, compose_config, run_cli, run_tiny, load_script
+from helpers.configs import LM
+from helpers.fixtures import one_thread  # noqa: F401  (autouse: tiny models on one thread)
 from mixprec.train.loop import Loop, LoopState, fit, total_steps
 from mixprec.train import lm
 from mixprec.config import ConfigError, validate
@@ -23,39 +25,6 @@ from mixprec.data.wikitext import TokenWindows, batchify
 from mixprec.train import step
 
 CPU = torch.device("cpu")
-# Tiny but real, as helpers.TINY for images: a 2-layer LSTM of 8 units on a synthetic corpus of 40
-# words, 2 steps, the example's optimizer (plain SGD, clipping, the plateau rule).
-LM = [
-    "logger=none",
-    "trainer.max_steps=2",
-    "model=lstm",
-    "dataset=synthetic_text",
-    "dataset.vocab_size=40",
-    "dataset.train_size=1200",
-    "dataset.test_size=200",
-    "model.emsize=8",
-    "model.nhid=8",
-    "trainer.batch_size=4",
-    "trainer.eval_batch_size=5",
-    "dataset.bptt=6",
-    "optimizer.lr=5",
-    "optimizer.momentum=0",
-    "optimizer.weight_decay=0",
-    "trainer.grad_clip=0.25",
-    "schedule=plateau",
-    "trainer.warmup_steps=0",
-    "trainer.device=cpu",
-]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a busy 2-core machine their hand-offs made
-    these tests ~20x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def run_lm(tmp_path, *overrides):

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from helpers import compose_config, run_tiny
+from helpers.configs import GPT_TINY
+from helpers.distributed import job
+from helpers.probes import ctx, fit_probed
 from mixprec.config import ConfigError, OptimizerConfig, PrecisionConfig, validate
 from mixprec.numerics import verdicts
 from mixprec.train.optim import build_optimizer
-from test_fsdp import GPT_TINY, job
-from test_probe_verdicts import ctx, fit_probed
 
 LOW_BIT = ["adamw8bit", "adamw4bit", "adamw_fp8"]
 # bytes per parameter of both moments: a byte (half a byte in 4 bits) per value and one fp32 scale

@@ -6,49 +6,16 @@ import torch
 from torch import nn
 
 from helpers import TINY, compose_config, run_tiny
+from helpers.configs import ADAM
+from helpers.expected import expected_state, fresh_model
 from mixprec.config import validate
-from mixprec.models import build_model
 from mixprec.precision import emulation, modes
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.train.memory import SavedCount, pieces
 
 MODES = ["fp32", "amp", "half", "o2", "bf16", "fp8"]
-# eps 1e-4: Adam's default 1e-8 is 0 in fp16 (half would divide by it)
-ADAM = ["optimizer=adam", "optimizer.eps=1e-4", "trainer.max_steps=3", "trainer.log_every=2",
-        "trainer.warmup_steps=1"]
-SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # every mode: the six above in the quick loop, the other nine slow (a job each)
 ALL_MODES = [m if m in MODES else pytest.param(m, marks=pytest.mark.slow) for m in modes.MODES]
-
-
-def fresh_model(config) -> nn.Module:
-    """The job's model as built, in fp32, on the CPU."""
-    d = config.dataset
-    return build_model(config.model, d.vocab_size if config.model.is_language_model
-                       else d.num_classes)
-
-
-def expected_state(mode: str, overrides=()) -> dict:
-    """The ledger's parameter parts counted from the mode's config and a fresh fp32 model's
-    parameter counts alone (no storage is looked at): the weights in param_dtype (BatchNorm in fp32
-    where the mode keeps it), fp32 masters under master weights, one gradient and Adam's two
-    moments per parameter in the stepped dtype, Adam's step counter (an fp32 scalar) per tensor,
-    and BatchNorm's running statistics in the weights' dtype (its step count an int64)."""
-    config = validate(compose_config(*TINY, f"precision={mode}", *overrides))
-    p = config.precision
-    model = fresh_model(config)
-    bn = sum(t.numel() for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             for t in m.parameters(recurse=False))
-    tensors = list(model.parameters())
-    n = sum(t.numel() for t in tensors)
-    low = SIZE[p.param_dtype]
-    weights = (bn * 4 + (n - bn) * low) if p.keep_bn_fp32 else n * low
-    stepped = 4 * n if p.master_weights else weights
-    floats = sum(b.numel() for b in model.buffers() if b.is_floating_point())
-    ints = sum(b.numel() * b.element_size() for b in model.buffers() if not b.is_floating_point())
-    return {"weights": weights, "masters": 4 * n if p.master_weights else 0, "grads": stepped,
-            "optimizer": 2 * stepped + 4 * len(tensors), "parameters": n,
-            "buffers": floats * (4 if p.keep_bn_fp32 else low) + ints}
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -138,7 +105,7 @@ def test_fsdp_on_one_rank_counts_its_shards(tmp_path):
     gathered for the forward): the weights are the rank's fp32 shards (the whole model on one
     rank), no separate masters, fp32 gradients and Adam state; the gathered low-precision weights
     autograd saves are the parameters FSDP registered, not activations nor copies."""
-    from test_fsdp import GPT_TINY
+    from helpers.configs import GPT_TINY
 
     s = run_tiny(tmp_path, "precision=amp", "optimizer=adam", "trainer.strategy=fsdp",
                  base=GPT_TINY)
@@ -207,7 +174,8 @@ def test_fsdp_on_two_ranks_counts_each_ranks_half(tmp_path):
     even): rank 0's ledger holds half of each parameter part, as shard.held_bytes (another count,
     of numel times element size) says, its Adam state plus the step scalars that count leaves
     out."""
-    from test_fsdp import GPT_TINY, job
+    from helpers.configs import GPT_TINY
+    from helpers.distributed import job
 
     s = job([*GPT_TINY, "optimizer=adam", "precision=amp", "trainer.strategy=fsdp"],
             tmp_path / "two", tmp_path)

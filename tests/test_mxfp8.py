@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from helpers import compose_config, run_tiny
-from test_gpt import GPT_JOB
-from test_lm import one_thread  # noqa: F401  (autouse: tiny models on one thread)
+from helpers.configs import GPT_JOB
+from helpers.fixtures import one_thread  # noqa: F401  (autouse: tiny models on one thread)
 from mixprec.config import ConfigError, validate
 from mixprec.models.gpt import GPT
 from mixprec.precision import modes

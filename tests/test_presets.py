@@ -3,16 +3,11 @@ one job."""
 import json
 
 import pytest
-import yaml
 
 from helpers import CONF, TINY, compose_config, run_cli
+from helpers.configs import sweep_params
 
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-
-
-def sweep_params(name):
-    return ((yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text()).get("hydra") or {})
-            .get("sweeper", {}).get("params") or {})
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from helpers import TINY
+from helpers.probes import Scale
 from mixprec.train.loop import Loop, LoopState, fit, total_steps
 from mixprec.numerics import probe_stats
 from mixprec.config import PrecisionConfig, ProbeConfig, TrainerConfig
@@ -248,15 +249,6 @@ def test_a_probe_none_job_registers_no_hook(tmp_path, hook_count):
     nn.Linear(1, 1).register_forward_hook(lambda *a: None)
     torch.zeros(1, requires_grad=True).register_hook(lambda g: g)
     assert hook_count == ["register_forward_hook", "register_hook"]
-
-
-class Scale(nn.Module):
-    def __init__(self, factor: float):
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x):
-        return x * self.factor
 
 
 def manual_steps(model, policy, probe, loss_fn, steps=1, lr=0.0):

@@ -8,16 +8,12 @@ import torch
 from torch import nn
 
 from helpers import TINY, compose_config, run_tiny
-from test_probe import Scale
-from mixprec.train.loop import Loop, LoopState, fit, total_steps
-from mixprec.config import ConfigError, PrecisionConfig, ProbeConfig, TrainerConfig, validate
+from helpers.probes import CPU, ctx, fit_probed, Scale
+from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.numerics import events
 from mixprec.numerics import verdicts
-from mixprec.numerics.probe import NUMERICS, build_probe
-from mixprec.precision.policy import PrecisionPolicy
-from mixprec.train import images
+from mixprec.numerics.probe import NUMERICS
 
-CPU = torch.device("cpu")
 TINY8 = [*TINY, "dataset.image_size=8"]
 # Page's step 5 (CELU) at 8 px: the 8 px cutout blanks every image (the Page case of issue 29)
 PAGE8 = [
@@ -35,51 +31,6 @@ PAGE8 = [
     "model.channels=[8,8,8,8]",
     "hydra.mode=RUN",
 ]
-
-
-def ctx(
-    precision: PrecisionConfig, status: str, steps: int, optimizer="sgd", eps=1e-8, bn_eval=False
-) -> dict:
-    return {
-        "precision": precision.name,
-        "param_dtype": precision.param_dtype,
-        "autocast_dtype": precision.autocast_dtype,
-        "master_weights": precision.master_weights,
-        "loss_scale": precision.loss_scale,
-        "keep_bn_fp32": precision.keep_bn_fp32,
-        "optimizer": optimizer,
-        "eps": eps,
-        "bn_eval": bn_eval,
-        "status": status,
-        "steps": steps,
-    }
-
-
-def fit_probed(
-    model, precision: PrecisionConfig, tmp_path, probe="ranges", steps=3, x_scale=1.0,
-    bn_eval=False, optimizer=None,
-):
-    """loop.fit on a constructed model and random batches (x_scale=0: blank ones), stepped by SGD or
-    `optimizer(params)`; returns (result, numerics summary, rows)."""
-    torch.manual_seed(0)
-    batches = [
-        (torch.randn(8, 3, 8, 8) * x_scale, torch.randint(0, 10, (8,))) for _ in range(steps)
-    ]
-    policy = PrecisionPolicy(precision, CPU)
-    model = policy.prepare_model(model)
-    params = policy.optimizer_params(model)
-    opt = optimizer(params) if optimizer else torch.optim.SGD(params, lr=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    tr = TrainerConfig(epochs=1, warmup_steps=0, channels_last=False, log_every=1)
-    p = build_probe(ProbeConfig(name=probe, every=1), model, tmp_path)
-    loop = Loop(
-        policy, opt, tr, total_steps(tr, len(batches)), progress=False, probe=p
-    )
-    steps_ = images.ImageSteps(model, sched, batches[:1], bn_eval=bn_eval)
-    result = fit(steps_, batches, loop, LoopState())
-    rows = p.rows()
-    p.close()
-    return result, p.summary(), rows
 
 
 def judged(result, numerics, rows, precision, **kw):
@@ -367,7 +318,7 @@ def test_the_verdict_is_in_the_console_block_the_sweep_note_report_md_and_wandb(
     from mixprec.report.analyse import sweep_rows
     from mixprec.report.make import make_report
     from mixprec.report.render import job_block
-    from test_wandb_mirror import final_summary
+    from helpers.wandb_files import final_summary
 
     s = run_tiny(
         tmp_path / "job",

@@ -11,7 +11,7 @@ from torch import nn
 
 import mixprec.job
 from helpers import TINY, compose_config, run_tiny
-from fakes import STEPS_PER_EPOCH, with_clock
+from helpers.fakes import STEPS_PER_EPOCH, with_clock
 from mixprec.config import validate
 from mixprec.data import build_image_data
 from mixprec.models import small_cnn

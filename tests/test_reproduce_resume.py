@@ -10,7 +10,7 @@ import time
 import pytest
 
 from helpers import ROOT, load_script
-from test_reproduce import _tiny_plan, reproduce
+from helpers.reproducing import _tiny_plan, reproduce
 
 
 def _calibrated(out):

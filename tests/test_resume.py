@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import mixprec.train.loop
 import mixprec.job
 from helpers import ROOT, TINY, compose_config, run_tiny
+from helpers.fakes import SignalAt
 from mixprec.train.checkpoint import CHECKPOINT, WEIGHTS, load_fp32_model
 from mixprec.config import validate
 from mixprec.data import DeviceBatches, LoaderBatches, synthetic_images
@@ -369,22 +369,6 @@ def test_a_loader_restored_mid_epoch_serves_the_rest_of_the_epoch_and_the_next_a
     again = list(restored) + list(restored)
     assert len(rest) == len(again) == 2 * len(original) - 2
     assert all(torch.equal(a, b) for pair in zip(rest, again) for a, b in zip(*pair))
-
-
-class SignalAt(nn.Module):
-    """Wraps a model; its `at`-th training forward sends this process SIGTERM (a pre-emption,
-    in-process)."""
-
-    def __init__(self, inner, at):
-        super().__init__()
-        self.inner, self.at, self.calls = inner, at, 0
-
-    def forward(self, x):
-        if self.training:
-            self.calls += 1
-            if self.calls == self.at:
-                os.kill(os.getpid(), signal.SIGTERM)
-        return self.inner(x)
 
 
 @pytest.mark.slow

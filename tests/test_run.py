@@ -7,7 +7,7 @@ from torch import nn
 
 import mixprec.job
 from mixprec.records import METRICS, SUMMARY
-from test_flops import small_cnn_flops
+from helpers.expected import small_cnn_flops
 
 
 class NaNAt(nn.Module):

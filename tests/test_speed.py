@@ -8,27 +8,14 @@ import torch
 
 from mixprec.train import loop
 from helpers import compose_config, run_tiny
-from test_lm import LM
+from helpers.configs import LM, SMALL
+from helpers.fakes import SyncCounter
 from mixprec.config import ConfigError, validate
 from mixprec.models import small_cnn
 from mixprec.train.optim import build_optimizer
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.train.step import backward_and_step
 from mixprec.numerics.probe import Attribution
-
-SMALL = [
-    "model=small_cnn",
-    "model.width=8",
-    "dataset.image_size=8",
-    "dataset.train_size=320",
-    "dataset.test_size=16",
-    "trainer.batch_size=16",
-    "trainer.eval_batch_size=16",
-    "logger=none",
-    "trainer.device=cpu",
-    "trainer.deterministic=true",
-    "dataset.augment=false",
-]
 
 
 def losses(tmp_path, *overrides):
@@ -114,47 +101,6 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
     assert events == ["compiled", ("reset", "cuda", 0)]   # after compile, no copy alive
     prewarm.reset_peak(torch.device("cpu"))   # a CPU's peak is its RSS: nothing to reset
     assert len(events) == 2
-
-
-class SyncCounter:
-    """Counts the Tensor methods that make the host wait for the device, while `on`. On a CPU every
-    tensor is a host tensor, so the policy's host-side copies of the loss scale
-    (PrecisionPolicy._shadow: CPU tensors on every device, never a sync) are told apart by their
-    storage."""
-    METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__")
-
-    def __init__(self, monkeypatch):
-        self.on, self.count, self.host = False, 0, set()
-        for name in self.METHODS:
-            original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self.counted(original))
-        shadow = PrecisionPolicy._shadow
-
-        def recorded(policy, scale):
-            tensors = shadow(policy, scale)
-            self.host.update(t.untyped_storage().data_ptr() for t in tensors)
-            return tensors
-        monkeypatch.setattr(PrecisionPolicy, "_shadow", recorded)
-
-    def counted(self, original):
-        def method(tensor, *args, **kwargs):
-            self.count += self.on and tensor.untyped_storage().data_ptr() not in self.host
-            return original(tensor, *args, **kwargs)
-        return method
-
-    def on_during(self, monkeypatch, module, name):
-        self.off_during(monkeypatch, module, name, on=True)
-
-    def off_during(self, monkeypatch, module, name, on=False):
-        original = getattr(module, name)
-
-        def wrapped(*args, **kwargs):
-            was, self.on = self.on, on
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.on = was
-        monkeypatch.setattr(module, name, wrapped)
 
 
 @pytest.mark.parametrize("overrides, per_step", [

@@ -15,11 +15,10 @@ from torch import nn
 import mixprec.job
 import mixprec.train.tricks
 from helpers import compose_config, run_tiny
-from fakes import with_clock
+from helpers.fakes import SignalAt, with_clock
 from mixprec.train.checkpoint import WEIGHTS
 from mixprec.config import validate
 from mixprec.data import build_image_data
-from test_resume import SignalAt
 
 LADDER = [
     "dataset=synthetic",

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from helpers import compose_config, load_script
+from helpers.official_formats import Serve, UNREACHABLE, WIKI, wiki_expected, write_wikitext
 from mixprec.data import wikitext
 from mixprec.config import validate
 from mixprec.data.files import DataError, sha256sum
-from official_formats import UNREACHABLE, WIKI, Serve, wiki_expected, write_wikitext
 
 
 def corpus_of(root, *more):
