@@ -9,8 +9,8 @@ from helpers import run_tiny
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu need a CUDA GPU (tests/test_gpu.py): skipped, with the reason, where there
-    is none."""
+    """Tests marked gpu need a CUDA GPU (tests/gpu/test_gpu.py): skipped, with the reason, where
+    there is none."""
     import torch
 
     if torch.cuda.is_available():
@@ -43,9 +43,9 @@ def tiny(tmp_path):
 @pytest.fixture(scope="session")
 def ranks_ran(tmp_path_factory):
     """The folder where 2 spawned gloo ranks wrote what the FSDP checks without a job read
-    (tests/test_fsdp.py's checks_on_rank): one spawn for the session, shared by pytest-xdist's
-    workers (-n 2) under a file lock (the first worker to ask spawns; the other waits and reads):
-    one spawn's CPU, not one per worker."""
+    (tests/helpers/fsdp_ranks.py's checks_on_rank): one spawn for the session, shared by
+    pytest-xdist's workers (-n 2) under a file lock (the first worker to ask spawns; the other waits
+    and reads): one spawn's CPU, not one per worker."""
     from helpers.distributed import on_ranks   # torch.distributed: only where asked for
     from helpers.fsdp_ranks import checks_on_rank
 

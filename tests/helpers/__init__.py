@@ -1,5 +1,7 @@
 """Helpers shared by the tests: compose a config as a job sees it, run a tiny job in this process,
-run train.py in a subprocess, load a script of scripts/ as a module."""
+run train.py in a subprocess, load a script of scripts/ as a module, read another test file's job
+lists. The package's other modules hold what test modules of several folders share."""
+import importlib
 import importlib.util
 import os
 import subprocess
@@ -16,7 +18,7 @@ CONF = ROOT / "conf"
 
 # Tiny but real: a small CNN on a few synthetic images, 2 optimizer steps, no W&B, on the CPU (what
 # the tests assert is CPU behaviour; on a GPU machine trainer.device=auto would pick the GPU:
-# tests/test_gpu.py covers that).
+# tests/gpu/test_gpu.py covers that).
 TINY = ["model=small_cnn", "model.width=8", "dataset.train_size=64", "dataset.test_size=32",
         "trainer.batch_size=16", "trainer.eval_batch_size=32", "trainer.max_steps=2", "logger=none",
         "trainer.device=cpu"]
@@ -66,3 +68,16 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_test_module(name: str):
+    """The test module tests/<folder>/<name>.py as pytest imports it (its folder on sys.path, its
+    file name the module's), for the tests that read the job lists of another test file (that their
+    jobs stay on the CPU, that their overrides compose) whichever files pytest was given."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+    sys.path.insert(0, str(next((ROOT / "tests").rglob(f"{name}.py")).parent))
+    return importlib.import_module(name)

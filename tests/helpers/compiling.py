@@ -2,7 +2,7 @@
 the eager backend (seconds instead of inductor's minutes)."""
 import torch
 
-import mixprec.job as job
+from mixprec import job
 from mixprec.train import compile, shard
 
 

@@ -87,7 +87,7 @@ def assert_one_rank_fsdp_job(s: dict, job_dir, mode: str, device: str) -> None:
     """What a completed 1-rank FSDP job of the tiny GPT with AdamW must show: on `device`, native
     arithmetic, the mode's param dtype and a float32 reduction in its distributed block, every
     fp32 byte of one process held by its one rank, and finite training and validation losses
-    that fall (tests/test_fsdp_records.py runs it on the CPU)."""
+    that fall (tests/distributed/test_fsdp_records.py runs it on the CPU)."""
     assert s["status"] == "completed", s.get("error")
     assert s["env"]["device"] == device and s["arithmetic"] == "native"
     d = s["distributed"]

@@ -1,7 +1,7 @@
 """The GPU busy fraction (src/mixprec/runtime/busy.py) on faked clocks: a fake GPU whose events
 report a known share of the host time a sampled step took, inside real tiny CPU jobs
-(tests/fakes.py's clock moves only with training steps), and the host-bound verdict the tables
-and the report show."""
+(tests/helpers/fakes.py's clock moves only with training steps), and the host-bound verdict the
+tables and the report show."""
 import pytest
 
 import mixprec.job

@@ -2,7 +2,7 @@
 (`dist.init_process_group("fake", ...)`: every collective returns at once, nothing is sent), which
 lays out each rank's shards as NCCL's ranks would have them. What depends only on a rank's own
 shards (an empty shard of a small head, the groups a mesh makes) is checked here on the CPU; the
-collectives themselves run on 2 gloo ranks in tests/test_fsdp.py."""
+collectives themselves run on 2 gloo ranks in tests/distributed/test_fsdp.py."""
 import pytest
 import torch
 import torch.distributed as tdist

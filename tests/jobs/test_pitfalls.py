@@ -32,7 +32,7 @@ def test_adam_in_pure_fp16_diverges_for_real_and_says_why(tiny, tmp_path):
     assert on_disk["status"] == "diverged" and 1 <= on_disk["nonfinite"]["step"] <= 3
     assert "optimizer.eps=1e-08 rounds to 0 in float16" in on_disk["reason"]
     # the verdict (docs/numerics.md, adam_eps_zero; measured under probe=ranges: the slow
-    # tests/test_probe_verdicts.py::test_adam_in_pure_fp16_is_eps_at_zero_measured)
+    # tests/unit/numerics/test_probe_verdicts.py::test_adam_in_pure_fp16_is_eps_at_zero_measured)
     assert on_disk["verdict"]["mechanism"] == "adam_eps_zero", on_disk["verdict"]
     # conf/pitfall/adam_fp16.yaml
     finding = validate(compose_config("pitfall=adam_fp16")).case.finding

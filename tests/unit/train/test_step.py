@@ -17,7 +17,7 @@ from mixprec.precision.policy import StaticScaler
 SRC = ROOT / "src" / "mixprec"
 STEP = SRC / "train" / "step.py"
 SCALER_CALLS = ("scale", "unscale_", "step", "update")
-# Tiny language-model job (as tests/test_lm.py's LM): a 2-layer LSTM of 8 units, clipping
+# Tiny language-model job (as tests/helpers/configs.py's LM): a 2-layer LSTM of 8 units, clipping
 LM = ["logger=none", "trainer.max_steps=2", "model=lstm", "dataset=synthetic_text",
       "dataset.vocab_size=40", "dataset.train_size=1200", "dataset.test_size=200",
       "model.emsize=8", "model.nhid=8", "trainer.batch_size=4", "trainer.eval_batch_size=5",

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def module_name(path: Path, src: Path = SRC) -> str:
@@ -264,7 +264,7 @@ def mixprec_aliases(paths) -> set[tuple[str, str]]:
 
 
 def test_tests_and_scripts_import_mixprec_by_its_names():
-    paths = [*sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "scripts").glob("*.py")),
+    paths = [*sorted((ROOT / "tests").rglob("*.py")), *sorted((ROOT / "scripts").glob("*.py")),
              ROOT / "train.py"]
     found = mixprec_aliases(paths)
     assert found - set(ALIASES_LEFT) == set(), f"aliased imports (use the names): {found}"

@@ -309,9 +309,9 @@ def counted_calls(monkeypatch, *targets) -> dict:
     (["precision=fp32"], 0),
 ])
 def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides, per_step):
-    """A cell runs a job's loop (loop.fit: a log window, its one flush): tests/test_speed.py's
-    sync count for a job, here for a cell: 0 syncs in a steady fused-amp step, and the window
-    flushed as a job flushes it."""
+    """A cell runs a job's loop (loop.fit: a log window, its one flush):
+    tests/unit/train/test_speed.py's sync count for a job, here for a cell: 0 syncs in a steady
+    fused-amp step, and the window flushed as a job flushes it."""
     from helpers.fakes import SyncCounter
 
     from mixprec.train import images

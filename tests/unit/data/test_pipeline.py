@@ -302,7 +302,7 @@ def test_loader_workers_ignore_stop_signals_and_end_with_the_process(tmp_path):
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3] / "src"))
     r = subprocess.run(
         [sys.executable, "-c", LOADER_LEFT_OPEN],
         env=env,

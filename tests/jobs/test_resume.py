@@ -713,7 +713,7 @@ def test_the_training_clock_syncs_the_device_at_every_reading(tiny, monkeypatch)
     # start and stop of each epoch, and the end of the warm-up: no epoch time is read without a sync
     # first
     assert calls == ["cpu"] * (2 * 2 + 1) and len(s["metrics"]["epoch_times_s"]) == 2
-    # its GPU memory stats: tests/test_gpu.py
+    # its GPU memory stats: tests/gpu/test_gpu.py
     monkeypatch.setattr(mixprec.train.loop, "mark_steady", lambda device: None)
     # the clock itself, for a GPU device
     clock = mixprec.train.loop.TrainClock(torch.device("cuda"))

@@ -269,7 +269,7 @@ def test_a_job_trains_on_cifar_files(tmp_path, pipeline):
 def test_text_data_in_train_py_is_a_clear_config_error(tmp_path):
     with pytest.raises(SystemExit) as e:
         run_job_with(tmp_path, "dataset=synthetic_text")
-    assert e.value.code == 2   # a config error, as every other one (tests/test_cli.py)
+    assert e.value.code == 2   # a config error, as every other one (tests/jobs/test_cli.py)
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (
         s["error"].startswith(

@@ -235,7 +235,7 @@ def train_losses(path, *overrides, base):
 # 1.6e-2 at step 5), the GPT 1.2e-7 over 10 (fp32: inductor's fused kernels reassociate sums), the
 # GPT under precision=fp8 1.2e-4 over 6 (float8 quantisation and bf16 roundings fused differently;
 # precision.emulate=false: torchao's own float8 emulation, CPU bf16 autocast). Bounds: about 10x
-# those. (small_cnn: tests/test_speed.py, 1e-4 over 20 steps.)
+# those. (small_cnn: tests/unit/train/test_speed.py, 1e-4 over 20 steps.)
 KINDS = {
     "resnet18": (
         ["model=resnet18", "trainer.max_steps=5", "optimizer.lr=0.01"],

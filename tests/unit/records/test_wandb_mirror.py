@@ -30,10 +30,10 @@ def test_the_mirrored_summary_is_summary_json_after_a_3_epoch_job(tmp_path):
 
 
 def test_wandb_failing_on_rank_0_alone_ends_every_rank_before_training(tmp_path, monkeypatch):
-    """logger=wandb on 2 ranks (threads whose collectives meet, tests/fakes.py): wandb.init fails on
-    rank 0, the only rank that starts W&B. Every rank ends the job failed, before any training
-    (rank 1 does not go on to wait for rank 0 in the first collective), and rank 0 records the
-    reason in one line."""
+    """logger=wandb on 2 ranks (threads whose collectives meet, tests/helpers/fakes.py): wandb.init
+    fails on rank 0, the only rank that starts W&B. Every rank ends the job failed, before any
+    training (rank 1 does not go on to wait for rank 0 in the first collective), and rank 0 records
+    the reason in one line."""
     import wandb
 
     import mixprec.job

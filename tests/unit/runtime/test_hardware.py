@@ -1,11 +1,11 @@
 """CUDA paths checked on the CPU: PyTorch's own validators run, only the device queries are patched
 (a fake 2-GPU machine); the rest of each path runs as on a GPU. What needs a real GPU is in
-tests/test_gpu.py."""
+tests/gpu/test_gpu.py."""
 import pytest
 import torch
 from torch import nn
 
-from helpers import ROOT, compose_config, load_script, run_tiny
+from helpers import ROOT, compose_config, load_script, load_test_module, run_tiny
 from mixprec.train import checkpoint
 from mixprec import data
 from mixprec.runtime import dist, hardware
@@ -363,9 +363,7 @@ def test_a_cpu_job_on_a_gpu_machine_leaves_cudas_rng_alone(two_gpus, monkeypatch
 def test_the_tests_cpu_jobs_stay_on_the_cpu_of_a_gpu_machine(two_gpus, module, name):
     # what they assert is CPU behaviour (FP8 and fp16 emulated, fused kernels off):
     # trainer.device=auto would run them on the GPU there
-    import importlib
-
-    overrides = getattr(importlib.import_module(module), name)
+    overrides = getattr(load_test_module(module), name)
     assert hardware.select_device(
         validate(compose_config(*overrides)).trainer.device
     ) == torch.device("cpu")

@@ -181,7 +181,8 @@ def test_cpu_peak_memory_is_the_jobs_peak_rss(tmp_path, monkeypatch):
     """A job whose model holds an extra 256 MB buffer (touched, so resident) reports a peak at least
     the resident size before the job plus 256 MB, and no more than the process's peak read from
     `resource` after it: the process's peak RSS since the job's start (an earlier job's peak is not
-    its own: tests/test_hardware.py::test_a_cpu_jobs_peak_is_its_own_not_an_earlier_jobs)."""
+    its own:
+    tests/unit/runtime/test_hardware.py::test_a_cpu_jobs_peak_is_its_own_not_an_earlier_jobs)."""
     extra = 256
     build = mixprec.job.build_model
 

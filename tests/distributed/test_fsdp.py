@@ -32,7 +32,8 @@ from mixprec.train import compile, shard
 from mixprec.train.optim import build_optimizer
 
 GPU_GPT = [o for o in GPT_TINY if not o.startswith("trainer.device")]   # auto: the GPU
-# small_cnn with BatchNorm in eval mode (statistics independent of the split, as tests/test_ddp.py)
+# small_cnn with BatchNorm in eval mode (statistics independent of the split, as
+# tests/distributed/test_ddp.py)
 CNN = [*TINY, "trainer.max_steps=4", "trainer.log_every=2", "trainer.deterministic=true",
        "+model.bn_eval=true", "schedule=constant", "optimizer.lr=0.2"]
 

@@ -43,8 +43,8 @@ def collected(args: list[str]) -> set[str]:
 def test_gpu_check_runs_every_gpu_marked_test():
     every = collected(["-m", "gpu", "tests/"])
     files = {test.split("::")[0] for test in every}
-    assert {"tests/test_gpu.py", "tests/test_busy.py", "tests/test_compile.py",
-            "tests/test_speed.py"} <= files
+    assert {"tests/gpu/test_gpu.py", "tests/unit/runtime/test_busy.py",
+            "tests/unit/train/test_compile.py", "tests/unit/train/test_speed.py"} <= files
     left_out = every - collected(gpu_check_pytest_args())
     assert not left_out, (f"{len(left_out)} gpu-marked tests gpu_check.sh does not run, e.g. "
                           f"{sorted(left_out)[:5]}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mixprec.config import PrecisionConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "mixprec"
 MODES = frozenset(p.stem for p in (ROOT / "conf" / "precision").glob("*.yaml"))
 # PrecisionConfig's fields that make a mode's behaviour (its name is a label)
@@ -86,7 +86,7 @@ def test_no_mode_behaviour_outside_the_precision_package():
     leaked = sorted(f"{rel}: {what}" for rel, what in found if (rel, what) not in ALLOWED)
     assert not leaked, (
         "a precision mode's behaviour outside src/mixprec/precision/ (move it there, or allow a "
-        "label in tests/test_precision_package.py with its reason): " + "; ".join(leaked)
+        "label in tests/house/test_precision_package.py with its reason): " + "; ".join(leaked)
     )
     stale = sorted(f"{rel}: {what}" for rel, what in ALLOWED if (rel, what) not in found)
     assert not stale, "allowed but no longer there (drop them from ALLOWED): " + "; ".join(stale)

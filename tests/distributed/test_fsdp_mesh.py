@@ -126,7 +126,7 @@ def test_the_sweep_tables_strategy_cell_shows_an_hsdp_mesh():
     assert "fsdp x8 hsdp 2x4 float32/reduce float32" in format_table(sweep_rows([hsdp]))
 
 
-# ---- 2 spawned gloo ranks (tests/test_fsdp.py's checks_on_rank: conftest.py's ranks_ran) ----
+# ---- 2 spawned gloo ranks (tests/helpers/fsdp_ranks.py's checks_on_rank: conftest.py's ranks_ran)
 
 
 def test_hsdp_replicas_hold_whole_copies_that_stay_equal(ranks_ran):

@@ -1,19 +1,18 @@
-"""The jobs of tests/test_gpu.py composed on the CPU: an override that no config has (a stale key, a
-model's option given to another model) fails here, in the quick loop, and not first on a GPU machine
-(issue 36: `model.width` on resnet18 had never run). Every run_tiny / compose_config /
+"""The jobs of tests/gpu/test_gpu.py composed on the CPU: an override that no config has (a stale
+key, a model's option given to another model) fails here, in the quick loop, and not first on a GPU
+machine (issue 36: `model.width` on resnet18 had never run). Every run_tiny / compose_config /
 max_batch.compose call of that file is read with `ast`, its overrides resolved (string constants,
 the module's lists, the test's own local lists, f-strings over its parametrize values), then
 composed with Hydra's compose API and validated against the config schema."""
 import ast
-import importlib
 import itertools
 
 import pytest
 
-from helpers import ROOT, TINY, compose_config
+from helpers import ROOT, TINY, compose_config, load_test_module
 from mixprec.config import validate
 
-GPU_TESTS = ROOT / "tests" / "test_gpu.py"
+GPU_TESTS = ROOT / "tests" / "gpu" / "test_gpu.py"
 # each call's base when it names none
 DEFAULT_BASE = {"run_tiny": TINY, "compose_config": [], "compose": []}
 
@@ -90,7 +89,7 @@ def call_overrides(call: ast.Call, fn: ast.FunctionDef, module) -> list[list[str
 
 
 def gpu_job_overrides() -> list[tuple[str, list[str]]]:
-    module = importlib.import_module("test_gpu")
+    module = load_test_module("test_gpu")
     tree = ast.parse(GPU_TESTS.read_text())
     found = []
     for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):

@@ -333,8 +333,9 @@ def test_the_sweep_table_and_the_report_show_the_same_ladder_rows(tmp_path, caps
 
 @pytest.mark.parametrize("step", ["page_09_ema", "page_10_tta"])
 def test_steps_9_and_10_build_their_ema_and_evaluate_it(tmp_path, monkeypatch, step):
-    """The quick twin of the slow EMA tests (tests/test_trick_jobs.py): a tiny job of Page's steps 9
-    and 10 builds the EMA, updates it, and every evaluation scores the average, not the model."""
+    """The quick twin of the slow EMA tests (tests/jobs/test_trick_jobs.py): a tiny job of Page's
+    steps 9 and 10 builds the EMA, updates it, and every evaluation scores the average, not the
+    model."""
     from mixprec.train import images, tricks
 
     made, scored = [], []

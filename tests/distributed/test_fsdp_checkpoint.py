@@ -128,8 +128,8 @@ def unshared_line(path, saw: str, name: str) -> str:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # dcp.save, no_dist
 def test_ranks_that_do_not_see_the_same_checkpoint_fail_alike_in_one_line(tmp_path):
-    """trainer.resume=auto on 2 ranks (threads whose collectives meet, tests/fakes.py), each with
-    its own job dir (nodes without a shared file system): where rank 1 sees no checkpoint, or
+    """trainer.resume=auto on 2 ranks (threads whose collectives meet, tests/helpers/fakes.py), each
+    with its own job dir (nodes without a shared file system): where rank 1 sees no checkpoint, or
     its shards folder lacks a file, every rank fails in the same one line naming what each rank
     saw and what to do, before any load (rank 0 would load while rank 1 started over, and the
     first collective would pair different calls); a job dir both ranks see resumes on both."""

@@ -16,8 +16,8 @@ from mixprec.report.published import SourceError, load_source, load_sources
 
 # small enough for ResNet-18 on a CPU: 8x8 images, one step per epoch, two epochs; every step logged
 # precision.emulate=false: the CPU's own fp16 kernels, so that amp's times are real times and its
-# speed-up is computed (an emulated job's time is an fp32 time: no speed-up; tests/test_emulation.py
-# checks that)
+# speed-up is computed (an emulated job's time is an fp32 time: no speed-up;
+# tests/unit/precision/test_emulation.py checks that)
 SIZES = [
     "dataset.image_size=8",
     "dataset.train_size=8",

@@ -41,7 +41,8 @@ def test_summary_says_strategy_dtypes_and_each_ranks_held_bytes(tmp_path):
     half = {k: v // 2 for k, v in whole_bytes().items()}
     assert d["held_bytes"] == [half, half]
     one = run_tiny(tmp_path / "one", *ADAMW, "trainer.strategy=fsdp", base=GPT_TINY)
-    # the checks of the gpu test's 1-GPU FSDP job per mode (tests/test_fsdp.py), on the CPU
+    # the checks of the gpu test's 1-GPU FSDP job per mode (tests/distributed/test_fsdp.py), on the
+    # CPU
     assert_one_rank_fsdp_job(one, tmp_path / "one", "fp32", "cpu")
     plain = run_tiny(tmp_path / "plain", *ADAMW, base=GPT_TINY)
     assert "distributed" not in plain   # a single-process record is unchanged
