@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
         reason="needs a CUDA GPU (pytest -m gpu on a GPU machine; see docs/gpus.md)"
     )
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):   # the marker (tests/gpu/ makes "gpu" a keyword of all)
             item.add_marker(skip)
 
 
