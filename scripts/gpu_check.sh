@@ -42,7 +42,7 @@ if [ "$rc" -ne 0 ]; then
     exit "$rc"
 fi
 
-echo "== pytest -m gpu"   # every gpu-marked test of tests/ (tests/test_gpu_speed.py checks none is left out)
+echo "== pytest -m gpu"   # every gpu-marked test of tests/ (tests/tools/test_gpu_speed.py checks none is left out)
 python -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests/
 tests=$?
 

@@ -10,7 +10,7 @@ The fastai article saw about 1.8x larger batches fit with fp16. Needs a GPU: wit
 and exits non-zero. Each probe builds a fresh model, policy and optimizer and runs two full steps on
 random data of the dataset's shape, under the job's hardware flags (cudnn.benchmark, TF32); an
 allocation failure of the caching allocator, cuBLAS or cuDNN means "does not fit", and the memory is
-back at its baseline before the next probe (tests/test_gpu.py checks it).
+back at its baseline before the next probe (tests/gpu/test_gpu.py checks it).
 `--device cpu` runs the same probes on the CPU, where nothing runs out of memory: the search stops
 at --limit (a check that the probes run, not a measurement).
 """

@@ -9,8 +9,8 @@ from helpers import run_tiny
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu need a CUDA GPU (tests/test_gpu.py): skipped, with the reason, where there
-    is none."""
+    """Tests marked gpu need a CUDA GPU (tests/gpu/test_gpu.py): skipped, with the reason, where
+    there is none."""
     import torch
 
     if torch.cuda.is_available():
@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
         reason="needs a CUDA GPU (pytest -m gpu on a GPU machine; see docs/gpus.md)"
     )
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):   # the marker (tests/gpu/ makes "gpu" a keyword of all)
             item.add_marker(skip)
 
 
@@ -43,10 +43,11 @@ def tiny(tmp_path):
 @pytest.fixture(scope="session")
 def ranks_ran(tmp_path_factory):
     """The folder where 2 spawned gloo ranks wrote what the FSDP checks without a job read
-    (tests/test_fsdp.py's checks_on_rank): one spawn for the session, shared by pytest-xdist's
-    workers (-n 2) under a file lock (the first worker to ask spawns; the other waits and reads):
-    one spawn's CPU, not one per worker."""
-    from test_fsdp import checks_on_rank, on_ranks   # torch.distributed: only where asked for
+    (tests/helpers/fsdp_ranks.py's checks_on_rank): one spawn for the session, shared by
+    pytest-xdist's workers (-n 2) under a file lock (the first worker to ask spawns; the other waits
+    and reads): one spawn's CPU, not one per worker."""
+    from helpers.distributed import on_ranks   # torch.distributed: only where asked for
+    from helpers.fsdp_ranks import checks_on_rank
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
