@@ -109,9 +109,9 @@ LAYERS = (
     ("models", "data"),
     ("numerics",),
     ("train",),
-    ("tools",),
+    ("tools", "cli"),   # cli: the scripts' composition and one-line errors, tools' too
     ("report",),
-    ("job", "cli"),
+    ("job",),
 )
 
 
@@ -171,6 +171,9 @@ def test_the_package_root_holds_at_most_8_modules():
 # call. Any other import belongs at the module's top.
 OPTIONAL_WANDB = "wandb: optional (the wandb extra) and slow to import; only W&B's paths need it"
 NO_TORCH = "torch: scripts/reproduce.py imports cli without it"
+NO_TORCH_LAUNCHER = (
+    "torch: scripts/reproduce.py's --help and its launcher (that only runs jobs) import it not"
+)
 LAZY = {
     ("mixprec.cli", "mixprec.data.files"): NO_TORCH,
     ("mixprec.cli", "mixprec.train.checkpoint"): NO_TORCH,
@@ -189,6 +192,11 @@ LAZY = {
     ("mixprec.report.callbacks", "mixprec.report.make"): "matplotlib: only a sweep's report",
     ("mixprec.report.wandb_report", "wandb"): OPTIONAL_WANDB,
     ("mixprec.report.wandb_report", "wandb_workspaces.reports.v2"): "optional (the report extra)",
+    ("mixprec.tools.estimate", "torch"): NO_TORCH_LAUNCHER,
+    ("mixprec.tools.estimate", "mixprec.models"): NO_TORCH_LAUNCHER,
+    ("mixprec.tools.estimate", "mixprec.precision.modes"): NO_TORCH_LAUNCHER,
+    ("mixprec.tools.folder", "torch"): NO_TORCH_LAUNCHER,
+    ("mixprec.tools.folder", "mixprec.runtime.hardware"): NO_TORCH_LAUNCHER,
     ("mixprec.runtime.defaults", "torch"): "`import mixprec` registers its resolvers without it",
     ("mixprec.runtime.dist", "submitit"): "optional (the SLURM launcher's extra)",
     ("mixprec.train.compile", "torch._inductor.async_compile"): "inductor: seconds to import",

@@ -277,25 +277,28 @@ def test_a_calibration_job_that_gave_no_time_says_why():
     assert untimed_reason(diverged) == "diverged at step 1"
     assert untimed_reason(short).startswith("too few steps (2, with 2 of warm-up")
     assert untimed_reason(failed) == "failed: data error: CIFAR-10 not found"
-    reproduce = load_script("reproduce")
+    from mixprec.tools.state import plan_rows
+
     entry = {"article": "a", "name": "s", "jobs": 1, "planned_jobs": 1, "epochs": "1",
              "predicted_s": 60.0, "prediction": "estimate", "untimed": "diverged at step 1",
              "cuts": [], "dropped": False}
-    _, rows = reproduce.plan_rows({"sweeps": [entry]}, actual=False)
+    _, rows = plan_rows({"sweeps": [entry]}, actual=False)
     assert "(estimate: diverged at step 1)" in rows[0][4]
 
 
 def test_estimate_with_a_budget_says_what_would_be_cut_where(monkeypatch, capsys):
     """--estimate --budget: the plan's cuts applied to the FLOP minutes (stubbed here: a minute per
     job and epoch, so that the cuts' effect is plain); the real FLOP count is the slow test's."""
+    from mixprec.tools.sweeps import job_configs
+
     reproduce = load_script("reproduce")
 
     def minute_per_job_epoch(plan, args, sweep, peaks):
-        configs = reproduce.job_configs(plan, sweep, args)
+        configs = job_configs(plan, sweep, args)
         secs = 0.0 if sweep.dropped else sum(60.0 * c["trainer"]["epochs"] for c in configs)
         return {p: secs for p in peaks}
 
-    monkeypatch.setattr(reproduce, "flop_seconds", minute_per_job_epoch)
+    monkeypatch.setattr("mixprec.tools.estimate.flop_seconds", minute_per_job_epoch)
     assert reproduce.main(["--estimate", "v100", "--budget", "8m", "--only", "opt_levels"]) == 0
     out = capsys.readouterr().out
     cut = out[out.index("--budget 8m on v100"):]

@@ -1,7 +1,7 @@
-"""scripts/reproduce.py and its plan (src/mixprec/tools/plan.yaml): the plan agrees with the
-presets, the published numbers and the README; cutting to a budget; and, as real runs on the CPU,
-resume after kill -9, a failing sweep, two results folders side by side, and the whole --smoke
-plan."""
+"""scripts/reproduce.py (its logic in src/mixprec/tools/) and its plan
+(src/mixprec/tools/plan.yaml): the plan agrees with the presets, the published numbers and the
+README; cutting to a budget; and, as real runs of the script on the CPU, resume after kill -9, a
+failing sweep, two results folders side by side, and the whole --smoke plan."""
 import itertools
 import json
 import os
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, compose_config, load_script
+from helpers import ROOT, compose_config
 from helpers.reproducing import _tiny_plan, reproduce
 from mixprec.tools.plan import (
     PLAN_FILE,
@@ -26,6 +26,8 @@ from mixprec.tools.plan import (
     parse_duration,
     readme_table,
 )
+from mixprec.tools.estimate import _flops
+from mixprec.tools.state import plan_summary
 from mixprec.report.published import load_sources
 
 
@@ -292,23 +294,19 @@ def test_estimate_counts_a_pretrained_model_without_its_weights(tmp_path, monkey
 
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
     monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
-    reproduce = load_script("reproduce")
     model = {"arch": "resnet18", "stem": "imagenet", "head": "fastai"}
-    pretrained = reproduce._flops(
-        json.dumps({**model, "pretrained": True, "freeze_body": True}), 100, 32
-    )
-    assert pretrained == reproduce._flops(json.dumps({**model, "pretrained": False}), 100, 32) > 0
+    pretrained = _flops(json.dumps({**model, "pretrained": True, "freeze_body": True}), 100, 32)
+    assert pretrained == _flops(json.dumps({**model, "pretrained": False}), 100, 32) > 0
 
 
 def test_a_plan_that_cannot_fit_its_budget_says_so():
-    script = load_script("reproduce")
     state = {"budget_s": 1800, "calibration": {"seconds": 60, "mode": "first"}, "report_s": 60,
              "sweeps": [{"predicted_s": 1500, "jobs": 9}, {"predicted_s": 0, "jobs": 0}]}
-    assert "OVER BUDGET" not in script.plan_summary(state)
+    assert "OVER BUDGET" not in plan_summary(state)
     state["sweeps"][0]["predicted_s"] = 3408
-    line = script.plan_summary(state)
+    line = plan_summary(state)
     assert (
         "sweeps predicted 56.8 min" in line
         and "OVER BUDGET: every cut the plan allows is made" in line
     )
-    assert "OVER BUDGET" not in script.plan_summary({**state, "budget_s": None})
+    assert "OVER BUDGET" not in plan_summary({**state, "budget_s": None})

@@ -1,5 +1,6 @@
-"""scripts/reproduce.py's calibration continues after a kill as its sweeps do; what git keeps of its
-folders."""
+"""scripts/reproduce.py's calibration continues after a kill as its sweeps do (a run of the script);
+a replan and a Ctrl-C keep the minutes spent, what git keeps of its folders (the logic in
+src/mixprec/tools/, the arguments parsed by the script)."""
 import json
 import os
 import shutil
@@ -10,6 +11,10 @@ import time
 import pytest
 
 from helpers import ROOT, load_script
+from mixprec.tools.folder import write_gitignore
+from mixprec.tools.plan import load_plan
+from mixprec.tools.reproduce import Progress, run_sweeps
+from mixprec.tools.state import load_or_plan, make_state
 from helpers.reproducing import _tiny_plan, reproduce
 
 
@@ -71,46 +76,44 @@ def test_replan_keeps_the_minutes_of_the_sweeps_it_keeps(tmp_path):
     time in its total (it was reset to the calibration's seconds: a 47-minute folder then said 0.1
     min in all), also the time no sweep holds (an attempt stopped before, the reports: 157 minutes
     once became 136); a sweep whose command changed starts over, and its time leaves the total."""
-    mod = load_script("reproduce")
     plan_file, out = _tiny_plan(tmp_path), tmp_path / "ref"
     out.mkdir()
-    args = mod.parse(
+    args = load_script("reproduce").parse(   # the script's arguments; the rest: mixprec.tools
         ["--smoke", "--plan-file", str(plan_file), "--out", str(out), "--only", "seeds"]
     )
     args.calibrate = "first"
-    plan = mod.load_plan(plan_file).only(["seeds"]).smoked()
-    old = mod.make_state(plan, args, {"sweeps": {}, "seconds": 5.0, "mode": "first"}, None)
+    plan = load_plan(plan_file).only(["seeds"]).smoked()
+    old = make_state(plan, args, {"sweeps": {}, "seconds": 5.0, "mode": "first"}, None)
     old["sweeps"][0].update(status="done", actual_s=600.0)
     old["elapsed_s"] = 905.0   # 5 calibration + 600 in the sweep + 300 in no sweep
     (out / "plan.json").write_text(json.dumps(old))
     args.replan = True
-    state = mod.load_or_plan(plan, args, {})
+    state = load_or_plan(plan, args, {})
     assert state["sweeps"][0]["status"] == "done" and state["elapsed_s"] == 905.0
     (out / "runs" / "seeds").mkdir(parents=True)
     old["sweeps"][0]["command"] = ["python", "train.py", "another=command"]
     (out / "plan.json").write_text(json.dumps(old))
-    state = mod.load_or_plan(plan, args, {})
+    state = load_or_plan(plan, args, {})
     assert state["sweeps"][0]["status"] == "planned" and state["elapsed_s"] == 305.0
     assert list((out / "replaced").glob("seeds-*"))
 
 
 def test_a_sweep_stopped_by_ctrl_c_keeps_its_minutes(tmp_path, monkeypatch):
-    mod = load_script("reproduce")
     plan_file, out = _tiny_plan(tmp_path), tmp_path / "ref"
     out.mkdir()
-    args = mod.parse(
+    args = load_script("reproduce").parse(
         ["--smoke", "--plan-file", str(plan_file), "--out", str(out), "--only", "seeds"]
     )
-    plan = mod.load_plan(plan_file).only(["seeds"]).smoked()
-    state = mod.make_state(plan, args, {"sweeps": {}, "seconds": 5.0, "mode": "first"}, None)
+    plan = load_plan(plan_file).only(["seeds"]).smoked()
+    state = make_state(plan, args, {"sweeps": {}, "seconds": 5.0, "mode": "first"}, None)
 
     def stopped(*a, **k):
         time.sleep(0.2)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mod, "spawn", stopped)
+    monkeypatch.setattr("mixprec.tools.reproduce.spawn", stopped)
     with pytest.raises(KeyboardInterrupt):
-        mod.run_sweeps(out, state, mod.Progress(out, state))
+        run_sweeps(out, state, Progress(out, state))
     assert state["sweeps"][0]["actual_s"] >= 0.2   # a replan keeps it in the folder's total
 
 
@@ -120,8 +123,7 @@ def test_git_ignores_what_the_tools_write_but_a_completed_reference_folder(tmp_p
     (repo / "outputs" / "reference").mkdir(parents=True)
     shutil.copy(ROOT / ".gitignore", repo / ".gitignore")
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    mod = load_script("reproduce")
-    monkeypatch.setattr(mod, "ROOT", repo)
+    monkeypatch.setattr("mixprec.tools.folder.ROOT", repo)
     files = [
         "ENVIRONMENT.md",
         "plan.md",
@@ -151,8 +153,8 @@ def test_git_ignores_what_the_tools_write_but_a_completed_reference_folder(tmp_p
         (repo / "outputs" / f).parent.mkdir(parents=True, exist_ok=True)
         (repo / "outputs" / f).write_text("x")
     (repo / "outputs" / "reference" / "README.md").write_text("x")
-    mod.write_gitignore(planned, finished=False)   # a --plan, or a run not finished
-    mod.write_gitignore(done, finished=True)
+    write_gitignore(planned, finished=False)   # a --plan, or a run not finished
+    write_gitignore(done, finished=True)
     listed = subprocess.run(
         ["git", "ls-files", "--others", "--exclude-standard", "outputs"],
         cwd=repo,

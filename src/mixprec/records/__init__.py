@@ -101,6 +101,24 @@ def read_summary(path: Path) -> dict:
         ) from None
 
 
+def job_order(path: Path) -> tuple:
+    """Sweep jobs in job-number order (their folders start with it), others by name."""
+    head = path.parent.name.split("_", 1)[0]
+    return (str(path.parent.parent), int(head) if head.isdigit() else 10**9, path.parent.name)
+
+
+def read_summaries(paths) -> tuple[list[tuple[Path, dict]], list[str]]:
+    """(file, summary) for each readable summary.json of `paths`, in their order, and the reason
+    each other one could not be read."""
+    read, problems = [], []
+    for path in paths:
+        try:
+            read.append((path, read_summary(path)))
+        except (ValueError, OSError) as e:
+            problems.append(str(e))
+    return read, problems
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     with atomic_file(path, "w") as f:
         f.write(text)

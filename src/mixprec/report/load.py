@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import records
-from ..records import METRICS, SUMMARY, read_jsonl, read_summary
+from ..records import METRICS, SUMMARY, job_order, read_jsonl, read_summaries
 
 
 class ReportError(ValueError):
@@ -136,21 +136,10 @@ def find_summaries(inputs: list[str]) -> list[Path]:
     return unique
 
 
-def job_order(path: Path) -> tuple:
-    """Sweep jobs in job-number order (their folders start with it), others by name."""
-    head = path.parent.name.split("_", 1)[0]
-    return (str(path.parent.parent), int(head) if head.isdigit() else 10**9, path.parent.name)
-
-
 def load_jobs(paths: list[Path]) -> tuple[list[Job], list[str]]:
     """The jobs, in the order of `paths`, and the summary files that could not be read."""
-    jobs, problems = [], []
-    for path in paths:
-        try:
-            jobs.append(Job(path.parent, read_summary(path)))
-        except (ValueError, OSError) as e:
-            problems.append(str(e))
-    return jobs, problems
+    read, problems = read_summaries(paths)
+    return [Job(path.parent, summary) for path, summary in read], problems
 
 
 def sweep_jobs(sweep_dir: Path) -> tuple[list[Job], list[str]]:

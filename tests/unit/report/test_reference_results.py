@@ -10,6 +10,8 @@ from mixprec.tools.plan import PlanError, load_plan, merge_overrides
 from mixprec.config import validate_job
 from mixprec.report.analyse import paired_difference, t975
 from mixprec.report.published import load_sources
+from mixprec.tools.calibrate import calibrate
+from mixprec.tools.sweeps import compose, job_configs, sweep_overrides
 
 CPU_PLAN = ROOT / "src" / "mixprec" / "tools" / "plan_cpu.yaml"
 
@@ -33,9 +35,9 @@ def test_every_value_of_the_cpu_plan_composes_and_every_published_value_is_accou
     precisions = set()
     for a in plan.articles:
         for s in a.sweeps:
-            over = reproduce.sweep_overrides(plan, s, args)
+            over = sweep_overrides(plan, s, args)
             for job in diagonal_jobs(s):
-                c = reproduce.compose(
+                c = compose(
                     tuple(merge_overrides(over, [f"{k}={v}" for k, v in job.items()]))
                 )
                 assert c["trainer"]["device"] == "auto"
@@ -56,7 +58,7 @@ def test_the_cpu_plan_composes_every_job_and_accounts_for_every_published_value(
     assert {a.id for a in plan.articles} == set(sources)
     for a in plan.articles:
         for s in a.sweeps:
-            configs = reproduce.job_configs(plan, s, args)  # a bad override: ConfigError
+            configs = job_configs(plan, s, args)  # a bad override: ConfigError
             assert len(configs) == len(s.jobs) and all(
                 c["trainer"]["device"] == "auto" for c in configs
             )
@@ -65,7 +67,7 @@ def test_the_cpu_plan_composes_every_job_and_accounts_for_every_published_value(
                 validate_job(c)
         ids = {v.id for v in sources[a.id].values}
         assert set(a.not_reproduced) <= ids and set(a.stand_ins) <= ids, a.id
-    precisions = {c["precision"]["name"] for c in reproduce.job_configs(plan, plan.sweeps[0], args)}
+    precisions = {c["precision"]["name"] for c in job_configs(plan, plan.sweeps[0], args)}
     assert precisions == {
         "fp32",
         "tf32",
@@ -103,15 +105,17 @@ def test_paired_difference_is_students_interval():
 
 
 
-def test_calibration_on_stand_in_data_leaves_out_the_users_data_dir(tmp_path):
+def test_calibration_on_stand_in_data_leaves_out_the_users_data_dir(tmp_path, monkeypatch):
     """The stand-in is synthetic data, which has no data_dir: `reproduce.py dataset.data_dir=/data`
     must not fail its calibration (it did: "Key 'data_dir' is not in struct")."""
     reproduce = load_script("reproduce")
     plan = load_plan(CPU_PLAN).only(["half_pitfalls"])
     args = reproduce.parse(["--plan-file", str(CPU_PLAN), "dataset.data_dir=/nowhere", "seed=3"])
     args.calibrate, commands = "first", []
-    reproduce.spawn = lambda cmd, *a, **k: (commands.append(cmd), (0, 1.0))[1]
-    reproduce.calibrate(plan, args, tmp_path)
+    monkeypatch.setattr(
+        "mixprec.tools.calibrate.spawn", lambda cmd, *a, **k: (commands.append(cmd), (0, 1.0))[1]
+    )
+    calibrate(plan, args, tmp_path)
     (cmd,) = commands
     assert (
         "seed=3" in cmd
@@ -119,7 +123,7 @@ def test_calibration_on_stand_in_data_leaves_out_the_users_data_dir(tmp_path):
         and not any(c.startswith("dataset.data_dir") for c in cmd)
     )
     # composes
-    reproduce.compose(tuple(c for c in cmd[3:] if "=" in c and not c.startswith("hydra")))
+    compose(tuple(c for c in cmd[3:] if "=" in c and not c.startswith("hydra")))
 
 
 # -------------------------------------------------------------------------------- committed results

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import ROOT, compose_config, load_script, load_test_module, run_tiny
+from helpers import ROOT, compose_config, load_test_module, run_tiny
 from mixprec.train import checkpoint
 from mixprec import data
 from mixprec.runtime import dist, hardware
@@ -433,11 +433,12 @@ def test_fp8_asks_the_jobs_device_for_its_capability(two_gpus, monkeypatch, cap,
 
 
 def test_the_reproduction_folder_names_every_visible_gpu(two_gpus, monkeypatch):
-    script = load_script("reproduce")
+    from mixprec.tools.folder import environment
+
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: f"GPU number {i}")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: type("P", (), dict(
         name="GPU number 0", major=9, minor=0, total_memory=80 * 2**30))())
-    env = script.environment()
+    env = environment()
     assert (
         env["gpus"] == ["GPU number 0", "GPU number 1"]
         and env["device"] == "cuda:0"
