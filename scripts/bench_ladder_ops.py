@@ -68,7 +68,7 @@ RULES = [
     ("mixprec/train/step.py", {"backward_and_step"}, "precision"),
     ("mixprec/train/step.py", {"forward"}, "forward"),
     ("mixprec/train/loop.py", {"flush", "check_window", "all_finite", "row"}, "flush"),
-    ("mixprec/train/images.py", {"step"}, "bookkeeping"),
+    ("mixprec/train/image_steps.py", {"step"}, "bookkeeping"),
     ("mixprec/train/step.py", None, "bookkeeping"),
 ]
 PARTS = [

@@ -66,7 +66,7 @@ from mixprec.train.optim import build_optimizer, build_schedule
 from mixprec.precision import emulation, modes
 from mixprec.precision.modes import DTYPES, emulates
 from mixprec.records import write_json_atomic, write_text_atomic
-from mixprec.train import images
+from mixprec.train import image_steps
 from mixprec.train.build import build_trained
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,8 +258,8 @@ def overhead(args) -> dict:
 # -- the speed table: each model built once, each (model, precision, batch, compile) cell timed in
 # seconds ----
 
-class CellSteps(images.ImageSteps):
-    """A job's image steps (images.ImageSteps: the same step), without evaluation: a cell times
+class CellSteps(image_steps.ImageSteps):
+    """A job's image steps (image_steps.ImageSteps: the same step), without evaluation: a cell times
     training only."""
 
     def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:

@@ -14,7 +14,7 @@ from mixprec.numerics import probe_stats
 from mixprec.config import PrecisionConfig, ProbeConfig, TrainerConfig
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.numerics.probe import NUMERICS, build_probe
-from mixprec.train import images
+from mixprec.train import image_steps
 from mixprec.train.step import backward_and_step
 
 CPU = torch.device("cpu")
@@ -361,7 +361,7 @@ def train_constructed(
         policy, opt, tr, total_steps(tr, len(batches)), progress=False, probe=probe
     )
     result = fit(
-        images.ImageSteps(model, sched, batches[:1]), batches, loop, LoopState()
+        image_steps.ImageSteps(model, sched, batches[:1]), batches, loop, LoopState()
     )
     probe.close()
     return result, probe.summary()

@@ -15,7 +15,7 @@ from mixprec.numerics import events
 from mixprec.numerics import verdicts
 from mixprec.numerics.probe import NUMERICS, build_probe
 from mixprec.precision.policy import PrecisionPolicy
-from mixprec.train import images
+from mixprec.train import image_steps
 
 CPU = torch.device("cpu")
 TINY8 = [*TINY, "dataset.image_size=8"]
@@ -75,7 +75,7 @@ def fit_probed(
     loop = Loop(
         policy, opt, tr, total_steps(tr, len(batches)), progress=False, probe=p
     )
-    steps_ = images.ImageSteps(model, sched, batches[:1], bn_eval=bn_eval)
+    steps_ = image_steps.ImageSteps(model, sched, batches[:1], bn_eval=bn_eval)
     result = fit(steps_, batches, loop, LoopState())
     rows = p.rows()
     p.close()

@@ -44,7 +44,7 @@ from .report.render import job_block
 from .runtime import busy, dist, hardware, logs
 from .runtime.signals import StopSignals, resume_hint
 from .tools import replay
-from .train import checkpoint, images, loop, memory, shard, tricks
+from .train import checkpoint, image_steps, loop, memory, shard, tricks
 from .train.build import build_trained
 from .train.compile import (
     RNN_EAGER,
@@ -54,7 +54,7 @@ from .train.compile import (
     start_compile_workers,
     warm_compile,
 )
-from .train.lm import LMSteps
+from .train.lm_steps import LMSteps
 from .train.optim import build_schedule
 from .train.prewarm import prewarm, prewarm_lm, reset_peak
 from .train.warmup import image_warmup, lm_warmup
@@ -618,7 +618,7 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_ran
     model, net, policy, optimizer = built.model, built.net, built.policy, built.optimizer
     schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(train_batches)))
     ema = tricks.EMA(model, t.ema_momentum, t.ema_every) if t.ema else None
-    steps = images.ImageSteps(net, schedule, test_batches, label_smoothing=t.label_smoothing,
+    steps = image_steps.ImageSteps(net, schedule, test_batches, label_smoothing=t.label_smoothing,
                               loss_sum=t.loss_sum, ema=ema, tta=t.tta, bn_eval=config.model.bn_eval,
                               setup_time_s=setup_s)
     # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py),
@@ -676,8 +676,9 @@ def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode:
 
 
 def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_rank: int):
-    """A word-level language model on a text corpus (see train/lm.py); throughput and FLOPs are per
-    token. per_rank: each rank's columns (the whole batch in one process; FSDP's ranks split it)."""
+    """A word-level language model on a text corpus (see train/lm_steps.py); throughput and FLOPs
+    are per token. per_rank: each rank's columns (the whole batch in one process; FSDP's ranks split
+    it)."""
     tr, bptt = config.trainer, config.dataset.bptt
     corpus = load_text_corpus(config.dataset)
     # under FSDP each rank trains on its columns of the global batch; every rank scores the whole
@@ -724,7 +725,7 @@ def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
     data = build_image_data(config.dataset)
     _, test_batches = image_loaders(data, config.dataset, config.trainer, device, seed=config.seed)
     built = build_trained(model, config, device, channels_last=config.trainer.channels_last)
-    loss, acc, _ = images.evaluate(built.model, test_batches, built.policy)
+    loss, acc, _ = image_steps.evaluate(built.model, test_batches, built.policy)
     recorded = checkpoint.prior_summary(Path(run_dir))["metrics"]
     return {
         "test_acc": acc,

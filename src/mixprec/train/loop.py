@@ -4,10 +4,10 @@ non-finite policy; the step itself is step.py's.
 The loop: `fit(steps, batches, loop, state)` runs epochs (`run_epoch`: the training steps;
 `end_epoch`: the record, evaluation, checkpoint and stop check) from where `state` (LoopState:
 counters, accumulators, clock totals, place in the epoch, open log window) is. `steps` supplies the
-job kind's part: `images.ImageSteps`, `lm.LMSteps` for language models (hidden state, truncated
-BPTT, perplexity); each gives start_epoch, step (one batch: forward, loss, train_step, schedule),
-row, evaluate and metrics. `loop` (Loop) holds what the run trains with: policy, optimizer, trainer
-config, total steps, log, checkpoint writer, stop check, ranks.
+job kind's part: `image_steps.ImageSteps`, `lm_steps.LMSteps` for language models (hidden state,
+truncated BPTT, perplexity); each gives start_epoch, step (one batch: forward, loss, train_step,
+schedule), row, evaluate and metrics. `loop` (Loop) holds what the run trains with: policy,
+optimizer, trainer config, total steps, log, checkpoint writer, stop check, ranks.
 
 What is timed: `TrainClock` measures training only (forward, backward, step, and the on-device batch
 preparation, as DAWNBench counts it); evaluation is timed separately and never included. Every clock

@@ -2,7 +2,7 @@
 models/resnet9.py), each a few plain lines.
 
 job.py maps the `trick` flags onto these; the step (step.py's image_forward) calls `cross_entropy`,
-images.ImageSteps `EMA.update` and `tta_logits`.
+image_steps.ImageSteps `EMA.update` and `tta_logits`.
 """
 from __future__ import annotations
 
