@@ -25,7 +25,7 @@ from mixprec.train.optim import build_optimizer, build_schedule
 from mixprec.precision.policy import PrecisionPolicy, StaticScaler
 from mixprec.train.step import backward_and_step
 from mixprec.precision import emulation
-from mixprec.train.prewarm import prewarm
+from mixprec.train.warmup import prewarm
 from mixprec.report.published import PUBLISHED_DIR, load_source, load_sources, matches
 from mixprec.report.analyse import ladder_rows
 from mixprec.report.render import ladder_cells

@@ -86,7 +86,7 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
     import gc
     import weakref
 
-    from mixprec.train import prewarm
+    from mixprec.train import warmup
     from mixprec import job
     copies, events = [], []
     deepcopy = copy.deepcopy
@@ -108,11 +108,11 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
         events.append(("reset", str(device), sum(c() is not None for c in copies)))
     monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", reset)
     # as on a GPU
-    monkeypatch.setattr(job, "reset_peak", lambda device: prewarm.reset_peak(torch.device("cuda")))
+    monkeypatch.setattr(job, "reset_peak", lambda device: warmup.reset_peak(torch.device("cuda")))
     s = run_tiny(tmp_path, "trainer.max_steps=2", "trainer.prewarm_steps=2", base=SMALL)
     assert s["status"] == "completed" and len(copies) == 2
     assert events == ["compiled", ("reset", "cuda", 0)]   # after compile, no copy alive
-    prewarm.reset_peak(torch.device("cpu"))   # a CPU's peak is its RSS: nothing to reset
+    warmup.reset_peak(torch.device("cpu"))   # a CPU's peak is its RSS: nothing to reset
     assert len(events) == 2
 
 

@@ -154,17 +154,17 @@ def test_prewarm_steps_an_optimizer_of_the_jobs_kind(monkeypatch, impl):
     that makes GradScaler hand it the scale and found-inf flag on the device
     (_step_supports_amp_scaling), so a CUDA amp job's prewarm warms its sync-free fused step, not
     GradScaler's per-step host read."""
-    from mixprec.train import prewarm
+    from mixprec.train import warmup
 
     seen = []
-    monkeypatch.setattr(prewarm, "backward_and_step",
+    monkeypatch.setattr(warmup, "backward_and_step",
                         lambda loss, pol, opt, clip: seen.append(opt) or False)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, **{impl: True})
     policy = StaticScaler(1.0)   # a stand-in: prewarm only copies it and hands it on
     policy.device = torch.device("cpu")
-    prewarm.run_prewarm(model, policy, opt, 1, lambda gen, device: (torch.ones(2, 4), None),
-                        lambda net, pol, x, y: net(x).sum(), None)
+    warmup.run_prewarm(model, policy, opt, 1, lambda gen, device: (torch.ones(2, 4), None),
+                       lambda net, pol, x, y: net(x).sum(), None)
     (copied,) = seen
     assert copied is not opt and type(copied) is type(opt)
     assert (getattr(copied, "_step_supports_amp_scaling", False)

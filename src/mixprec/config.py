@@ -57,7 +57,7 @@ class TrainerConfig:
     resume: Literal["auto", "never"] = "never"
     # under DDP (torchrun): BatchNorm statistics over the global batch (SyncBatchNorm, GPUs)
     sync_bn: bool = False
-    # untimed steps on a throwaway copy before the clock (prewarm.py); auto: 3 on a GPU, on a
+    # untimed steps on a throwaway copy before the clock (warmup.py); auto: 3 on a GPU, on a
     # CPU 1 for the process's first job (its one-time costs) and 0 after
     prewarm_steps: Union[int, Literal["auto"]] = "auto"
     # torch.compile mode (train/compile.py)

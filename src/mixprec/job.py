@@ -56,8 +56,7 @@ from .train.compile import (
 )
 from .train.lm_steps import LMSteps
 from .train.optim import build_schedule
-from .train.prewarm import prewarm, prewarm_lm, reset_peak
-from .train.warmup import image_warmup, lm_warmup
+from .train.warmup import image_warmup, lm_warmup, prewarm, prewarm_lm, reset_peak
 
 log = logging.getLogger(__name__)
 
@@ -621,7 +620,7 @@ def image_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_ran
     steps = image_steps.ImageSteps(net, schedule, test_batches, label_smoothing=t.label_smoothing,
                               loss_sum=t.loss_sum, ema=ema, tta=t.tta, bn_eval=config.model.bn_eval,
                               setup_time_s=setup_s)
-    # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py),
+    # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (warmup.py),
     # then the compilation of the model the loop trains, also before the clock (train/compile.py)
     prewarm_s = prewarm(model, policy, optimizer, first_prewarm(tr, device), per_rank,
                         train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
@@ -662,7 +661,7 @@ def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode:
                      warmup) -> tuple:
     """The loop's model (steps.model) compiled in `mode` and warmed for `warmup`'s shapes before the
     clock, then the device's peak reset (prewarm's copies are gone: the peak is the run's own,
-    prewarm.py). Returns the warm-up's seconds and the GraphWatch that records the job's graphs and
+    warmup.py). Returns the warm-up's seconds and the GraphWatch that records the job's graphs and
     eager calls. On an accelerator the compile workers start first, out of reach of the job's stop
     signals (start_compile_workers)."""
     steps.model = compile_model(net, mode)

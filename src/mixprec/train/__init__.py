@@ -1,4 +1,4 @@
 """Training: the step on one screen (step.py), the loop every job runs (loop.py), the image and
 language-model steps (image_steps.py, lm_steps.py), the one builder of model, policy and optimizer
-(build.py), prewarm and compilation before the clock (prewarm.py, warmup.py, compile.py), optimizers
-and schedules (optim.py), the tricks (tricks.py) and checkpoints (checkpoint.py)."""
+(build.py), prewarm and compilation before the clock (warmup.py, compile.py), optimizers and
+schedules (optim.py), the tricks (tricks.py) and checkpoints (checkpoint.py)."""
