@@ -1,4 +1,4 @@
-"""trainer.strategy=fsdp (FSDP2, train/shard.py, precision/sharded.py) on the CPU: real jobs on 2
+"""trainer.strategy=fsdp (FSDP2, train/parallel.py, precision/fsdp.py) on the CPU: real jobs on 2
 gloo ranks under torchrun, 2 spawned gloo ranks for what one job cannot show (per-rank bytes, an
 overflow in one rank's shard), and the one-line refusals."""
 import json
@@ -19,9 +19,9 @@ import mixprec.job
 from mixprec.data import build_image_data, pipelines
 from mixprec.job import validate_job
 from mixprec.models.gpt import GPT
-from mixprec.precision.sharded import ShardedPolicy, after_steps
+from mixprec.precision.fsdp import ShardedPolicy, after_steps
 from mixprec.runtime import dist
-from mixprec.train import compile, shard
+from mixprec.train import compile, parallel
 from mixprec.train.optim import build_optimizer
 from mixprec.train.step import backward_and_step
 from test_compile import CountingBackend
@@ -187,12 +187,12 @@ def whole_bytes() -> dict:
 def _bytes_on_rank(rank, folder, device=torch.device("cpu")):
     torch.manual_seed(0)
     whole = GPT(64, 2, 2, 32, 16).to(device)
-    sharded = shard.shard(GPT(64, 2, 2, 32, 16).to(device), FP32, device)
+    sharded = parallel.shard(GPT(64, 2, 2, 32, 16).to(device), FP32, device)
     held = {}
     for name, model in (("whole", whole), ("sharded", sharded)):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         _gpt_step(model, optimizer)
-        held[name] = shard.held_bytes(model, optimizer)
+        held[name] = parallel.held_bytes(model, optimizer)
     (folder / f"bytes.{rank}").write_text(json.dumps(held))
 
 
@@ -219,7 +219,7 @@ def _overflow_on_rank(rank, folder):
     overflow only that rank sees)."""
     torch.manual_seed(0)
     policy = ShardedPolicy(AMP, torch.device("cpu"))
-    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), AMP, torch.device("cpu"))
+    model = parallel.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), AMP, torch.device("cpu"))
     optimizer = torch.optim.SGD(policy.optimizer_params(model), lr=0.1)
     first = next(model.parameters())
     seen = []
@@ -227,7 +227,7 @@ def _overflow_on_rank(rank, folder):
         x = torch.randint(0, 64, (16, 4), generator=torch.Generator().manual_seed(step))
         out, _ = model(x)
         loss = torch.nn.functional.cross_entropy(out.float().reshape(-1, 64), x.reshape(-1))
-        poison = lambda: step == 2 and rank == 1 and shard.local(first.grad).fill_(torch.inf)
+        poison = lambda: step == 2 and rank == 1 and parallel.local(first.grad).fill_(torch.inf)
         skipped = backward_and_step(loss, policy, optimizer, 1.0, after_backward=poison)
         optimizer.zero_grad(set_to_none=True)
         seen.append([bool(skipped), policy.scale_value])
@@ -355,7 +355,7 @@ def test_a_batch_the_ranks_do_not_divide_and_the_dataloader_pipeline_are_refused
 def _sharded_linear_sgd(device, impl):
     """A sharded Linear (one FSDP rank) and optimizer=sgd in `impl` over its DTensor parameters;
     one step taken."""
-    model = shard.shard(torch.nn.Linear(8, 8).to(device), FP32, device)
+    model = parallel.shard(torch.nn.Linear(8, 8).to(device), FP32, device)
     cfg = validate(compose_config(*TINY, "optimizer=sgd", f"optimizer.impl={impl}")).optimizer
     optimizer = build_optimizer(cfg, list(model.parameters()))
     model(torch.randn(4, 8, device=device)).sum().backward()
@@ -400,7 +400,7 @@ def _fp8_on_rank(rank, folder, device=torch.device("cpu")):
 
     torch.manual_seed(0)
     policy = ShardedPolicy(FP8, device)
-    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)).to(device), FP8, device)
+    model = parallel.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)).to(device), FP8, device)
     optimizer = torch.optim.AdamW(policy.optimizer_params(model), lr=1e-2)
     after_steps(model, optimizer, policy.fp8)
     _gpt_step(model, optimizer)
@@ -570,9 +570,9 @@ def test_resnet_stages_and_gpt_blocks_are_units_and_batchnorm_computes_in_fp32(t
     tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
     try:
         model = build_model(config.model, 10)
-        assert [name for name, m in model.named_children() if m in shard.units(model)] == \
+        assert [name for name, m in model.named_children() if m in parallel.units(model)] == \
             ["layer1", "layer2", "layer3", "layer4"]
-        shard.shard(model, config.precision, torch.device("cpu"))
+        parallel.shard(model, config.precision, torch.device("cpu"))
         seen = {}
         for name in ("layer1.0.conv1", "layer1.0.bn1", "bn1", "fc"):
             model.get_submodule(name).register_forward_hook(
@@ -582,7 +582,7 @@ def test_resnet_stages_and_gpt_blocks_are_units_and_batchnorm_computes_in_fp32(t
                         "bn1": torch.float32, "fc": torch.bfloat16}
         assert out.dtype == torch.float32
         gpt = GPT(64, 3, 2, 32, 16)
-        assert shard.units(gpt) == list(gpt.blocks)
+        assert parallel.units(gpt) == list(gpt.blocks)
     finally:
         tdist.destroy_process_group()
 
@@ -668,7 +668,7 @@ def unit_compiled_job(tmp_path, monkeypatch, base):
         model[0].at_fit = model[0].calls
         return fit(*args, **kwargs)
 
-    monkeypatch.setattr(shard, "compile_model", compiled, raising=False)
+    monkeypatch.setattr(parallel, "compile_model", compiled, raising=False)
     monkeypatch.setattr(mixprec.job, "compile_model", counted)
     fit = mixprec.job.loop.fit
     monkeypatch.setattr(mixprec.job.loop, "fit", marked)
@@ -693,5 +693,5 @@ def test_fsdp_compiles_rowwise_fp8_units_with_emulated_precision_casts(monkeypat
                                      "trainer.strategy=fsdp", "trainer.compile=default"))
     seen = []
     monkeypatch.setattr(torch, "compile", lambda net, **kwargs: seen.append(kwargs) or net)
-    shard.compile_units(GPT(64, 2, 2, 32, 16), config.precision, config.trainer.compile)
+    parallel.compile_units(GPT(64, 2, 2, 32, 16), config.precision, config.trainer.compile)
     assert seen == [options, options]   # the 2 blocks

@@ -20,9 +20,9 @@ from fakes import on_threads
 from helpers import ROOT, TINY, compose_config
 from mixprec.config import PrecisionConfig, plain_config, validate
 from mixprec.models.gpt import GPT
-from mixprec.precision.sharded import ShardedPolicy, after_steps
+from mixprec.precision.fsdp import ShardedPolicy, after_steps
 from mixprec.runtime import dist
-from mixprec.train import checkpoint, shard
+from mixprec.train import checkpoint, parallel
 from mixprec.train.loop import LoopState
 from test_fsdp import GPT_TINY, free_port, job, rows, torchrun, weights
 
@@ -42,7 +42,7 @@ def _step(model, optimizer, seed):
 
 def _sharded_gpt(seed):
     torch.manual_seed(seed)
-    model = shard.shard(GPT(64, 2, 2, 32, 16), FP32, torch.device("cpu"))
+    model = parallel.shard(GPT(64, 2, 2, 32, 16), FP32, torch.device("cpu"))
     return model, torch.optim.AdamW(ShardedPolicy(FP32, torch.device("cpu")).optimizer_params(
         model), lr=1e-2)
 
@@ -127,7 +127,7 @@ def _fp8_gpt(seed):
     """The fp8 GPT sharded as the job builds it (policy, shard, optimizer, scales' step hook)."""
     torch.manual_seed(seed)
     policy = ShardedPolicy(FP8, torch.device("cpu"))
-    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), FP8, torch.device("cpu"))
+    model = parallel.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), FP8, torch.device("cpu"))
     optimizer = torch.optim.AdamW(policy.optimizer_params(model), lr=1e-2)
     after_steps(model, optimizer, policy.fp8)
     return model, optimizer

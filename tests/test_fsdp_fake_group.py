@@ -13,7 +13,7 @@ from mixprec import job
 from mixprec.config import validate
 from mixprec.models import build_model
 from mixprec.runtime import dist
-from mixprec.train import shard
+from mixprec.train import parallel
 from mixprec.train.loop import finite_flag
 
 CPU = torch.device("cpu")
@@ -36,7 +36,7 @@ def sharded_resnet18():
     config = validate(compose_config("model=resnet18", "trainer.device=cpu",
                                      "trainer.strategy=fsdp"))
     model = build_model(config.model, 10)
-    return shard.shard(model, config.precision, CPU), config
+    return parallel.shard(model, config.precision, CPU), config
 
 
 def test_an_empty_shard_of_a_small_head_counts_as_finite(rank_7_of_8):
@@ -46,12 +46,12 @@ def test_an_empty_shard_of_a_small_head_counts_as_finite(rank_7_of_8):
     same check) while the other ranks waited in the flush's all-reduce. Empty shards are finite; a
     NaN in this rank's other shards is still seen."""
     model, _ = sharded_resnet18()
-    params = {n: shard.local(p) for n, p in model.named_parameters()}
+    params = {n: parallel.local(p) for n, p in model.named_parameters()}
     assert params["fc.weight"].shape == (0, 512) and params["fc.bias"].numel() == 0
     assert finite_flag(list(params.values())).item() == 1.0
     with torch.no_grad():
         model.get_parameter("layer4.1.conv2.weight").to_local().view(-1)[0] = float("nan")
-    assert finite_flag([shard.local(p) for p in model.parameters()]).item() == 0.0
+    assert finite_flag([parallel.local(p) for p in model.parameters()]).item() == 0.0
     assert finite_flag([torch.empty(0), torch.empty(0, 3)]).item() == 1.0
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from helpers import ROOT, compose_config, load_script, run_tiny
-from mixprec.train import checkpoint
+from mixprec.train import checkpoint, parallel
 from mixprec import data
 from mixprec.runtime import dist, hardware
 from mixprec.precision.policy import PrecisionPolicy
@@ -95,7 +95,7 @@ def test_sync_bn_does_not_silently_replace_ghost_bn():
     with pytest.raises(
         ConfigError, match="trainer.sync_bn=true: GhostBatchNorm would become plain SyncBatchNorm"
     ):
-        dist.wrap(ResNet9(10, (4, 4, 4, 4), ghost_splits=2), CUDA, True, ranks)
+        parallel.wrap(ResNet9(10, (4, 4, 4, 4), ghost_splits=2), CUDA, True, ranks)
 
 
 def test_mfu_counts_every_gpu_of_the_job():

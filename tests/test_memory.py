@@ -204,7 +204,7 @@ def test_the_ledger_reaches_the_block_the_sweep_table_and_the_report(tmp_path, m
 @pytest.mark.slow
 def test_fsdp_on_two_ranks_counts_each_ranks_half(tmp_path):
     """trainer.strategy=fsdp on 2 gloo ranks under torchrun (every dim-0 of the GPT's parameters
-    even): rank 0's ledger holds half of each parameter part, as shard.held_bytes (another count,
+    even): rank 0's ledger holds half of each parameter part, as parallel.held_bytes (another count,
     of numel times element size) says, its Adam state plus the step scalars that count leaves
     out."""
     from test_fsdp import GPT_TINY, job

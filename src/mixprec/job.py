@@ -34,7 +34,7 @@ from .models import build_model, forward_flops
 from .models.resnet9 import resnet9_options
 from .numerics import verdicts
 from .numerics.probe import build_probe
-from .precision import emulation, modes, sharded
+from .precision import emulation, fsdp, modes
 from .precision.modes import emulates, hazards
 from .precision.policy import PrecisionPolicy
 from .precision.state import PolicyState
@@ -44,7 +44,7 @@ from .report.render import job_block
 from .runtime import busy, dist, hardware, logs
 from .runtime.signals import StopSignals, resume_hint
 from .tools import replay
-from .train import checkpoint, image_steps, loop, memory, shard, tricks
+from .train import checkpoint, image_steps, loop, memory, parallel, tricks
 from .train.build import build_trained
 from .train.compile import (
     RNN_EAGER,
@@ -288,7 +288,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
     profile = hardware.gpu_profile(
         config.gpu, env["device_name"] if device.type != "cpu" else "cpu"
     )
-    # under FSDP the weights are cast to real fp16/bf16 tensors (precision/sharded.py)
+    # under FSDP the weights are cast to real fp16/bf16 tensors (precision/fsdp.py)
     emulated = emulates(config.precision, device, config.trainer.sharded)
     summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
                    hazards=hazards(config.precision, config.optimizer, device.type),
@@ -500,7 +500,7 @@ def train_job(
         for loader in (batches, getattr(steps, "test_batches", None)):
             if isinstance(loader, Resumable):
                 loader.close()
-        shard.release_meshes(failed)
+        parallel.release_meshes(failed)
 
 
 def run_parts(
@@ -525,7 +525,7 @@ def run_parts(
     saver.parts.update(model=model, optimizer=optimizer, schedule=steps.schedule,
                        precision=PolicyState(policy), data=batches, **info.pop("parts"))
     state = loop.LoopState()   # setup (the whitening fit) is timed apart, as Page timed it
-    held = shard.HeldPeak(model, optimizer) if tr.sharded else None
+    held = parallel.HeldPeak(model, optimizer) if tr.sharded else None
     if resume is not None:
         saver.restore(resume, state)   # last before training: it sets the RNG states
     with probed(config, model, recorder, ranks) as probe:
@@ -563,7 +563,7 @@ def run_parts(
 
 
 def distributed_record(config: Config, device: torch.device, ranks: dist.Ranks, per_rank: int,
-                       policy: PrecisionPolicy, held: shard.HeldPeak | None) -> dict:
+                       policy: PrecisionPolicy, held: parallel.HeldPeak | None) -> dict:
     """The summary's "distributed" block of a job on several ranks or sharded; every rank calls it
     (the weight spread and the held bytes are gathered: collectives)."""
     tr = config.trainer
@@ -577,8 +577,8 @@ def distributed_record(config: Config, device: torch.device, ranks: dist.Ranks, 
         "weight_spread": None if tr.sharded else dist.spread(policy.stepped_params(), ranks),
     }
     if held is not None:   # the mesh, each rank's bytes, gathered, and the dtypes FSDP uses
-        record.update(sharded.dtypes(config.precision),
-                      mesh=shard.mesh_record(dist.mesh_shape(tr.replicate, ranks)),
+        record.update(fsdp.dtypes(config.precision),
+                      mesh=parallel.mesh_record(dist.mesh_shape(tr.replicate, ranks)),
                       held_bytes=ranks.gather(held.measure()))
     return record
 
@@ -653,8 +653,8 @@ def wrapper(config: Config, device: torch.device, ranks: dist.Ranks):
     trainer.replicate, else DDP under several ranks, else nothing."""
     if config.trainer.sharded:
         shape = dist.mesh_shape(config.trainer.replicate, ranks)
-        return lambda m: shard.shard(m, config.precision, device, shape, config.trainer.compile)
-    return lambda m: dist.wrap(m, device, config.trainer.sync_bn, ranks)
+        return lambda m: parallel.shard(m, config.precision, device, shape, config.trainer.compile)
+    return lambda m: parallel.wrap(m, device, config.trainer.sync_bn, ranks)
 
 
 def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode: str,

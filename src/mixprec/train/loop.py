@@ -73,7 +73,7 @@ from ..runtime.hardware import mark_steady, synchronize
 from ..precision.policy import Deferred, PrecisionPolicy, by_dtype
 from ..numerics.probe import Attribution
 from .memory import Ledger
-from .shard import local
+from .parallel import local
 
 # one line per log window where no progress bar is drawn (not a terminal: nohup, Slurm, a pipe);
 # conf/hydra/job_logging/mixprec.yaml sends it to stdout and train.log
