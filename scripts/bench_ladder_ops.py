@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec import cli, job
+from mixprec import job
+from mixprec.tools import cli
 from mixprec.runtime import dist
 from mixprec.train.loop import Loop, LoopState, Window, flush, total_steps
 from mixprec.config import ConfigError, validate

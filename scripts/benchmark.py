@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.runtime import busy, hardware
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.train.loop import Loop, LoopState, fit
 from mixprec.train.compile import GraphWatch, compile_model, reset_compile_state
 from mixprec.config import Config, ConfigError, plain_config, validate

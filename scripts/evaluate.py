@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.train.checkpoint import CheckpointError
 from mixprec.config import ConfigError
 from mixprec.data.files import DataError

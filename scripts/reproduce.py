@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.config import ModelConfig, plain_config, validate
 from mixprec.tools.plan import (
     PLAN_FILE,

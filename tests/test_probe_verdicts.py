@@ -127,7 +127,7 @@ def test_page_8px_blank_input_is_a_backward_overflow_in_pure_fp16(tmp_path, capl
     """The issue's case: at 8 px Page's cutout blanks every image; BatchNorm over all-zero
     activations divides the backward by sqrt(eps) per layer and CELU passes it on: at step 1 the
     backward overflows fp16 at layer2.pool. Under probe=none the divergence is replayed under
-    probe=ranges (tools/replay.py) to say the same."""
+    probe=ranges (train/replay.py) to say the same."""
     s = run_tiny(
         tmp_path,
         *PAGE8,
@@ -393,7 +393,7 @@ def test_the_verdict_is_in_the_console_block_the_sweep_note_report_md_and_wandb(
 
 
 def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path):
-    from mixprec.tools import replay
+    from mixprec.train import replay
 
     cfg = validate(compose_config(*TINY8, "probe=none"))
     e = {**events.event(2, "update", "0", "float16", None), "tensor": "weights"}
@@ -423,7 +423,7 @@ def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path)
 def test_a_sharded_job_is_not_replayed(tmp_path):
     """trainer.strategy=fsdp, even on one rank: its probe sees no model (its layers hold shards), so
     a replay under probe=ranges could name no module; none is run."""
-    from mixprec.tools import replay
+    from mixprec.train import replay
 
     cfg = validate(compose_config(*TINY8, "probe=none", "trainer.strategy=fsdp"))
     e = {**events.event(2, "update", "0", "float16", None), "tensor": "weights"}

@@ -43,8 +43,7 @@ from .records import SUMMARY, Recorder, this_process, write_json_atomic
 from .report.render import job_block
 from .runtime import busy, dist, hardware, logs
 from .runtime.signals import StopSignals, resume_hint
-from .tools import replay
-from .train import checkpoint, image_steps, loop, memory, parallel, tricks
+from .train import checkpoint, image_steps, loop, memory, parallel, replay, tricks
 from .train.build import build_trained
 from .train.compile import (
     RNN_EAGER,

@@ -1,2 +1,3 @@
-"""What runs around the jobs: the reproduction plan (plan.py, plan.yaml, plan_cpu.yaml) and the
-replay of a divergence under probe=ranges (replay.py)."""
+"""What serves the scripts of scripts/, around the jobs: the reproduction plan (plan.py, plan.yaml,
+plan_cpu.yaml), what every script shares with train.py (cli.py: the config composed from conf/,
+a user's mistake in one line) and a monotone search (search.py: max_batch.py's largest batch)."""

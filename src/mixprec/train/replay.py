@@ -19,7 +19,7 @@ import torch
 
 from ..numerics import events
 from ..records import Recorder
-from ..train import checkpoint
+from . import checkpoint
 
 log = logging.getLogger(__name__)
 
