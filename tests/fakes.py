@@ -8,7 +8,7 @@ import time
 
 from torch import nn
 
-import mixprec.job
+import mixprec.train.parts
 from mixprec.runtime import dist
 
 STEPS_PER_EPOCH = 64 // 16   # helpers.TINY: 64 training images, batches of 16
@@ -56,13 +56,13 @@ class Timed(nn.Module):
 def with_clock(monkeypatch, cost, eval_out=None) -> FakeClock:
     clock = FakeClock()
     monkeypatch.setattr(time, "perf_counter", clock)
-    build = mixprec.job.build_model
+    build = mixprec.train.parts.build_model
 
     def timed(cfg, n, **kw):
         clock.models.append(Timed(build(cfg, n, **kw), clock, cost, eval_out))
         return clock.models[-1]
 
-    monkeypatch.setattr(mixprec.job, "build_model", timed)
+    monkeypatch.setattr(mixprec.train.parts, "build_model", timed)
     return clock
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from mixprec.train import compile, parallel
 from mixprec import job
+from mixprec.train import parts
 from helpers import run_tiny
 from mixprec.report.analyse import sweep_rows
 from mixprec.report.render import job_block
@@ -52,7 +53,7 @@ class FakeGraphs(nn.Module):
 
 
 def fake_graphs(monkeypatch) -> list:
-    """job.compile_model makes FakeGraphs; each fit notes how many calls the warm-up made
+    """parts.compile_model makes FakeGraphs; each fit notes how many calls the warm-up made
     (fake.warmed)."""
     made = []
     fit = job.loop.fit
@@ -69,7 +70,7 @@ def fake_graphs(monkeypatch) -> list:
         made.append(FakeGraphs(net))
         monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", made[-1].mark)
         return made[-1]
-    monkeypatch.setattr(job, "compile_model", compile_model)
+    monkeypatch.setattr(parts, "compile_model", compile_model)
     return made
 
 
@@ -135,7 +136,7 @@ def traced_only(monkeypatch) -> list:
     fully_shard; the job then leaves the root as it is). Returns the graphs made during fit
     (training and evaluation)."""
     made = []
-    monkeypatch.setattr(job, "compile_model", lambda net, mode: net if compile.compiled_parts(net)
+    monkeypatch.setattr(parts, "compile_model", lambda net, mode: net if compile.compiled_parts(net)
                         else torch.compile(net, backend="eager"))
     monkeypatch.setattr(parallel, "compile_model",
                         lambda net, mode, **options: torch.compile(net, backend="eager"))
@@ -226,7 +227,7 @@ def counted(monkeypatch) -> CountingBackend:
     """trainer.compile through the real compile_model with the counting backend; fit marks the
     graphs' calls."""
     backend = CountingBackend()
-    monkeypatch.setattr(job, "compile_model",
+    monkeypatch.setattr(parts, "compile_model",
                         lambda net, mode: compile.compile_model(net, mode, backend=backend))
     fit = job.loop.fit
     monkeypatch.setattr(job.loop, "fit", lambda *a, **k: backend.mark() or fit(*a, **k))

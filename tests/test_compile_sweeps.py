@@ -15,6 +15,7 @@ import torch
 
 from mixprec.train import compile
 from mixprec import job
+from mixprec.train import parts
 from helpers import ROOT, run_cli, run_tiny
 from mixprec.runtime import dist
 from mixprec.records import SUMMARY
@@ -31,7 +32,7 @@ SWEEP = [o for o in SMALL if not o.startswith(REPLACED)] + [
 
 def eager_backend(monkeypatch) -> None:
     """trainer.compile through the real compile_model with dynamo's eager backend."""
-    monkeypatch.setattr(job, "compile_model",
+    monkeypatch.setattr(parts, "compile_model",
                         lambda net, mode: compile.compile_model(net, mode, backend="eager"))
 
 

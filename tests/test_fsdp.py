@@ -16,6 +16,7 @@ from torch import nn
 from helpers import ROOT, TINY, compose_config, run_tiny
 from mixprec.config import ConfigError, PrecisionConfig, validate
 import mixprec.job
+import mixprec.train.parts
 from mixprec.data import build_image_data, pipelines
 from mixprec.job import validate_job
 from mixprec.models.gpt import GPT
@@ -669,7 +670,7 @@ def unit_compiled_job(tmp_path, monkeypatch, base):
         return fit(*args, **kwargs)
 
     monkeypatch.setattr(parallel, "compile_model", compiled, raising=False)
-    monkeypatch.setattr(mixprec.job, "compile_model", counted)
+    monkeypatch.setattr(mixprec.train.parts, "compile_model", counted)
     fit = mixprec.job.loop.fit
     monkeypatch.setattr(mixprec.job.loop, "fit", marked)
     s = run_tiny(tmp_path, base=base)

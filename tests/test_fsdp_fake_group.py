@@ -3,11 +3,14 @@
 lays out each rank's shards as NCCL's ranks would have them. What depends only on a rank's own
 shards (an empty shard of a small head, the groups a mesh makes) is checked here on the CPU; the
 collectives themselves run on 2 gloo ranks in tests/test_fsdp.py."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as tdist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import mixprec.train.parts
 from helpers import compose_config
 from mixprec import job
 from mixprec.config import validate
@@ -15,6 +18,7 @@ from mixprec.models import build_model
 from mixprec.runtime import dist
 from mixprec.train import parallel
 from mixprec.train.loop import finite_flag
+from mixprec.train.parts import JobContext
 
 CPU = torch.device("cpu")
 
@@ -80,9 +84,9 @@ def test_a_jobs_hsdp_groups_are_destroyed_at_its_end(rank_7_of_8, monkeypatch):
                                      "trainer.strategy=fsdp", "trainer.replicate=2"))
     ranks, during = dist.Ranks(7, 8, nodes=2), []
 
-    def parts(config, device, ranks, per_rank):   # the job's FSDP model over the job's mesh
-        model = job.wrapper(config, device, ranks)(build_model(config.model, 10))
-        return None, None, None, None, {"model": model}
+    def parts(ctx):   # the job's FSDP model over the job's mesh
+        model = mixprec.train.parts.wrapper(ctx)(build_model(ctx.config.model, 10))
+        return SimpleNamespace(steps=None, batches=None, model=model)
 
     def run(*args):
         during.append(groups())
@@ -90,13 +94,14 @@ def test_a_jobs_hsdp_groups_are_destroyed_at_its_end(rank_7_of_8, monkeypatch):
             raise RuntimeError("the job failed")
         return {"status": "completed"}
 
-    monkeypatch.setattr(job, "image_parts", parts)
+    monkeypatch.setattr(mixprec.train.parts, "image_parts", parts)
     monkeypatch.setattr(job, "run_parts", run)
     assert groups() == 1
-    assert job.train_job(config, CPU, None, None, ranks=ranks, per_rank=2)["status"] == "completed"
+    ctx = JobContext(config, CPU, ranks, per_rank=2)
+    assert job.train_job(ctx, None, None)["status"] == "completed"
     assert groups() == 1
     with pytest.raises(RuntimeError, match="the job failed"):
-        job.train_job(config, CPU, None, None, ranks=ranks, per_rank=2)
+        job.train_job(ctx, None, None)
     assert groups() == 1 and during == [3, 3]
 
 

@@ -480,18 +480,18 @@ def test_a_cpu_jobs_peak_is_its_own_not_an_earlier_jobs(tmp_path, monkeypatch):
     second is tiny. The second's peak is its own, below the first's by most of the 300 MB (the
     process's ru_maxrss never falls: it would report the first job's), and it says what it
     measured."""
-    import mixprec.job
+    import mixprec.train.parts
 
-    build = mixprec.job.build_model
+    build = mixprec.train.parts.build_model
 
     def with_buffer(cfg, n, **kw):
         model = build(cfg, n, **kw)
         model.register_buffer("ballast", torch.ones(300 * 2**20 // 4), persistent=False)
         return model
 
-    monkeypatch.setattr(mixprec.job, "build_model", with_buffer)
+    monkeypatch.setattr(mixprec.train.parts, "build_model", with_buffer)
     big = run_tiny(tmp_path / "big")["metrics"]
-    monkeypatch.setattr(mixprec.job, "build_model", build)
+    monkeypatch.setattr(mixprec.train.parts, "build_model", build)
     small = run_tiny(tmp_path / "small")["metrics"]
     assert small["peak_memory_mb"] < big["peak_memory_mb"] - 200, (big, small)
     assert small["peak_memory_kind"] == big["peak_memory_kind"] == "process_rss_since_job_start"

@@ -578,7 +578,7 @@ def test_a_finished_job_frees_its_model_without_the_cycle_collector(
     import gc
     import weakref
 
-    from mixprec import job
+    from mixprec.train import parts
 
     models = []
 
@@ -587,8 +587,8 @@ def test_a_finished_job_frees_its_model_without_the_cycle_collector(
         models.append(weakref.ref(model))
         return model
 
-    build = job.build_model
-    monkeypatch.setattr(job, "build_model", build_model)
+    build = parts.build_model
+    monkeypatch.setattr(parts, "build_model", build_model)
     gc.collect()
     gc.disable()
     try:

@@ -23,11 +23,11 @@ auto` is 3 on an accelerator and 0 on a CPU (TrainerConfig.prewarm_for). Compila
 compile_time_s.
 
 Memory: the copies are freed when `run_prewarm` returns, and the job then calls `reset_peak` once
-prewarm and the compile warm-up are done (job.py), so that the device's peak (peak_memory_mb,
-hardware.memory_metrics) counts the run's own tensors, not the throwaway copy of model, optimizer
-and master weights (nor the warm-up's batches). On a CPU the peak is the process's peak RSS, reset
-at the job's start and here (Linux's VmHWM; elsewhere ru_maxrss, which cannot be reset and then
-includes them and the earlier jobs of the process).
+prewarm and the compile warm-up are done (train/parts.py's compile_and_warm), so that the device's
+peak (peak_memory_mb, hardware.memory_metrics) counts the run's own tensors, not the throwaway copy
+of model, optimizer and master weights (nor the warm-up's batches). On a CPU the peak is the
+process's peak RSS, reset at the job's start and here (Linux's VmHWM; elsewhere ru_maxrss, which
+cannot be reset and then includes them and the earlier jobs of the process).
 """
 from __future__ import annotations
 
