@@ -16,6 +16,7 @@ from mixprec.numerics import verdicts
 from mixprec.numerics.probe import NUMERICS, build_probe
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.train import image_steps
+from mixprec.train.parts import JobContext
 
 CPU = torch.device("cpu")
 TINY8 = [*TINY, "dataset.image_size=8"]
@@ -406,7 +407,7 @@ def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path)
 
     def out_of_memory(*args):
         raise RuntimeError("out of memory")
-    out = replay.explain(summary, cfg, CPU, tmp_path, False, out_of_memory)
+    out = replay.explain(summary, JobContext(cfg, CPU, out_dir=tmp_path), out_of_memory)
     assert out["numerics"]["first_nonfinite"] == e and "verdict" not in out and "reason" not in out
     assert out["numerics"]["replay"] == {
         "dir": str(tmp_path / "replay"),
@@ -430,5 +431,6 @@ def test_a_sharded_job_is_not_replayed(tmp_path):
     summary = {"status": "diverged", "nonfinite": {"step": 2}, "numerics": {"first_nonfinite": e},
                "config": {}}
     calls = []
-    assert replay.explain(summary, cfg, CPU, tmp_path, False, lambda *a: calls.append(a)) == {}
+    ctx = JobContext(cfg, CPU, out_dir=tmp_path)
+    assert replay.explain(summary, ctx, lambda *a: calls.append(a)) == {}
     assert calls == [] and not (tmp_path / "replay").exists()
