@@ -277,43 +277,7 @@ def record_training(ctx: JobContext, summary: dict) -> dict:
         if ctx.ranks.main:
             write_json_atomic(ctx.out_dir / SUMMARY, summary)
         return summary
-    recorder = Recorder(ctx.out_dir, mirror) if ctx.ranks.main else dist.Silent(ctx.out_dir)
-    saver = checkpoint.Checkpointer(
-        ctx.out_dir,
-        meta={
-            "config": summary["config"],
-            "device_type": ctx.device.type,
-            "wandb_run_id": mirror and mirror.run.id,
-            "resumes": summary.get("resumed", {}).get("history", []),
-        },
-        ranks=ctx.ranks,
-        sharded=ctx.config.trainer.sharded,
-    )
-    recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
-    return train_recorded(ctx, summary, recorder, saver, mirror)
-
-
-def describe_job(ctx: JobContext, summary: dict) -> None:
-    """The device set up for the job (modes.configure), and what the summary says of it before
-    training: the environment, the GPU profile, the seed, the hazards and the arithmetic."""
-    config, device = ctx.config, ctx.device
-    modes.configure(device, config.trainer, config.precision, config.seed)
-    env = hardware.describe(device)
-    profile = hardware.gpu_profile(
-        config.gpu, env["device_name"] if device.type != "cpu" else "cpu"
-    )
-    # under FSDP the weights are cast to real fp16/bf16 tensors (precision/fsdp.py)
-    emulated = ctx.emulated
-    summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
-                   hazards=hazards(config.precision, config.optimizer, device.type),
-                   arithmetic=modes.arithmetic(config.precision, device, emulated))
-    warn_if_slow(config, device, profile, emulated)
-
-
-def train_recorded(ctx: JobContext, summary: dict, recorder: Recorder,
-                   saver: checkpoint.Checkpointer, mirror) -> dict:
-    """Train the job (and replay a divergence under probe=none), its summary completed and written
-    however it ended; the mirror finished and the records closed."""
+    recorder, saver = open_records(ctx, summary, mirror)
     ranks, stop = ctx.ranks, ctx.stop
     agreed, failed_first = ranks.agreed_stop(stop), False
     try:
@@ -348,6 +312,42 @@ def train_recorded(ctx: JobContext, summary: dict, recorder: Recorder,
             mirror.finish(ok=summary["status"] in ("completed", "diverged"))
         recorder.close()
     return summary
+
+
+def describe_job(ctx: JobContext, summary: dict) -> None:
+    """The device set up for the job (modes.configure), and what the summary says of it before
+    training: the environment, the GPU profile, the seed, the hazards and the arithmetic."""
+    config, device = ctx.config, ctx.device
+    modes.configure(device, config.trainer, config.precision, config.seed)
+    env = hardware.describe(device)
+    profile = hardware.gpu_profile(
+        config.gpu, env["device_name"] if device.type != "cpu" else "cpu"
+    )
+    # under FSDP the weights are cast to real fp16/bf16 tensors (precision/fsdp.py)
+    emulated = ctx.emulated
+    summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
+                   hazards=hazards(config.precision, config.optimizer, device.type),
+                   arithmetic=modes.arithmetic(config.precision, device, emulated))
+    warn_if_slow(config, device, profile, emulated)
+
+
+def open_records(ctx: JobContext, summary: dict, mirror) -> tuple:
+    """The job's recorder (rank 0's; the other ranks' write nothing) and checkpointer, and the
+    summary a SIGKILLed job leaves behind (`running`)."""
+    recorder = Recorder(ctx.out_dir, mirror) if ctx.ranks.main else dist.Silent(ctx.out_dir)
+    saver = checkpoint.Checkpointer(
+        ctx.out_dir,
+        meta={
+            "config": summary["config"],
+            "device_type": ctx.device.type,
+            "wandb_run_id": mirror and mirror.run.id,
+            "resumes": summary.get("resumed", {}).get("history", []),
+        },
+        ranks=ctx.ranks,
+        sharded=ctx.config.trainer.sharded,
+    )
+    recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
+    return recorder, saver
 
 
 def note_failed_rank(summary: dict, ranks: dist.Ranks) -> None:
