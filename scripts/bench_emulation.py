@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.config import validate
 from mixprec.models import build_model
 from mixprec.precision import emulation

@@ -11,7 +11,7 @@ without changing what is dispatched: synthetic CIFAR-shaped data, ResNet-9 at wi
 (the same layers), batch --batch (a multiple of the 16 ghost-BN splits), native fp16
 (precision.emulate=false), the device pipeline for every step (step 1's DataLoader pipeline prepares
 batches on the CPU, outside the device's op stream; counted here as the device pipeline's ops). The
-job's own parts (job.image_parts: loaders, model, policy, optimizer, schedule, EMA) are driven as
+job's own parts (parts.image_parts: loaders, model, policy, optimizer, schedule, EMA) are driven as
 loop.run_epoch drives them: the next batch, ImageSteps.step, and every trainer.log_every steps the
 flush (amortised per step). --warm steps run uncounted first (the optimizer's state is made at the
 first step). Parts: data (the batch's augmentation and normalisation), forward (of which ghost BN:
@@ -31,12 +31,13 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec import cli, job
+from mixprec.tools import cli
 from mixprec.runtime import dist
 from mixprec.train.loop import Loop, LoopState, Window, flush, total_steps
 from mixprec.config import ConfigError, validate
 from mixprec.models.resnet9 import GhostBatchNorm
 from mixprec.precision import emulation
+from mixprec.train.parts import JobContext, image_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +69,7 @@ RULES = [
     ("mixprec/train/step.py", {"backward_and_step"}, "precision"),
     ("mixprec/train/step.py", {"forward"}, "forward"),
     ("mixprec/train/loop.py", {"flush", "check_window", "all_finite", "row"}, "flush"),
-    ("mixprec/train/images.py", {"step"}, "bookkeeping"),
+    ("mixprec/train/image_steps.py", {"step"}, "bookkeeping"),
     ("mixprec/train/step.py", None, "bookkeeping"),
 ]
 PARTS = [
@@ -154,12 +155,11 @@ def count_step_ops(
     device = torch.device("cpu")
     with emulation.numerics(False):
         # one process: each rank's batch is the whole batch
-        steps, batches, policy, optimizer, _ = job.image_parts(
-            config, device, dist.SINGLE, config.trainer.batch_size
-        )
+        parts = image_parts(JobContext(config, device, dist.SINGLE, config.trainer.batch_size))
+        steps, batches = parts.steps, parts.batches
         loop = Loop(
-            policy,
-            optimizer,
+            parts.policy,
+            parts.optimizer,
             config.trainer,
             total_steps(config.trainer, len(batches)),
             progress=False,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.config import ConfigError, validate
 from mixprec.data import build_image_data, image_loaders
 from mixprec.data.files import DataError

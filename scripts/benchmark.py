@@ -54,19 +54,19 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.runtime import busy, hardware
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.train.loop import Loop, LoopState, fit
 from mixprec.train.compile import GraphWatch, compile_model, reset_compile_state
 from mixprec.config import Config, ConfigError, plain_config, validate
 from mixprec.data import synthetic_images
 from mixprec.data.pipelines import in_layout
-from mixprec.job import train_and_record
+from mixprec.job import JobDir, train_and_record
 from mixprec.models import build_model
 from mixprec.train.optim import build_optimizer, build_schedule
 from mixprec.precision import emulation, modes
 from mixprec.precision.modes import DTYPES, emulates
 from mixprec.records import write_json_atomic, write_text_atomic
-from mixprec.train import images
+from mixprec.train import image_steps
 from mixprec.train.build import build_trained
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +97,7 @@ def mixprec_throughput(overrides: list[str]) -> dict:
     """Steady samples/s of a full mixprec job (records written to a temp dir)."""
     config, fields = compose(overrides)
     with tempfile.TemporaryDirectory() as out:
-        summary = train_and_record(config, {"status": "failed", **fields}, Path(out))
+        summary = train_and_record(config, {"status": "failed", **fields}, JobDir(Path(out)))
     if summary["status"] != "completed":
         raise SystemExit(
             "benchmark: the mixprec job did not complete: "
@@ -258,8 +258,8 @@ def overhead(args) -> dict:
 # -- the speed table: each model built once, each (model, precision, batch, compile) cell timed in
 # seconds ----
 
-class CellSteps(images.ImageSteps):
-    """A job's image steps (images.ImageSteps: the same step), without evaluation: a cell times
+class CellSteps(image_steps.ImageSteps):
+    """A job's image steps (image_steps.ImageSteps: the same step), without evaluation: a cell times
     training only."""
 
     def evaluate(self, state: LoopState, loop: Loop, final: bool) -> dict:
@@ -284,7 +284,7 @@ def cell_config(config: Config, warmup: int, steps: int) -> Config:
 
 
 def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> tuple:
-    """What a job of this cell's config trains with (job.image_parts' policy, model preparation,
+    """What a job of this cell's config trains with (parts.image_parts' policy, model preparation,
     channels_last, optimizer, compile mode and its refusal of an emulated compile; its busy meter),
     on a copy of the base model; returns the cell's steps and loop, the loop's state, and the
     GraphWatch that counts a compiled cell's graphs and eager calls."""

@@ -26,7 +26,7 @@ import sys
 import unicodedata
 from pathlib import Path
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.report.published import PUBLISHED_DIR, SourceError, load_sources
 
 ROOT = Path(__file__).resolve().parents[1]

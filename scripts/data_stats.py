@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.config import ConfigError, validate
 from mixprec.data.files import DataError
 

@@ -10,11 +10,11 @@ import json
 import sys
 from pathlib import Path
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.train.checkpoint import CheckpointError
 from mixprec.config import ConfigError
 from mixprec.data.files import DataError
-from mixprec.job import evaluate_saved
+from mixprec.tools.evaluate import evaluate_saved
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.config import ConfigError, validate
 from mixprec.data.files import DataError
 from mixprec.models import build_model

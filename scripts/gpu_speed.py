@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.config import validate
 from mixprec.train.warmup import split_shapes
 from mixprec.records import write_json_atomic, write_text_atomic

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.report.load import ReportError
 from mixprec.report.make import make_report
 from mixprec.report.published import SourceError

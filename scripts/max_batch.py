@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.runtime import hardware
 from mixprec.records import write_json_atomic
-from mixprec.runtime.search import largest_fitting
+from mixprec.tools.search import largest_fitting
 from mixprec.precision import modes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.runtime import hardware
 from mixprec.numerics import probe_stats as ps
 from mixprec.config import Config, ConfigError, validate

@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.tools import reproduce
 from mixprec.tools.plan import PlanError
 

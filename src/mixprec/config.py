@@ -57,7 +57,7 @@ class TrainerConfig:
     resume: Literal["auto", "never"] = "never"
     # under DDP (torchrun): BatchNorm statistics over the global batch (SyncBatchNorm, GPUs)
     sync_bn: bool = False
-    # untimed steps on a throwaway copy before the clock (prewarm.py); auto: 3 on a GPU, on a
+    # untimed steps on a throwaway copy before the clock (warmup.py); auto: 3 on a GPU, on a
     # CPU 1 for the process's first job (its one-time costs) and 0 after
     prewarm_steps: Union[int, Literal["auto"]] = "auto"
     # torch.compile mode (train/compile.py)
@@ -65,10 +65,11 @@ class TrainerConfig:
     # how the ranks share the model: auto = DDP under torchrun, one process otherwise; fsdp = FSDP2
     # (fully_shard: parameters, gradients and optimizer state sharded), also on one rank
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"
-    # trainer.strategy=fsdp only: the replicate degree of FSDP's device mesh (HSDP, train/shard.py).
-    # auto = the number of nodes (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, submitit's nodes; 1 when
-    # unknown): shard within each node, replicate across nodes; N: N replicas, each sharding over
-    # world / N ranks (1: every rank shards, a 1-D mesh; the world size: pure replication)
+    # trainer.strategy=fsdp only: the replicate degree of FSDP's device mesh (HSDP,
+    # train/parallel.py). auto = the number of nodes (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE,
+    # submitit's nodes; 1 when unknown): shard within each node, replicate across nodes; N: N
+    # replicas, each sharding over world / N ranks (1: every rank shards, a 1-D mesh; the world
+    # size: pure replication)
     replicate: Union[int, Literal["auto"]] = "auto"
     # write the final fp32 weights (model_fp32.pt) of a finished job; false for speed-only jobs
     save_weights: bool = True

@@ -1,18 +1,18 @@
 """One job, wired end to end: config -> hardware -> data -> model -> precision policy -> loop ->
 records.
 
-This is the only module that puts the parts together; each part takes plain values from the
-validated config. `run_job` (the Hydra job) is also the one place where every way a job ends becomes
-its summary.json and its exit status: a `JobError` carries the console line and the status,
-`end_job` says it and exits (a sweep goes on with its other jobs, except after a signal, which was
-meant for the whole command, and after a failure on a multi-rank process group, where the ranks
-that did not fail may be waiting for one that did).
+This module holds what a job is, how it ends and what it records; its parts (data, model, precision
+policy, optimizer, the job kind's steps, the warm-ups before the clock) are built by train/parts.py
+from the job's `JobContext`, then trained here (`train_job`: build, then train, as torchtitan's
+trainer); each part takes plain values from the validated config. `run_job` (the Hydra job) is also
+the one place where every way a job ends becomes its summary.json and its exit status: a `JobError`
+carries the console line and the status, `end_job` says it and exits (a sweep goes on with its other
+jobs, except after a signal, which was meant for the whole command, and after a failure on a
+multi-rank process group, where the ranks that did not fail may be waiting for one that did).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import logging
 import signal
 import sys
@@ -25,17 +25,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from .config import Config, ConfigError, PrecisionConfig, plain_config, validate_job
-from .data import Resumable, build_image_data, image_loaders
+from .config import Config, ConfigError, plain_config, validate_job
+from .data import Resumable
 from .data.files import DataError
 from .data.pipelines import check_shard
-from .data.wikitext import TokenWindows, batchify, load_text_corpus
-from .models import build_model, forward_flops
-from .models.resnet9 import resnet9_options
 from .numerics import verdicts
-from .numerics.probe import build_probe
-from .precision import emulation, modes, sharded
-from .precision.modes import emulates, hazards
+from .precision import emulation, fsdp, modes
+from .precision.modes import hazards
 from .precision.policy import PrecisionPolicy
 from .precision.state import PolicyState
 from . import records
@@ -43,21 +39,9 @@ from .records import SUMMARY, Recorder, this_process, write_json_atomic
 from .report.console import job_block
 from .runtime import busy, dist, hardware, logs
 from .runtime.signals import StopSignals, resume_hint
-from .tools import replay
-from .train import checkpoint, images, loop, memory, shard, tricks
-from .train.build import build_trained
-from .train.compile import (
-    RNN_EAGER,
-    GraphWatch,
-    compile_model,
-    reset_compile_state,
-    start_compile_workers,
-    warm_compile,
-)
-from .train.lm import LMSteps
-from .train.optim import build_schedule
-from .train.prewarm import prewarm, prewarm_lm, reset_peak
-from .train.warmup import image_warmup, lm_warmup
+from .train import checkpoint, loop, memory, parallel, replay
+from .train.compile import RNN_EAGER, reset_compile_state
+from .train.parts import JobContext, Parts, build_parts, probed
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +59,8 @@ class JobError(Exception):
 class JobDir:
     """Where the job's records go, and what Hydra says about the job."""
     out: Path
-    sweep: Path | None    # the sweep's dir under -m
-    ranks: dist.Ranks
+    sweep: Path | None = None    # the sweep's dir under -m
+    ranks: dist.Ranks = dist.SINGLE
 
     @property
     def group(self) -> str | None:
@@ -91,22 +75,7 @@ def run_job(cfg: DictConfig) -> dict:
         Path(hc.runtime.output_dir), Path(hc.sweep.dir) if multirun else None, dist.from_env()
     )
     logs.setup(job.ranks.main)
-    summary = {
-        "status": "failed",
-        "choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")},
-        "overrides": list(hc.overrides.task),
-        "job": {
-            "name": hc.job.name,
-            "num": hc.job.num if multirun else None,
-            "output_dir": str(job.out),
-            "sweep_dir": str(job.sweep) if multirun else None,
-            "override_dirname": hc.job.override_dirname,
-        },
-        "config": None,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        # rank 0's process: a summary left `running` by a process that is gone reads `killed`
-        "process": this_process(),
-    }
+    summary = first_summary(hc, job)
     try:
         checkpoint.keep_default_batch(cfg, job.out)   # a resume keeps a default batch that moved
         summary["config"] = plain_config(cfg)
@@ -116,9 +85,8 @@ def run_job(cfg: DictConfig) -> dict:
         if prior is not None:
             return prior
         dist.quiet_unless_main(job.ranks)
-        summary = train_and_record(config, summary, job.out, group=job.group,
-                                   name=run_name(hc.job.override_dirname) or job.out.name,
-                                   ranks=job.ranks)
+        summary = train_and_record(config, summary, job,
+                                   name=run_name(hc.job.override_dirname) or job.out.name)
         # a job that failed before its first step has no numbers: end_job says its error, once
         if job.ranks.main and records.metrics(summary).get("steps") is not None:
             print(job_block(summary))
@@ -148,6 +116,28 @@ def run_job(cfg: DictConfig) -> dict:
                 stops_sweep=True,
             ),
         )
+
+
+def first_summary(hc, job: JobDir) -> dict:
+    """The summary a job starts with, `failed` until it says otherwise: what Hydra says of the job
+    (`hc`: its HydraConfig) and where its records go."""
+    multirun = job.sweep is not None
+    return {
+        "status": "failed",
+        "choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")},
+        "overrides": list(hc.overrides.task),
+        "job": {
+            "name": hc.job.name,
+            "num": hc.job.num if multirun else None,
+            "output_dir": str(job.out),
+            "sweep_dir": str(job.sweep) if multirun else None,
+            "override_dirname": hc.job.override_dirname,
+        },
+        "config": None,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # rank 0's process: a summary left `running` by a process that is gone reads `killed`
+        "process": this_process(),
+    }
 
 
 def run_name(override_dirname: str) -> str:
@@ -226,18 +216,11 @@ def outcome(summary: dict, job: JobDir) -> JobError:
     return JobError(line, 1, stops_sweep=job.ranks.active)
 
 
-def train_and_record(
-    config: Config,
-    summary: dict,
-    out_dir: Path,
-    group: str | None = None,
-    name: str = "run",
-    ranks: dist.Ranks = dist.SINGLE,
-) -> dict:
-    """Run one validated job, write its records (rank 0), and return its summary (failed jobs
-    included)."""
-    device = hardware.select_device(dist.device_name(config.trainer.device, ranks))
-    tr = config.trainer
+def train_and_record(config: Config, summary: dict, job: JobDir, name: str = "run") -> dict:
+    """Run one validated job, write its records (rank 0) in job.out, and return its summary
+    (failed jobs included). name: the W&B run's."""
+    ranks, tr = job.ranks, config.trainer
+    device = hardware.select_device(dist.device_name(tr.device, ranks))
     per_rank = dist.check(tr.batch_size, tr.sync_bn, device, ranks,
                           config.trick.ghost_splits if config.trick.ghost_bn else 1,
                           sharded=tr.sharded, replicate=tr.replicate)
@@ -248,12 +231,13 @@ def train_and_record(
     try:
         # the checkpoint to resume, read and agreed by every rank before any work: one this job
         # cannot resume (another config, device or world size) is refused, the dir left as it is
-        resume = (checkpoint.read_agreed(out_dir, summary["config"], device.type, ranks)
+        resume = (checkpoint.read_agreed(job.out, summary["config"], device.type, ranks)
                   if tr.resume == "auto" else None)
         # from here a SIGTERM/SIGINT stops the job (torchrun forwards a SIGTERM to every rank)
         with StopSignals() as stop:
-            return record_training(config, summary, out_dir, group, name, device, ranks,
-                                   per_rank, stop, resume)
+            ctx = JobContext(config, device, ranks, per_rank, job.out, job.group, name, stop,
+                             resume)
+            return record_training(ctx, summary)
     finally:
         dist.close(made)
 
@@ -277,54 +261,30 @@ def refuse_for_ranks(config: Config, ranks: dist.Ranks) -> None:
         )
 
 
-def record_training(config: Config, summary: dict, out_dir: Path, group: str | None, name: str,
-                    device: torch.device, ranks: dist.Ranks, per_rank: int,
-                    stop: StopSignals, resume: dict | None = None) -> dict:
-    """Set up the device and the job dir (resume, W&B), train, and complete the summary. per_rank:
-    each rank's batch (dist.check's). `stop`: the job's stop signals, active since before the
-    set-up: the loop stops after a step; note_signal records them. `resume`: the agreed checkpoint
-    to resume (None: start over)."""
-    modes.configure(device, config.trainer, config.precision, config.seed)
-    env = hardware.describe(device)
-    profile = hardware.gpu_profile(
-        config.gpu, env["device_name"] if device.type != "cpu" else "cpu"
-    )
-    # under FSDP the weights are cast to real fp16/bf16 tensors (precision/sharded.py)
-    emulated = emulates(config.precision, device, config.trainer.sharded)
-    summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
-                   hazards=hazards(config.precision, config.optimizer, device.type),
-                   arithmetic=modes.arithmetic(config.precision, device, emulated))
-    warn_if_slow(config, device, profile, emulated)
+def record_training(ctx: JobContext, summary: dict) -> dict:
+    """Set up the device and the job dir (resume, W&B), train, and complete the summary.
+    ctx.per_rank: each rank's batch (dist.check's). ctx.stop: the job's stop signals, active since
+    before the set-up: the loop stops after a step; note_signal records them. ctx.resume: the
+    agreed checkpoint to resume (None: start over)."""
+    describe_job(ctx, summary)
     try:
-        open_job_dir(config, summary, out_dir, resume, ranks)
-        mirror = agreed_mirror(config, summary, out_dir, group, name, resume, ranks)
+        open_job_dir(ctx, summary)
+        mirror = agreed_mirror(ctx, summary)
     # recorded as a failed job, in one line
     except RuntimeError as e:
         summary["error"] = str(e)
-        note_signal(summary, stop())
-        if ranks.main:
-            write_json_atomic(out_dir / SUMMARY, summary)
+        note_signal(summary, ctx.stop())
+        if ctx.ranks.main:
+            write_json_atomic(ctx.out_dir / SUMMARY, summary)
         return summary
-    recorder = Recorder(out_dir, mirror) if ranks.main else dist.Silent(out_dir)
-    saver = checkpoint.Checkpointer(
-        out_dir,
-        meta={
-            "config": summary["config"],
-            "device_type": device.type,
-            "wandb_run_id": mirror and mirror.run.id,
-            "resumes": summary.get("resumed", {}).get("history", []),
-        },
-        ranks=ranks,
-        sharded=config.trainer.sharded,
-    )
-    recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
+    recorder, saver = open_records(ctx, summary, mirror)
+    ranks, stop = ctx.ranks, ctx.stop
     agreed, failed_first = ranks.agreed_stop(stop), False
     try:
-        train = functools.partial(train_job, per_rank=per_rank)
-        with emulation.numerics(emulated):
-            summary.update(train(config, device, recorder, saver, resume, agreed, ranks))
+        with emulation.numerics(ctx.emulated):
+            summary.update(train_job(dataclasses.replace(ctx, stop=agreed), recorder, saver))
             # probe=none
-            summary.update(replay.explain(summary, config, device, out_dir, ranks.active, train))
+            summary.update(replay.explain(summary, ctx, train_job))
     except KeyboardInterrupt:
         summary.update(status="interrupted", error="interrupted by the user (KeyboardInterrupt)")
         raise
@@ -344,7 +304,7 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
                                          or summary["failed_rank"] != ranks.rank)
     finally:
         note_signal(summary, None if failed_first else stop() or agreed.last)
-        complete_summary(summary, config, device, saver, ranks.world)
+        complete_summary(summary, ctx, saver)
         recorder.write_summary(summary)
         if summary["status"] in checkpoint.FINAL and ranks.main:
             saver.discard()
@@ -352,6 +312,42 @@ def record_training(config: Config, summary: dict, out_dir: Path, group: str | N
             mirror.finish(ok=summary["status"] in ("completed", "diverged"))
         recorder.close()
     return summary
+
+
+def describe_job(ctx: JobContext, summary: dict) -> None:
+    """The device set up for the job (modes.configure), and what the summary says of it before
+    training: the environment, the GPU profile, the seed, the hazards and the arithmetic."""
+    config, device = ctx.config, ctx.device
+    modes.configure(device, config.trainer, config.precision, config.seed)
+    env = hardware.describe(device)
+    profile = hardware.gpu_profile(
+        config.gpu, env["device_name"] if device.type != "cpu" else "cpu"
+    )
+    # under FSDP the weights are cast to real fp16/bf16 tensors (precision/fsdp.py)
+    emulated = ctx.emulated
+    summary.update(env=env, gpu_profile=profile, seed=config.seed, name=config.name,
+                   hazards=hazards(config.precision, config.optimizer, device.type),
+                   arithmetic=modes.arithmetic(config.precision, device, emulated))
+    warn_if_slow(config, device, profile, emulated)
+
+
+def open_records(ctx: JobContext, summary: dict, mirror) -> tuple:
+    """The job's recorder (rank 0's; the other ranks' write nothing) and checkpointer, and the
+    summary a SIGKILLed job leaves behind (`running`)."""
+    recorder = Recorder(ctx.out_dir, mirror) if ctx.ranks.main else dist.Silent(ctx.out_dir)
+    saver = checkpoint.Checkpointer(
+        ctx.out_dir,
+        meta={
+            "config": summary["config"],
+            "device_type": ctx.device.type,
+            "wandb_run_id": mirror and mirror.run.id,
+            "resumes": summary.get("resumed", {}).get("history", []),
+        },
+        ranks=ctx.ranks,
+        sharded=ctx.config.trainer.sharded,
+    )
+    recorder.write_summary({**summary, "status": "running"})   # what a SIGKILLed job leaves behind
+    return recorder, saver
 
 
 def note_failed_rank(summary: dict, ranks: dist.Ranks) -> None:
@@ -386,17 +382,16 @@ def note_signal(summary: dict, by: str | None) -> None:
         summary["interrupted_by"] = by
 
 
-def open_job_dir(
-    config: Config, summary: dict, out_dir: Path, resume: dict | None, ranks: dist.Ranks
-) -> None:
-    """Make the dir's records match where the job starts: from `resume` (the agreed checkpoint,
+def open_job_dir(ctx: JobContext, summary: dict) -> None:
+    """Make the dir's records match where the job starts: from ctx.resume (the agreed checkpoint,
     read before any work) or over."""
-    prior = checkpoint.prior_summary(out_dir) if config.trainer.resume == "auto" else None
+    out_dir, resume, ranks = ctx.out_dir, ctx.resume, ctx.ranks
+    prior = checkpoint.prior_summary(out_dir) if ctx.config.trainer.resume == "auto" else None
     ranks.barrier()   # every rank has read the dir (rank 0's checkpoint) before rank 0 writes to it
     if not ranks.main:
         return
     if checkpoint.prepare_dir(out_dir, resume) and resume is None:
-        why = ("no checkpoint to resume from" if config.trainer.resume == "auto"
+        why = ("no checkpoint to resume from" if ctx.config.trainer.resume == "auto"
                else "trainer.resume=never")
         log.info(f"mixprec: note: {out_dir} held records of an earlier run: starting over ({why})")
     if resume is not None:
@@ -407,43 +402,42 @@ def open_job_dir(
         )
 
 
-def agreed_mirror(config: Config, summary: dict, out_dir: Path, group: str | None, name: str,
-                  resume: dict | None, ranks: dist.Ranks):
+def agreed_mirror(ctx: JobContext, summary: dict):
     """Rank 0's W&B mirror (None on the other ranks and without W&B), agreed by every rank: when W&B
     fails to start on rank 0, every rank ends the job (RuntimeError, said by rank 0) instead of the
     others going on to wait for rank 0 in the first collective. One small all-reduce, only under
     logger=wandb on several ranks."""
-    if config.logger.name != "wandb" or config.logger.mode == "disabled":
+    logger = ctx.config.logger
+    if logger.name != "wandb" or logger.mode == "disabled":
         return None
     mirror = failed = None
-    if ranks.main:
+    if ctx.ranks.main:
         try:
-            mirror = open_mirror(config, summary, out_dir, group, name, resume)
+            mirror = open_mirror(ctx, summary)
         except Exception as e:   # noqa: BLE001 - said below, in one line, by every rank's job
             failed = e if isinstance(e, RuntimeError) else RuntimeError(
                 f"W&B could not start the run ({type(e).__name__}: "
                 f"{(str(e).splitlines() or [''])[0]}); logger=none runs without W&B")
-    if ranks.any(failed is not None):
+    if ctx.ranks.any(failed is not None):
         raise failed or RuntimeError("W&B could not start the run on rank 0 (its train.log says "
                                      "why); logger=none runs without W&B")
     return mirror
 
 
-def open_mirror(
-    config: Config, summary: dict, out_dir: Path, group: str | None, name: str, resume: dict | None
-):
-    """The W&B run the records are mirrored to (None without W&B); a resumed job continues its
-    run."""
+def open_mirror(ctx: JobContext, summary: dict):
+    """The W&B run the records are mirrored to (None without W&B), in ctx.group under ctx.name; a
+    resumed job continues its run."""
+    config, resume = ctx.config, ctx.resume
     if config.logger.name != "wandb" or config.logger.mode == "disabled":
         return None
     from .records.wandb_mirror import WandbMirror   # lazy: wandb (optional, slow to import)
 
     mirror = WandbMirror(
         config.logger,
-        out_dir,
+        ctx.out_dir,
         summary["config"],
-        group=group,
-        name=name,
+        group=ctx.group,
+        name=ctx.name,
         job_type=config.name,
         run_id=resume.get("wandb_run_id") if resume else None,
     )
@@ -452,18 +446,14 @@ def open_mirror(
     return mirror
 
 
-def complete_summary(
-    summary: dict,
-    config: Config,
-    device: torch.device,
-    saver: checkpoint.Checkpointer,
-    world: int = 1,
-) -> None:
+def complete_summary(summary: dict, ctx: JobContext, saver: checkpoint.Checkpointer) -> None:
     """What the summary adds after training, whatever happened: MFU, the likely cause of a
     divergence, checkpoint time, the case's verdict, the end time and the peak memory."""
+    config = ctx.config
     m = summary.setdefault("metrics", {})
     if "throughput" in m:
-        m["mfu"] = hardware.mfu(m, summary["gpu_profile"], modes.peak_kind(config.precision), world)
+        m["mfu"] = hardware.mfu(m, summary["gpu_profile"], modes.peak_kind(config.precision),
+                                ctx.ranks.world)
         m["checkpoint_time_s"] = saver.seconds
     if summary["status"] == "diverged" and summary["hazards"]:
         summary["reason"] += f"; likely cause: {summary['hazards'][0]}"
@@ -471,268 +461,102 @@ def complete_summary(
         summary["case"] = dataclasses.asdict(config.case)
         summary["case"]["as_expected"] = summary["status"] == config.case.expect
     summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    m.update(hardware.memory_metrics(device))
+    m.update(hardware.memory_metrics(ctx.device))
 
 
-def train_job(
-    config: Config,
-    device: torch.device,
-    recorder: Recorder,
-    saver: checkpoint.Checkpointer,
-    resume: dict | None = None,
-    stop=lambda: None,
-    ranks: dist.Ranks = dist.SINGLE,
-    *,
-    per_rank: int,
-) -> dict:
-    """Build the job's parts (image or language model), restore a checkpoint into them, and run the
-    shared loop. per_rank: each rank's batch (dist.check's)."""
-    build = language_model_parts if config.model.is_language_model else image_parts
-    reset_compile_state(device)   # an earlier job of this process (a sweep's) leaves nothing
-    steps = batches = None
+def train_job(ctx: JobContext, recorder: Recorder, saver: checkpoint.Checkpointer) -> dict:
+    """Build the job's parts (image or language model: train/parts.py), restore a checkpoint
+    (ctx.resume) into them, and run the shared loop. ctx.per_rank: each rank's batch
+    (dist.check's)."""
+    reset_compile_state(ctx.device)   # an earlier job of this process (a sweep's) leaves nothing
+    parts = None
     failed = True
     try:
-        steps, batches, policy, optimizer, info = build(config, device, ranks, per_rank)
-        result = run_parts(config, device, steps, batches, policy, optimizer, info, saver, resume,
-                           stop, ranks, per_rank, recorder)
+        parts = build_parts(ctx)
+        result = run_parts(ctx, parts, recorder, saver)
         failed = False
         return result
     finally:   # a DataLoader's workers and FSDP's mesh groups end with the job, whatever ended it
+        steps, batches = (parts.steps, parts.batches) if parts is not None else (None, None)
         for loader in (batches, getattr(steps, "test_batches", None)):
             if isinstance(loader, Resumable):
                 loader.close()
-        shard.release_meshes(failed)
+        parallel.release_meshes(failed)
 
 
-def run_parts(
-    config: Config,
-    device: torch.device,
-    steps,
-    batches,
-    policy,
-    optimizer,
-    info: dict,
-    saver: checkpoint.Checkpointer,
-    resume: dict | None,
-    stop,
-    ranks: dist.Ranks,
-    per_rank: int,
-    recorder: Recorder,
-) -> dict:
-    """Restore a checkpoint into the built parts and run the shared loop (per_rank: each rank's
-    batch, for the record)."""
-    tr = config.trainer
-    model = info.pop("model")
-    saver.parts.update(model=model, optimizer=optimizer, schedule=steps.schedule,
-                       precision=PolicyState(policy), data=batches, **info.pop("parts"))
+def run_parts(ctx: JobContext, parts: Parts, recorder: Recorder,
+              saver: checkpoint.Checkpointer) -> dict:
+    """Restore a checkpoint (ctx.resume) into the built parts and run the shared loop (ctx.per_rank:
+    each rank's batch, for the record)."""
+    tr, ranks, model, policy = ctx.config.trainer, ctx.ranks, parts.model, parts.policy
+    saver.parts.update(model=model, optimizer=parts.optimizer, schedule=parts.steps.schedule,
+                       precision=PolicyState(policy), data=parts.batches, **parts.checkpointed)
     state = loop.LoopState()   # setup (the whitening fit) is timed apart, as Page timed it
-    held = shard.HeldPeak(model, optimizer) if tr.sharded else None
-    if resume is not None:
-        saver.restore(resume, state)   # last before training: it sets the RNG states
-    with probed(config, model, recorder, ranks) as probe:
-        run = loop.Loop(policy, optimizer, tr, loop.total_steps(tr, len(batches)), log=recorder.log,
-                           checkpoint=saver.save, stop=stop, ranks=ranks,
-                           progress=sys.stderr.isatty() and ranks.main, probe=probe,
-                           busy=busy.meter_for(device, ranks.world),
-                           memory=memory.Ledger(model, policy, optimizer, probe))
-        result = loop.fit(steps, batches, run, state)
+    held = parallel.HeldPeak(model, parts.optimizer) if tr.sharded else None
+    if ctx.resume is not None:
+        saver.restore(ctx.resume, state)   # last before training: it sets the RNG states
+    with probed(ctx, model, recorder.out_dir) as probe:
+        run = loop.Loop(policy, parts.optimizer, tr, loop.total_steps(tr, len(parts.batches)),
+                        log=recorder.log, checkpoint=saver.save, stop=ctx.stop, ranks=ranks,
+                        progress=sys.stderr.isatty() and ranks.main, probe=probe,
+                        busy=busy.meter_for(ctx.device, ranks.world),
+                        memory=memory.Ledger(model, policy, parts.optimizer, probe))
+        result = loop.fit(parts.steps, parts.batches, run, state)
         result["memory"] = run.memory.summary()
         result["numerics"] = probe.summary()
         result["verdict"] = verdicts.judge(
             result["numerics"],
             probe.rows(),
-            verdicts.context(config, result["status"], result["metrics"].get("steps")),
+            verdicts.context(ctx.config, result["status"], result["metrics"].get("steps")),
         )
     if ranks.active or tr.sharded:
-        result["distributed"] = distributed_record(config, device, ranks, per_rank, policy, held)
-    result["metrics"].update(info.pop("metrics"), **info.pop("compiled").finish())
+        result["distributed"] = distributed_record(ctx, policy, held)
+    return finish_result(ctx, parts, result, recorder)
+
+
+def finish_result(ctx: JobContext, parts: Parts, result: dict, recorder: Recorder) -> dict:
+    """The loop's result with what the parts add: their metrics and compile's record, Page's clock,
+    the fp8 layers, the saved weights (a final job under trainer.save_weights), the data and the
+    optimizer's groups."""
+    tr, ranks, policy = ctx.config.trainer, ctx.ranks, parts.policy
+    result["metrics"].update(parts.metrics, **parts.watch.finish())
     m = result["metrics"]
     # an image job: its time on Page's clock, the one-off data preparation included
     if "preprocess_time_s" in m:
         m["page_clock_s"] = m["train_time_s"] + m["preprocess_time_s"]
     # precision=fp8: the float8 and bf16 Linear layers, emulated or not (else None)
     result["fp8"] = policy.fp8
-    final = info.pop("final")   # the weights that were evaluated: the EMA's if any
+    final = parts.final   # the weights that were evaluated: the EMA's if any
     # under FSDP gathering the weights is a collective: every rank takes part, rank 0 saves them
     if result["status"] in checkpoint.FINAL and tr.save_weights and (ranks.main or tr.sharded):
         weights = policy.fp32_state_dict(final)
         if ranks.main:
             result["weights"] = checkpoint.save_weights(recorder.out_dir, weights,
-                                                        info.pop("num_classes"))
+                                                        parts.num_classes)
     # its weight-decay groups
-    return {**result, "data": info["data"], "optimizer": info["optimizer"]}
+    return {**result, "data": parts.data, "optimizer": parts.groups}
 
 
-def distributed_record(config: Config, device: torch.device, ranks: dist.Ranks, per_rank: int,
-                       policy: PrecisionPolicy, held: shard.HeldPeak | None) -> dict:
+def distributed_record(ctx: JobContext, policy: PrecisionPolicy,
+                       held: parallel.HeldPeak | None) -> dict:
     """The summary's "distributed" block of a job on several ranks or sharded; every rank calls it
     (the weight spread and the held bytes are gathered: collectives)."""
+    config, ranks = ctx.config, ctx.ranks
     tr = config.trainer
     record = {
         "world_size": ranks.world,
-        "per_rank_batch": per_rank,
+        "per_rank_batch": ctx.per_rank,
         "sync_bn": tr.sync_bn,
-        "backend": dist.backend_for(device),
+        "backend": dist.backend_for(ctx.device),
         "strategy": "fsdp" if tr.sharded else "ddp",
         # FSDP's ranks hold different shards: no copies to compare
         "weight_spread": None if tr.sharded else dist.spread(policy.stepped_params(), ranks),
     }
     if held is not None:   # the mesh, each rank's bytes, gathered, and the dtypes FSDP uses
-        record.update(sharded.dtypes(config.precision),
-                      mesh=shard.mesh_record(dist.mesh_shape(tr.replicate, ranks)),
+        record.update(fsdp.dtypes(config.precision),
+                      mesh=parallel.mesh_record(dist.mesh_shape(tr.replicate, ranks)),
                       held_bytes=ranks.gather(held.measure()))
     return record
-
-
-@contextlib.contextmanager
-def probed(config: Config, model, recorder: Recorder, ranks: dist.Ranks):
-    """The job's numerics probe (numerics/probe.py): rank 0 records numerics.jsonl; closed however
-    training ends. Under FSDP it sees no model (its layers hold shards outside their unit's
-    forward): skips are counted, not attributed to parameters."""
-    probe = build_probe(config.probe, None if config.trainer.sharded else model,
-                        recorder.out_dir if ranks.main else None)
-    try:
-        yield probe
-    finally:
-        probe.close()
-
-
-def image_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_rank: int):
-    """An image classifier's steps, training batches, policy, optimizer, and what the job records
-    about it; per_rank: each rank's batch (its slice of the global batch)."""
-    tr, t, resnet9 = config.trainer, config.trick, config.model.arch == "resnet9"
-    data = build_image_data(config.dataset)
-    # Page's clock starts before his preprocessing (dawn.py at 37a13cc:79-87)
-    start = time.perf_counter()
-    train_batches, test_batches = image_loaders(data, config.dataset, tr, device, seed=config.seed,
-                                                shard=(ranks.rank, ranks.world))
-    hardware.synchronize(device)
-    preprocess_s = time.perf_counter() - start
-    whitening, setup_s = tricks.fit_whitening(t, data, device) if resnet9 else (None, 0.0)
-    options = resnet9_options(t, whitening) if resnet9 else {}
-    model = build_model(config.model, data.num_classes, **options)
-    flops = forward_flops(model, torch.zeros(1, *train_batches.image_shape))
-    n_params = sum(p.numel() for p in model.parameters())
-    built = build_trained(model, config, device, t.bn_bias_lr, tr.channels_last,
-                          wrap=wrapper(config, device, ranks))
-    model, net, policy, optimizer = built.model, built.net, built.policy, built.optimizer
-    schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(train_batches)))
-    ema = tricks.EMA(model, t.ema_momentum, t.ema_every) if t.ema else None
-    steps = images.ImageSteps(net, schedule, test_batches, label_smoothing=t.label_smoothing,
-                              loss_sum=t.loss_sum, ema=ema, tta=t.tta, bn_eval=config.model.bn_eval,
-                              setup_time_s=setup_s)
-    # Page's clock: untimed warm-up steps on throwaway copies before the clock starts (prewarm.py),
-    # then the compilation of the model the loop trains, also before the clock (train/compile.py)
-    prewarm_s = prewarm(model, policy, optimizer, first_prewarm(tr, device), per_rank,
-                        train_batches.image_shape, data.num_classes, tr.channels_last, tr.grad_clip)
-    modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
-    shapes = image_warmup(min(per_rank, len(data.train_y) // ranks.world), tr.eval_batch_size,
-                          len(data.test_y), train_batches.image_shape, data.num_classes,
-                          tr.channels_last, config.model.bn_eval,
-                          evaluates=ema is None)   # an EMA job evaluates ema.model, eagerly
-    compile_s, watch = compile_and_warm(steps, net, policy, tr.compile, shapes)
-    info = {"model": model, "parts": {} if ema is None else {"ema": ema},
-            "final": model if ema is None else ema.model, "num_classes": data.num_classes,
-            "optimizer": built.groups, "compiled": watch,
-            "metrics": {"params": n_params, "forward_flops_per_sample": flops,
-                        "prewarm_time_s": prewarm_s, "preprocess_time_s": preprocess_s,
-                        "compile_time_s": compile_s,
-                        "train_flops_per_sample": None if flops is None else 3 * flops},
-            "data": {**data.info, "train": len(data.train_y), "test": len(data.test_y),
-                     "mean": data.mean, "std": data.std}}
-    return steps, train_batches, policy, optimizer, info
-
-
-def first_prewarm(tr, device: torch.device) -> int:
-    """The job's prewarm steps (TrainerConfig.prewarm_for), knowing whether it is the process's
-    first job (hardware.configure counted it)."""
-    return tr.prewarm_for(device.type, first_in_process=hardware.JOBS_IN_PROCESS == 1)
-
-
-def wrapper(config: Config, device: torch.device, ranks: dist.Ranks):
-    """What wraps the trained model: FSDP's sharding (trainer.strategy=fsdp) over the mesh of
-    trainer.replicate, else DDP under several ranks, else nothing."""
-    if config.trainer.sharded:
-        shape = dist.mesh_shape(config.trainer.replicate, ranks)
-        return lambda m: shard.shard(m, config.precision, device, shape, config.trainer.compile)
-    return lambda m: dist.wrap(m, device, config.trainer.sync_bn, ranks)
-
-
-def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode: str,
-                     warmup) -> tuple:
-    """The loop's model (steps.model) compiled in `mode` and warmed for `warmup`'s shapes before the
-    clock, then the device's peak reset (prewarm's copies are gone: the peak is the run's own,
-    prewarm.py). Returns the warm-up's seconds and the GraphWatch that records the job's graphs and
-    eager calls. On an accelerator the compile workers start first, out of reach of the job's stop
-    signals (start_compile_workers)."""
-    steps.model = compile_model(net, mode)
-    watch = GraphWatch(net, mode)
-    if mode != "none" and policy.device.type != "cpu":
-        start_compile_workers()
-    seconds = warm_compile(steps.model, policy, mode, warmup)
-    watch.warmed()
-    reset_peak(policy.device)
-    return seconds, watch
-
-
-def language_model_parts(config: Config, device: torch.device, ranks: dist.Ranks, per_rank: int):
-    """A word-level language model on a text corpus (see train/lm.py); throughput and FLOPs are per
-    token. per_rank: each rank's columns (the whole batch in one process; FSDP's ranks split it)."""
-    tr, bptt = config.trainer, config.dataset.bptt
-    corpus = load_text_corpus(config.dataset)
-    # under FSDP each rank trains on its columns of the global batch; every rank scores the whole
-    # validation and test splits (the same forwards: FSDP's all-gathers are collectives)
-    train_source = batchify(corpus.train, tr.batch_size, device)[
-        :, ranks.rank * per_rank:(ranks.rank + 1) * per_rank].contiguous()
-    valid_source, test_source = (batchify(ids, tr.eval_batch_size, device)
-                                 for ids in (corpus.valid, corpus.test))
-    windows = TokenWindows(train_source, bptt)
-    model = build_model(config.model, corpus.vocab_size)
-    flops = model.flops_per_token(bptt)
-    n_params = sum(p.numel() for p in model.parameters())
-    built = build_trained(model, config, device, wrap=wrapper(config, device, ranks))
-    model, policy, optimizer, groups = built.model, built.policy, built.optimizer, built.groups
-    schedule = build_schedule(config.schedule, optimizer, loop.total_steps(tr, len(windows)))
-    steps = LMSteps(model, schedule, valid_source, test_source, bptt, columns=per_rank)
-    prewarm_s = prewarm_lm(model, policy, optimizer, first_prewarm(tr, device), bptt, per_rank,
-                           corpus.vocab_size, tr.grad_clip)
-    modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
-    shapes = lm_warmup(len(train_source), per_rank, [len(valid_source), len(test_source)],
-                       tr.eval_batch_size, bptt, corpus.vocab_size)
-    compile_s, watch = compile_and_warm(steps, model, policy, tr.compile, shapes)
-    info = {"model": model, "parts": {"hidden": steps}, "final": model,
-            "num_classes": corpus.vocab_size, "optimizer": groups, "compiled": watch,
-            "metrics": {"params": n_params, "forward_flops_per_sample": flops,
-                        "train_flops_per_sample": 3 * flops, "flops_per": "token",
-                        "prewarm_time_s": prewarm_s, "compile_time_s": compile_s},
-            "data": {**corpus.info, "vocab_size": corpus.vocab_size,
-                     "train_tokens": len(corpus.train), "valid_tokens": len(corpus.valid),
-                     "test_tokens": len(corpus.test), "bptt": bptt}}
-    return steps, windows, policy, optimizer, info
-
-
-def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
-    """Evaluate a finished job's saved weights (model_fp32.pt) in an fp32 model, with fp32 math, on
-    the job's own test split: apex's promise that whatever the training precision, the saved model
-    is fp32 and usable. The model is built as the job built it (train/build.py), under fp32; nothing
-    is stepped, so the optimizer takes the device's own kernels (impl=auto)."""
-    model, config = checkpoint.load_fp32_model(run_dir)
-    auto = dataclasses.replace(config.optimizer, impl="auto")
-    config = dataclasses.replace(config, precision=PrecisionConfig(name="fp32"), optimizer=auto)
-    device = hardware.select_device(device)
-    modes.configure(device, config.trainer, config.precision, config.seed)
-    data = build_image_data(config.dataset)
-    _, test_batches = image_loaders(data, config.dataset, config.trainer, device, seed=config.seed)
-    built = build_trained(model, config, device, channels_last=config.trainer.channels_last)
-    loss, acc, _ = images.evaluate(built.model, test_batches, built.policy)
-    recorded = checkpoint.prior_summary(Path(run_dir))["metrics"]
-    return {
-        "test_acc": acc,
-        "test_loss": loss,
-        "recorded_test_acc": recorded.get("final_test_acc"),
-        "recorded_test_loss": recorded.get("final_test_loss"),
-        "precision": config.precision.name,
-    }
 
 
 def warn_if_slow(

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import mixprec.job
+import mixprec.train.parts
 from helpers import ROOT, TINY, run_tiny
 from mixprec.train import checkpoint
 from mixprec.runtime import dist
@@ -150,14 +151,14 @@ def initial_weights(run_dir, monkeypatch, *overrides):
     """The job's weights as built (before any step): the same job run in this process, its model
     recorded."""
     built = []
-    build = mixprec.job.build_model
+    build = mixprec.train.parts.build_model
 
     def recording(cfg, n, **kw):
         model = build(cfg, n, **kw)
         built.append({k: v.clone() for k, v in model.state_dict().items()})
         return model
 
-    monkeypatch.setattr(mixprec.job, "build_model", recording)
+    monkeypatch.setattr(mixprec.train.parts, "build_model", recording)
     run_tiny(run_dir, *overrides, base=[])
     return built[0]
 

@@ -1,4 +1,4 @@
-"""trainer.strategy=fsdp (FSDP2, train/shard.py, precision/sharded.py) on the CPU: real jobs on 2
+"""trainer.strategy=fsdp (FSDP2, train/parallel.py, precision/fsdp.py) on the CPU: real jobs on 2
 gloo ranks under torchrun, 2 spawned gloo ranks for what one job cannot show (per-rank bytes, an
 overflow in one rank's shard), and the one-line refusals."""
 import json
@@ -28,7 +28,7 @@ from mixprec.data import build_image_data, pipelines
 from mixprec.job import validate_job
 from mixprec.models.gpt import GPT
 from mixprec.runtime import dist
-from mixprec.train import compile, shard
+from mixprec.train import compile, parallel
 from mixprec.train.optim import build_optimizer
 
 GPU_GPT = [o for o in GPT_TINY if not o.startswith("trainer.device")]   # auto: the GPU
@@ -213,7 +213,7 @@ def test_a_batch_the_ranks_do_not_divide_and_the_dataloader_pipeline_are_refused
 def _sharded_linear_sgd(device, impl):
     """A sharded Linear (one FSDP rank) and optimizer=sgd in `impl` over its DTensor parameters;
     one step taken."""
-    model = shard.shard(torch.nn.Linear(8, 8).to(device), FP32, device)
+    model = parallel.shard(torch.nn.Linear(8, 8).to(device), FP32, device)
     cfg = validate(compose_config(*TINY, "optimizer=sgd", f"optimizer.impl={impl}")).optimizer
     optimizer = build_optimizer(cfg, list(model.parameters()))
     model(torch.randn(4, 8, device=device)).sum().backward()
@@ -381,9 +381,9 @@ def test_resnet_stages_and_gpt_blocks_are_units_and_batchnorm_computes_in_fp32(t
     tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
     try:
         model = build_model(config.model, 10)
-        assert [name for name, m in model.named_children() if m in shard.units(model)] == \
+        assert [name for name, m in model.named_children() if m in parallel.units(model)] == \
             ["layer1", "layer2", "layer3", "layer4"]
-        shard.shard(model, config.precision, torch.device("cpu"))
+        parallel.shard(model, config.precision, torch.device("cpu"))
         seen = {}
         for name in ("layer1.0.conv1", "layer1.0.bn1", "bn1", "fc"):
             model.get_submodule(name).register_forward_hook(
@@ -393,7 +393,7 @@ def test_resnet_stages_and_gpt_blocks_are_units_and_batchnorm_computes_in_fp32(t
                         "bn1": torch.float32, "fc": torch.bfloat16}
         assert out.dtype == torch.float32
         gpt = GPT(64, 3, 2, 32, 16)
-        assert shard.units(gpt) == list(gpt.blocks)
+        assert parallel.units(gpt) == list(gpt.blocks)
     finally:
         tdist.destroy_process_group()
 
@@ -479,8 +479,8 @@ def unit_compiled_job(tmp_path, monkeypatch, base):
         model[0].at_fit = model[0].calls
         return fit(*args, **kwargs)
 
-    monkeypatch.setattr(shard, "compile_model", compiled, raising=False)
-    monkeypatch.setattr(mixprec.job, "compile_model", counted)
+    monkeypatch.setattr(parallel, "compile_model", compiled, raising=False)
+    monkeypatch.setattr(mixprec.train.parts, "compile_model", counted)
     fit = mixprec.job.loop.fit
     monkeypatch.setattr(mixprec.job.loop, "fit", marked)
     s = run_tiny(tmp_path, base=base)
@@ -504,5 +504,5 @@ def test_fsdp_compiles_rowwise_fp8_units_with_emulated_precision_casts(monkeypat
                                      "trainer.strategy=fsdp", "trainer.compile=default"))
     seen = []
     monkeypatch.setattr(torch, "compile", lambda net, **kwargs: seen.append(kwargs) or net)
-    shard.compile_units(GPT(64, 2, 2, 32, 16), config.precision, config.trainer.compile)
+    parallel.compile_units(GPT(64, 2, 2, 32, 16), config.precision, config.trainer.compile)
     assert seen == [options, options]   # the 2 blocks

@@ -23,8 +23,8 @@ from helpers.distributed import free_port, job, rows, torchrun, weights
 from helpers.fakes import on_threads
 from mixprec.config import PrecisionConfig, plain_config, validate
 from mixprec.models.gpt import GPT
-from mixprec.precision.sharded import ShardedPolicy, after_steps
-from mixprec.train import checkpoint, shard
+from mixprec.precision.fsdp import ShardedPolicy, after_steps
+from mixprec.train import checkpoint, parallel
 from mixprec.train.loop import LoopState
 
 
@@ -64,7 +64,7 @@ def _fp8_gpt(seed):
     """The fp8 GPT sharded as the job builds it (policy, shard, optimizer, scales' step hook)."""
     torch.manual_seed(seed)
     policy = ShardedPolicy(FP8, torch.device("cpu"))
-    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), FP8, torch.device("cpu"))
+    model = parallel.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), FP8, torch.device("cpu"))
     optimizer = torch.optim.AdamW(policy.optimizer_params(model), lr=1e-2)
     after_steps(model, optimizer, policy.fp8)
     return model, optimizer

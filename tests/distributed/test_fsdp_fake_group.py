@@ -3,6 +3,7 @@
 lays out each rank's shards as NCCL's ranks would have them. What depends only on a rank's own
 shards (an empty shard of a small head, the groups a mesh makes) is checked here on the CPU; the
 collectives themselves run on 2 gloo ranks in tests/distributed/test_fsdp.py."""
+from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as tdist
@@ -13,8 +14,10 @@ from mixprec import job
 from mixprec.config import validate
 from mixprec.models import build_model
 from mixprec.runtime import dist
-from mixprec.train import shard
+from mixprec.train import parallel
 from mixprec.train.loop import finite_flag
+import mixprec.train.parts
+from mixprec.train.parts import JobContext
 
 CPU = torch.device("cpu")
 
@@ -36,7 +39,7 @@ def sharded_resnet18():
     config = validate(compose_config("model=resnet18", "trainer.device=cpu",
                                      "trainer.strategy=fsdp"))
     model = build_model(config.model, 10)
-    return shard.shard(model, config.precision, CPU), config
+    return parallel.shard(model, config.precision, CPU), config
 
 
 def test_an_empty_shard_of_a_small_head_counts_as_finite(rank_7_of_8):
@@ -46,12 +49,12 @@ def test_an_empty_shard_of_a_small_head_counts_as_finite(rank_7_of_8):
     same check) while the other ranks waited in the flush's all-reduce. Empty shards are finite; a
     NaN in this rank's other shards is still seen."""
     model, _ = sharded_resnet18()
-    params = {n: shard.local(p) for n, p in model.named_parameters()}
+    params = {n: parallel.local(p) for n, p in model.named_parameters()}
     assert params["fc.weight"].shape == (0, 512) and params["fc.bias"].numel() == 0
     assert finite_flag(list(params.values())).item() == 1.0
     with torch.no_grad():
         model.get_parameter("layer4.1.conv2.weight").to_local().view(-1)[0] = float("nan")
-    assert finite_flag([shard.local(p) for p in model.parameters()]).item() == 0.0
+    assert finite_flag([parallel.local(p) for p in model.parameters()]).item() == 0.0
     assert finite_flag([torch.empty(0), torch.empty(0, 3)]).item() == 1.0
 
 
@@ -80,9 +83,9 @@ def test_a_jobs_hsdp_groups_are_destroyed_at_its_end(rank_7_of_8, monkeypatch):
                                      "trainer.strategy=fsdp", "trainer.replicate=2"))
     ranks, during = dist.Ranks(7, 8, nodes=2), []
 
-    def parts(config, device, ranks, per_rank):   # the job's FSDP model over the job's mesh
-        model = job.wrapper(config, device, ranks)(build_model(config.model, 10))
-        return None, None, None, None, {"model": model}
+    def parts(ctx):   # the job's FSDP model over the job's mesh
+        model = mixprec.train.parts.wrapper(ctx)(build_model(ctx.config.model, 10))
+        return SimpleNamespace(steps=None, batches=None, model=model)
 
     def run(*args):
         during.append(groups())
@@ -90,13 +93,14 @@ def test_a_jobs_hsdp_groups_are_destroyed_at_its_end(rank_7_of_8, monkeypatch):
             raise RuntimeError("the job failed")
         return {"status": "completed"}
 
-    monkeypatch.setattr(job, "image_parts", parts)
+    monkeypatch.setattr(mixprec.train.parts, "image_parts", parts)
     monkeypatch.setattr(job, "run_parts", run)
     assert groups() == 1
-    assert job.train_job(config, CPU, None, None, ranks=ranks, per_rank=2)["status"] == "completed"
+    ctx = JobContext(config, CPU, ranks, per_rank=2)
+    assert job.train_job(ctx, None, None)["status"] == "completed"
     assert groups() == 1
     with pytest.raises(RuntimeError, match="the job failed"):
-        job.train_job(config, CPU, None, None, ranks=ranks, per_rank=2)
+        job.train_job(ctx, None, None)
     assert groups() == 1 and during == [3, 3]
 
 

@@ -14,7 +14,7 @@ from helpers.compiling import traced_only
 from helpers.configs import GPT_TINY, sweep_params
 from helpers.distributed import assert_one_rank_fsdp_job, free_port, job, whole_bytes
 from mixprec.config import ConfigError, validate
-from mixprec.job import wrapper
+from mixprec.train.parts import JobContext, wrapper
 from mixprec.models import build_model
 from mixprec.report.analyse import fsdp_rows, sweep_rows
 from mixprec.report.console import format_table
@@ -192,7 +192,8 @@ def test_saved_weights_are_plain_fp32_tensors_in_every_mode_and_strategy(tmp_pat
             torch.manual_seed(0)
             model = build_model(config.model, 64)
             initial = {k: v.clone() for k, v in model.state_dict().items()}
-            built = build_trained(model, config, CPU, wrap=wrapper(config, CPU, dist.SINGLE))
+            built = build_trained(model, config, CPU,
+                                  wrap=wrapper(JobContext(config, CPU, dist.SINGLE)))
             checkpoint.save_weights(tmp_path / mode, built.policy.fp32_state_dict(built.model), 64)
             weights = torch.load(tmp_path / mode / checkpoint.WEIGHTS, weights_only=True)
             assert {type(v) for v in weights.values()} == {torch.Tensor}, mode

@@ -13,7 +13,7 @@ from helpers.fidelity import check_table, composed
 from mixprec.models import build_model
 from mixprec.train.optim import build_optimizer
 from mixprec.precision.policy import PrecisionPolicy
-from mixprec.train.prewarm import prewarm
+from mixprec.train.warmup import prewarm
 from mixprec.report.published import PUBLISHED_DIR, load_source, matches
 from mixprec.report.analyse import ladder_rows
 from mixprec.report.rows import ladder_cells

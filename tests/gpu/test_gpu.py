@@ -11,7 +11,7 @@ from hydra.core.global_hydra import GlobalHydra
 from torch import nn
 
 from helpers import TINY, compose_config, run_tiny, load_script
-from mixprec.train import checkpoint, prewarm
+from mixprec.train import checkpoint, warmup
 from mixprec import data
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.config import validate
@@ -241,7 +241,7 @@ def test_an_rnn_job_never_runs_uncompacted_weights(mode):
         )
         model = policy.prepare_model(RNNModel("lstm", 50, 16, 16, 2))
         opt = build_optimizer(config.optimizer, policy.optimizer_params(model))
-        prewarm.prewarm_lm(model, policy, opt, 1, bptt=6, columns=4, vocab_size=50)
+        warmup.prewarm_lm(model, policy, opt, 1, bptt=6, columns=4, vocab_size=50)
         saver, state = checkpoint.Checkpointer(".", meta={}), LoopState()
         saver.parts["model"] = model
         saved = {k: v.clone() for k, v in model.state_dict().items()}

@@ -7,9 +7,9 @@ import torch
 
 from mixprec.config import PrecisionConfig
 from mixprec.models.gpt import GPT
-from mixprec.precision.sharded import ShardedPolicy
+from mixprec.precision.fsdp import ShardedPolicy
 from mixprec.runtime import dist
-from mixprec.train import checkpoint, shard
+from mixprec.train import checkpoint, parallel
 from mixprec.train.loop import LoopState
 
 
@@ -29,7 +29,7 @@ def _step(model, optimizer, seed):
 
 def _sharded_gpt(seed):
     torch.manual_seed(seed)
-    model = shard.shard(GPT(64, 2, 2, 32, 16), FP32, torch.device("cpu"))
+    model = parallel.shard(GPT(64, 2, 2, 32, 16), FP32, torch.device("cpu"))
     return model, torch.optim.AdamW(ShardedPolicy(FP32, torch.device("cpu")).optimizer_params(
         model), lr=1e-2)
 

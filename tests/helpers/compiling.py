@@ -3,18 +3,19 @@ the eager backend (seconds instead of inductor's minutes)."""
 import torch
 
 from mixprec import job
-from mixprec.train import compile, shard
+from mixprec.train import parts
+from mixprec.train import compile, parallel
 
 
 def traced_only(monkeypatch) -> list:
     """trainer.compile through dynamo with the eager backend: every (re)compilation counted, seconds
-    instead of inductor's minutes, FSDP's units too (train/shard.py compiles them before
+    instead of inductor's minutes, FSDP's units too (train/parallel.py compiles them before
     fully_shard; the job then leaves the root as it is). Returns the graphs made during fit
     (training and evaluation)."""
     made = []
-    monkeypatch.setattr(job, "compile_model", lambda net, mode: net if compile.compiled_parts(net)
+    monkeypatch.setattr(parts, "compile_model", lambda net, mode: net if compile.compiled_parts(net)
                         else torch.compile(net, backend="eager"))
-    monkeypatch.setattr(shard, "compile_model",
+    monkeypatch.setattr(parallel, "compile_model",
                         lambda net, mode, **options: torch.compile(net, backend="eager"))
     fit = job.loop.fit
 

@@ -11,10 +11,9 @@ import time
 
 import torch
 from torch import nn
-
-import mixprec.job
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.runtime import dist
+import mixprec.train.parts
 
 STEPS_PER_EPOCH = 64 // 16   # helpers.TINY: 64 training images, batches of 16
 
@@ -61,13 +60,13 @@ class Timed(nn.Module):
 def with_clock(monkeypatch, cost, eval_out=None) -> FakeClock:
     clock = FakeClock()
     monkeypatch.setattr(time, "perf_counter", clock)
-    build = mixprec.job.build_model
+    build = mixprec.train.parts.build_model
 
     def timed(cfg, n, **kw):
         clock.models.append(Timed(build(cfg, n, **kw), clock, cost, eval_out))
         return clock.models[-1]
 
-    monkeypatch.setattr(mixprec.job, "build_model", timed)
+    monkeypatch.setattr(mixprec.train.parts, "build_model", timed)
     return clock
 
 

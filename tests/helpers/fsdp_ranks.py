@@ -9,8 +9,8 @@ from helpers.checkpoint_ranks import _save_and_resume_on_rank, _unshared_on_rank
 from helpers.hsdp_ranks import _hsdp_on_rank
 from mixprec.config import PrecisionConfig
 from mixprec.models.gpt import GPT
-from mixprec.precision.sharded import ShardedPolicy, after_steps
-from mixprec.train import shard
+from mixprec.precision.fsdp import ShardedPolicy, after_steps
+from mixprec.train import parallel
 from mixprec.train.step import backward_and_step
 
 
@@ -47,12 +47,12 @@ def _gpt_step(model, optimizer, seed=0):
 def _bytes_on_rank(rank, folder, device=torch.device("cpu")):
     torch.manual_seed(0)
     whole = GPT(64, 2, 2, 32, 16).to(device)
-    sharded = shard.shard(GPT(64, 2, 2, 32, 16).to(device), FP32, device)
+    sharded = parallel.shard(GPT(64, 2, 2, 32, 16).to(device), FP32, device)
     held = {}
     for name, model in (("whole", whole), ("sharded", sharded)):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         _gpt_step(model, optimizer)
-        held[name] = shard.held_bytes(model, optimizer)
+        held[name] = parallel.held_bytes(model, optimizer)
     (folder / f"bytes.{rank}").write_text(json.dumps(held))
 
 
@@ -65,7 +65,7 @@ def _overflow_on_rank(rank, folder):
     overflow only that rank sees)."""
     torch.manual_seed(0)
     policy = ShardedPolicy(AMP, torch.device("cpu"))
-    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), AMP, torch.device("cpu"))
+    model = parallel.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), AMP, torch.device("cpu"))
     optimizer = torch.optim.SGD(policy.optimizer_params(model), lr=0.1)
     first = next(model.parameters())
     seen = []
@@ -73,7 +73,7 @@ def _overflow_on_rank(rank, folder):
         x = torch.randint(0, 64, (16, 4), generator=torch.Generator().manual_seed(step))
         out, _ = model(x)
         loss = torch.nn.functional.cross_entropy(out.float().reshape(-1, 64), x.reshape(-1))
-        poison = lambda: step == 2 and rank == 1 and shard.local(first.grad).fill_(torch.inf)
+        poison = lambda: step == 2 and rank == 1 and parallel.local(first.grad).fill_(torch.inf)
         skipped = backward_and_step(loss, policy, optimizer, 1.0, after_backward=poison)
         optimizer.zero_grad(set_to_none=True)
         seen.append([bool(skipped), policy.scale_value])
@@ -90,7 +90,7 @@ def _fp8_on_rank(rank, folder, device=torch.device("cpu")):
 
     torch.manual_seed(0)
     policy = ShardedPolicy(FP8, device)
-    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)).to(device), FP8, device)
+    model = parallel.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)).to(device), FP8, device)
     optimizer = torch.optim.AdamW(policy.optimizer_params(model), lr=1e-2)
     after_steps(model, optimizer, policy.fp8)
     _gpt_step(model, optimizer)

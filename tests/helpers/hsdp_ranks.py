@@ -7,9 +7,9 @@ from torch.distributed.tensor import DTensor
 
 from mixprec.config import PrecisionConfig
 from mixprec.models.gpt import GPT
-from mixprec.precision.sharded import ShardedPolicy, after_steps
+from mixprec.precision.fsdp import ShardedPolicy, after_steps
 from mixprec.runtime import dist
-from mixprec.train import checkpoint, shard
+from mixprec.train import checkpoint, parallel
 from mixprec.train.loop import LoopState
 from mixprec.train.step import backward_and_step
 
@@ -35,7 +35,7 @@ def _gpt(cfg, shape, seed=0):
     step hook); its policy, model and optimizer."""
     torch.manual_seed(seed)
     policy = ShardedPolicy(cfg, CPU)
-    model = shard.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), cfg, CPU, shape)
+    model = parallel.shard(policy.prepare_model(GPT(64, 2, 2, 32, 16)), cfg, CPU, shape)
     optimizer = torch.optim.AdamW(policy.optimizer_params(model), lr=1e-2)
     after_steps(model, optimizer, policy.fp8)
     return policy, model, optimizer
@@ -68,8 +68,8 @@ def _hsdp_on_rank(rank, folder):
     whole = torch.stack([p.grad.full_tensor().norm() for p in model.parameters()]).norm()
     seen["norm"] = [float(norm.full_tensor() if isinstance(norm, DTensor) else norm), float(whole)]
     optimizer.step()
-    seen["held"] = shard.held_bytes(model, optimizer)
-    local = [shard.local(p).detach() for p in model.parameters()]
+    seen["held"] = parallel.held_bytes(model, optimizer)
+    local = [parallel.local(p).detach() for p in model.parameters()]
     seen["spread"] = dist.spread(local, dist.Ranks(rank=rank, world=2))
     full = policy.fp32_state_dict(model)
     seen["full_ok"] = rank != 0 or all(
@@ -86,7 +86,7 @@ def _overflow(rank):
     first = next(model.parameters())
     out = []
     for step in (1, 2, 3):
-        poison = lambda: step == 2 and rank == 1 and shard.local(first.grad).fill_(torch.inf)  # noqa: B023,E731
+        poison = lambda: step == 2 and rank == 1 and parallel.local(first.grad).fill_(torch.inf)  # noqa: B023,E731
         _, skipped = _step(model, policy, optimizer, step, poison)
         out.append([skipped, policy.scale_value])
     return out

@@ -6,7 +6,7 @@ from torch import nn
 from mixprec.config import PrecisionConfig, ProbeConfig, TrainerConfig
 from mixprec.numerics.probe import build_probe
 from mixprec.precision.policy import PrecisionPolicy
-from mixprec.train import images
+from mixprec.train import image_steps
 from mixprec.train.loop import Loop, LoopState, fit, total_steps
 
 
@@ -51,7 +51,7 @@ def fit_probed(
     loop = Loop(
         policy, opt, tr, total_steps(tr, len(batches)), progress=False, probe=p
     )
-    steps_ = images.ImageSteps(model, sched, batches[:1], bn_eval=bn_eval)
+    steps_ = image_steps.ImageSteps(model, sched, batches[:1], bn_eval=bn_eval)
     result = fit(steps_, batches, loop, LoopState())
     rows = p.rows()
     p.close()

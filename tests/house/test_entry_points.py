@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from helpers import ROOT, compose_config
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.config import validate_job
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))

@@ -109,7 +109,7 @@ LAYERS = (
     ("models", "data"),
     ("numerics",),
     ("train",),
-    ("tools", "cli"),   # cli: the scripts' composition and one-line errors, tools' too
+    ("tools",),   # cli.py and search.py in tools/: they serve the scripts (issue 51)
     ("report",),
     ("job",),
 )
@@ -170,13 +170,13 @@ def test_the_package_root_holds_at_most_8_modules():
 # Every import inside a function in src/mixprec, (module, what it imports): why it waits for the
 # call. Any other import belongs at the module's top.
 OPTIONAL_WANDB = "wandb: optional (the wandb extra) and slow to import; only W&B's paths need it"
-NO_TORCH = "torch: scripts/reproduce.py imports cli without it"
+NO_TORCH = "torch: scripts/reproduce.py imports tools/cli without it"
 NO_TORCH_LAUNCHER = (
     "torch: scripts/reproduce.py's --help and its launcher (that only runs jobs) import it not"
 )
 LAZY = {
-    ("mixprec.cli", "mixprec.data.files"): NO_TORCH,
-    ("mixprec.cli", "mixprec.train.checkpoint"): NO_TORCH,
+    ("mixprec.tools.cli", "mixprec.data.files"): NO_TORCH,
+    ("mixprec.tools.cli", "mixprec.train.checkpoint"): NO_TORCH,
     ("mixprec.job", "mixprec.records.wandb_mirror"): OPTIONAL_WANDB,
     ("mixprec.precision.fp8", "torchao.float8"): "torchao: optional (the fp8 extra)",
     ("mixprec.precision.fp8", "torchao.float8.float8_linear"): "torchao: optional (the fp8 extra)",
@@ -248,7 +248,7 @@ def test_imports_wait_inside_functions_only_for_a_reason():
 
 def test_the_package_and_cli_import_without_torch():
     """What LAZY's torch reasons promise: the resolvers and cli load without torch."""
-    code = "import sys, mixprec, mixprec.cli; assert 'torch' not in sys.modules, 'torch'"
+    code = "import sys, mixprec, mixprec.tools.cli; assert 'torch' not in sys.modules, 'torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

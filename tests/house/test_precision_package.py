@@ -23,6 +23,9 @@ ALLOWED = {
     ("report/plots.py", "mode fp32"): "the speed-up figure leaves out the baseline, fp32 = 1x",
     ("report/reference.py", "mode amp"): "the published reference table is of amp's speed-ups",
     ("report/analyse.py", "modes fastai_fp16,fp32"): "published data: the fastai article's modes",
+    ("tools/sweeps.py", "modes amp,fp32"): (
+        "plan data: a max_batch sweep without a precision axis compares fp32 and amp"
+    ),
     **{
         ("numerics/verdicts.py", f"field {f}"): "the diagnostics record the run's precision fields"
         for f in ("autocast_dtype", "keep_bn_fp32", "loss_scale", "master_weights", "param_dtype")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.job
+import mixprec.train.parts
 from helpers import TINY, compose_config, run_tiny
 from helpers.fakes import STEPS_PER_EPOCH, with_clock
 from mixprec.config import validate
@@ -184,14 +184,14 @@ def test_cpu_peak_memory_is_the_jobs_peak_rss(tmp_path, monkeypatch):
     its own:
     tests/unit/runtime/test_hardware.py::test_a_cpu_jobs_peak_is_its_own_not_an_earlier_jobs)."""
     extra = 256
-    build = mixprec.job.build_model
+    build = mixprec.train.parts.build_model
 
     def with_buffer(cfg, n, **kw):
         model = build(cfg, n, **kw)
         model.register_buffer("ballast", torch.ones(extra * 2**20 // 4), persistent=False)
         return model
 
-    monkeypatch.setattr(mixprec.job, "build_model", with_buffer)
+    monkeypatch.setattr(mixprec.train.parts, "build_model", with_buffer)
     before = rss_mb()
     s = run_tiny(tmp_path, *CPU)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

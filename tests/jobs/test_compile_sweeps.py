@@ -15,6 +15,7 @@ import torch
 
 from mixprec.train import compile
 from mixprec import job
+from mixprec.train import parts
 from helpers import ROOT, run_cli, run_tiny
 from helpers.configs import GPT_JOB, SMALL
 from mixprec.runtime import dist
@@ -30,7 +31,7 @@ SWEEP = [o for o in SMALL if not o.startswith(REPLACED)] + [
 
 def eager_backend(monkeypatch) -> None:
     """trainer.compile through the real compile_model with dynamo's eager backend."""
-    monkeypatch.setattr(job, "compile_model",
+    monkeypatch.setattr(parts, "compile_model",
                         lambda net, mode: compile.compile_model(net, mode, backend="eager"))
 
 
@@ -265,13 +266,13 @@ def test_a_sweep_job_that_fails_after_a_stop_signal_ends_interrupted_and_stops_t
     from omegaconf import open_dict
 
     from helpers import TINY, compose_config
-    from mixprec.train import images
+    from mixprec.train import image_steps
 
     def step_after_a_signal(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         raise RuntimeError("Attempting to use a closed pool")
 
-    monkeypatch.setattr(images, "train_step", step_after_a_signal)
+    monkeypatch.setattr(image_steps, "train_step", step_after_a_signal)
     cfg = compose_config(*TINY, output_dir=tmp_path / "sweep" / "0")
     with open_dict(cfg):
         cfg.hydra.mode, cfg.hydra.sweep.dir = RunMode.MULTIRUN, str(tmp_path / "sweep")

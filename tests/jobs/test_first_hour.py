@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.job
+import mixprec.train.parts
 from mixprec import records
 from mixprec.config import validate_job
 from mixprec.records import SUMMARY
@@ -105,12 +105,12 @@ class SignalInEval(nn.Module):
 
 def test_a_stop_signal_during_evaluation_stops_it_and_resume_evaluates(tmp_path, monkeypatch):
     args = ["dataset.test_size=64", "trainer.eval_batch_size=16"]
-    build = mixprec.job.build_model
-    monkeypatch.setattr(mixprec.job, "build_model",
+    build = mixprec.train.parts.build_model
+    monkeypatch.setattr(mixprec.train.parts, "build_model",
                         lambda cfg, n: SignalInEval(build(cfg, n), armed=False))
     reference = run_tiny(tmp_path / "reference", *args)
     seen = []
-    monkeypatch.setattr(mixprec.job, "build_model",
+    monkeypatch.setattr(mixprec.train.parts, "build_model",
                         lambda cfg, n: seen.append(SignalInEval(build(cfg, n))) or seen[-1])
     with pytest.raises(SystemExit) as e:
         run_tiny(tmp_path / "run", *args)
@@ -119,7 +119,7 @@ def test_a_stop_signal_during_evaluation_stops_it_and_resume_evaluates(tmp_path,
     assert s["status"] == "interrupted" and "during evaluation" in s["reason"], s.get("reason")
     assert seen[-1].eval_calls <= 2   # stopped between batches, not after 4 (and TTA's 4 more)
     # the checkpoint's keys are the wrapper's
-    monkeypatch.setattr(mixprec.job, "build_model",
+    monkeypatch.setattr(mixprec.train.parts, "build_model",
                         lambda cfg, n: SignalInEval(build(cfg, n), armed=False))
     resumed = run_tiny(tmp_path / "run", *args, "trainer.resume=auto")
     assert resumed["status"] == "completed"

@@ -336,7 +336,7 @@ def test_steps_9_and_10_build_their_ema_and_evaluate_it(tmp_path, monkeypatch, s
     """The quick twin of the slow EMA tests (tests/jobs/test_trick_jobs.py): a tiny job of Page's
     steps 9 and 10 builds the EMA, updates it, and every evaluation scores the average, not the
     model."""
-    from mixprec.train import images, tricks
+    from mixprec.train import image_steps, tricks
 
     made, scored = [], []
 
@@ -345,9 +345,9 @@ def test_steps_9_and_10_build_their_ema_and_evaluate_it(tmp_path, monkeypatch, s
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    evaluate = images.evaluate
+    evaluate = image_steps.evaluate
     monkeypatch.setattr(tricks, "EMA", RecordingEMA)
-    monkeypatch.setattr(images, "evaluate",
+    monkeypatch.setattr(image_steps, "evaluate",
                         lambda model, *a, **k: (scored.append(model), evaluate(model, *a, **k))[1])
     s = run_tiny(tmp_path, f"trick={step}", "trick.ema_every=1", base=LADDER_TINY)
     assert s["status"] == "completed"

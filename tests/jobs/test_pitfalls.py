@@ -13,7 +13,7 @@ from mixprec.config import validate
 from mixprec.models import set_bn_eval, small_cnn
 from mixprec.precision.modes import hazards
 from mixprec.precision.policy import PrecisionPolicy
-from mixprec.runtime.search import largest_fitting
+from mixprec.tools.search import largest_fitting
 
 SMALL = [
     "dataset.train_size=64",

@@ -15,6 +15,7 @@ import torch
 
 import mixprec.train.loop
 import mixprec.job
+import mixprec.train.parts
 from helpers import ROOT, TINY, compose_config, run_tiny
 from helpers.fakes import SignalAt
 from mixprec.train.checkpoint import CHECKPOINT, WEIGHTS, load_fp32_model
@@ -373,7 +374,7 @@ def test_a_loader_restored_mid_epoch_serves_the_rest_of_the_epoch_and_the_next_a
 
 @pytest.mark.slow
 def test_resume_restores_master_weights_loss_scaler_and_optimizer_exactly(tmp_path, monkeypatch):
-    build = mixprec.job.build_model
+    build = mixprec.train.parts.build_model
     # fp16 weights with fp32 masters (apex O2) stepped by Adam, under a dynamic loss scale that
     # grows every 2 steps, overflows and backs off: each piece of state must come back exactly for
     # the same result
@@ -387,16 +388,19 @@ def test_resume_restores_master_weights_loss_scaler_and_optimizer_exactly(tmp_pa
         "trainer.epochs=2",
         "trainer.deterministic=true",
     ]
-    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=0))
+    monkeypatch.setattr(mixprec.train.parts, "build_model",
+                        lambda cfg, n: SignalAt(build(cfg, n), at=0))
     reference = run_tiny(tmp_path / "reference", *args)
 
     # epoch 2, step 2
-    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=6))
+    monkeypatch.setattr(mixprec.train.parts, "build_model",
+                        lambda cfg, n: SignalAt(build(cfg, n), at=6))
     with pytest.raises(SystemExit) as e:
         run_tiny(tmp_path / "run", *args)
     assert e.value.code == 128 + signal.SIGTERM
     assert json.loads((tmp_path / "run" / SUMMARY).read_text())["status"] == "interrupted"
-    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n: SignalAt(build(cfg, n), at=0))
+    monkeypatch.setattr(mixprec.train.parts, "build_model",
+                        lambda cfg, n: SignalAt(build(cfg, n), at=0))
     resumed = run_tiny(tmp_path / "run", *args, "trainer.resume=auto")
     assert resumed["resumed"]["from_step"] == 6 and resumed["resumed"]["mid_epoch"]
     m, ref = resumed["metrics"], reference["metrics"]

@@ -6,6 +6,7 @@ import pytest
 from torch import nn
 
 import mixprec.job
+import mixprec.train.parts
 from mixprec.records import METRICS, SUMMARY
 from helpers.expected import small_cnn_flops
 
@@ -27,8 +28,8 @@ class NaNAt(nn.Module):
 
 
 def inject_nan(monkeypatch, at):
-    build = mixprec.job.build_model
-    monkeypatch.setattr(mixprec.job, "build_model", lambda cfg, n: NaNAt(build(cfg, n), at))
+    build = mixprec.train.parts.build_model
+    monkeypatch.setattr(mixprec.train.parts, "build_model", lambda cfg, n: NaNAt(build(cfg, n), at))
 
 
 def read_rows(path):
@@ -132,7 +133,7 @@ def test_continue_policy_records_and_goes_on(tiny, monkeypatch):
 def test_a_failing_job_still_writes_its_summary(tiny, tmp_path, monkeypatch):
     def broken(cfg, n):
         raise RuntimeError("the model could not be built")
-    monkeypatch.setattr(mixprec.job, "build_model", broken)
+    monkeypatch.setattr(mixprec.train.parts, "build_model", broken)
     with pytest.raises(SystemExit) as e:
         tiny()
     assert e.value.code == 1

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.job
+import mixprec.train.parts
+import mixprec.tools.evaluate
 import mixprec.train.tricks
 from helpers import compose_config, run_tiny
 from helpers.fakes import SignalAt, with_clock
@@ -139,7 +140,7 @@ def test_an_ema_job_evaluates_and_saves_the_average_of_its_weights(tmp_path, mon
     weights: the average is recomputed from the model's state after each step (read at the start of
     the next forward, and at the end)."""
     states, built = [], []
-    build = mixprec.job.build_model
+    build = mixprec.train.parts.build_model
 
     def recording(cfg, n, **kw):
         model = build(cfg, n, **kw)
@@ -151,7 +152,7 @@ def test_an_ema_job_evaluates_and_saves_the_average_of_its_weights(tmp_path, mon
         built.append(model)
         return model
 
-    monkeypatch.setattr(mixprec.job, "build_model", recording)
+    monkeypatch.setattr(mixprec.train.parts, "build_model", recording)
     s = run_tiny(tmp_path / "run", *EMA)
     assert s["status"] == "completed" and len(states) == 4
     after_step = states[1:] + [built[0].state_dict()]   # state after steps 1..4
@@ -172,10 +173,10 @@ def test_an_ema_job_evaluates_and_saves_the_average_of_its_weights(tmp_path, mon
     )
 
     # the recorded test loss is that of the averaged weights, not of the raw ones
-    ema_eval = mixprec.job.evaluate_saved(tmp_path / "run", device="cpu")
+    ema_eval = mixprec.tools.evaluate.evaluate_saved(tmp_path / "run", device="cpu")
     shutil.copytree(tmp_path / "run", tmp_path / "raw")
     torch.save({k: v for k, v in raw.items()}, tmp_path / "raw" / WEIGHTS)
-    raw_eval = mixprec.job.evaluate_saved(tmp_path / "raw", device="cpu")
+    raw_eval = mixprec.tools.evaluate.evaluate_saved(tmp_path / "raw", device="cpu")
     assert s["metrics"]["final_test_loss"] == pytest.approx(ema_eval["test_loss"], rel=1e-5)
     assert abs(raw_eval["test_loss"] - ema_eval["test_loss"]) > 1e-3
 
@@ -186,19 +187,19 @@ def test_an_ema_job_evaluates_and_saves_the_average_of_its_weights(tmp_path, mon
 def interrupted_then_resumed(tmp_path, monkeypatch, *args):
     """(reference dir, resumed dir): the same job run through, and SIGTERMed at step 6 (epoch 2)
     then resumed."""
-    build = mixprec.job.build_model
+    build = mixprec.train.parts.build_model
     monkeypatch.setattr(
-        mixprec.job, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=0)
+        mixprec.train.parts, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=0)
     )
     assert run_tiny(tmp_path / "reference", *args)["status"] == "completed"
     monkeypatch.setattr(
-        mixprec.job, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=6)
+        mixprec.train.parts, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=6)
     )
     with pytest.raises(SystemExit):
         run_tiny(tmp_path / "run", *args)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "interrupted"
     monkeypatch.setattr(
-        mixprec.job, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=0)
+        mixprec.train.parts, "build_model", lambda cfg, n, **kw: SignalAt(build(cfg, n, **kw), at=0)
     )
     s = run_tiny(tmp_path / "run", *args, "trainer.resume=auto")
     assert s["status"] == "completed" and s["resumed"]["from_step"] == 6

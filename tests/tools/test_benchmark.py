@@ -314,14 +314,14 @@ def test_a_table_cell_syncs_per_step_as_a_job_does(bench, monkeypatch, overrides
     fused-amp step, and the window flushed as a job flushes it."""
     from helpers.fakes import SyncCounter
 
-    from mixprec.train import images
+    from mixprec.train import image_steps
     from mixprec.train import loop
     from mixprec.numerics.probe import Attribution
 
     counter = SyncCounter(monkeypatch)
     counter.off_during(monkeypatch, Attribution, "see_batch")   # step 1's input check, once a run
-    counter.on_during(monkeypatch, images.ImageSteps, "step")
-    calls = counted_calls(monkeypatch, (images.ImageSteps, "step"), (loop, "flush"))
+    counter.on_during(monkeypatch, image_steps.ImageSteps, "step")
+    calls = counted_calls(monkeypatch, (image_steps.ImageSteps, "step"), (loop, "flush"))
     cfg, _ = bench.compose([*TINY, "dataset.image_size=8", *overrides])
     base, shape, classes = bench.build_base(cfg, torch.device("cpu"))
     cell = bench.time_cell(cfg, base, shape, classes, torch.device("cpu"), 2, 4)
@@ -429,8 +429,8 @@ def test_a_cuda_table_cell_makes_no_sync_in_an_amp_step_and_measures_gpu_busy(be
     reads found-inf at once gave '-'), its peak memory too."""
     import warnings
 
-    from mixprec.train import images
-    step = images.ImageSteps.step
+    from mixprec.train import image_steps
+    step = image_steps.ImageSteps.step
 
     def watched(*args, **kwargs):
         torch.cuda.set_sync_debug_mode("warn")
@@ -438,7 +438,7 @@ def test_a_cuda_table_cell_makes_no_sync_in_an_amp_step_and_measures_gpu_busy(be
             return step(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    monkeypatch.setattr(images.ImageSteps, "step", watched)
+    monkeypatch.setattr(image_steps.ImageSteps, "step", watched)
     device = torch.device("cuda")
     cfg, _ = bench.compose(["model=small_cnn", "model.width=8", "trainer.batch_size=16",
                             "dataset.image_size=8", "precision=amp", "trainer.device=cuda"])

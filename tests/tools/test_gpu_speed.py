@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from helpers import ROOT, load_script
-from mixprec import cli
+from mixprec.tools import cli
 
 ORDER = ["fp8_wide", "table_eager", "table_compiled", "page10", "gpt"]
 ALL = {"cifar10": True, "wikitext2": True}

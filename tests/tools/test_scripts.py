@@ -1,6 +1,6 @@
 """Every script of scripts/ answers a user's mistake (a bad argument or override, an unknown name, a
 missing file) as train.py does: a non-zero exit and one line naming the mistake and the fix, never a
-traceback (mixprec.cli)."""
+traceback (mixprec.tools.cli)."""
 import os
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from helpers import ROOT
-from mixprec import cli
+from mixprec.tools import cli
 from mixprec.config import ConfigError
 
 MODELS = "choose one of: gpt, gru, lstm"

@@ -8,8 +8,8 @@ biases; weights start at N(0, 0.02), the residual projections at N(0, 0.02 / sqr
 (GPT-2). `vocab_multiple` pads the vocabulary as the RNN model's does (the padded rows never occur
 as targets).
 
-Interface of the language-model loop (train/lm.py, as rnnlm.RNNModel): model(tokens, hidden) ->
-(logits, hidden) with tokens [seq_len, batch] time-major (the TokenWindows layout) and logits
+Interface of the language-model loop (train/lm_steps.py, as rnnlm.RNNModel): model(tokens, hidden)
+-> (logits, hidden) with tokens [seq_len, batch] time-major (the TokenWindows layout) and logits
 [seq_len, batch, ntoken]; a Transformer carries no state between windows, so init_hidden() is None
 and hidden is returned as given. Each bptt window is one independent context of up to `block_size`
 tokens.

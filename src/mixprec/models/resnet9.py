@@ -1,5 +1,5 @@
 """ResNet-9: David Page's DAWNBench network ("How to train your ResNet", parts 4 and 8), with the
-switches his bag-of-tricks ladder flips (job.py maps the `trick` flags onto these arguments).
+switches his bag-of-tricks ladder flips (train/parts.py maps the `trick` flags onto these).
 
 prep: conv(3 -> 64) -> layer1: conv(64 -> 128), pool, residual of two conv-BN-act -> layer2:
 conv(128 -> 256), pool -> layer3: conv(256 -> 512), pool, residual -> global max-pool -> linear(512

@@ -22,9 +22,9 @@ non-finite: step 3 forward, layer3.1.bn2 output: NaN"). The name is exact when t
 forward used are still there (a skipped step under a dynamic scale; trainer.on_nonfinite=skip);
 otherwise the update of the bad step has already spread NaN: the event is "optimizer update by step
 N, <module> weights" (for Adam, its state says whether that update was 0/0), and job.py replays the
-run under probe=ranges (replay.py). `Ranges` (probe=ranges) checks the loss of every step before the
-update (one host sync per step: a diagnostic mode), and its first event is read from the rows in
-time order (events.first_in_rows): a step's forward outputs, then its backward's tensors as
+run under probe=ranges (train/replay.py). `Ranges` (probe=ranges) checks the loss of every step
+before the update (one host sync per step: a diagnostic mode), and its first event is read from the
+rows in time order (events.first_in_rows): a step's forward outputs, then its backward's tensors as
 produced, then its updates. An fp16/bf16 row that is the step's first non-finite one, with finite
 weights entering the step, came from a finite computation: its infs count as overflow.
 

@@ -43,7 +43,7 @@ def emulates(cfg: PrecisionConfig, device: torch.device, sharded: bool = False) 
     wherever the device is not CUDA, whose kernels the emulation reproduces). Under precision=fp8 it
     is the bf16 part that is emulated; the float8 matmuls are torchao's (its own emulation without
     FP8 tensor cores). Never under FSDP (sharded): its casts make real fp16/bf16 tensors
-    (precision/sharded.py)."""
+    (precision/fsdp.py)."""
     if low_dtype(cfg) is None or sharded:
         return False
     return device.type != "cuda" if cfg.emulate == "auto" else bool(cfg.emulate)

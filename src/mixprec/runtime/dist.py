@@ -7,7 +7,7 @@ comes from submitit's JobEnvironment (SLURM_PROCID/SLURM_LOCALID on Slurm, SUBMI
 and whose rendezvous is the job's first host and a port derived from the job id. One rank
 (WORLD_SIZE unset or 1) is the ordinary single-process job. The number of nodes (torchrun's
 WORLD_SIZE / LOCAL_WORLD_SIZE, submitit's nodes) gives a sharded job's default device mesh: one
-replica per node (`mesh_shape`, trainer.replicate=auto; HSDP in train/shard.py).
+replica per node (`mesh_shape`, trainer.replicate=auto; HSDP in train/parallel.py).
 
 The process group has the gloo backend for CPU tensors and, where an accelerator is available, its
 default backend for its tensors (torch.distributed.get_default_backend_for_device:
@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
-from torch.nn.parallel import DistributedDataParallel
 
 from ..config import ConfigError
 
@@ -154,10 +153,10 @@ def nodes_of(world: int, per_node: int) -> int:
 
 
 def mesh_shape(replicate: int | str, ranks: Ranks) -> tuple[int, ...]:
-    """The shape of a sharded job's device mesh (train/shard.py): (world,) when it has one replica,
-    the 1-D mesh of plain FSDP; else (replicas, ranks per replica), HSDP's 2-D mesh that shards
-    within a replica and replicates across them. `replicate`: trainer.replicate (auto: one replica
-    per node). ConfigError when the degree does not divide the world size."""
+    """The shape of a sharded job's device mesh (train/parallel.py): (world,) when it has one
+    replica, the 1-D mesh of plain FSDP; else (replicas, ranks per replica), HSDP's 2-D mesh that
+    shards within a replica and replicates across them. `replicate`: trainer.replicate (auto: one
+    replica per node). ConfigError when the degree does not divide the world size."""
     degree = ranks.nodes if replicate == "auto" else replicate
     if ranks.world % degree:
         raise ConfigError(
@@ -371,34 +370,6 @@ def check(batch_size: int, sync_bn: bool, device: torch.device, ranks: Ranks,
                           "(ghost BN splits each rank's batch); use a batch that divides by "
                           f"{ghost_splits * ranks.world}, or fewer splits")
     return per_rank
-
-
-def wrap(
-    model: torch.nn.Module, device: torch.device, sync_bn: bool, ranks: Ranks
-) -> torch.nn.Module:
-    """The model the training loop runs: DDP-wrapped (BatchNorm synchronised if asked) under several
-    ranks. Gradients are averaged across ranks during backward, so the precision policy
-    (GradScaler's unscale, the o2 copy into fp32 masters) sees the averaged gradients on every rank
-    and every rank steps alike."""
-    if not ranks.active:
-        return model
-    if sync_bn:
-        plain = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
-        special = sorted(
-            {
-                type(m).__name__
-                for m in model.modules()
-                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and type(m) not in plain
-            }
-        )
-        if special:   # convert_sync_batchnorm would replace them with plain SyncBatchNorm, silently
-            raise ConfigError(
-                f"trainer.sync_bn=true: {', '.join(special)} would become plain SyncBatchNorm, "
-                "losing its own statistics (ghost BN: per split of each rank's batch); use "
-                "trainer.sync_bn=false"
-            )
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
 
 
 def mute_other_ranks() -> None:

@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from .. import cli, records
+from .. import records
+from . import cli
 from .estimate import estimate
 from .folder import (
     ROOT,

@@ -13,7 +13,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from .. import cli
+from . import cli
 from ..config import plain_config
 from ..records import SUMMARY, job_order, read_summaries
 from .folder import ROOT

@@ -13,7 +13,7 @@ from torch import nn
 from ..config import Config
 from ..precision.modes import check_installed
 from ..precision.policy import PrecisionPolicy
-from ..precision.sharded import ShardedPolicy, after_steps
+from ..precision.fsdp import ShardedPolicy, after_steps
 from .optim import build_optimizer, param_groups
 
 

@@ -53,7 +53,7 @@ from ..models.resnet9 import resnet9_options
 from ..runtime.defaults import RESOLVER
 from ..runtime.dist import SINGLE, Ranks
 from ..runtime.hardware import flatten_rnns
-from ..precision.sharded import after_load
+from ..precision.fsdp import after_load
 from ..precision.state import load_module_state
 from ..records import METRICS, SUMMARY, atomic_file
 

@@ -14,7 +14,7 @@ and the saved weights use the plain model and see the same tensors. Image models
 compiled; precision=fp8 compiles the float8-converted model, as torchao intends (its Float8Linear
 casts fuse into the matmuls' neighbours under inductor). The RNN language models stay eager
 (RNN_EAGER says why). Under FSDP each unit (GPT block, ResNet stage) is compiled before
-fully_shard (train/shard.py's compile_units, as torchtitan does) and compile_model leaves the
+fully_shard (train/parallel.py's compile_units, as torchtitan does) and compile_model leaves the
 sharded root as it is; the warm-up's recompile limit counts the units (recompile_limit).
 
 One process, many jobs (a Hydra sweep): dynamo's caches are per process and keyed by code objects
@@ -104,7 +104,7 @@ def compile_model(net: nn.Module, mode: str, backend="inductor", options: dict |
 
 def compiled_parts(net: nn.Module) -> list[nn.Module]:
     """The modules inside `net` that torch.compile wrapped in place of themselves (the units of an
-    FSDP model, train/shard.py): each one's own module, which its compiled frame calls."""
+    FSDP model, train/parallel.py): each one's own module, which its compiled frame calls."""
     wrapper = torch._dynamo.eval_frame.OptimizedModule
     return [m._orig_mod for m in net.modules() if isinstance(m, wrapper)]
 

@@ -4,10 +4,10 @@ non-finite policy; the step itself is step.py's.
 The loop: `fit(steps, batches, loop, state)` runs epochs (`run_epoch`: the training steps;
 `end_epoch`: the record, evaluation, checkpoint and stop check) from where `state` (LoopState:
 counters, accumulators, clock totals, place in the epoch, open log window) is. `steps` supplies the
-job kind's part: `images.ImageSteps`, `lm.LMSteps` for language models (hidden state, truncated
-BPTT, perplexity); each gives start_epoch, step (one batch: forward, loss, train_step, schedule),
-row, evaluate and metrics. `loop` (Loop) holds what the run trains with: policy, optimizer, trainer
-config, total steps, log, checkpoint writer, stop check, ranks.
+job kind's part: `image_steps.ImageSteps`, `lm_steps.LMSteps` for language models (hidden state,
+truncated BPTT, perplexity); each gives start_epoch, step (one batch: forward, loss, train_step,
+schedule), row, evaluate and metrics. `loop` (Loop) holds what the run trains with: policy,
+optimizer, trainer config, total steps, log, checkpoint writer, stop check, ranks.
 
 What is timed: `TrainClock` measures training only (forward, backward, step, and the on-device batch
 preparation, as DAWNBench counts it); evaluation is timed separately and never included. Every clock
@@ -73,7 +73,7 @@ from ..runtime.hardware import mark_steady, synchronize
 from ..precision.policy import Deferred, PrecisionPolicy, by_dtype
 from ..numerics.probe import Attribution
 from .memory import Ledger
-from .shard import local
+from .parallel import local
 
 # one line per log window where no progress bar is drawn (not a terminal: nohup, Slurm, a pipe);
 # conf/hydra/job_logging/mixprec.yaml sends it to stdout and train.log

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..precision.emulation import Emulated
-from .shard import local
+from .parallel import local
 
 PARTS = ("weights", "masters", "grads", "optimizer", "scaler", "probe", "buffers",
          "weight_copies", "activations")

@@ -5,8 +5,9 @@ loss scaler (GradScaler, apex's static scale or a pass-through), the fp32 master
 weights out (master weights), the clip of still-scaled gradients (apex --fp16) and whether the step
 was skipped, with the host's copy of the scale (a fused step's flag stays on the device: Deferred).
 
-Every job runs it: an image batch (images.ImageSteps), a language model's bptt window (lm.LMSteps),
-prewarm's throwaway steps and scripts/benchmark.py's cells; compile's warm-up runs the forwards.
+Every job runs it: an image batch (image_steps.ImageSteps), a language model's bptt window
+(lm_steps.LMSteps), prewarm's throwaway steps and scripts/benchmark.py's cells; compile's warm-up
+runs the forwards.
 """
 from __future__ import annotations
 

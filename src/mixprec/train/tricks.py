@@ -1,8 +1,8 @@
 """Training tricks of Page's bag-of-tricks ladder that are not layers (those are in
 models/resnet9.py), each a few plain lines.
 
-job.py maps the `trick` flags onto these; the step (step.py's image_forward) calls `cross_entropy`,
-images.ImageSteps `EMA.update` and `tta_logits`.
+parts.py maps the `trick` flags onto these; the step (step.py's image_forward) calls
+`cross_entropy`, image_steps.ImageSteps `EMA.update` and `tta_logits`.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from helpers import ROOT, compose_config, run_cli, run_tiny, load_script
 from helpers.configs import LM
 from helpers.fixtures import one_thread  # noqa: F401  (autouse: tiny models on one thread)
 from mixprec.train.loop import Loop, LoopState, fit, total_steps
-from mixprec.train import lm
+from mixprec.train import lm_steps
 from mixprec.config import ConfigError, validate
 from mixprec.train.optim import build_schedule
 from mixprec.precision.policy import PrecisionPolicy
@@ -58,7 +58,7 @@ def train_lm(
         log=log,
         progress=False,
     )
-    steps = lm.LMSteps(model, schedule, valid, test, bptt, columns=train.size(1))
+    steps = lm_steps.LMSteps(model, schedule, valid, test, bptt, columns=train.size(1))
     return fit(steps, windows, loop, LoopState())
 
 
@@ -174,17 +174,17 @@ def test_perplexity_is_exp_of_the_mean_loss_per_token():
     # 14 rows, targets x + 1; windows of 5, 5, 3 rows
     source = batchify(torch.arange(29), 2)
     policy = precision("fp32")
-    loss = lm.evaluate(Fixed(q, vocab), source, 5, policy)
+    loss = lm_steps.evaluate(Fixed(q, vocab), source, 5, policy)
     # every input that has a target, each counted once
     targets_from = source[:-1].flatten()
     expected = -torch.log(q[targets_from].double()).mean().item()
     assert loss == pytest.approx(expected, rel=1e-6)
-    assert lm.perplexity(loss) == pytest.approx(math.exp(expected), rel=1e-6)
+    assert lm_steps.perplexity(loss) == pytest.approx(math.exp(expected), rel=1e-6)
     uniform = Fixed(torch.full((vocab,), 1 / vocab), vocab)
-    assert lm.perplexity(lm.evaluate(uniform, source, 5, policy)) == pytest.approx(
+    assert lm_steps.perplexity(lm_steps.evaluate(uniform, source, 5, policy)) == pytest.approx(
         vocab, rel=1e-5
     )
-    assert lm.perplexity(1e4) == math.inf and math.isnan(lm.perplexity(math.nan))
+    assert lm_steps.perplexity(1e4) == math.inf and math.isnan(lm_steps.perplexity(math.nan))
 
 
 def test_what_cpu_autocast_does_with_the_recurrent_layers():

@@ -15,7 +15,7 @@ from mixprec.numerics import probe_stats
 from mixprec.config import PrecisionConfig, ProbeConfig, TrainerConfig
 from mixprec.precision.policy import PrecisionPolicy
 from mixprec.numerics.probe import NUMERICS, build_probe
-from mixprec.train import images
+from mixprec.train import image_steps
 from mixprec.train.step import backward_and_step
 
 CPU = torch.device("cpu")
@@ -353,7 +353,7 @@ def train_constructed(
         policy, opt, tr, total_steps(tr, len(batches)), progress=False, probe=probe
     )
     result = fit(
-        images.ImageSteps(model, sched, batches[:1]), batches, loop, LoopState()
+        image_steps.ImageSteps(model, sched, batches[:1]), batches, loop, LoopState()
     )
     probe.close()
     return result, probe.summary()
@@ -570,7 +570,7 @@ def test_a_finished_job_frees_its_model_without_the_cycle_collector(
     import gc
     import weakref
 
-    from mixprec import job
+    from mixprec.train import parts
 
     models = []
 
@@ -579,8 +579,8 @@ def test_a_finished_job_frees_its_model_without_the_cycle_collector(
         models.append(weakref.ref(model))
         return model
 
-    build = job.build_model
-    monkeypatch.setattr(job, "build_model", build_model)
+    build = parts.build_model
+    monkeypatch.setattr(parts, "build_model", build_model)
     gc.collect()
     gc.disable()
     try:

@@ -13,6 +13,7 @@ from mixprec.config import ConfigError, PrecisionConfig, validate
 from mixprec.numerics import events
 from mixprec.numerics import verdicts
 from mixprec.numerics.probe import NUMERICS
+from mixprec.train.parts import JobContext
 
 TINY8 = [*TINY, "dataset.image_size=8"]
 # Page's step 5 (CELU) at 8 px: the 8 px cutout blanks every image (the Page case of issue 29)
@@ -78,7 +79,7 @@ def test_page_8px_blank_input_is_a_backward_overflow_in_pure_fp16(tmp_path, capl
     """The issue's case: at 8 px Page's cutout blanks every image; BatchNorm over all-zero
     activations divides the backward by sqrt(eps) per layer and CELU passes it on: at step 1 the
     backward overflows fp16 at layer2.pool. Under probe=none the divergence is replayed under
-    probe=ranges (tools/replay.py) to say the same."""
+    probe=ranges (train/replay.py) to say the same."""
     s = run_tiny(
         tmp_path,
         *PAGE8,
@@ -344,7 +345,7 @@ def test_the_verdict_is_in_the_console_block_the_sweep_note_report_md_and_wandb(
 
 
 def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path):
-    from mixprec.tools import replay
+    from mixprec.train import replay
 
     cfg = validate(compose_config(*TINY8, "probe=none"))
     e = {**events.event(2, "update", "0", "float16", None), "tensor": "weights"}
@@ -357,7 +358,7 @@ def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path)
 
     def out_of_memory(*args):
         raise RuntimeError("out of memory")
-    out = replay.explain(summary, cfg, CPU, tmp_path, False, out_of_memory)
+    out = replay.explain(summary, JobContext(cfg, CPU, out_dir=tmp_path), out_of_memory)
     assert out["numerics"]["first_nonfinite"] == e and "verdict" not in out and "reason" not in out
     assert out["numerics"]["replay"] == {
         "dir": str(tmp_path / "replay"),
@@ -374,12 +375,13 @@ def test_a_failing_replay_leaves_the_job_diverged_with_its_attribution(tmp_path)
 def test_a_sharded_job_is_not_replayed(tmp_path):
     """trainer.strategy=fsdp, even on one rank: its probe sees no model (its layers hold shards), so
     a replay under probe=ranges could name no module; none is run."""
-    from mixprec.tools import replay
+    from mixprec.train import replay
 
     cfg = validate(compose_config(*TINY8, "probe=none", "trainer.strategy=fsdp"))
     e = {**events.event(2, "update", "0", "float16", None), "tensor": "weights"}
     summary = {"status": "diverged", "nonfinite": {"step": 2}, "numerics": {"first_nonfinite": e},
                "config": {}}
     calls = []
-    assert replay.explain(summary, cfg, CPU, tmp_path, False, lambda *a: calls.append(a)) == {}
+    ctx = JobContext(cfg, CPU, out_dir=tmp_path)
+    assert replay.explain(summary, ctx, lambda *a: calls.append(a)) == {}
     assert calls == [] and not (tmp_path / "replay").exists()

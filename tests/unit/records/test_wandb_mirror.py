@@ -40,6 +40,7 @@ def test_wandb_failing_on_rank_0_alone_ends_every_rank_before_training(tmp_path,
     from helpers.fakes import on_threads
     from helpers import TINY, compose_config
     from mixprec.config import plain_config, validate
+    from mixprec.train.parts import JobContext
 
     def refused(**_):
         raise ConnectionError("api.wandb.ai unreachable\nretrying...")
@@ -51,8 +52,8 @@ def test_wandb_failing_on_rank_0_alone_ends_every_rank_before_training(tmp_path,
         out = tmp_path / f"rank{ranks.rank}"
         out.mkdir()
         summary = {"status": "failed", "config": plain_config(cfg)}   # as run_job starts it
-        return mixprec.job.record_training(config, summary, out, None, "run",
-                                           torch.device("cpu"), ranks, 8, lambda: None)
+        ctx = JobContext(config, torch.device("cpu"), ranks, 8, out, stop=lambda: None)
+        return mixprec.job.record_training(ctx, summary)
     rank0, rank1 = on_threads(job_on)
     assert rank0["status"] == rank1["status"] == "failed"
     assert "metrics" not in rank0 and "metrics" not in rank1   # nothing trained

@@ -17,6 +17,8 @@ from mixprec.train.optim import build_optimizer
 from mixprec.train.step import backward_and_step
 from mixprec.models.resnet9 import GhostBatchNorm, ResNet9
 from mixprec.precision import modes
+from mixprec.train import parallel
+import mixprec.train.parts
 
 CUDA = torch.device("cuda")
 
@@ -95,7 +97,7 @@ def test_sync_bn_does_not_silently_replace_ghost_bn():
     with pytest.raises(
         ConfigError, match="trainer.sync_bn=true: GhostBatchNorm would become plain SyncBatchNorm"
     ):
-        dist.wrap(ResNet9(10, (4, 4, 4, 4), ghost_splits=2), CUDA, True, ranks)
+        parallel.wrap(ResNet9(10, (4, 4, 4, 4), ghost_splits=2), CUDA, True, ranks)
 
 
 def test_mfu_counts_every_gpu_of_the_job():
@@ -479,18 +481,17 @@ def test_a_cpu_jobs_peak_is_its_own_not_an_earlier_jobs(tmp_path, monkeypatch):
     second is tiny. The second's peak is its own, below the first's by most of the 300 MB (the
     process's ru_maxrss never falls: it would report the first job's), and it says what it
     measured."""
-    import mixprec.job
 
-    build = mixprec.job.build_model
+    build = mixprec.train.parts.build_model
 
     def with_buffer(cfg, n, **kw):
         model = build(cfg, n, **kw)
         model.register_buffer("ballast", torch.ones(300 * 2**20 // 4), persistent=False)
         return model
 
-    monkeypatch.setattr(mixprec.job, "build_model", with_buffer)
+    monkeypatch.setattr(mixprec.train.parts, "build_model", with_buffer)
     big = run_tiny(tmp_path / "big")["metrics"]
-    monkeypatch.setattr(mixprec.job, "build_model", build)
+    monkeypatch.setattr(mixprec.train.parts, "build_model", build)
     small = run_tiny(tmp_path / "small")["metrics"]
     assert small["peak_memory_mb"] < big["peak_memory_mb"] - 200, (big, small)
     assert small["peak_memory_kind"] == big["peak_memory_kind"] == "process_rss_since_job_start"

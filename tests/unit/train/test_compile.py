@@ -9,6 +9,7 @@ from torch import nn
 
 from mixprec.train import compile
 from mixprec import job
+from mixprec.train import parts
 from helpers import run_tiny
 from helpers.compiling import CountingBackend, traced_only
 from helpers.configs import GPT_JOB, SMALL
@@ -52,7 +53,7 @@ class FakeGraphs(nn.Module):
 
 
 def fake_graphs(monkeypatch) -> list:
-    """job.compile_model makes FakeGraphs; each fit notes how many calls the warm-up made
+    """parts.compile_model makes FakeGraphs; each fit notes how many calls the warm-up made
     (fake.warmed)."""
     made = []
     fit = job.loop.fit
@@ -69,7 +70,7 @@ def fake_graphs(monkeypatch) -> list:
         made.append(FakeGraphs(net))
         monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", made[-1].mark)
         return made[-1]
-    monkeypatch.setattr(job, "compile_model", compile_model)
+    monkeypatch.setattr(parts, "compile_model", compile_model)
     return made
 
 
@@ -168,7 +169,7 @@ def counted(monkeypatch) -> CountingBackend:
     """trainer.compile through the real compile_model with the counting backend; fit marks the
     graphs' calls."""
     backend = CountingBackend()
-    monkeypatch.setattr(job, "compile_model",
+    monkeypatch.setattr(parts, "compile_model",
                         lambda net, mode: compile.compile_model(net, mode, backend=backend))
     fit = job.loop.fit
     monkeypatch.setattr(job.loop, "fit", lambda *a, **k: backend.mark() or fit(*a, **k))

@@ -139,16 +139,16 @@ def test_the_ledger_reaches_the_block_the_sweep_table_and_the_report(tmp_path, m
     """An o2 job's ledger: a line of the end-of-job block, B/param and activation MB per sample in
     the sweep table, and a stacked bar (one per part it holds, summing to its total) in the
     report."""
-    from mixprec.report import analyse, plots, render
+    from mixprec.report import analyse, console, plots
     from mixprec.report.make import make_report
 
     s = run_tiny(tmp_path / "runs" / "o2", "precision=o2", *ADAM)
     mem = s["memory"]
-    block = render.job_block(s)
+    block = console.job_block(s)
     assert (f"ledger      {mem['total_bytes'] / 2**20:.3g} MB at step 2 (weights "
             f"{mem['bytes']['weights'] / 2**20:.3g}, masters ") in block
     assert f"{mem['bytes_per_param']:.2f} B/param" in block
-    table = render.format_table(analyse.sweep_rows([s]))
+    table = console.format_table(analyse.sweep_rows([s]))
     head, _, row = table.splitlines()
     assert "B/param" in head and "act MB/sample" in head
     assert f"{mem['bytes_per_param']:.2f}" in row
@@ -171,7 +171,7 @@ def test_the_ledger_reaches_the_block_the_sweep_table_and_the_report(tmp_path, m
 @pytest.mark.slow
 def test_fsdp_on_two_ranks_counts_each_ranks_half(tmp_path):
     """trainer.strategy=fsdp on 2 gloo ranks under torchrun (every dim-0 of the GPT's parameters
-    even): rank 0's ledger holds half of each parameter part, as shard.held_bytes (another count,
+    even): rank 0's ledger holds half of each parameter part, as parallel.held_bytes (another count,
     of numel times element size) says, its Adam state plus the step scalars that count leaves
     out."""
     from helpers.configs import GPT_TINY

@@ -73,8 +73,8 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
     import gc
     import weakref
 
-    from mixprec.train import prewarm
-    from mixprec import job
+    from mixprec.train import warmup
+    from mixprec.train import parts
     copies, events = [], []
     deepcopy = copy.deepcopy
 
@@ -85,9 +85,9 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
             copies.extend(weakref.ref(o) for o in made)
         return made
     monkeypatch.setattr(copy, "deepcopy", watched_copy)
-    warm_compile = job.warm_compile
+    warm_compile = parts.warm_compile
     monkeypatch.setattr(
-        job, "warm_compile", lambda *a, **k: events.append("compiled") or warm_compile(*a, **k)
+        parts, "warm_compile", lambda *a, **k: events.append("compiled") or warm_compile(*a, **k)
     )
 
     def reset(device):
@@ -95,11 +95,11 @@ def test_the_peak_is_reset_after_prewarm_and_compile_with_the_copies_freed(tmp_p
         events.append(("reset", str(device), sum(c() is not None for c in copies)))
     monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", reset)
     # as on a GPU
-    monkeypatch.setattr(job, "reset_peak", lambda device: prewarm.reset_peak(torch.device("cuda")))
+    monkeypatch.setattr(parts, "reset_peak", lambda device: warmup.reset_peak(torch.device("cuda")))
     s = run_tiny(tmp_path, "trainer.max_steps=2", "trainer.prewarm_steps=2", base=SMALL)
     assert s["status"] == "completed" and len(copies) == 2
     assert events == ["compiled", ("reset", "cuda", 0)]   # after compile, no copy alive
-    prewarm.reset_peak(torch.device("cpu"))   # a CPU's peak is its RSS: nothing to reset
+    warmup.reset_peak(torch.device("cpu"))   # a CPU's peak is its RSS: nothing to reset
     assert len(events) == 2
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mixprec.job
+import mixprec.train.parts
 from helpers import ROOT, TINY, load_script, run_tiny
 from mixprec.precision.policy import StaticScaler
 
@@ -124,7 +125,7 @@ def test_the_benchmark_cells_and_the_scripts_run_the_one_step(monkeypatch):
 
 def test_only_the_builder_prepares_a_model():
     """prepare_model and optimizer_params are called in train/build.py alone, in src/ and scripts/
-    (job.evaluate_saved included)."""
+    (tools.evaluate.evaluate_saved included)."""
     callers = []
     for path in [*SRC.rglob("*.py"), *(ROOT / "scripts").glob("*.py")]:
         for call in ast.walk(ast.parse(path.read_text())):
@@ -139,10 +140,10 @@ def test_a_jobs_per_rank_batch_is_dist_checks(tmp_path, monkeypatch):
     compile warm-up's shapes get (here dist.check answers 8 for a batch of 16)."""
     real, got = mixprec.job.dist.check, {}
     monkeypatch.setattr(mixprec.job.dist, "check", lambda *a, **k: real(*a, **k) // 2)
-    prewarm, image_warmup = mixprec.job.prewarm, mixprec.job.image_warmup
-    monkeypatch.setattr(mixprec.job, "prewarm", lambda m, p, o, steps, batch, *a: (
+    prewarm, image_warmup = mixprec.train.parts.prewarm, mixprec.train.parts.image_warmup
+    monkeypatch.setattr(mixprec.train.parts, "prewarm", lambda m, p, o, steps, batch, *a: (
         got.__setitem__("prewarm", batch), prewarm(m, p, o, steps, batch, *a))[1])
-    monkeypatch.setattr(mixprec.job, "image_warmup", lambda batch, *a, **k: (
+    monkeypatch.setattr(mixprec.train.parts, "image_warmup", lambda batch, *a, **k: (
         got.__setitem__("warmup", batch), image_warmup(batch, *a, **k))[1])
     assert run_tiny(tmp_path, "trainer.prewarm_steps=1")["status"] == "completed"
     assert got == {"prewarm": 8, "warmup": 8}
@@ -154,17 +155,17 @@ def test_prewarm_steps_an_optimizer_of_the_jobs_kind(monkeypatch, impl):
     that makes GradScaler hand it the scale and found-inf flag on the device
     (_step_supports_amp_scaling), so a CUDA amp job's prewarm warms its sync-free fused step, not
     GradScaler's per-step host read."""
-    from mixprec.train import prewarm
+    from mixprec.train import warmup
 
     seen = []
-    monkeypatch.setattr(prewarm, "backward_and_step",
+    monkeypatch.setattr(warmup, "backward_and_step",
                         lambda loss, pol, opt, clip: seen.append(opt) or False)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, **{impl: True})
     policy = StaticScaler(1.0)   # a stand-in: prewarm only copies it and hands it on
     policy.device = torch.device("cpu")
-    prewarm.run_prewarm(model, policy, opt, 1, lambda gen, device: (torch.ones(2, 4), None),
-                        lambda net, pol, x, y: net(x).sum(), None)
+    warmup.run_prewarm(model, policy, opt, 1, lambda gen, device: (torch.ones(2, 4), None),
+                       lambda net, pol, x, y: net(x).sum(), None)
     (copied,) = seen
     assert copied is not opt and type(copied) is type(opt)
     assert (getattr(copied, "_step_supports_amp_scaling", False)

@@ -17,7 +17,7 @@ from mixprec.models.resnet9 import GhostBatchNorm, ResNet9, conv_bn
 from mixprec.config import OptimizerConfig
 from mixprec.train.optim import param_groups
 from mixprec.train.tricks import EMA, cross_entropy, fit_patch_whitening, tta_logits
-from mixprec.train.images import ImageSteps, evaluate
+from mixprec.train.image_steps import ImageSteps, evaluate
 
 SMALL = (8, 16, 32, 64)
 

@@ -1,10 +1,15 @@
-"""trainer.strategy=fsdp: the trained model sharded with FSDP2 (torch.distributed.fsdp.fully_shard).
+"""The trained model for several ranks: DDP replicas or FSDP2 shards.
+
+DDP (`wrap`): under several ranks the model is wrapped in DistributedDataParallel (BatchNorm
+synchronised if trainer.sync_bn); the process group and the ranks are runtime/dist.py's.
+
+trainer.strategy=fsdp: the trained model sharded with FSDP2 (torch.distributed.fsdp.fully_shard).
 
 Units, innermost first (each is all-gathered before its forward and freed after, its gradients
 reduce-scattered after its backward): a BatchNorm that the mode keeps in fp32 (its own fp32 unit),
 each GPT block, each ResNet stage (torchvision's layer1..layer4), then the root, which holds the
 rest (embeddings and the tied head, the stem, the classifier). Each unit's MixedPrecisionPolicy is
-the precision mode's (precision/sharded.py). The mesh (runtime/dist.mesh_shape, from
+the precision mode's (precision/fsdp.py). The mesh (runtime/dist.mesh_shape, from
 trainer.replicate) is one dimension over every rank of the job (a 1-rank job is FSDP's code path on
 one rank), or HSDP's two, ("replicate", "shard"): each parameter is sharded over the ranks of a
 replica (a node, by default) and each replica holds all of it; after backward FSDP reduce-scatters
@@ -22,14 +27,43 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
-from ..config import PrecisionConfig
+from ..config import ConfigError, PrecisionConfig
 from ..runtime import dist
 from ..models.gpt import GPT
-from ..precision import sharded
+from ..precision import fsdp
 from .compile import compile_model
 
 log = logging.getLogger(__name__)
+
+
+def wrap(
+    model: torch.nn.Module, device: torch.device, sync_bn: bool, ranks: dist.Ranks
+) -> torch.nn.Module:
+    """The model the training loop runs: DDP-wrapped (BatchNorm synchronised if asked) under several
+    ranks. Gradients are averaged across ranks during backward, so the precision policy
+    (GradScaler's unscale, the o2 copy into fp32 masters) sees the averaged gradients on every rank
+    and every rank steps alike."""
+    if not ranks.active:
+        return model
+    if sync_bn:
+        plain = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+        special = sorted(
+            {
+                type(m).__name__
+                for m in model.modules()
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and type(m) not in plain
+            }
+        )
+        if special:   # convert_sync_batchnorm would replace them with plain SyncBatchNorm, silently
+            raise ConfigError(
+                f"trainer.sync_bn=true: {', '.join(special)} would become plain SyncBatchNorm, "
+                "losing its own statistics (ghost BN: per split of each rank's batch); use "
+                "trainer.sync_bn=false"
+            )
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
 
 
 def unit_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -58,7 +92,7 @@ def compile_units(model: nn.Module, cfg: PrecisionConfig, mode: str) -> None:
     for parent, name in unit_slots(model):
         unit = parent.get_submodule(name)
         parent.register_module(
-            name, compile_model(unit, mode, options=sharded.compile_options(cfg)))
+            name, compile_model(unit, mode, options=fsdp.compile_options(cfg)))
 
 
 # the process groups the meshes of this process's jobs made (HSDP's replicate and shard groups),
@@ -109,11 +143,11 @@ def shard(model: nn.Module, cfg: PrecisionConfig, device: torch.device,
     compile_units(model, cfg, compile_mode)
     mesh = device_mesh(device, shape)
     for m in model.modules():
-        if sharded.keeps_fp32(cfg, m):
-            fully_shard(m, mesh=mesh, mp_policy=sharded.fp32_unit(cfg))
+        if fsdp.keeps_fp32(cfg, m):
+            fully_shard(m, mesh=mesh, mp_policy=fsdp.fp32_unit(cfg))
     for unit in units(model):
-        fully_shard(unit, mesh=mesh, mp_policy=sharded.mixed_precision(cfg))
-    return fully_shard(model, mesh=mesh, mp_policy=sharded.mixed_precision(cfg, root=True))
+        fully_shard(unit, mesh=mesh, mp_policy=fsdp.mixed_precision(cfg))
+    return fully_shard(model, mesh=mesh, mp_policy=fsdp.mixed_precision(cfg, root=True))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

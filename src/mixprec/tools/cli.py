@@ -20,9 +20,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from .config import ConfigError
+from ..config import ConfigError
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
 def compose(overrides, *, return_hydra_config: bool = False):
@@ -77,8 +77,8 @@ def user_error(e: BaseException, known: tuple = ()) -> tuple[str, int] | None:
     """(the line, the exit status) of an exception that is the user's mistake; None for anything
     else (a bug)."""
     # lazy: both import torch, which the launcher (scripts/reproduce.py) imports cli without
-    from .data.files import DataError
-    from .train.checkpoint import CheckpointError
+    from ..data.files import DataError
+    from ..train.checkpoint import CheckpointError
 
     if isinstance(e, ConfigError):
         return f"config error: {one_line(e)}", 2

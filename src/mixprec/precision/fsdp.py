@@ -70,7 +70,7 @@ def mixed_precision(cfg: PrecisionConfig, root: bool = False) -> MixedPrecisionP
 
 
 def compile_options(cfg: PrecisionConfig) -> dict:
-    """Inductor's settings for the mode's compiled units (train/shard.compile_units): fp8's
+    """Inductor's settings for the mode's compiled units (train/parallel.compile_units): fp8's
     rowwise recipe emulates the precision casts (fp8.inductor_options)."""
     return fp8.inductor_options(cfg.fp8_recipe)
 

@@ -19,7 +19,9 @@ import torch
 
 from ..numerics import events
 from ..records import Recorder
-from ..train import checkpoint
+from ..runtime import dist
+from . import checkpoint
+from .parts import no_stop
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +50,17 @@ def replay_config(config, step: int):
              logger=r(config.logger, name="none"))
 
 
-def explain(summary: dict, config, device, out_dir: Path, several_ranks: bool, train) -> dict:
+def explain(summary: dict, ctx, train) -> dict:
     """What the replay changes in the summary ({} when none is due): numerics.first_nonfinite,
-    numerics.replay, the verdict, and the reason's first-event clause. `train(config, device,
-    recorder, saver)` is job.train_job."""
-    step = replay_step(summary, config.probe.name, several_ranks)
-    # a sharded job's probe sees no model (job.probed), so probe=ranges could name no module there
+    numerics.replay, the verdict, and the reason's first-event clause. ctx: the job's JobContext
+    (train/parts.py); `train(ctx, recorder, saver)` is job.train_job, run on one rank with no stop
+    signal and nothing to resume."""
+    config = ctx.config
+    step = replay_step(summary, config.probe.name, ctx.ranks.active)
+    # a sharded job's probe sees no model (parts.probed), so probe=ranges could name no module there
     if step is None or config.trainer.sharded:
         return {}
-    cfg, where = replay_config(config, step), Path(out_dir) / DIR
+    cfg, where = replay_config(config, step), Path(ctx.out_dir) / DIR
     log.info(
         f"mixprec: replaying steps 1-{step} under probe=ranges to time the first non-finite value "
         f"({where})"
@@ -68,7 +72,8 @@ def explain(summary: dict, config, device, out_dir: Path, several_ranks: bool, t
     quiet, level = logging.getLogger(events.__name__), logging.getLogger(events.__name__).level
     quiet.setLevel(logging.ERROR)   # step 1's input warnings were said by the run itself
     try:
-        result = train(cfg, device, recorder, saver)
+        result = train(dataclasses.replace(ctx, config=cfg, ranks=dist.SINGLE, stop=no_stop,
+                                           resume=None), recorder, saver)
     # the job diverged whatever the replay does: it stays diverged, the replay's error noted
     except Exception as e:
         log.warning(
