@@ -8,7 +8,7 @@ batches of an ImageData (images.py), by `dataset.pipeline`:
   Under DDP (`shard=(rank, world)`) every rank draws the same permutation from the shared seed and
   takes its slice of each global batch (trainer.batch_size / world samples); the crop/flip/cutout
   draws are made for the whole global batch and sliced too, so N ranks see exactly the batches one
-  process would (tests/test_ddp.py).
+  process would (tests/distributed/test_ddp.py).
 - dataloader: the classic torch.utils.data.DataLoader, the same transforms applied per sample in
   worker processes on the CPU, batches pinned and copied to the device: kept for comparison
   (scripts/bench_pipeline.py).
@@ -216,7 +216,7 @@ class DeviceBatches(Resumable):
         selection in one gather from the uint8 split (reflect padding as an index table), converted
         to float in the batch's layout, then normalised and cut out as `prepare` does. The same
         random draws in the same order, the same values (a gather copies; the normalisation is the
-        same elementwise arithmetic), so the same batches bit for bit (tests/test_pipeline.py); 22
+        same elementwise arithmetic), so the same batches bit for bit (tests/unit/data/test_pipeline.py); 22
         ops a batch (33 with cutout), where `prepare` took 33 (55), with half the passes over the
         batch."""
         a = self.augment
@@ -382,7 +382,7 @@ class _PaddedSamples(Dataset):
     (dawn.py@55be9b98 lines 33-40, inside his timer: here in the loader's construction, timed as
     preprocess_time_s), then per sample a crop (a view), a flip and a cutout. The same draws in the
     same order as `prepare` on one image and the same values (padding and cropping copy, normalising
-    is elementwise), so the same samples bit for bit (tests/test_pipeline.py), at a few ops a sample
+    is elementwise), so the same samples bit for bit (tests/unit/data/test_pipeline.py), at a few ops a sample
     where `prepare` took ~30: what lets num_workers=0 keep up."""
 
     def __init__(self, images, labels, mean, std, *, pad: int, flip: bool, cutout: int,

@@ -19,7 +19,7 @@ would store an fp16/bf16 tensor:
   share the data unrounded (it is representable already). Ops with no low-precision tensor run
   untouched: fp32 work costs nothing extra.
 - `autocast(dtype)`, a TorchFunctionMode, applies CUDA autocast's policy, not the CPU's: the op
-  lists of the installed PyTorch's ATen/autocast_mode.h (tests/test_emulation.py parses the header
+  lists of the installed PyTorch's ATen/autocast_mode.h (tests/unit/precision/test_emulation.py parses the header
   and checks every op is here). It sits above autograd, so its casts are recorded and the gradients
   are rounded on the way back.
 
@@ -220,7 +220,7 @@ def schema_facts(func) -> tuple:
 
 
 # Ops whose outputs take their values from their inputs (or are 0 or 1): nothing to round when every
-# floating input is of the output's low dtype already (tests/test_emulation.py checks them against
+# floating input is of the output's low dtype already (tests/unit/precision/test_emulation.py checks them against
 # the real dtypes).
 EXACT = {
     aten.relu.default,

@@ -91,7 +91,7 @@ def _cublas_deterministic(device: torch.device) -> list[str]:
     configured stays in use for the rest of the process."""
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") in CUBLAS_DETERMINISTIC:
         return []
-    # CUDA-only branch (docs/gpus.md; tests/test_gpu.py)
+    # CUDA-only branch (docs/gpus.md; tests/gpu/test_gpu.py)
     if device.type == "cuda" and torch.cuda.is_initialized():
         return [
             "trainer.deterministic=true: CUDA was initialised earlier in this process without "

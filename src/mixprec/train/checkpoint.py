@@ -387,7 +387,7 @@ def rng_state(device_type: str | None = None) -> dict:
     device (not every visible GPU by index: a resume on another device restores it onto its own
     device) when the job runs on it (`device_type`; None: whatever accelerator is visible). Under
     DDP the checkpoint holds one such state per rank, and each rank restores its own
-    (tests/test_ddp.py)."""
+    (tests/distributed/test_ddp.py)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     acc = _job_accelerator(device_type)
     return {
