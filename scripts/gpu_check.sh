@@ -19,7 +19,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
 python - <<'PY'
 import sys
 
-import torch
+try:
+    import hydra, torch   # noqa: F401  (hydra: the tests and the sweep below need it)
+except ModuleNotFoundError as e:   # exit 3: not this machine's GPU, nor a bug: the wrong python
+    print(f"gpu_check: {sys.executable} has no {e.name}: run it in the environment the README's "
+          "set-up makes (. .venv/bin/activate)", file=sys.stderr)
+    sys.exit(3)
 from mixprec.runtime import hardware
 device = hardware.select_device("auto")
 env = hardware.describe(device)
@@ -38,7 +43,8 @@ if not hardware.has_kernels_for(arch, (major, minor)):   # sm_90a, sm_100f and c
 PY
 rc=$?
 if [ "$rc" -ne 0 ]; then
-    [ "$rc" -eq 2 ] || echo "gpu_check: the environment check itself failed (exit $rc, above): a bug, not a missing GPU" >&2
+    [ "$rc" -eq 2 ] || [ "$rc" -eq 3 ] || echo "gpu_check: the environment check itself failed (exit $rc, above): a bug, not a missing GPU" >&2
+    [ "$rc" -eq 3 ] && exit 1
     exit "$rc"
 fi
 

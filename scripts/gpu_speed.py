@@ -553,7 +553,7 @@ def main(argv=None) -> int:
         return count_compiles(Path(argv[1]), argv[2:])
     parser = cli.ArgumentParser(prog="gpu_speed.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__)
+                                epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("overrides", nargs="*",
                         help="train.py overrides for the jobs (e.g. dataset.data_dir=/data)")
     parser.add_argument("--out", type=Path,

@@ -1,4 +1,4 @@
-"""pytest's fixtures and the gpu marker's skip; the shared helpers are in helpers.py."""
+"""pytest's fixtures and the gpu marker's skip; the shared helpers are in tests/helpers/."""
 import fcntl
 import os
 import shutil

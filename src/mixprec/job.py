@@ -26,7 +26,6 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from .config import Config, ConfigError, plain_config, validate_job
-from .data import Resumable
 from .data.files import DataError
 from .data.pipelines import check_shard
 from .numerics import verdicts
@@ -41,7 +40,7 @@ from .runtime import busy, dist, hardware, logs
 from .runtime.signals import StopSignals, resume_hint
 from .train import checkpoint, loop, memory, parallel, replay
 from .train.compile import RNN_EAGER, reset_compile_state
-from .train.parts import JobContext, Parts, build_parts, probed
+from .train.parts import JobContext, Parts, built_parts, probed
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +282,8 @@ def record_training(ctx: JobContext, summary: dict) -> dict:
     try:
         with emulation.numerics(ctx.emulated):
             summary.update(train_job(dataclasses.replace(ctx, stop=agreed), recorder, saver))
-            # probe=none
+            # a diverged probe=none job trained again under probe=ranges to time its first
+            # non-finite value (train/replay.py); nothing for any other job
             summary.update(replay.explain(summary, ctx, train_job))
     except KeyboardInterrupt:
         summary.update(status="interrupted", error="interrupted by the user (KeyboardInterrupt)")
@@ -465,53 +465,35 @@ def complete_summary(summary: dict, ctx: JobContext, saver: checkpoint.Checkpoin
 
 
 def train_job(ctx: JobContext, recorder: Recorder, saver: checkpoint.Checkpointer) -> dict:
-    """Build the job's parts (image or language model: train/parts.py), restore a checkpoint
-    (ctx.resume) into them, and run the shared loop. ctx.per_rank: each rank's batch
-    (dist.check's)."""
+    """Build, then train: the job's parts (image or language model: train/parts.py), a checkpoint
+    (ctx.resume) restored into them, the shared loop run over them, and its result completed
+    (finish_result). ctx.per_rank: each rank's batch (dist.check's)."""
     reset_compile_state(ctx.device)   # an earlier job of this process (a sweep's) leaves nothing
-    parts = None
-    failed = True
-    try:
-        parts = build_parts(ctx)
-        result = run_parts(ctx, parts, recorder, saver)
-        failed = False
-        return result
-    finally:   # a DataLoader's workers and FSDP's mesh groups end with the job, whatever ended it
-        steps, batches = (parts.steps, parts.batches) if parts is not None else (None, None)
-        for loader in (batches, getattr(steps, "test_batches", None)):
-            if isinstance(loader, Resumable):
-                loader.close()
-        parallel.release_meshes(failed)
-
-
-def run_parts(ctx: JobContext, parts: Parts, recorder: Recorder,
-              saver: checkpoint.Checkpointer) -> dict:
-    """Restore a checkpoint (ctx.resume) into the built parts and run the shared loop (ctx.per_rank:
-    each rank's batch, for the record)."""
-    tr, ranks, model, policy = ctx.config.trainer, ctx.ranks, parts.model, parts.policy
-    saver.parts.update(model=model, optimizer=parts.optimizer, schedule=parts.steps.schedule,
-                       precision=PolicyState(policy), data=parts.batches, **parts.checkpointed)
-    state = loop.LoopState()   # setup (the whitening fit) is timed apart, as Page timed it
-    held = parallel.HeldPeak(model, parts.optimizer) if tr.sharded else None
-    if ctx.resume is not None:
-        saver.restore(ctx.resume, state)   # last before training: it sets the RNG states
-    with probed(ctx, model, recorder.out_dir) as probe:
-        run = loop.Loop(policy, parts.optimizer, tr, loop.total_steps(tr, len(parts.batches)),
-                        log=recorder.log, checkpoint=saver.save, stop=ctx.stop, ranks=ranks,
-                        progress=sys.stderr.isatty() and ranks.main, probe=probe,
-                        busy=busy.meter_for(ctx.device, ranks.world),
-                        memory=memory.Ledger(model, policy, parts.optimizer, probe))
-        result = loop.fit(parts.steps, parts.batches, run, state)
-        result["memory"] = run.memory.summary()
-        result["numerics"] = probe.summary()
-        result["verdict"] = verdicts.judge(
-            result["numerics"],
-            probe.rows(),
-            verdicts.context(ctx.config, result["status"], result["metrics"].get("steps")),
-        )
-    if ranks.active or tr.sharded:
-        result["distributed"] = distributed_record(ctx, policy, held)
-    return finish_result(ctx, parts, result, recorder)
+    with built_parts(ctx) as parts:
+        tr, ranks, model, policy = ctx.config.trainer, ctx.ranks, parts.model, parts.policy
+        saver.parts.update(model=model, optimizer=parts.optimizer, schedule=parts.steps.schedule,
+                           precision=PolicyState(policy), data=parts.batches, **parts.checkpointed)
+        state = loop.LoopState()   # setup (the whitening fit) is timed apart, as Page timed it
+        held = parallel.HeldPeak(model, parts.optimizer) if tr.sharded else None
+        if ctx.resume is not None:
+            saver.restore(ctx.resume, state)   # last before training: it sets the RNG states
+        with probed(ctx, model, recorder.out_dir) as probe:
+            run = loop.Loop(policy, parts.optimizer, tr, loop.total_steps(tr, len(parts.batches)),
+                            log=recorder.log, checkpoint=saver.save, stop=ctx.stop, ranks=ranks,
+                            progress=sys.stderr.isatty() and ranks.main, probe=probe,
+                            busy=busy.meter_for(ctx.device, ranks.world),
+                            memory=memory.Ledger(model, policy, parts.optimizer, probe))
+            result = loop.fit(parts.steps, parts.batches, run, state)
+            result["memory"] = run.memory.summary()
+            result["numerics"] = probe.summary()
+            result["verdict"] = verdicts.judge(
+                result["numerics"],
+                probe.rows(),
+                verdicts.context(ctx.config, result["status"], result["metrics"].get("steps")),
+            )
+        if ranks.active or tr.sharded:
+            result["distributed"] = distributed_record(ctx, policy, held)
+        return finish_result(ctx, parts, result, recorder)
 
 
 def finish_result(ctx: JobContext, parts: Parts, result: dict, recorder: Recorder) -> dict:

@@ -38,6 +38,7 @@ CNN = [*TINY, "trainer.max_steps=4", "trainer.log_every=2", "trainer.determinist
        "+model.bn_eval=true", "schedule=constant", "optimizer.lr=0.2"]
 
 
+@pytest.mark.slow   # a 2-rank torchrun job (about 15 s)
 def test_fsdp_fp32_gpt_on_two_ranks_and_one_equals_one_process(tmp_path):
     """The same global batch and seed: 2 sharded ranks (each its 4 columns, gradients averaged by
     reduce-scatter), FSDP on one rank, and one plain process give the same losses and weights. The
@@ -78,6 +79,7 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
                               reason="NCCL across 2 GPUs needs 2 GPUs")
 
 
+@pytest.mark.slow   # reads the session's spawn of 2 gloo ranks (ranks_ran: about 25 s)
 def test_each_rank_holds_half_of_the_parameters_gradients_and_optimizer_state(ranks_ran):
     """2 ranks: each holds half of every parameter (dim 0 split; every dim 0 of this GPT is even,
     so exactly half), of its gradient and of AdamW's two moments; the tied embedding counts once."""
@@ -92,6 +94,7 @@ def assert_half_held(folder):
         assert held["sharded"] == {k: v // 2 for k, v in held["whole"].items()}
 
 
+@pytest.mark.slow   # reads the session's spawn of 2 gloo ranks (ranks_ran: about 25 s)
 def test_an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(ranks_ran):
     """The step whose overflow only rank 1's shard holds is skipped by both ranks and both halve
     the scale: ShardedGradScaler all-reduces the found-inf flag (and in torch 2.11-2.14 DTensor's
@@ -248,6 +251,7 @@ def test_gpu_sgd_over_fsdps_dtensors_steps_with_foreach():
         tdist.destroy_process_group()
 
 
+@pytest.mark.slow   # reads the session's spawn of 2 gloo ranks (ranks_ran: about 25 s)
 def test_fp8_weights_are_all_gathered_in_float8_with_scales_precomputed_after_the_step(ranks_ran):
     """precision=fp8 under FSDP (torchao's emulation on the CPU): each float8 Linear's shard is
     torchao's WeightWithDynamicFloat8CastTensor, which sends float8_e4m3fn over the all-gather, cast

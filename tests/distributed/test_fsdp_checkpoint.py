@@ -28,6 +28,7 @@ from mixprec.train import checkpoint, parallel
 from mixprec.train.loop import LoopState
 
 
+@pytest.mark.slow   # reads the session's spawn of 2 gloo ranks (ranks_ran: about 25 s)
 def test_two_gloo_ranks_that_see_different_checkpoints_fail_alike(ranks_ran):
     """The agreement above between 2 real gloo ranks (the session's spawn): rank 1 without the
     checkpoint, then with a shards folder that lacks rank 0's file; both ranks raise the line."""
@@ -42,6 +43,7 @@ def test_two_gloo_ranks_that_see_different_checkpoints_fail_alike(ranks_ran):
                                        f"({name}/__0_0.distcp missing)", name)
 
 
+@pytest.mark.slow   # reads the session's spawn of 2 gloo ranks (ranks_ran: about 25 s)
 def test_sharded_checkpoint_every_rank_its_shards_and_an_exact_resume(ranks_ran):
     """2 ranks: checkpoint.pt holds the loop's plain state and names a folder of DCP shards (one
     file per rank, the optimizer's moments included), and a model restored from it takes the same

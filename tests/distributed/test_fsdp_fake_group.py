@@ -10,7 +10,6 @@ import torch.distributed as tdist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from helpers import compose_config
-from mixprec import job
 from mixprec.config import validate
 from mixprec.models import build_model
 from mixprec.runtime import dist
@@ -87,20 +86,21 @@ def test_a_jobs_hsdp_groups_are_destroyed_at_its_end(rank_7_of_8, monkeypatch):
         model = mixprec.train.parts.wrapper(ctx)(build_model(ctx.config.model, 10))
         return SimpleNamespace(steps=None, batches=None, model=model)
 
-    def run(*args):
+    def train(built):   # the job's training (job.train_job's body) over its built parts
         during.append(groups())
         if len(during) == 2:
             raise RuntimeError("the job failed")
         return {"status": "completed"}
 
     monkeypatch.setattr(mixprec.train.parts, "image_parts", parts)
-    monkeypatch.setattr(job, "run_parts", run)
     assert groups() == 1
     ctx = JobContext(config, CPU, ranks, per_rank=2)
-    assert job.train_job(ctx, None, None)["status"] == "completed"
+    with mixprec.train.parts.built_parts(ctx) as built:
+        assert train(built)["status"] == "completed"
     assert groups() == 1
     with pytest.raises(RuntimeError, match="the job failed"):
-        job.train_job(ctx, None, None)
+        with mixprec.train.parts.built_parts(ctx) as built:
+            train(built)
     assert groups() == 1 and during == [3, 3]
 
 

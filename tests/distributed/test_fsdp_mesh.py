@@ -129,6 +129,7 @@ def test_the_sweep_tables_strategy_cell_shows_an_hsdp_mesh():
 # ---- 2 spawned gloo ranks (tests/helpers/fsdp_ranks.py's checks_on_rank: conftest.py's ranks_ran)
 
 
+@pytest.mark.slow   # reads the session's spawn of 2 gloo ranks (ranks_ran: about 25 s)
 def test_hsdp_replicas_hold_whole_copies_that_stay_equal(ranks_ran):
     """Mesh (2, 1) on 2 ranks: each parameter is a DTensor (Replicate(), Shard(0)) whose local part
     is the whole tensor, so each rank holds one process's bytes of parameters, gradients and AdamW
@@ -145,6 +146,7 @@ def test_hsdp_replicas_hold_whole_copies_that_stay_equal(ranks_ran):
         assert norm == pytest.approx(whole, rel=1e-6)
 
 
+@pytest.mark.slow   # reads the session's spawn of 2 gloo ranks (ranks_ran: about 25 s)
 def test_hsdp_loss_scaling_fp8_scales_and_a_resume_across_meshes(ranks_ran):
     """On HSDP's mesh: an overflow only rank 1's gradient holds is skipped by both ranks
     (ShardedGradScaler all-reduces the found-inf flag over every rank); each float8 weight's scale,

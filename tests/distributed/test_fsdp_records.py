@@ -27,6 +27,7 @@ CPU = torch.device("cpu")
 ADAMW = ["optimizer=adamw", "optimizer.lr=3e-3", "trainer.max_steps=4"]
 
 
+@pytest.mark.slow   # a 2-rank torchrun job (about 19 s); quick: test_fsdp.py's 2-rank GPT job
 def test_summary_says_strategy_dtypes_and_each_ranks_held_bytes(tmp_path):
     """2 ranks, fp32 reducing in bfloat16: summary.json's distributed block names the strategy,
     world size and dtypes, and lists per rank half of one process's bytes of parameters (the
@@ -172,7 +173,7 @@ def test_the_fsdp_precision_preset_sweeps_under_torchrun(tmp_path):
 MODES = sorted(p.stem for p in (ROOT / "conf" / "precision").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("auto", marks=pytest.mark.slow), "fsdp"])
 def test_saved_weights_are_plain_fp32_tensors_in_every_mode_and_strategy(tmp_path, strategy):
     """model_fp32.pt of every precision mode the strategy takes (the GPT, as built for a job: the
     policy's weights, float8 Linear layers, FSDP's shards) loads with torch.load(weights_only=True),

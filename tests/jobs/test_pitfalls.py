@@ -279,7 +279,10 @@ def test_an_o2_job_saves_fp32_weights_that_evaluate_scores_as_the_job_did(tiny, 
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
     capsys.readouterr()
     assert load_script("evaluate").main([str(tmp_path), "--device", "cpu"]) == 0
-    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    out = capsys.readouterr().out.splitlines()
+    result = json.loads(out[-1])
+    # it says what the job trained in (o2), not the fp32 it evaluates in
+    assert result["precision"] == "o2" and "trained in o2;" in "\n".join(out)
     assert result["recorded_test_acc"] == s["metrics"]["final_test_acc"]
     assert abs(result["test_acc"] - s["metrics"]["final_test_acc"]) <= 0.001   # within 0.1 points
     assert result["test_loss"] == pytest.approx(s["metrics"]["final_test_loss"], rel=0.01)

@@ -216,9 +216,9 @@ class DeviceBatches(Resumable):
         selection in one gather from the uint8 split (reflect padding as an index table), converted
         to float in the batch's layout, then normalised and cut out as `prepare` does. The same
         random draws in the same order, the same values (a gather copies; the normalisation is the
-        same elementwise arithmetic), so the same batches bit for bit (tests/unit/data/test_pipeline.py); 22
-        ops a batch (33 with cutout), where `prepare` took 33 (55), with half the passes over the
-        batch."""
+        same elementwise arithmetic), so the same batches bit for bit
+        (tests/unit/data/test_pipeline.py); 22 ops a batch (33 with cutout), where `prepare` took
+        33 (55), with half the passes over the batch."""
         a = self.augment
         rows, cols = crop_flip_index(
             len(idx), self.gather, a["pad"], a["flip"], self.generator, self.shard
@@ -382,8 +382,8 @@ class _PaddedSamples(Dataset):
     (dawn.py@55be9b98 lines 33-40, inside his timer: here in the loader's construction, timed as
     preprocess_time_s), then per sample a crop (a view), a flip and a cutout. The same draws in the
     same order as `prepare` on one image and the same values (padding and cropping copy, normalising
-    is elementwise), so the same samples bit for bit (tests/unit/data/test_pipeline.py), at a few ops a sample
-    where `prepare` took ~30: what lets num_workers=0 keep up."""
+    is elementwise), so the same samples bit for bit (tests/unit/data/test_pipeline.py), at a few
+    ops a sample where `prepare` took ~30: what lets num_workers=0 keep up."""
 
     def __init__(self, images, labels, mean, std, *, pad: int, flip: bool, cutout: int,
                  generator: torch.Generator | None):

@@ -11,10 +11,10 @@ The dtype the recurrent layers really run in is recorded (`rnn_dtype`, after a f
 summary has it): it need not be the precision's label. The precision policy tells the model
 (`rnn_outside_autocast`, set by PrecisionPolicy.prepare_model) when its recurrent layers run outside
 autocast, in their weights' dtype: under CUDA autocast to bf16, where cuDNN's RNN would run fp16
-(precision/policy.py says why; C++, not in the wheel: tests/gpu/test_gpu.py checks the recorded dtype).
-Pure bf16 weights are not cuDNN dtypes (torch/backends/cudnn/__init__.py:117 CUDNN_TENSOR_DTYPES,
-used by flatten_parameters, nn/modules/rnn.py:260): the RNN then runs PyTorch's own per-step
-kernels, in bf16 but slowly; `rnn_cudnn` records which.
+(precision/policy.py says why; C++, not in the wheel: tests/gpu/test_gpu.py checks the recorded
+dtype). Pure bf16 weights are not cuDNN dtypes (torch/backends/cudnn/__init__.py:117
+CUDNN_TENSOR_DTYPES, used by flatten_parameters, nn/modules/rnn.py:260): the RNN then runs
+PyTorch's own per-step kernels, in bf16 but slowly; `rnn_cudnn` records which.
 """
 from __future__ import annotations
 

@@ -19,9 +19,9 @@ would store an fp16/bf16 tensor:
   share the data unrounded (it is representable already). Ops with no low-precision tensor run
   untouched: fp32 work costs nothing extra.
 - `autocast(dtype)`, a TorchFunctionMode, applies CUDA autocast's policy, not the CPU's: the op
-  lists of the installed PyTorch's ATen/autocast_mode.h (tests/unit/precision/test_emulation.py parses the header
-  and checks every op is here). It sits above autograd, so its casts are recorded and the gradients
-  are rounded on the way back.
+  lists of the installed PyTorch's ATen/autocast_mode.h (tests/unit/precision/test_emulation.py
+  parses the header and checks every op is here). It sits above autograd, so its casts are
+  recorded and the gradients are rounded on the way back.
 
 Numbers in an op (`x * 0.1`) stay unrounded, as in CUDA's binary kernels, which read a CPU scalar in
 fp32 (ATen/native/cuda/Loops.cuh: scalar_value<opmath_t>; a CPU's Half kernels round some of them
@@ -220,8 +220,8 @@ def schema_facts(func) -> tuple:
 
 
 # Ops whose outputs take their values from their inputs (or are 0 or 1): nothing to round when every
-# floating input is of the output's low dtype already (tests/unit/precision/test_emulation.py checks them against
-# the real dtypes).
+# floating input is of the output's low dtype already (tests/unit/precision/test_emulation.py
+# checks them against the real dtypes).
 EXACT = {
     aten.relu.default,
     aten.relu_.default,

@@ -117,8 +117,8 @@ def by_dtype(*lists: list[torch.Tensor]) -> list[list[list[torch.Tensor]]]:
     """Parallel tensor lists cut into groups whose first-list tensors share one device and dtype, so
     that each foreach call sees one dtype per list, as GradScaler groups its gradients
     (torch/amp/grad_scaler.py:262). A CUDA foreach fast path may take one dtype for a whole list;
-    the CPU runs per tensor and cannot show the difference (tests/unit/precision/test_precision.py checks the
-    grouping, tests/gpu/test_gpu.py the values on a GPU)."""
+    the CPU runs per tensor and cannot show the difference (tests/unit/precision/test_precision.py
+    checks the grouping, tests/gpu/test_gpu.py the values on a GPU)."""
     groups = defaultdict(lambda: [[] for _ in lists])
     for tensors in zip(*lists):
         for group, t in zip(groups[tensors[0].device, tensors[0].dtype], tensors):

@@ -6,7 +6,8 @@
     rows.py           the cells the console's tables and the report share (rows, ladder, notes)
     console.py        what the console prints: the end-of-job block, a sweep's tables
     render.py         the report as Markdown/HTML, one function per section
-    plots.py          its figures, one function per figure; probe_plots.py: the numerics probe's
+    plots.py          its figures, one function per figure
+    probe_plots.py    the numerics probe's figures (layer heatmap, histograms)
     reference.py      scripts/reproduce.py's results folders side by side
     readme.py         docs/results.md from those folders
     wandb_report.py   the same report as a W&B Report

@@ -4,9 +4,9 @@ never typed:
     python -m mixprec.report.readme outputs/reference/cpu-emulated-2026-11-25
 
 rewrites docs/results.md whole from every folder under the given one (each holds plan.json and
-report/report.json); tests/unit/report/test_reference_results.py checks that the committed page is exactly
-page()'s text, so its numbers are the folders'. The README keeps a line per folder and links
-the page.
+report/report.json); tests/unit/report/test_reference_results.py checks that the committed page is
+exactly page()'s text, so its numbers are the folders'. The README keeps a line per folder and
+links the page.
 """
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def page(root: Path) -> str:
               f"under `{where}`, one folder per article made by `scripts/reproduce.py` (each "
               "folder's COMMANDS.md lists every command it ran). This page is generated from the "
               f"folders' records by `{command}`, which rewrites it whole; "
-              "tests/unit/report/test_reference_results.py checks that it matches them. How the folders were "
+              "tests/unit/report/test_reference_results.py checks that it matches them. How the "
+              "folders were "
               "run, why each size, and how to read these tables: "
               "[reproduce.md](reproduce.md), \"The accuracy half on a CPU\".\n")
     body = section(root, RESULTS_PAGE.parent)

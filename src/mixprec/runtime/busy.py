@@ -72,9 +72,9 @@ def note(fraction: float | None) -> str | None:
 
 
 class CudaTimer:
-    """The GPU side of a sample on a CUDA device: synchronize, spin, events. tests/unit/runtime/test_busy.py
-    fakes it; its gpu-marked test runs it. CUDA only: the spin (torch.cuda._sleep) has no
-    device-generic twin."""
+    """The GPU side of a sample on a CUDA device: synchronize, spin, events.
+    tests/unit/runtime/test_busy.py fakes it; its gpu-marked test runs it. CUDA only: the spin
+    (torch.cuda._sleep) has no device-generic twin."""
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -19,6 +19,7 @@ def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
     is fp32 and usable. The model is built as the job built it (train/build.py), under fp32; nothing
     is stepped, so the optimizer takes the device's own kernels (impl=auto)."""
     model, config = checkpoint.load_fp32_model(run_dir)
+    trained_in = config.precision.name   # what the job trained in; it is evaluated in fp32
     auto = dataclasses.replace(config.optimizer, impl="auto")
     config = dataclasses.replace(config, precision=PrecisionConfig(name="fp32"), optimizer=auto)
     device = hardware.select_device(device)
@@ -33,5 +34,5 @@ def evaluate_saved(run_dir: Path, device: str = "auto") -> dict:
         "test_loss": loss,
         "recorded_test_acc": recorded.get("final_test_acc"),
         "recorded_test_loss": recorded.get("final_test_loss"),
-        "precision": config.precision.name,
+        "precision": trained_in,
     }

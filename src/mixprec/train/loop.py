@@ -13,7 +13,8 @@ What is timed: `TrainClock` measures training only (forward, backward, step, and
 preparation, as DAWNBench counts it); evaluation is timed separately and never included. Every clock
 reading synchronizes the device first, so queued GPU work is always counted. Steady-state throughput
 leaves out the first `trainer.warmup_steps` steps (cuDNN autotuning, allocator growth, lazy init);
-the summary says so. Host syncs in the loop (tests/unit/train/test_speed.py counts them), exactly these:
+the summary says so. Host syncs in the loop (tests/unit/train/test_speed.py counts them), exactly
+these:
   - every `trainer.log_every` steps and at an epoch's end: the window flush, one transfer
     (`to_host`) of one vector: the window's losses, its correct count, the weights' finiteness (one
     inf-norm per tensor, in one foreach call) and, for fused steps, their found-inf flags and scales

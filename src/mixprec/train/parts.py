@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..data import build_image_data, image_loaders
+from ..data import Resumable, build_image_data, image_loaders
 from ..data.wikitext import TokenWindows, batchify, load_text_corpus
 from ..models import build_model, forward_flops
 from ..models.resnet9 import resnet9_options
@@ -90,6 +90,24 @@ def build_parts(ctx: JobContext) -> Parts:
     """The job's parts: a language model's or an image classifier's."""
     build = language_model_parts if ctx.config.model.is_language_model else image_parts
     return build(ctx)
+
+
+@contextlib.contextmanager
+def built_parts(ctx: JobContext):
+    """The job's parts (build_parts) for its training, then ended whatever ended it: a
+    DataLoader's workers and FSDP's mesh groups (aborted under NCCL when the job failed:
+    parallel.release_meshes)."""
+    parts, failed = None, True
+    try:
+        parts = build_parts(ctx)
+        yield parts
+        failed = False
+    finally:
+        steps, batches = (parts.steps, parts.batches) if parts is not None else (None, None)
+        for loader in (batches, getattr(steps, "test_batches", None)):
+            if isinstance(loader, Resumable):
+                loader.close()
+        parallel.release_meshes(failed)
 
 
 def timed_image_loaders(ctx: JobContext, data) -> tuple:

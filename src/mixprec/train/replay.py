@@ -73,7 +73,7 @@ def explain(summary: dict, ctx, train) -> dict:
     quiet.setLevel(logging.ERROR)   # step 1's input warnings were said by the run itself
     try:
         result = train(dataclasses.replace(ctx, config=cfg, ranks=dist.SINGLE, stop=no_stop,
-                                           resume=None), recorder, saver)
+                                           resume=None, out_dir=where), recorder, saver)
     # the job diverged whatever the replay does: it stays diverged, the replay's error noted
     except Exception as e:
         log.warning(
