@@ -86,13 +86,16 @@ def test_a_jobs_hsdp_groups_are_destroyed_at_its_end(rank_7_of_8, monkeypatch):
         model = mixprec.train.parts.wrapper(ctx)(build_model(ctx.config.model, 10))
         return SimpleNamespace(steps=None, batches=None, model=model)
 
-    def train(built):   # the job's training (job.train_job's body) over its built parts
+    def train(built):   # stands in for job.train_job's training inside built_parts
         during.append(groups())
         if len(during) == 2:
             raise RuntimeError("the job failed")
         return {"status": "completed"}
 
     monkeypatch.setattr(mixprec.train.parts, "image_parts", parts)
+    release, released = parallel.release_meshes, []   # what each end was told: failed or not
+    monkeypatch.setattr(parallel, "release_meshes",
+                        lambda failed=False: (released.append(failed), release(failed)))
     assert groups() == 1
     ctx = JobContext(config, CPU, ranks, per_rank=2)
     with mixprec.train.parts.built_parts(ctx) as built:
@@ -102,6 +105,7 @@ def test_a_jobs_hsdp_groups_are_destroyed_at_its_end(rank_7_of_8, monkeypatch):
         with mixprec.train.parts.built_parts(ctx) as built:
             train(built)
     assert groups() == 1 and during == [3, 3]
+    assert released == [False, True]   # a failed job's groups are aborted under NCCL
 
 
 def test_a_failed_jobs_groups_are_aborted_under_nccl_and_destroyed_under_gloo(monkeypatch):

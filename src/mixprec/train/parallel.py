@@ -114,11 +114,11 @@ def device_mesh(device: torch.device, shape: tuple[int, ...] | None = None) -> D
 
 
 def release_meshes(failed: bool = False) -> None:
-    """Destroy the process groups the job's meshes made (job.train_job, however the job ended): each
-    job of a sweep makes its own, and NCCL's communicators hold GPU memory and connections for as
-    long as they live. failed: the job raised, and a peer may wait in a collective on one of them:
-    under NCCL they are aborted instead (dist.abort). The default group is left to
-    runtime/dist.py."""
+    """Destroy the process groups the job's meshes made (parts.built_parts, however the job
+    ended): each job of a sweep makes its own, and NCCL's communicators hold GPU memory and
+    connections for as long as they live. failed: the job raised, and a peer may wait in a
+    collective on one of them: under NCCL they are aborted instead (dist.abort). The default group
+    is left to runtime/dist.py."""
     while _MADE_GROUPS:
         group = _MADE_GROUPS.pop()
         if not (tdist.is_initialized() and group in tdist.distributed_c10d._world.pg_map):
