@@ -234,8 +234,8 @@ def train_and_record(config: Config, summary: dict, job: JobDir, name: str = "ru
                   if tr.resume == "auto" else None)
         # from here a SIGTERM/SIGINT stops the job (torchrun forwards a SIGTERM to every rank)
         with StopSignals() as stop:
-            ctx = JobContext(config, device, ranks, per_rank, job.out, job.group, name, stop,
-                             resume)
+            ctx = JobContext(config, device, ranks, per_rank=per_rank, out_dir=job.out,
+                             group=job.group, name=name, stop=stop, resume=resume)
             return record_training(ctx, summary)
     finally:
         dist.close(made)
@@ -477,7 +477,7 @@ def train_job(ctx: JobContext, recorder: Recorder, saver: checkpoint.Checkpointe
         held = parallel.HeldPeak(model, parts.optimizer) if tr.sharded else None
         if ctx.resume is not None:
             saver.restore(ctx.resume, state)   # last before training: it sets the RNG states
-        with probed(ctx, model, recorder.out_dir) as probe:
+        with probed(ctx, model) as probe:
             run = loop.Loop(policy, parts.optimizer, tr, loop.total_steps(tr, len(parts.batches)),
                             log=recorder.log, checkpoint=saver.save, stop=ctx.stop, ranks=ranks,
                             progress=sys.stderr.isatty() and ranks.main, probe=probe,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import run_cli
+from helpers.configs import LADDER_TINY
 from helpers.fidelity import check_table, composed
 from mixprec.models import build_model
 from mixprec.train.optim import build_optimizer
@@ -107,19 +108,7 @@ def test_prewarm_leaves_model_optimizer_scaler_and_every_rng_as_they_were():
     )
 
 
-LADDER_TINY = [
-    "dataset=synthetic",
-    "dataset.train_size=64",
-    "dataset.test_size=32",
-    "dataset.image_size=16",
-    "trainer.batch_size=32",
-    "trainer.eval_batch_size=32",
-    "trainer.max_steps=2",
-    "logger=none",
-    "model.channels=[8,16,32,64]",
-    "trainer.device=cpu",
-    "precision=fp32",
-]
+LADDER_FP32 = [*LADDER_TINY, "precision=fp32"]
 
 
 @pytest.mark.slow
@@ -130,7 +119,7 @@ def test_two_seed_ladder_sweep_shows_all_runs_and_not_reached(tmp_path):
     import json
 
     sweep = tmp_path / "sweep"
-    r = run_cli("-m", "trick=page_10_tta", "seed=0,1", "trainer.target_acc=1.0", *LADDER_TINY,
+    r = run_cli("-m", "trick=page_10_tta", "seed=0,1", "trainer.target_acc=1.0", *LADDER_FP32,
                 f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}")
     assert r.returncode == 0, r.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]

@@ -98,3 +98,18 @@ SGD = ["optimizer=sgd", "optimizer.lr=0.5"]
 def sweep_params(name):
     return ((yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text()).get("hydra") or {})
             .get("sweeper", {}).get("params") or {})
+
+# the tiny version of a ladder job: synthetic data (the sweep's cifar10 is overridden), narrow
+# ResNet-9, 2 steps
+LADDER_TINY = [
+    "dataset=synthetic",
+    "dataset.train_size=64",
+    "dataset.test_size=32",
+    "dataset.image_size=16",
+    "trainer.batch_size=32",
+    "trainer.eval_batch_size=32",
+    "trainer.max_steps=2",
+    "logger=none",
+    "model.channels=[8,16,32,64]",
+    "trainer.device=cpu",
+]

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from helpers import compose_config, run_cli, run_tiny
+from helpers.configs import LADDER_TINY
 from mixprec.config import validate
 from mixprec.report.analyse import ladder_rows
 from mixprec.report.published import page_ladder
@@ -12,20 +13,6 @@ from mixprec.report.rows import ladder_cells
 
 PAGE_LADDER = page_ladder()
 STEPS = list(PAGE_LADDER)
-# the tiny version of a ladder job: synthetic data (the sweep's cifar10 is overridden), narrow
-# ResNet-9, 2 steps
-LADDER_TINY = [
-    "dataset=synthetic",
-    "dataset.train_size=64",
-    "dataset.test_size=32",
-    "dataset.image_size=16",
-    "trainer.batch_size=32",
-    "trainer.eval_batch_size=32",
-    "trainer.max_steps=2",
-    "logger=none",
-    "model.channels=[8,16,32,64]",
-    "trainer.device=cpu",
-]
 # per step: the flags it turns on (on top of the step before) and Page's max lr for a mean loss (his
 # lr x 512)
 NEW_FLAGS = {

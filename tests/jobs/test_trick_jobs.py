@@ -16,24 +16,13 @@ import mixprec.train.parts
 import mixprec.tools.evaluate
 import mixprec.train.tricks
 from helpers import compose_config, run_tiny
+from helpers.configs import LADDER_TINY
 from helpers.fakes import SignalAt, with_clock
 from mixprec.train.checkpoint import WEIGHTS
 from mixprec.config import validate
 from mixprec.data import build_image_data
 
-LADDER = [
-    "dataset=synthetic",
-    "dataset.train_size=64",
-    "dataset.test_size=32",
-    "dataset.image_size=16",
-    "trainer.batch_size=32",
-    "trainer.eval_batch_size=32",
-    "trainer.max_steps=2",
-    "logger=none",
-    "model.channels=[8,16,32,64]",
-    "trainer.device=cpu",
-    "precision=fp32",
-]
+LADDER = [*LADDER_TINY, "precision=fp32"]
 
 
 def ghost_bn_by_hand(bn: nn.BatchNorm2d, x: torch.Tensor, splits: int) -> torch.Tensor:

@@ -247,12 +247,12 @@ def language_model_parts(ctx: JobContext) -> Parts:
 
 
 @contextlib.contextmanager
-def probed(ctx: JobContext, model, out_dir: Path):
-    """The job's numerics probe (numerics/probe.py): rank 0 records numerics.jsonl in `out_dir`;
+def probed(ctx: JobContext, model):
+    """The job's numerics probe (numerics/probe.py): rank 0 records numerics.jsonl in ctx.out_dir;
     closed however training ends. Under FSDP it sees no model (its layers hold shards outside their
     unit's forward): skips are counted, not attributed to parameters."""
     probe = build_probe(ctx.config.probe, None if ctx.config.trainer.sharded else model,
-                        out_dir if ctx.ranks.main else None)
+                        ctx.out_dir if ctx.ranks.main else None)
     try:
         yield probe
     finally:
