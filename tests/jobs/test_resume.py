@@ -724,3 +724,64 @@ def test_the_training_clock_syncs_the_device_at_every_reading(tiny, monkeypatch)
     calls.clear()
     clock.start(), clock.mark_warm(), clock.stop()
     assert calls == ["cuda"] * 3
+
+
+@pytest.fixture
+def fresh_unpickler():
+    """torch.load's weights-only allow-list as a new process starts it: torchao's import adds its
+    optimizer states to it, and a resumed job reads its checkpoint before it builds an optimizer
+    (the allow-list of this test process has them from any earlier test's import). Restored
+    after."""
+    allowed = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    yield
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(allowed)
+
+
+# every optimizer that trains, as its state is kept: plain, torch's AdamW, torchao's three
+# quantized moments (model.width=32: tensors of 4096 values and more, so the states are quantized)
+# and AdamW with bf16 stochastic rounding (a pure-bf16 model; its rounding draws from the RNG)
+OPTIMIZERS = {
+    "sgd": ["optimizer=sgd"],
+    "adamw": ["optimizer=adamw"],
+    "adamw8bit": ["optimizer=adamw8bit"],
+    "adamw4bit": ["optimizer=adamw4bit"],
+    "adamw_fp8": ["optimizer=adamw_fp8"],
+    "stochastic_round": ["optimizer=adamw", "optimizer.stochastic_round=true", "precision=bf16",
+                         "optimizer.lr=1e-3"],
+}
+
+
+@pytest.mark.parametrize("optimizer", [
+    # 4 s each on a CPU core: the quick loop keeps the one whose class the unpickler once refused
+    name if name == "adamw8bit" else pytest.param(name, marks=pytest.mark.slow)
+    for name in OPTIMIZERS
+])
+def test_a_job_of_every_optimizer_sigtermed_mid_epoch_resumes_to_the_run_through(
+    tmp_path, monkeypatch, fresh_unpickler, optimizer
+):
+    """A pre-empted job continues with the command its summary prints, whatever its optimizer:
+    SIGTERM at epoch 2's second step writes the checkpoint; the resume, reading it as a new process
+    would (fresh_unpickler), ends as the uninterrupted run, bit for bit. torchao's low-bit states
+    were refused once ("not a readable checkpoint (Weights only load failed ... Unsupported global:
+    torchao.optim.subclass_8bit.OptimState8bit)"), and the message said to delete it."""
+    build = mixprec.train.parts.build_model
+    args = [*OPTIMIZERS[optimizer], "model.width=32", *EPOCHS2, "trainer.deterministic=true"]
+
+    def signal_at(at):
+        monkeypatch.setattr(mixprec.train.parts, "build_model",
+                            lambda cfg, n: SignalAt(build(cfg, n), at=at))
+
+    signal_at(0)
+    reference = run_tiny(tmp_path / "reference", *args)
+    signal_at(6)
+    with pytest.raises(SystemExit) as e:
+        run_tiny(tmp_path / "run", *args)
+    assert e.value.code == 128 + signal.SIGTERM
+    torch.serialization.clear_safe_globals()   # the job's optimizer imported torchao: a new process
+    signal_at(0)
+    resumed = run_tiny(tmp_path / "run", *args, "trainer.resume=auto")
+    assert resumed["resumed"]["from_step"] == 6 and resumed["resumed"]["mid_epoch"]
+    assert resumed["config"]["optimizer"]["name"] == reference["config"]["optimizer"]["name"]
+    assert_same_run(tmp_path / "run", tmp_path / "reference")

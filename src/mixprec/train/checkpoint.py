@@ -37,6 +37,7 @@ import dataclasses
 import json
 import logging
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -56,6 +57,7 @@ from ..runtime.hardware import flatten_rnns
 from ..precision.fsdp import after_load
 from ..precision.state import load_module_state
 from ..records import METRICS, SUMMARY, atomic_file
+from .optim import saved_state_classes
 
 CHECKPOINT = "checkpoint.pt"
 WEIGHTS = "model_fp32.pt"
@@ -104,6 +106,28 @@ def prior_summary(out_dir: Path) -> dict | None:
     return summary
 
 
+def optimizer_name(config: dict) -> str | None:
+    """The optimizer a job's config (a plain dict) names; None when it names none."""
+    optimizer = config.get("optimizer") if isinstance(config, dict) else None
+    return optimizer.get("name") if isinstance(optimizer, dict) else None
+
+
+def load(path: Path, optimizer: str | None, **kwargs) -> dict:
+    """checkpoint.pt through torch.load's weights-only unpickler, told of the classes the job's
+    `optimizer` keeps its state in (torchao's low-bit moments: optim.saved_state_classes)."""
+    with torch.serialization.safe_globals(saved_state_classes(optimizer)):
+        return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
+
+
+def reason(error: Exception) -> str:
+    """A load's error in one line: the weights-only unpickler's refusal names the class it lacks
+    on a later line of its message (its first line is a banner, with terminal escapes)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line] or [type(error).__name__]
+    named = [line for line in lines if line.startswith("WeightsUnpickler error")]
+    return (named or lines)[0].split(" was not an allowed global")[0][:200]
+
+
 def read(out_dir: Path, config: dict, device_type: str, world: int = 1) -> dict | None:
     """The job's checkpoint (None when there is none), checked to belong to this config, kind of
     device and world size (`world` ranks), and, for a sharded job, to name a folder of shards that
@@ -113,10 +137,13 @@ def read(out_dir: Path, config: dict, device_type: str, world: int = 1) -> dict 
         return None
     fix = f"delete {path} to start the job over, or run with trainer.resume=never"
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = load(path, optimizer_name(config))
     except Exception as e:   # truncated, garbage, or not a torch file: the reason is one line
-        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: not a readable checkpoint ({msg}); {fix}") from None
+        why = reason(e)
+        if "Unsupported global" in why:   # intact, but of a class this Python cannot import
+            fix = (f"it is intact: install the package that class comes from (torchao: pip "
+                   f"install -e \".[dev]\"), then resume; or {fix}")
+        raise CheckpointError(f"{path}: not a readable checkpoint ({why}); {fix}") from None
     if (
         not isinstance(ckpt, dict)
         or ckpt.get("format") != FORMAT
@@ -264,7 +291,7 @@ def keep_default_batch(cfg, out_dir: Path) -> int | None:
     if set_batch(Path(out_dir) / SUMMARY):   # the user's batch then, dropped now: a change, refused
         return None
     try:   # mmap: only the pickled structure is read, not the tensors
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = load(path, cfg.get("optimizer", {}).get("name"), mmap=True)
         saved = ckpt["config"]["trainer"]["batch_size"]
         now = trainer.batch_size
     except Exception:

@@ -161,6 +161,29 @@ def torchao_class(key: str, on_cuda: bool) -> type:
     return cls if on_cuda else type(f"Eager{cls.__name__}", (EagerStep, cls), {})
 
 
+# the tensor subclass each low-bit optimizer keeps its moments in (torchao.optim's modules)
+TORCHAO_STATES = {"adamw8bit": ("subclass_8bit", "OptimState8bit"),
+                  "adamw4bit": ("subclass_4bit", "OptimState4bit"),
+                  "adamw_fp8": ("subclass_fp8", "OptimStateFp8")}
+
+
+def saved_state_classes(name: str) -> list[type]:
+    """The classes optimizer `name`'s state dict pickles that torch.load(weights_only=True) must be
+    told of: torchao's quantized moments. torchao allows them in the weights-only unpickler as a
+    side effect of importing torchao.optim, which a resumed job has not done when it reads its
+    checkpoint (it builds the optimizer after), so the reader names them (checkpoint.read). Empty
+    for the other optimizers (no import: torchao's takes seconds) and without torchao (the load
+    then names the class it lacks)."""
+    if name not in TORCHAO_STATES:
+        return []
+    try:
+        import torchao.optim   # lazy: torchao is the fp8 extra
+    except ImportError:
+        return []
+    module, cls = TORCHAO_STATES[name]
+    return [getattr(getattr(torchao.optim, module), cls)]
+
+
 def torchao_adamw(cfg: OptimizerConfig, params: list, on_cuda: bool) -> torch.optim.Optimizer:
     """torchao's AdamW for optimizer=adamw8bit/adamw4bit/adamw_fp8 or optimizer.stochastic_round
     (its plain AdamW with bf16_stochastic_round); compiled on CUDA (torchao's way), eager
