@@ -120,3 +120,38 @@ def test_a_failed_jobs_groups_are_aborted_under_nccl_and_destroyed_under_gloo(mo
     assert dist.abort("g") and aborted == ["g"]
     monkeypatch.setattr(dist.tdist, "get_backend", lambda group=None: "gloo")
     assert not dist.abort("h") and aborted == ["g"]
+
+
+@pytest.mark.parametrize("spec,aborts", [
+    ("cpu:gloo,cuda:nccl", True),   # backend() on a GPU machine: what every GPU job's group is
+    ("nccl", True), ("gloo", False), ("cpu:gloo", False), ("cpu:gloo,xpu:xccl", False),
+])
+def test_a_gpu_jobs_group_is_aborted_as_torch_names_its_backends(monkeypatch, spec, aborts):
+    """get_backend answers a group made with "cpu:gloo,cuda:nccl" with that whole string (a
+    torch Backend, lower case), and abort must read NCCL in it: a failing GPU rank that destroyed
+    its NCCL groups gracefully would wait in a collective for the peers that wait for it."""
+    from mixprec.runtime import dist
+
+    aborted = []
+    monkeypatch.setattr(dist.tdist.distributed_c10d, "_abort_process_group", aborted.append)
+    monkeypatch.setattr(dist.tdist, "get_backend",
+                        lambda group=None: dist.tdist.Backend(spec))
+    assert dist.abort("g") is aborts and aborted == (["g"] if aborts else [])
+
+
+@pytest.mark.gpu
+def test_gpu_a_gpu_jobs_own_group_is_aborted_not_destroyed():
+    """The twin on a GPU: the group a GPU job makes (dist.backend(): "cpu:gloo,cuda:nccl"), one
+    rank in this process, names NCCL and is aborted."""
+    assert not tdist.is_initialized()
+    spec = dist.backend()
+    assert spec.startswith("cpu:gloo,cuda:"), spec
+    tdist.init_process_group(spec, store=tdist.HashStore(), rank=0, world_size=1,
+                             device_id=torch.device("cuda", 0))
+    try:
+        assert "nccl" in dist.backends(None)
+        tdist.all_reduce(torch.ones(1, device="cuda"))   # NCCL's communicator made
+        assert dist.abort(None) and not tdist.is_initialized()   # the world is gone with it
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()

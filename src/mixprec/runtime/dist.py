@@ -241,6 +241,13 @@ def end_group(ranks: Ranks, wait: bool = True, wait_s: float = 60.0) -> None:
         tdist.destroy_process_group()
 
 
+def backends(group) -> set[str]:
+    """The backends of `group` (None: the default group) by name: a group made by backend() for a
+    GPU job answers get_backend with one per device ("cpu:gloo,cuda:nccl"), a plain one with one
+    name ("gloo")."""
+    return {part.rpartition(":")[2] for part in str(tdist.get_backend(group)).split(",")}
+
+
 def abort(group) -> bool:
     """Under NCCL, abort `group` (None: the default group) in place of destroying it, and say so
     (True): a graceful destroy of NCCL's communicators was a collective in some NCCL versions
@@ -248,7 +255,7 @@ def abort(group) -> bool:
     peers that wait for it in their own collective. Gloo, the CPU's backend, ends its pairs at
     once: False, and the caller destroys the group. Not yet run on NCCL (its tests need 2 GPUs)."""
     aborting = getattr(tdist.distributed_c10d, "_abort_process_group", None)
-    if aborting is None or tdist.get_backend(group) != "nccl":
+    if aborting is None or "nccl" not in backends(group):
         return False
     aborting(group)
     return True
