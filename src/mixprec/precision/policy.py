@@ -194,6 +194,11 @@ class PrecisionPolicy:
         flatten_rnns(model)
         return model
 
+    def compile_options(self) -> dict:
+        """Inductor's settings for the mode's compiled model (fp8.inductor_options): the same in
+        one process, under DDP and in FSDP's units (precision/fsdp.compile_options)."""
+        return fp8.inductor_options(self.cfg.fp8_recipe)
+
     @property
     def rnn_outside_autocast(self) -> bool:
         """Whether a recurrent model runs its recurrent layers outside autocast, in their weights'

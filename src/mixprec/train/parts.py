@@ -197,7 +197,7 @@ def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode:
     warmup.py). Returns the warm-up's seconds and the GraphWatch that records the job's graphs and
     eager calls. On an accelerator the compile workers start first, out of reach of the job's stop
     signals (start_compile_workers)."""
-    steps.model = compile_model(net, mode)
+    steps.model = compile_model(net, mode, options=policy.compile_options())
     watch = GraphWatch(net, mode)
     if mode != "none" and policy.device.type != "cpu":
         start_compile_workers()
