@@ -297,7 +297,7 @@ def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> t
     model, policy, optimizer = built.model, built.policy, built.optimizer
     schedule = build_schedule(config.schedule, optimizer, tr.max_steps)
     steps = CellSteps(compile_model(model, tr.compile), schedule, None)
-    watch = GraphWatch(model, tr.compile)   # the cell's graphs and eager calls
+    watch = GraphWatch(model, tr.compile, optimizer)   # the cell's graphs, eager calls
     loop = Loop(policy, optimizer, tr, tr.max_steps, progress=False, busy=busy.meter_for(device))
     return steps, loop, LoopState(), watch
 

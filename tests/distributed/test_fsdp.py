@@ -474,7 +474,7 @@ def unit_compiled_job(tmp_path, monkeypatch, base):
     def compiled(net, mode, **options):
         return compile.compile_model(net, mode, backend=backend)
 
-    def counted(net, mode):
+    def counted(net, mode, **options):
         model.append(Calls(compiled(net, mode)))
         return model[0]
 

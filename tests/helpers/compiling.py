@@ -13,7 +13,8 @@ def traced_only(monkeypatch) -> list:
     fully_shard; the job then leaves the root as it is). Returns the graphs made during fit
     (training and evaluation)."""
     made = []
-    monkeypatch.setattr(parts, "compile_model", lambda net, mode: net if compile.compiled_parts(net)
+    monkeypatch.setattr(parts, "compile_model",
+                        lambda net, mode, **options: net if compile.compiled_parts(net)
                         else torch.compile(net, backend="eager"))
     monkeypatch.setattr(parallel, "compile_model",
                         lambda net, mode, **options: torch.compile(net, backend="eager"))

@@ -32,7 +32,8 @@ SWEEP = [o for o in SMALL if not o.startswith(REPLACED)] + [
 def eager_backend(monkeypatch) -> None:
     """trainer.compile through the real compile_model with dynamo's eager backend."""
     monkeypatch.setattr(parts, "compile_model",
-                        lambda net, mode: compile.compile_model(net, mode, backend="eager"))
+                        lambda net, mode, **options: compile.compile_model(net, mode,
+                                                                          backend="eager"))
 
 
 def assert_compiled(s: dict) -> None:
@@ -205,15 +206,20 @@ def test_sigterm_to_a_compiling_sweep_job_ends_it_interrupted_and_stops_the_swee
 
 
 @pytest.mark.gpu
-def test_sigterm_to_a_compiling_gpu_job_ends_it_interrupted_with_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("compiling", [["trainer.compile=default"],
+                                       ["trainer.compile=none", "optimizer=adamw8bit"]],
+                         ids=["model", "torchao_step"])
+def test_sigterm_to_a_compiling_gpu_job_ends_it_interrupted_with_its_checkpoint(tmp_path,
+                                                                                compiling):
     """On a GPU the compile workers start before the first compile with the stop signals blocked: a
     SIGTERM to the group while they compile leaves them working, the job trains a step and ends
-    `interrupted` with its checkpoint."""
+    `interrupted` with its checkpoint. torchao's AdamW compiles its step on CUDA: the workers
+    start for it with trainer.compile=none too."""
     from mixprec.train.checkpoint import CHECKPOINT
 
     gpu = [o for o in SMALL if o not in ("trainer.device=cpu", "trainer.deterministic=true")]
     run_dir = tmp_path / "run"
-    code, err = sigterm_while_compiling(*gpu, "trainer.max_steps=50", "trainer.compile=default",
+    code, err = sigterm_while_compiling(*gpu, "trainer.max_steps=50", *compiling,
                                         "precision=amp", f"hydra.run.dir={run_dir}", pooled=False)
     assert code == 128 + signal.SIGTERM, err[-3000:]
     s = json.loads((run_dir / SUMMARY).read_text())

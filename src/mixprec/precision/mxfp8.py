@@ -133,7 +133,9 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     if dtype is not None:
         x = x.to(dtype)
     rows = x.shape[:-1].numel()
-    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % BLOCK))
+    flat = x.reshape(rows, x.shape[-1])
+    if rows % BLOCK:   # a copy of the input: only where the rows need it
+        flat = F.pad(flat, (0, 0, 0, -rows % BLOCK))
     out = _to_mxfp8_then_scaled_mm(
         flat, self.weight.to(x.dtype), kernel_preference=self.kernel_preference,
         scale_calculation_mode=self.scale_calculation_mode, wgrad_with_hp=self.wgrad_with_hp)

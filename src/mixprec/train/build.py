@@ -14,7 +14,8 @@ from ..config import Config
 from ..precision.modes import check_installed
 from ..precision.policy import PrecisionPolicy
 from ..precision.fsdp import ShardedPolicy, after_steps
-from .optim import build_optimizer, param_groups
+from .compile import start_compile_workers
+from .optim import build_optimizer, compiles_step, param_groups
 
 
 @dataclass
@@ -28,13 +29,25 @@ class Trained:
     groups: dict
 
 
+def compiles(config: Config, device: torch.device) -> bool:
+    """Whether inductor will compile on this accelerator in this job: the model (trainer.compile)
+    or torchao's optimizer step (optim.compiles_step, even with trainer.compile=none). On the CPU
+    inductor compiles in the job's process: no workers to start."""
+    return device.type != "cpu" and (
+        config.trainer.compile != "none" or compiles_step(config.optimizer, device))
+
+
 def build_trained(model: nn.Module, config: Config, device: torch.device, bn_bias_lr: float = 1.0,
                   channels_last: bool = False, wrap: Callable = lambda model: model) -> Trained:
     """The policy casts the model (weights' dtype, BatchNorm in fp32, float8 Linear layers) on
     `device`; then channels_last, then `wrap` (DDP, which broadcasts rank 0's weights; FSDP's
     fully_shard, which makes the parameters DTensor shards), and only then the stepped tensors
-    (fp32 masters cloned from the final weights; FSDP's shards), their groups and the optimizer."""
+    (fp32 masters cloned from the final weights; FSDP's shards), their groups and the optimizer.
+    First, where anything will compile, inductor's workers start out of reach of the job's stop
+    signals (compile.start_compile_workers)."""
     check_installed(config.precision)   # a script's build, as a job's start: before the model
+    if compiles(config, device):
+        start_compile_workers()
     sharded = config.trainer.sharded
     policy = (ShardedPolicy if sharded else PrecisionPolicy)(config.precision, device)
     model = policy.prepare_model(model)

@@ -190,29 +190,42 @@ def watched(net: nn.Module, mode: str) -> list[nn.Module]:
 class GraphWatch:
     """What a job's compiled model did: the graphs dynamo compiled from its creation (at the job's
     start, after reset_compile_state) and the calls after the warm-up that ran eagerly. Nothing for
-    an eager job."""
+    an eager job. `optimizer`: the graphs dynamo compiles inside its steps (torchao's AdamW on CUDA
+    compiles its step per parameter shape) are the optimizer's, counted apart from the model's."""
 
-    def __init__(self, net: nn.Module, mode: str):
+    def __init__(self, net: nn.Module, mode: str, optimizer: torch.optim.Optimizer | None = None):
         self.mode, self.graphs_at_start, self.eager_at_warm = mode, dynamo_graphs(), 0
         self.eager = EagerCalls()
         self.handles = [m.register_forward_pre_hook(self.eager) for m in watched(net, mode)]
+        self.optimizer_graphs, self._at_step = 0, 0
+        if optimizer is not None:
+            self.handles += [optimizer.register_step_pre_hook(self._step_starts),
+                             optimizer.register_step_post_hook(self._step_ends)]
+
+    def _step_starts(self, *_) -> None:
+        self._at_step = dynamo_graphs()
+
+    def _step_ends(self, *_) -> None:
+        self.optimizer_graphs += dynamo_graphs() - self._at_step
 
     def warmed(self) -> None:
         self.eager_at_warm = self.eager.count
 
     def finish(self) -> dict:
-        """The job's `compiled_graphs` and `eager_calls` (metrics); a warning line when calls ran
-        eagerly."""
-        if not self.handles:
-            return {}
+        """The job's `compiled_graphs` (the model's) and `eager_calls` (metrics), with
+        `optimizer_graphs` where its steps compiled; a warning line when calls ran eagerly."""
         for handle in self.handles:
             handle.remove()
+        optimizer = {"optimizer_graphs": self.optimizer_graphs} if self.optimizer_graphs else {}
+        if self.mode == "none":
+            return optimizer
         eager = self.eager.count - self.eager_at_warm
         if eager:
             log.warning(f"mixprec: trainer.compile={self.mode}: {eager} calls of the compiled "
                         "model after its warm-up ran eagerly (dynamo gave up on them; "
                         "TORCH_LOGS=recompiles says why): this job's time is partly an eager time")
-        return {"compiled_graphs": dynamo_graphs() - self.graphs_at_start, "eager_calls": eager}
+        graphs = dynamo_graphs() - self.graphs_at_start - self.optimizer_graphs
+        return {"compiled_graphs": graphs, "eager_calls": eager, **optimizer}
 
 
 def mark_step(mode: str) -> None:

@@ -184,6 +184,13 @@ def saved_state_classes(name: str) -> list[type]:
     return [getattr(getattr(torchao.optim, module), cls)]
 
 
+def compiles_step(cfg: OptimizerConfig, device: torch.device) -> bool:
+    """Whether the optimizer's step goes through torch.compile: torchao's AdamW on CUDA compiles
+    its single_param_adam per parameter shape (at the first steps, whatever trainer.compile says);
+    elsewhere it runs eagerly (EagerStep)."""
+    return device.type == "cuda" and (cfg.low_bit or cfg.stochastic_round)
+
+
 def torchao_adamw(cfg: OptimizerConfig, params: list, on_cuda: bool) -> torch.optim.Optimizer:
     """torchao's AdamW for optimizer=adamw8bit/adamw4bit/adamw_fp8 or optimizer.stochastic_round
     (its plain AdamW with bf16_stochastic_round); compiled on CUDA (torchao's way), eager

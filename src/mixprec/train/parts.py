@@ -29,7 +29,7 @@ from ..precision.policy import PrecisionPolicy
 from ..runtime import dist, hardware
 from . import image_steps, loop, parallel, tricks
 from .build import build_trained
-from .compile import GraphWatch, compile_model, start_compile_workers, warm_compile
+from .compile import GraphWatch, compile_model, warm_compile
 from .lm_steps import LMSteps
 from .optim import build_schedule
 from .warmup import image_warmup, lm_warmup, prewarm, prewarm_lm, reset_peak
@@ -159,7 +159,7 @@ def image_parts(ctx: JobContext) -> Parts:
                           tr.eval_batch_size, len(data.test_y), train_batches.image_shape,
                           data.num_classes, tr.channels_last, config.model.bn_eval,
                           evaluates=ema is None)   # an EMA job evaluates ema.model, eagerly
-    compile_s, watch = compile_and_warm(steps, net, policy, tr.compile, shapes)
+    compile_s, watch = compile_and_warm(steps, net, policy, tr.compile, shapes, optimizer)
     return Parts(
         steps, train_batches, policy, optimizer, model,
         final=model if ema is None else ema.model,
@@ -191,16 +191,14 @@ def wrapper(ctx: JobContext):
 
 
 def compile_and_warm(steps, net: torch.nn.Module, policy: PrecisionPolicy, mode: str,
-                     warmup) -> tuple:
+                     warmup, optimizer: torch.optim.Optimizer) -> tuple:
     """The loop's model (steps.model) compiled in `mode` and warmed for `warmup`'s shapes before the
     clock, then the device's peak reset (prewarm's copies are gone: the peak is the run's own,
-    warmup.py). Returns the warm-up's seconds and the GraphWatch that records the job's graphs and
-    eager calls. On an accelerator the compile workers start first, out of reach of the job's stop
-    signals (start_compile_workers)."""
+    warmup.py). Returns the warm-up's seconds and the GraphWatch that records the job's graphs (the
+    model's; `optimizer`'s apart) and eager calls. The compile workers started with the model's
+    build (build.build_trained)."""
     steps.model = compile_model(net, mode, options=policy.compile_options())
-    watch = GraphWatch(net, mode)
-    if mode != "none" and policy.device.type != "cpu":
-        start_compile_workers()
+    watch = GraphWatch(net, mode, optimizer)
     seconds = warm_compile(steps.model, policy, mode, warmup)
     watch.warmed()
     reset_peak(policy.device)
@@ -233,7 +231,7 @@ def language_model_parts(ctx: JobContext) -> Parts:
     modes.refuse_emulated_compile(config.precision, tr.compile, policy.emulated)
     shapes = lm_warmup(len(train_source), per_rank, [len(valid_source), len(test_source)],
                        tr.eval_batch_size, bptt, corpus.vocab_size)
-    compile_s, watch = compile_and_warm(steps, model, policy, tr.compile, shapes)
+    compile_s, watch = compile_and_warm(steps, model, policy, tr.compile, shapes, optimizer)
     return Parts(
         steps, windows, policy, optimizer, model, final=model, checkpointed={"hidden": steps},
         num_classes=corpus.vocab_size, groups=groups, watch=watch,

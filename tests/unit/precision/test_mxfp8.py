@@ -131,6 +131,20 @@ def test_tokens_per_step_not_a_multiple_of_32_are_padded_to_the_unpadded_product
                  "trainer.log_every=4", base=MX_JOB)
     assert s["status"] == "completed" and math.isfinite(s["metrics"]["final_valid_loss"])
 
+@pytest.mark.parametrize("rows, pads", [(64, 0), (40, 1)])
+def test_only_rows_not_a_multiple_of_32_are_padded(monkeypatch, rows, pads):
+    """The padding is a copy of the layer's input: made only when the rows need it (every
+    Linear's input was copied through F.pad, padding nothing, at every step)."""
+    from mixprec.precision import mxfp8
+
+    model, _ = converted_gpt(64)
+    padded = []
+    pad = mxfp8.F.pad
+    monkeypatch.setattr(mxfp8.F, "pad", lambda *a, **k: padded.append(a[1]) or pad(*a, **k))
+    model.get_submodule("blocks.0.mlp.0")(torch.randn(rows, 64, dtype=torch.bfloat16))
+    assert padded == [(0, 0, 0, 24)] * pads
+
+
 def test_without_torchao_mxfp8_is_one_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)   # import torchao raises ImportError
     monkeypatch.setitem(sys.modules, "torchao.prototype.moe_training.mxfp8_linear", None)

@@ -64,7 +64,7 @@ def fake_graphs(monkeypatch) -> list:
         return fit(*args, **kwargs)
     monkeypatch.setattr(job.loop, "fit", noted_fit)
 
-    def compile_model(net, mode):
+    def compile_model(net, mode, **options):
         if mode == "none":
             return net
         made.append(FakeGraphs(net))
@@ -170,7 +170,8 @@ def counted(monkeypatch) -> CountingBackend:
     graphs' calls."""
     backend = CountingBackend()
     monkeypatch.setattr(parts, "compile_model",
-                        lambda net, mode: compile.compile_model(net, mode, backend=backend))
+                        lambda net, mode, **options: compile.compile_model(net, mode,
+                                                                          backend=backend))
     fit = job.loop.fit
     monkeypatch.setattr(job.loop, "fit", lambda *a, **k: backend.mark() or fit(*a, **k))
     return backend
@@ -364,3 +365,64 @@ def test_inductor_gives_the_eager_rowwise_fp8_gradients_with_its_options():
     compile.reset_compile_state()
     for a, b in zip(rowwise_grads(False), rowwise_grads(True)):
         assert ((a - b).abs().max() / a.abs().max()).item() < 1e-6
+
+
+class CompilingStep(torch.optim.SGD):
+    """SGD whose step goes through torch.compile per parameter shape, as torchao's AdamW does on
+    CUDA (single_param_adam), with the test's counting backend."""
+
+    def __init__(self, params, backend):
+        super().__init__(params, lr=0.1)
+        self.update = torch.compile(lambda p, g: p.sub_(0.1 * g), backend=backend, dynamic=False)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.param_groups[0]["params"]:
+            if p.grad is not None:
+                self.update(p, p.grad)
+
+
+@pytest.mark.parametrize("mode", ["default", "none"])
+def test_the_optimizers_graphs_are_counted_apart_from_the_models(mode):
+    """compiled_graphs is the model's: graphs made inside the optimizer's steps (torchao's AdamW
+    compiles one per parameter shape on CUDA, whatever trainer.compile says) were added to it."""
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = CompilingStep(model.parameters(), backend)
+    net = compile.compile_model(model, mode, backend=backend)
+    watch = compile.GraphWatch(model, mode, optimizer)
+    for _ in range(2):
+        net(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    shapes = {tuple(p.shape) for p in model.parameters()}   # 4 shapes: a graph each
+    model_graphs = 0 if mode == "none" else 1
+    assert len(backend.graphs) == model_graphs + len(shapes)
+    counted = {"optimizer_graphs": len(shapes)}
+    assert watch.finish() == ({**counted, "compiled_graphs": 1, "eager_calls": 0}
+                              if mode != "none" else counted)
+
+
+@pytest.mark.parametrize("overrides, starts", [
+    (["optimizer=adamw8bit"], True), (["optimizer=adamw", "optimizer.stochastic_round=true",
+                                       "precision=bf16"], True),
+    (["trainer.compile=default"], True), (["optimizer=adamw"], False),
+])
+def test_inductors_workers_start_before_anything_compiles_on_an_accelerator(
+    monkeypatch, overrides, starts
+):
+    """A GPU job whose optimizer compiles (torchao's AdamW on CUDA) starts inductor's workers out of
+    reach of its stop signals with trainer.compile=none too, before the model is built (its
+    prewarm steps the optimizer); they started only for trainer.compile. The CPU never starts
+    them (inductor compiles in the job's process there)."""
+    from mixprec.config import validate
+    from mixprec.train import build
+    from helpers import compose_config
+
+    config = validate(compose_config(*overrides))
+    started = []
+    monkeypatch.setattr(build, "start_compile_workers", lambda: started.append(True))
+    assert build.compiles(config, torch.device("cuda")) is starts
+    assert not build.compiles(config, torch.device("cpu"))
+    build.build_trained(nn.Linear(4, 4), config, torch.device("cpu"))
+    assert started == []
