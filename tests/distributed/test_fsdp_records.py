@@ -206,3 +206,19 @@ def test_saved_weights_are_plain_fp32_tensors_in_every_mode_and_strategy(tmp_pat
     finally:
         dist.close(made)
     assert "fp8" in saved and len(saved) == (len(MODES) if strategy == "auto" else len(MODES) - 5)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw8bit",
+                                       pytest.param("adamw4bit", marks=pytest.mark.slow)])
+def test_a_low_bit_optimizers_state_is_held_at_its_quantized_size_under_fsdp(tmp_path, optimizer):
+    """What each rank holds of torchao's quantized moments: their codes and block scales, as the
+    ledger counts them (one rank: the whole state), not numel() x 4 bytes of the fp32 moments
+    they stand for (which gave 8 bytes a parameter, fp32 AdamW's)."""
+    s = run_tiny(tmp_path, *GPT_TINY, "trainer.strategy=fsdp", f"optimizer={optimizer}",
+                 "model.n_embd=64", "precision=amp_bf16", "precision.emulate=false",
+                 "trainer.max_steps=2", base=[])
+    assert s["status"] == "completed", s.get("error")
+    held = s["distributed"]["held_bytes"][0]
+    ledger = s["memory"]["bytes"]["optimizer"]
+    assert held["optimizer"] == pytest.approx(ledger, rel=1e-3)   # the ledger counts step scalars
+    assert held["optimizer"] < 0.35 * 2 * held["params"]   # fp32 AdamW: 2 x the fp32 params

@@ -134,3 +134,19 @@ def test_docs_name_no_internal_process(path):
         assert not re.search(pattern, text), (
             f"{path.name}: {re.search(pattern, text)[0]!r}: say what is meant"
         )
+
+
+def test_the_readmes_gpu_steps_install_against_the_machines_own_torch_first():
+    """A GPU machine with its own torch (a cloud image; the lent H200s: 2.11.0, no network): the
+    README's set-up says, before scripts/gpu_check.sh, how to install without replacing it (the
+    tested pins would ask pip for torch 2.14.1 and its CUDA wheels), with the oldest pins' torch;
+    docs/install.md covers another torch and no network."""
+    lines = (ROOT / "README.md").read_text().split("## Run")[0].splitlines()
+    oldest = read_constraints(ROOT / "constraints-oldest.txt")["torch"]
+    keep = next(i for i, line in enumerate(lines) if "-c constraints-oldest.txt" in line)
+    check = next(i for i, line in enumerate(lines) if line.startswith("scripts/gpu_check.sh"))
+    assert keep < check and "own torch" in lines[keep - 1]
+    assert ".".join(oldest.split(".")[:2]) + ".x" in lines[keep - 1]
+    install = (ROOT / "docs" / "install.md").read_text()
+    section = install.split("## A GPU machine with its own torch")[1].split("\n## ")[0]
+    assert "pip install --no-index --find-links wheels" in section and "another >= " in section

@@ -155,17 +155,27 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def held(t: torch.Tensor) -> int:
+    """The bytes this rank holds of `t`: its shard of a DTensor; of a tensor subclass, its inner
+    tensors (torchao's quantized optimizer states hold 1 or 0.5 byte codes and fp32 block scales,
+    not numel() x element_size() of the fp32 tensor they stand for)."""
+    t = local(t)
+    if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(held(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The bytes of parameters, gradients (as they are now: none after zero_grad) and optimizer
     state that this rank holds: with N ranks per replica about 1/N of one process's (the local
     shard of a DTensor, whose replicate dimension, under HSDP, keeps a whole shard on each)."""
-    size = lambda t: local(t).numel() * local(t).element_size()   # noqa: E731
     params = {id(p): p for p in model.parameters()}.values()   # a tied weight once
     state = [v for s in optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"params": sum(size(p) for p in params),
-            "grads": sum(size(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(size(v) for v in state)}
+    return {"params": sum(held(p) for p in params),
+            "grads": sum(held(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(held(v) for v in state)}
 
 
 class HeldPeak:
