@@ -2,7 +2,9 @@
 step under a budget of its own. The steps, most valuable first:
 
   fp8_wide        FP8 against amp_bf16 where torchao's float8 gains begin (K, N >= 4096): a 2 x 4096
-                  GPT, compiled
+                  GPT, compiled; MXFP8 too on a GPU with MXFP8 tensor cores (compute capability
+                  10.0+: B200), whose third job adds MX_S to the budget (elsewhere torchao would
+                  emulate it: PyTorch casts, not an MXFP8 time, so the question is not asked)
   table_eager     the speed table, eager: resnet18 and resnet50 x six precisions x batch 64 and 256
   table_compiled  the speed table, compiled: resnet18 x fp32, amp x batch 256 x default and
                   reduce-overhead
@@ -53,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PY = [sys.executable]
 BUDGET_S = 480           # 8 minutes: the sum of the steps' budgets may not exceed it
+MX_S = 60                # the MXFP8 job of fp8_wide, where MXFP8 is native: on top of BUDGET_S
 START_S = 10             # a step's process start: python, torch (torchao) and Hydra's compose
 DRY_LIMIT_S = 600        # a dry-run step's limit on a small CPU (GPU budgets: shown, not enforced)
 TABLE_PRECISIONS = "fp32,tf32,amp,amp_bf16,half,bf16"
@@ -100,12 +103,13 @@ def lm_graphs(train_tokens: int, eval_tokens: int, batch: int, bptt: int) -> int
             + len(split_shapes(eval_tokens // batch - 1, bptt)))
 
 
-def fp8_wide_step(out: Path, dry: bool, extra: list[str]) -> dict:
+def fp8_wide_step(out: Path, dry: bool, extra: list[str], mxfp8: bool = False) -> dict:
     """FP8 against amp_bf16 at width 4096, compiled. torchao's float8 gains start where a Linear's K
     and N reach 4096 (its README, H100: 0.80x at M, K, N = 1024, 2048, 1024; 1.39x at 4096, 8192,
     16384): the 12 x 768 GPT is below it, a 2 x 4096 one (MLP 4096 -> 16384, 8192 tokens a step)
     within it. Synthetic tokens (Wikitext-2's vocabulary) in whole windows: each job compiles one
-    training and one evaluation graph."""
+    training and one evaluation graph. mxfp8: a third job, precision=mxfp8 (native MXFP8)."""
+    precisions = ["amp_bf16", "fp8", *(["mxfp8"] if mxfp8 else [])]
     batch, bptt, steps = (4, 16, 2) if dry else (32, 256, 30)
     # whole windows; training stops mid-epoch (one evaluation, at the end)
     train, evals = batch * (bptt * (steps + 10) + 1), batch * (bptt * 2 + 1)
@@ -113,14 +117,15 @@ def fp8_wide_step(out: Path, dry: bool, extra: list[str]) -> dict:
              "trainer.warmup_steps=1", *DRY_COMPILED] if dry else
             ["model.n_layer=2", "model.n_head=32", "model.n_embd=4096",
              f"dataset.vocab_size={WIKITEXT_VOCAB}", *located(extra)])
-    overrides = ["experiment=transformer_precision", "precision=amp_bf16,fp8",
+    overrides = ["experiment=transformer_precision", f"precision={','.join(precisions)}",
                  "dataset=synthetic_text", f"dataset.train_size={train}",
                  f"dataset.test_size={evals}", f"model.block_size={bptt}",
                  f"trainer.batch_size={batch}", f"trainer.eval_batch_size={batch}",
                  f"trainer.max_steps={steps}", "trainer.compile=default", *size]
-    return step("fp8_wide", "fp8 against amp_bf16, 2 x 4096 GPT, compiled",
-                train_cmd("fp8_wide", overrides, out), jobs("fp8_wide", 2), run_s=START_S + 2 * 15,
-                graphs=2 * lm_graphs(train, evals, batch, bptt), compile_s=22,
+    n = len(precisions)
+    return step("fp8_wide", f"{', '.join(precisions[1:])} against amp_bf16, 2 x 4096 GPT, compiled",
+                train_cmd("fp8_wide", overrides, out), jobs("fp8_wide", n), run_s=START_S + n * 15,
+                graphs=n * lm_graphs(train, evals, batch, bptt), compile_s=22,
                 data="dataset=synthetic_text (Wikitext-2's vocabulary, whole windows): a speed "
                      "question, and each window shape would be one more graph to compile")
 
@@ -218,14 +223,16 @@ def gpt_step(out: Path, dry: bool, extra: list[str], wikitext: bool) -> dict:
                 train_cmd("gpt", overrides, out), jobs("gpt", 3), run_s=START_S + 40, data=note)
 
 
-def plan(out: Path, dry: bool, extra: list[str], present: dict) -> list[dict]:
-    """The steps in order of value; present: {"cifar10": bool, "wikitext2": bool} (found_data)."""
-    steps = [fp8_wide_step(out, dry, extra), *table_steps(out, dry),
+def plan(out: Path, dry: bool, extra: list[str], present: dict, mxfp8: bool = False
+         ) -> list[dict]:
+    """The steps in order of value; present: {"cifar10": bool, "wikitext2": bool} (found_data);
+    mxfp8: the GPU has MXFP8 tensor cores (native_mxfp8), and fp8_wide times MXFP8 too."""
+    steps = [fp8_wide_step(out, dry, extra, mxfp8), *table_steps(out, dry),
              page_step(out, dry, extra, present["cifar10"]),
              gpt_step(out, dry, extra, present["wikitext2"])]
-    total = sum(s["budget"] for s in steps)
-    if total > BUDGET_S:
-        raise ValueError(f"the steps' budgets add up to {total} s, over {BUDGET_S} s")
+    total, limit = sum(s["budget"] for s in steps), BUDGET_S + (MX_S if mxfp8 else 0)
+    if total > limit:
+        raise ValueError(f"the steps' budgets add up to {total} s, over {limit} s")
     return steps
 
 
@@ -435,6 +442,9 @@ def table_answers(out: Path, dry_device: str | None = None) -> list[str]:
 
 
 WIDE_Q = "fp8 / amp_bf16, 2 x 4096 GPT compiled"
+MX_Q = "mxfp8 / amp_bf16, 2 x 4096 GPT compiled"
+MX_NOT_ASKED = ("not asked: this GPU has no MXFP8 tensor cores (compute capability 10.0+), and "
+                "torchao's emulation would time PyTorch's casts, not MXFP8")
 PAGE_Q = ("Page's step 10 on his clock (training + data preparation, as dawn.py timed it; his "
           "26 s)")
 GPT_Q = "GPT 12 x 768 eager"
@@ -444,8 +454,10 @@ def answers(out: Path, steps: dict, dry_device: str | None = None) -> list[str]:
     """The questions' answers in a few lines, each a ratio of two measured figures ("-" where one is
     missing) with its compiled jobs' graphs and eager calls; a dry run (dry_device: the CPU it ran
     on) says in place of each answer that it is not a measurement."""
+    mx_asked = "mxfp8" in steps.get("fp8_wide", {}).get("question", "")
     if dry_device:
         return ["## Answers", "", dry_answer(WIDE_Q, dry_device),
+                *([dry_answer(MX_Q, dry_device)] if mx_asked else []),
                 *table_answers(out, dry_device),
                 *[dry_answer(q, dry_device) for q in (PAGE_Q, GPT_Q)], ""]
     by = lambda rows, key: {r[key]: r for r in rows}
@@ -453,7 +465,7 @@ def answers(out: Path, steps: dict, dry_device: str | None = None) -> list[str]:
     fp8, bf16 = get(wide, "fp8"), get(wide, "amp_bf16")
     lines = ["## Answers", "", f"- {WIDE_Q}: {ratio(fp8, bf16)} "
              f"({fmt(fp8, '.0f')} against {fmt(bf16, '.0f')} tokens/s; target >= 1)"
-             f"{graphs_said(wide)}", *table_answers(out)]
+             f"{graphs_said(wide)}", mx_answer(wide, mx_asked), *table_answers(out)]
     page = by(job_rows(out, "page10"), "compile")
     acc = (f"; test accuracy {fmt(get(page, 'none', 'acc'), '.4f')} eager, "
            f"{fmt(get(page, 'reduce-overhead', 'acc'), '.4f')} under CUDA graphs"
@@ -469,6 +481,24 @@ def answers(out: Path, steps: dict, dry_device: str | None = None) -> list[str]:
     return lines + [""]
 
 
+def mx_answer(wide: dict, asked: bool) -> str:
+    """MXFP8 against amp_bf16 in the 2 x 4096 GPT, where the GPU runs MXFP8 natively."""
+    mx, bf16 = get(wide, "mxfp8"), get(wide, "amp_bf16")
+    return f"- {MX_Q}: " + (f"{ratio(mx, bf16)} ({fmt(mx, '.0f')} against {fmt(bf16, '.0f')} "
+                            "tokens/s)" if asked else MX_NOT_ASKED)
+
+
+def native_mxfp8(dry: bool) -> bool:
+    """Whether fp8_wide times MXFP8: a GPU with MXFP8 tensor cores (precision/mxfp8.py); the dry
+    run rehearses its job on the CPU."""
+    if dry:
+        return True
+    from mixprec.precision.mxfp8 import emulation_reason
+    from mixprec.runtime import hardware
+
+    return emulation_reason(hardware.select_device("auto")) is None
+
+
 def summary_markdown(out: Path, env: dict, steps: list[dict], budget_md: str,
                      data: list[str]) -> str:
     """SUMMARY.md: the device and command, the answers, the budget, the data used, then each step's
@@ -478,8 +508,9 @@ def summary_markdown(out: Path, env: dict, steps: list[dict], budget_md: str,
              f"{env.get('date')}", "", f"`{env.get('command')}`", "",
              *answers(out, by_name, env.get("device_name") if env.get("dry_run") else None),
              budget_md.replace("# Time budget", "## Time budget", 1), *data, ""]
-    lines += jobs_markdown("FP8 against amp_bf16: a 2 x 4096 GPT (torchao's float8 gains from K, N "
-                           ">= 4096), compiled", job_rows(out, "fp8_wide"))
+    lines += jobs_markdown("FP8 (and, where native, MXFP8) against amp_bf16: a 2 x 4096 GPT "
+                           "(torchao's float8 gains from K, N >= 4096), compiled",
+                           job_rows(out, "fp8_wide"))
     for name in ("table_eager", "table_compiled"):
         md = out / name / "table.md"
         lines += [md.read_text().replace("# Speed table", f"## {name}: speed table", 1)
@@ -567,7 +598,7 @@ def main(argv=None) -> int:
     out = (args.out or default_out(env, args.dry_run)).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     root, present = found_data(args.overrides)
-    steps = plan(out, args.dry_run, args.overrides, present)
+    steps = plan(out, args.dry_run, args.overrides, present, native_mxfp8(args.dry_run))
     data = data_lines(steps, root, args.dry_run)
     for line in data:
         print(f"gpu_speed: {line}", flush=True)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import ROOT, load_script
 from mixprec.tools import cli
@@ -135,7 +136,7 @@ def test_a_step_out_of_time_is_recorded_and_the_next_one_runs(tmp_path, monkeypa
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     slow = gs.step("slow", "a step that overruns", sleep, [], run_s=10)
     quick = gs.step("quick", "the next question", [sys.executable, "-c", "pass"], [], run_s=10)
-    monkeypatch.setattr(gs, "plan", lambda out, dry, extra, present: [slow, quick])
+    monkeypatch.setattr(gs, "plan", lambda out, dry, extra, present, mxfp8: [slow, quick])
     monkeypatch.setattr(gs, "environment", lambda dry: {"device_name": "NVIDIA H200"})
     assert gs.main(["--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "budget.json").read_text())["steps"]
@@ -166,14 +167,15 @@ def test_the_speed_check_dry_run_counts_its_graphs_and_writes_every_file(tmp_pat
     assert "every file is there" in r.stdout
     assert "gpu_speed: dry run: every step at tiny sizes" in r.stdout
     gs = load_script("gpu_speed")
-    steps = gs.plan(out, True, [], NONE)
+    steps = gs.plan(out, True, [], NONE, mxfp8=True)   # the dry run rehearses the MXFP8 job
     assert gs.missing(out, steps) == []
     budget = json.loads((out / "budget.json").read_text())
     assert [s["name"] for s in budget["steps"]] == ORDER
     assert all(s["outcome"] == "ok" for s in budget["steps"])
-    # each step compiled the graphs its budget assumes: fp8_wide 4, table_compiled 4, page10 1
+    # each step compiled the graphs its budget assumes: fp8_wide 6 (amp_bf16, fp8, mxfp8),
+    # table_compiled 4, page10 1
     assert ([(s["graphs_counted"], s["graphs"]) for s in budget["steps"]]
-            == [(4, 4), (0, 0), (4, 4), (1, 1), (0, 0)])
+            == [(6, 6), (0, 0), (4, 4), (1, 1), (0, 0)])
     assert not list(out.glob("*/*/*.pt"))   # the jobs' weights are not kept
     table = json.loads((out / "table_eager" / "table.json").read_text())
     assert table["complete"] and len(table["rows"]) == 6
@@ -184,10 +186,12 @@ def test_the_speed_check_dry_run_counts_its_graphs_and_writes_every_file(tmp_pat
     assert all(r["status"] == "completed" for r in page.values())
     summary = (out / "SUMMARY.md").read_text()
     for part in ("## Answers", "- fp8 / amp_bf16, 2 x 4096 GPT compiled:",
-                 "## FP8 against amp_bf16",
+                 "- mxfp8 / amp_bf16, 2 x 4096 GPT compiled: dry run on",
+                 "## FP8 (and, where native, MXFP8) against amp_bf16",
                  "## table_eager: speed table", "## table_compiled: speed table",
                  "## Page's step 10", "## GPT 12 x 768, eager",
-                 "| fp8_wide | fp8 against amp_bf16, 2 x 4096 GPT, compiled | 128 (40 + 4 x 22)"):
+                 "| fp8_wide | fp8, mxfp8 against amp_bf16, 2 x 4096 GPT, compiled | 187 (55 + 6 x "
+                 "22)"):
         assert part in summary, part
 
 
@@ -240,3 +244,25 @@ def test_a_dry_run_answers_with_no_ratio(tmp_path):
     for line in lines:
         assert line.endswith(": dry run on x86_64: not a measurement"), line
         assert not re.search(r"\d\.\d\dx", line), line
+
+
+def test_a_gpu_with_mxfp8_tensor_cores_is_asked_mxfp8_against_amp_bf16(tmp_path):
+    """MXFP8 was never asked (a B200 passed the check without one MXFP8 job): where it is native,
+    fp8_wide runs it as a third compiled job, within BUDGET_S + MX_S; elsewhere the answer says
+    why not (torchao would emulate it: PyTorch's casts, not an MXFP8 time)."""
+    gs = load_script("gpu_speed")
+    native = gs.plan(tmp_path, False, [], ALL, mxfp8=True)
+    wide = native[0]
+    assert "precision=amp_bf16,fp8,mxfp8" in " ".join(wide["cmd"]) and wide["graphs"] == 6
+    assert wide["files"] == [("fp8_wide/*/summary.json", 3)]
+    assert sum(s["budget"] for s in native) <= gs.BUDGET_S + gs.MX_S
+    assert "precision=amp_bf16,fp8 " in " ".join(gs.plan(tmp_path, False, [], ALL)[0]["cmd"])
+    for i, (p, v) in enumerate((("amp_bf16", 100.0), ("fp8", 120.0), ("mxfp8", 150.0))):
+        write_job(tmp_path / "fp8_wide" / str(i), p, "default", v, 2, 0)
+    asked = [x for x in gs.answers(tmp_path, {"fp8_wide": wide}) if x.startswith("- mxfp8")]
+    assert asked == ["- mxfp8 / amp_bf16, 2 x 4096 GPT compiled: 1.50x (150 against 100 "
+                     "tokens/s)"]
+    (line,) = [x for x in gs.answers(tmp_path, {}) if x.startswith("- mxfp8")]
+    assert line.endswith(gs.MX_NOT_ASKED) and "compute capability 10.0+" in line
+    if not torch.cuda.is_available():
+        assert not gs.native_mxfp8(False)

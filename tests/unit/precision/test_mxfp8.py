@@ -131,6 +131,7 @@ def test_tokens_per_step_not_a_multiple_of_32_are_padded_to_the_unpadded_product
                  "trainer.log_every=4", base=MX_JOB)
     assert s["status"] == "completed" and math.isfinite(s["metrics"]["final_valid_loss"])
 
+
 @pytest.mark.parametrize("rows, pads", [(64, 0), (40, 1)])
 def test_only_rows_not_a_multiple_of_32_are_padded(monkeypatch, rows, pads):
     """The padding is a copy of the layer's input: made only when the rows need it (every
