@@ -204,7 +204,8 @@ def test_what_the_ledger_holds_at_once_is_the_state_and_the_larger_of_saved_and_
     buffers) and the larger of what autograd saved (read from the backward graph) and the
     gradients, never both (backward frees the one as it makes the other). A peak that is exactly
     that plus 1000 bytes leaves 1000 bytes outside, where the total, which adds both, is above the
-    peak (the old unaccounted_bytes, the peak less the total, went negative)."""
+    peak (the old unaccounted_bytes, the peak less the total, went negative); the end-of-job block
+    says so."""
     torch.manual_seed(0)
     model = tiny_mlp()
     config = validate(compose_config(*TINY, "precision=fp32"))
@@ -230,6 +231,9 @@ def test_what_the_ledger_holds_at_once_is_the_state_and_the_larger_of_saved_and_
     assert mem["at_once_bytes"] == state + max(saved, 4 * n)
     assert mem["outside_ledger_bytes"] == 1000
     assert mem["total_bytes"] == state + saved + 4 * n > ledger.device_peak
+    from mixprec.report import console
+    assert (f"{1000 / 2**20:.3g} MB beyond what the parts held at once"
+            in console.ledger_line(mem))
 
 
 class Breaks(nn.Module):
