@@ -21,8 +21,13 @@ element), not as the fp32 it is held in: the ledger is the run's on the device i
 
 The activations are measured once, at a steady step (the last of the first log window after the
 warm-up, or the run's last step if it ends sooner; the first step of a resumed process if it starts
-past it); every other step costs one comparison. The other parts are counted when training ends
-(the optimizer's state exists only after a step that was not skipped), on this rank.
+past it); every other step costs one comparison. Its hooks cost a few microseconds a saved tensor
+and are never compiled by dynamo (SavedCount), yet slow that step: the loop leaves it out of the
+steady throughput (loop.train_one). The other parts are counted when training ends (the optimizer's
+state exists only after a step that was not skipped), on this rank. The total adds the saved tensors
+and the gradients, which never all coexist; `at_once_bytes` is what the parts held at one moment of
+the measured step, and on an accelerator the device's peak less it is `outside_ledger_bytes`
+(Ledger.at_once).
 """
 from __future__ import annotations
 
@@ -58,6 +63,9 @@ def pieces(t: torch.Tensor) -> list[tuple[tuple, int, str]]:
 def storages(t: torch.Tensor) -> list[tuple[torch.UntypedStorage, int, str]]:
     """pieces(t) with each storage itself in place of its key (SavedCount checks that a parameter's
     storage is still where it was counted)."""
+    if type(t) in (torch.Tensor, nn.Parameter):   # the common case, first: a few attribute reads
+        storage = t.untyped_storage()
+        return [(storage, storage.nbytes(), dtype_name(t.dtype))]
     t = local(t)
     if isinstance(t, Emulated):
         data = t._data
@@ -129,6 +137,17 @@ def state_parts(model: nn.Module, policy, optimizer, probe=None,
     }
 
 
+@functools.cache
+def node_kind(node: type) -> str:
+    """"leaf" for AccumulateGrad (a parameter's), "copy" for a view or a cast (COPY_NODES, torchao's
+    float8 cast), else "other"; one answer a node type (the saved-tensor hook asks for each)."""
+    name = node.__name__
+    if name == "AccumulateGrad":
+        return "leaf"
+    copy = name.rstrip("0123456789").removesuffix("Backward") in COPY_NODES or "Float8" in name
+    return "copy" if copy else "other"
+
+
 def from_weight(t: torch.Tensor, depth: int = 6) -> bool:
     """Whether `t` is a view or a cast of a parameter: its autograd history reaches a leaf through
     view and copy nodes alone (COPY_NODES; torchao's float8 cast)."""
@@ -136,12 +155,9 @@ def from_weight(t: torch.Tensor, depth: int = 6) -> bool:
     for _ in range(depth):
         if fn is None:
             return False
-        name = type(fn).__name__
-        if name == "AccumulateGrad":
-            return True
-        if not (name.rstrip("0123456789").removesuffix("Backward") in COPY_NODES
-                or "Float8" in name):
-            return False
+        kind = node_kind(type(fn))
+        if kind != "copy":
+            return kind == "leaf"
         nxt = [f for f, _ in fn.next_functions if f is not None]
         if len(nxt) != 1:
             return False

@@ -280,7 +280,7 @@ def test_a_step_with_the_hooks_costs_little_more_than_one_without(monkeypatch):
     """A 12-layer GPT's training step (forward under SavedCount, backward) against the same step
     without the hooks: the parameters' storages are collected once, when the count is entered (they
     were collected again at every saved tensor that was not a parameter's: 11 to 14 times the
-    step's time on this CPU, 1.5 to 2 times now). The medians of 7 interleaved steps; the bound, 4,
+    step's time on this CPU, under 2 times now). The medians of 7 interleaved steps; the bound, 4,
     depends on the CPU's kernels and torch's version (the hooks cost microseconds a saved tensor,
     the step's kernels little more at this size)."""
     torch.manual_seed(0)
