@@ -714,16 +714,17 @@ def test_the_training_clock_syncs_the_device_at_every_reading(tiny, monkeypatch)
         "trainer.warmup_steps=2",
         "dataset.train_size=32",
     )
-    # start and stop of each epoch, and the end of the warm-up: no epoch time is read without a sync
-    # first
-    assert calls == ["cpu"] * (2 * 2 + 1) and len(s["metrics"]["epoch_times_s"]) == 2
+    # start and stop of each epoch, the end of the warm-up, and either side of the memory ledger's
+    # measured step (step 4, left out of the steady time): no time is read without a sync first
+    assert calls == ["cpu"] * (2 * 2 + 1 + 2) and len(s["metrics"]["epoch_times_s"]) == 2
+    assert s["memory"]["step"] == 4
     # its GPU memory stats: tests/gpu/test_gpu.py
     monkeypatch.setattr(mixprec.train.loop, "mark_steady", lambda device: None)
     # the clock itself, for a GPU device
     clock = mixprec.train.loop.TrainClock(torch.device("cuda"))
     calls.clear()
-    clock.start(), clock.mark_warm(), clock.stop()
-    assert calls == ["cuda"] * 3
+    clock.start(), clock.mark_warm(), clock.now(), clock.stop()
+    assert calls == ["cuda"] * 4
 
 
 @pytest.fixture

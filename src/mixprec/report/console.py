@@ -279,7 +279,8 @@ def mfu_line(summary: dict, m: dict) -> str | None:
 
 def ledger_line(mem: dict) -> str:
     """The end-of-job block's memory ledger (train/memory.py): its parts in MB, bytes per parameter,
-    activations per sample, and on an accelerator its total beside the peak of allocated bytes."""
+    activations per sample, and on an accelerator the peak of allocated bytes beside what the parts
+    held at once (an older record's unaccounted_bytes: the peak less the total)."""
     if not mem:
         return "ledger      none (no training step measured)"
     mb = {k: v / 2**20 for k, v in mem["bytes"].items()}
@@ -288,8 +289,9 @@ def ledger_line(mem: dict) -> str:
             f"{format_value(mem['bytes_per_param'], '.2f')} B/param, "
             f"{format_value(mem['activation_mb_per_sample'], '.3g')} MB activations/sample")
     if mem.get("device_peak_allocated_bytes") is not None:
+        outside = mem.get("outside_ledger_bytes", mem.get("unaccounted_bytes"))
         line += (f"; device peak {mem['device_peak_allocated_bytes'] / 2**20:.3g} MB, "
-                 f"{mem['unaccounted_bytes'] / 2**20:.3g} MB outside it (workspaces, the "
+                 f"{outside / 2**20:.3g} MB beyond what the parts held at once (workspaces, the "
                  f"backward's temporaries)")
     return line
 

@@ -13,8 +13,10 @@ What is timed: `TrainClock` measures training only (forward, backward, step, and
 preparation, as DAWNBench counts it); evaluation is timed separately and never included. Every clock
 reading synchronizes the device first, so queued GPU work is always counted. Steady-state throughput
 leaves out the first `trainer.warmup_steps` steps (cuDNN autotuning, allocator growth, lazy init);
-the summary says so. Host syncs in the loop (tests/unit/train/test_speed.py counts them), exactly
-these:
+the summary says so. It leaves out the memory ledger's measured step too (memory.py: its
+saved-tensor hooks slow that one step), its time and its samples: it runs between two clock
+readings (device syncs, as every reading is). Host syncs in the loop (tests/unit/train/test_speed.py
+counts them), exactly these:
   - every `trainer.log_every` steps and at an epoch's end: the window flush, one transfer
     (`to_host`) of one vector: the window's losses, its correct count, the weights' finiteness (one
     inf-norm per tensor, in one foreach call) and, for fused steps, their found-inf flags and scales
@@ -33,7 +35,7 @@ so at most one per step in every mode (two at step 1), and none between log step
 fp32, tf32, bf16, static-scale modes and amp with a fused optimizer.
 Under DDP the stop flag (a small CPU all-reduce, dist.agreed_stop) is agreed every
 `trainer.log_every` steps, so a signal stops the run at the next log step; the clock's barriers come
-at epoch ends only.
+at epoch ends and around the ledger's measured step only.
 
 Checkpoints (checkpoint.py writes them): `loop.checkpoint(state)` is called at each epoch end
 (except the last) and when `loop.stop()` returns a reason (SIGTERM/SIGINT, signals.py): then
@@ -100,6 +102,7 @@ class TrainClock:
         self._t0 = None
         self._warm = None
         self._excluded = 0.0    # host seconds of this segment not counted (busy.py's spins, waits)
+        self._unsteady = 0.0    # seconds of this segment counted in the total only (steady_out)
 
     def start(self) -> None:
         synchronize(self.device)
@@ -116,15 +119,26 @@ class TrainClock:
         """Leave `seconds` of the running segment (after the warm-up mark) out of every total."""
         self._excluded += seconds
 
-    def stop(self) -> float:
+    def now(self) -> float:
+        """A reading inside the running segment (the bounds of a step timed apart), after the
+        device's queued work and every rank."""
         synchronize(self.device)
         self.barrier()
-        now = time.perf_counter()
+        return time.perf_counter()
+
+    def steady_out(self, seconds: float) -> None:
+        """Leave `seconds` of the running segment, after the warm-up mark, out of the steady time
+        only: a step that trains, so it stays in the total, but runs slower than the others (the
+        memory ledger's measured step)."""
+        self._unsteady += seconds
+
+    def stop(self) -> float:
+        now = self.now()
         elapsed = now - self._t0 - self._excluded
         self.total += elapsed
         if self._warm is not None:
-            self.steady += now - max(self._t0, self._warm) - self._excluded
-        self._excluded = 0.0
+            self.steady += now - max(self._t0, self._warm) - self._excluded - self._unsteady
+        self._excluded = self._unsteady = 0.0
         return elapsed
 
 
@@ -445,14 +459,8 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
     loop.window = window
     loop.clock.start()
     for x, y in batches:
-        sampled = loop.busy is not None and loop.busy.wants(state.step >= loop.warm_at)
-        with loop.memory.around(loop, state.step + 1):
-            loss, correct, n = (loop.busy.sample(steps.step, (x, y, loop, state), loop.clock)
-                                if sampled else steps.step(x, y, loop, state))
-        state.step, state.batch = state.step + 1, state.batch + 1
-        loop.memory.took(state.step, n)
+        loss, correct, n, steady = train_one(steps, x, y, loop, state)
         state.samples += n * n_ranks   # the global batch
-        steady = state.step > loop.warm_at   # a sampled step too: only its spin is out of the clock
         state.steady_samples += n * n_ranks if steady else 0
         if steady and loop.busy is not None:
             loop.busy.tick()
@@ -484,6 +492,26 @@ def run_epoch(steps, batches, loop: Loop, state: LoopState) -> None:
     state.window = window.state_dict() if loop.status == "interrupted" else None
     loop.window = None
     bar.close()
+
+
+def train_one(steps, x, y, loop: Loop, state: LoopState) -> tuple:
+    """Training step state.step + 1 (the counters advanced): its loss, correct count and samples
+    (this rank's), and whether it counts in the steady throughput: a step after the warm-up, a
+    busy-sampled one too (only its spin is out of the clock), but not the memory ledger's measured
+    step, which its saved-tensor hooks slow: it runs between two clock readings and its time leaves
+    the steady clock (it stays in the total); it is never the one busy samples."""
+    step = state.step + 1
+    steady, measured = step > loop.warm_at, loop.memory.measures(loop, step)
+    sampled = not measured and loop.busy is not None and loop.busy.wants(steady)
+    t0 = loop.clock.now() if measured and steady else None
+    with loop.memory.around(loop, step):
+        loss, correct, n = (loop.busy.sample(steps.step, (x, y, loop, state), loop.clock)
+                            if sampled else steps.step(x, y, loop, state))
+    state.step, state.batch = step, state.batch + 1
+    loop.memory.took(step, n)
+    if t0 is not None:
+        loop.clock.steady_out(loop.clock.now() - t0)
+    return loss, correct, n, steady and not measured
 
 
 def end_epoch(steps, loop: Loop, state: LoopState) -> None:
