@@ -641,6 +641,10 @@ class Config:
              f"{name}: its weights live in {p.param_dtype} without fp32 masters, but FSDP's "
              "sharded parameters are the fp32 masters; use precision=amp_bf16 (bfloat16) or amp "
              "(float16)"),
+            (not p.keep_bn_fp32 and (p.autocast_dtype or p.param_dtype != "float32")
+             and not self.model.is_language_model, f"{name} with precision.keep_bn_fp32=false: "
+             "FSDP would hand each BatchNorm low-precision weights against its fp32 running "
+             "statistics; under trainer.strategy=fsdp use precision.keep_bn_fp32=true"),
             (p.clip_scaled_model_grads, f"{name}: it clips the fp16 model's scaled gradients, "
              "which FSDP does not keep apart from the fp32 masters; use precision=apex_fp16"),
             (p.emulate is True, f"{name} with precision.emulate=true: FSDP casts the weights to "

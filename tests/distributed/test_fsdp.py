@@ -144,6 +144,9 @@ FSDP = ["trainer.strategy=fsdp"]
     (["probe=ranges"], "probe=ranges: the probe's hooks read whole layers"),
     (["optimizer=sgd", "optimizer.impl=fused"], "optimizer.impl=fused: torch's fused SGD has no "
      "DTensor rule, and FSDP's parameters are DTensors (trainer.strategy=fsdp)"),
+    (["precision=amp_bf16", "precision.keep_bn_fp32=false"], "precision=amp_bf16 with "
+     "precision.keep_bn_fp32=false: FSDP would hand each BatchNorm low-precision weights against "
+     "its fp32 running statistics; under trainer.strategy=fsdp use precision.keep_bn_fp32=true"),
 ])
 def test_what_fsdp_cannot_express_is_refused_in_one_line(overrides, line):
     base = ["logger=none"] if "model=lstm" in overrides else TINY
@@ -376,9 +379,10 @@ def test_gpu_two_nccl_ranks_fsdp_equal_one_process_and_skip_alike(tmp_path):
 
 def test_resnet_stages_and_gpt_blocks_are_units_and_batchnorm_computes_in_fp32(tmp_path):
     """One rank (FSDP's path, a 1-rank group): torchvision ResNet-18 is sharded per stage and its
-    BatchNorm layers (precision=amp_bf16 keeps them fp32) are fp32 units, so in the forward a
-    stage's convolutions see bf16 weights, BatchNorm fp32 weights, and the root returns fp32
-    logits; the GPT's units are its blocks."""
+    BatchNorm layers (precision=amp_bf16 keeps them fp32) read their weights in fp32 inside their
+    units (test_fsdp_units.py: no unit of their own), so in the forward a stage's convolutions see
+    bf16 weights, BatchNorm fp32 weights, and the root returns fp32 logits; the GPT's units are its
+    blocks."""
     from mixprec.models import build_model
 
     config = validate(compose_config("logger=none", *FSDP, "model=resnet18", "precision=amp_bf16"))

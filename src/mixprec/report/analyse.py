@@ -691,11 +691,14 @@ def reduce_key(summary: dict) -> str:
 
 
 def compile_cell(summary: dict) -> str | None:
-    """The job's compile mode, and how many calls after its warm-up ran eagerly when some did
-    (dynamo gave up on them: the job's time is partly an eager time; compile.GraphWatch)."""
+    """The job's compile mode, the graph breaks dynamo took when it took some (its compiled
+    modules ran in pieces), and how many calls after its warm-up ran eagerly when some did (dynamo
+    gave up on them: the job's time is partly an eager time; compile.GraphWatch)."""
     mode = records.lookup(summary, "trainer.compile")
-    eager = records.metrics(summary).get("eager_calls")
-    return f"{mode}, {eager} eager calls" if eager else mode
+    m = records.metrics(summary)
+    said = [f"{m[k]} {name}" for k, name in (("graph_breaks", "graph breaks"),
+                                             ("eager_calls", "eager calls")) if m.get(k)]
+    return ", ".join([str(mode), *said]) if said else mode
 
 
 def host_bound_note(m: dict, fp32: dict, compared: bool) -> str | None:

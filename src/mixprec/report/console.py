@@ -305,10 +305,11 @@ def ranks_said(distributed: dict | None) -> str:
 
 
 def compiled_note(m: dict) -> str:
-    """A compiled job's graphs, and its calls after the warm-up that ran eagerly if some did
-    (GraphWatch)."""
+    """A compiled job's graphs, the graph breaks dynamo took if it took some, and its calls after
+    the warm-up that ran eagerly if some did (GraphWatch)."""
     if m.get("compiled_graphs") is None:
         return ""
-    eager = m.get("eager_calls")
+    breaks, eager = m.get("graph_breaks"), m.get("eager_calls")
     return (f" ({m['compiled_graphs']} graphs"
+            + (f"; {breaks} GRAPH BREAKS" if breaks else "")
             + (f"; {eager} calls ran EAGERLY after the warm-up)" if eager else ")"))

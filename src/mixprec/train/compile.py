@@ -23,9 +23,12 @@ dynamo's recompile limit, and from then on run eagerly. `reset_compile_state(dev
 job afresh (job.train_job calls it first; a script that compiles several models in one process
 should call it between them): dynamo's caches, the CUDA-graph trees and their memory pools, the
 device's cached blocks. `GraphWatch` records what a job's compilation did: the graphs dynamo
-compiled (`compiled_graphs`) and the calls of the compiled model after the warm-up that ran eagerly
-(`eager_calls`, said in one warning line and in the sweep table when not 0; under FSDP the calls
-of each layer with weights inside a compiled unit, `watched`).
+compiled (`compiled_graphs`), the graph breaks it took while compiling them (`graph_breaks`: each
+splits a compiled module into one more graph, its pieces still compiled; 0 when every compiled
+module, each FSDP unit included, is one graph a shape and mode), and the calls of the compiled
+model after the warm-up that ran eagerly (`eager_calls`; under FSDP the calls of each layer with
+weights inside a compiled unit, `watched`); breaks and eager calls are said in one warning line and
+in the job block and the sweep table when not 0.
 
 Stop signals: inductor compiles Triton kernels in a pool of worker processes, in the job's process
 group, and caches the pool: a SIGTERM sent to the group (`timeout`, scancel, a terminal) would kill
@@ -158,6 +161,12 @@ def dynamo_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def graph_breaks() -> int:
+    """Graph breaks dynamo has taken in this process (counted per reason: an unsupported op, a
+    dynamo-disabled hook such as FSDP's, torch._dynamo.graph_break())."""
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
 class EagerCalls:
     """A forward pre-hook counting the calls of a module that run outside a compiled graph: dynamo
     traces it with torch.compiler.is_compiling() True (so it adds nothing to the graph), a graph's
@@ -176,8 +185,8 @@ def watched(net: nn.Module, mode: str) -> list[nn.Module]:
     """The modules whose eager calls a job counts: the compiled model; under FSDP (its units
     compiled, its root eager) every layer with weights inside a compiled unit, whose call runs
     eagerly where the unit's graph stops: a whole unit that dynamo gave up on, and the stretches
-    between graph breaks (the hooks of an fp32 BatchNorm unit inside a stage, FSDP's and so
-    dynamo-disabled)."""
+    between graph breaks (whose pieces dynamo compiles again, so that a broken unit is counted in
+    GraphWatch's graph_breaks rather than here)."""
     if mode == "none":
         return []
     parts = compiled_parts(net)
@@ -189,12 +198,14 @@ def watched(net: nn.Module, mode: str) -> list[nn.Module]:
 
 class GraphWatch:
     """What a job's compiled model did: the graphs dynamo compiled from its creation (at the job's
-    start, after reset_compile_state) and the calls after the warm-up that ran eagerly. Nothing for
-    an eager job. `optimizer`: the graphs dynamo compiles inside its steps (torchao's AdamW on CUDA
-    compiles its step per parameter shape) are the optimizer's, counted apart from the model's."""
+    start, after reset_compile_state), the graph breaks it took, and the calls after the warm-up
+    that ran eagerly. Nothing for an eager job. `optimizer`: the graphs dynamo compiles inside its
+    steps (torchao's AdamW on CUDA compiles its step per parameter shape) are the optimizer's,
+    counted apart from the model's."""
 
     def __init__(self, net: nn.Module, mode: str, optimizer: torch.optim.Optimizer | None = None):
         self.mode, self.graphs_at_start, self.eager_at_warm = mode, dynamo_graphs(), 0
+        self.breaks_at_start = graph_breaks()
         self.eager = EagerCalls()
         self.handles = [m.register_forward_pre_hook(self.eager) for m in watched(net, mode)]
         self.optimizer_graphs, self._at_step = 0, 0
@@ -212,20 +223,27 @@ class GraphWatch:
         self.eager_at_warm = self.eager.count
 
     def finish(self) -> dict:
-        """The job's `compiled_graphs` (the model's) and `eager_calls` (metrics), with
-        `optimizer_graphs` where its steps compiled; a warning line when calls ran eagerly."""
+        """The job's `compiled_graphs` (the model's), `graph_breaks` and `eager_calls` (metrics),
+        with `optimizer_graphs` where its steps compiled; a warning line when calls ran eagerly,
+        another when dynamo broke the graphs."""
         for handle in self.handles:
             handle.remove()
         optimizer = {"optimizer_graphs": self.optimizer_graphs} if self.optimizer_graphs else {}
         if self.mode == "none":
             return optimizer
         eager = self.eager.count - self.eager_at_warm
+        breaks = graph_breaks() - self.breaks_at_start
         if eager:
             log.warning(f"mixprec: trainer.compile={self.mode}: {eager} calls of the compiled "
                         "model after its warm-up ran eagerly (dynamo gave up on them; "
                         "TORCH_LOGS=recompiles says why): this job's time is partly an eager time")
+        if breaks:
+            log.warning(f"mixprec: trainer.compile={self.mode}: dynamo broke the compiled graphs "
+                        f"{breaks} times (TORCH_LOGS=graph_breaks says where): the compiled "
+                        "modules ran in pieces, with eager code between them")
         graphs = dynamo_graphs() - self.graphs_at_start - self.optimizer_graphs
-        return {"compiled_graphs": graphs, "eager_calls": eager, **optimizer}
+        return {"compiled_graphs": graphs, "graph_breaks": breaks, "eager_calls": eager,
+                **optimizer}
 
 
 def mark_step(mode: str) -> None:

@@ -6,16 +6,18 @@ synchronised if trainer.sync_bn); the process group and the ranks are runtime/di
 trainer.strategy=fsdp: the trained model sharded with FSDP2 (torch.distributed.fsdp.fully_shard).
 
 Units, innermost first (each is all-gathered before its forward and freed after, its gradients
-reduce-scattered after its backward): a BatchNorm that the mode keeps in fp32 (its own fp32 unit),
-each GPT block, each ResNet stage (torchvision's layer1..layer4), then the root, which holds the
-rest (embeddings and the tied head, the stem, the classifier). Each unit's MixedPrecisionPolicy is
-the precision mode's (precision/fsdp.py). The mesh (runtime/dist.mesh_shape, from
-trainer.replicate) is one dimension over every rank of the job (a 1-rank job is FSDP's code path on
-one rank), or HSDP's two, ("replicate", "shard"): each parameter is sharded over the ranks of a
-replica (a node, by default) and each replica holds all of it; after backward FSDP reduce-scatters
-the gradients within a replica, then all-reduces the shards across replicas. fully_shard turns the
-parameters into DTensor shards in place (placements (Shard(0),), or (Replicate(), Shard(0)) under
-HSDP), so the optimizer must be built after it, on them (train/build.py's order).
+reduce-scattered after its backward): each GPT block, each ResNet stage (torchvision's
+layer1..layer4), then the root, which holds the rest (embeddings and the tied head, the stem, the
+classifier), the same in every precision mode. Each unit's MixedPrecisionPolicy is the precision
+mode's (precision/fsdp.py); a BatchNorm that the mode keeps in fp32 stays in its unit and reads
+its weights in fp32 (fsdp.fp32_affine), rather than being an fp32 unit of its own. The mesh
+(runtime/dist.mesh_shape, from trainer.replicate) is one dimension over every rank of the job (a
+1-rank job is FSDP's code path on one rank), or HSDP's two, ("replicate", "shard"): each parameter
+is sharded over the ranks of a replica (a node, by default) and each replica holds all of it;
+after backward FSDP reduce-scatters the gradients within a replica, then all-reduces the shards
+across replicas. fully_shard turns the parameters into DTensor shards in place (placements
+(Shard(0),), or (Replicate(), Shard(0)) under HSDP), so the optimizer must be built after it, on
+them (train/build.py's order).
 """
 from __future__ import annotations
 
@@ -139,12 +141,13 @@ def shard(model: nn.Module, cfg: PrecisionConfig, device: torch.device,
           shape: tuple[int, ...] | None = None, compile_mode: str = "none") -> nn.Module:
     """fully_shard `model` in place over the mesh of `shape` (runtime/dist.mesh_shape; None: 1-D
     over every rank; see above), its units compiled first in `compile_mode` (trainer.compile,
-    compile_units); returns it."""
-    compile_units(model, cfg, compile_mode)
-    mesh = device_mesh(device, shape)
+    compile_units); returns it. The BatchNorm layers that the mode keeps in fp32 read their
+    weights in fp32 inside their units (fsdp.fp32_affine)."""
     for m in model.modules():
         if fsdp.keeps_fp32(cfg, m):
-            fully_shard(m, mesh=mesh, mp_policy=fsdp.fp32_unit(cfg))
+            fsdp.fp32_affine(m)
+    compile_units(model, cfg, compile_mode)
+    mesh = device_mesh(device, shape)
     for unit in units(model):
         fully_shard(unit, mesh=mesh, mp_policy=fsdp.mixed_precision(cfg))
     return fully_shard(model, mesh=mesh, mp_policy=fsdp.mixed_precision(cfg, root=True))

@@ -13,8 +13,8 @@ from mixprec.train import parts
 from helpers import run_tiny
 from helpers.compiling import CountingBackend, traced_only
 from helpers.configs import GPT_JOB, GPT_TINY, SMALL
-from mixprec.report.analyse import sweep_rows
-from mixprec.report.console import job_block
+from mixprec.report.analyse import compile_cell, sweep_rows
+from mixprec.report.console import compiled_note, job_block
 
 
 class FakeGraphs(nn.Module):
@@ -225,6 +225,45 @@ def test_a_compiled_job_whose_calls_ran_eagerly_says_so(tmp_path, monkeypatch, c
     assert sweep_rows([s])[0]["compile"] == f"default, {eager} eager calls"
 
 
+class Broken(nn.Module):
+    """Two layers with a graph break between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def test_a_compiled_model_whose_graph_broke_says_so(caplog):
+    """A compiled model that dynamo breaks in two graphs (as an FSDP unit holding units of its own
+    was broken at each inner unit's hooks, each piece still compiled and eager_calls 0): the records
+    count the break (graph_breaks), and one warning line, the job block and the sweep table say
+    it."""
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    net = compile.compile_model(Broken(), "default", backend=backend)
+    watch = compile.GraphWatch(net, "default")
+    net(torch.randn(2, 4))
+    watch.warmed()
+    net(torch.randn(2, 4))
+    with caplog.at_level("WARNING"):
+        m = watch.finish()
+    assert m == {"compiled_graphs": len(backend.graphs), "graph_breaks": 1, "eager_calls": 0}
+    assert len(backend.graphs) == 2
+    assert [r.message for r in caplog.records if "broke" in r.message] == [
+        "mixprec: trainer.compile=default: dynamo broke the compiled graphs 1 times "
+        "(TORCH_LOGS=graph_breaks says where): the compiled modules ran in pieces, with eager "
+        "code between them"]
+    assert compiled_note(m) == " (2 graphs; 1 GRAPH BREAKS)"
+    assert compiled_note({**m, "graph_breaks": 0}) == " (2 graphs)"
+    assert compile_cell({"config": {"trainer": {"compile": "default"}}, "metrics": m}) == \
+        "default, 1 graph breaks"
+
+
 def train_losses(path, *overrides, base):
     s = run_tiny(path, "trainer.log_every=1", *overrides, base=base)
     assert s["status"] == "completed", s.get("error")
@@ -399,8 +438,8 @@ def test_the_optimizers_graphs_are_counted_apart_from_the_models(mode):
     model_graphs = 0 if mode == "none" else 1
     assert len(backend.graphs) == model_graphs + len(shapes)
     counted = {"optimizer_graphs": len(shapes)}
-    assert watch.finish() == ({**counted, "compiled_graphs": 1, "eager_calls": 0}
-                              if mode != "none" else counted)
+    whole = {"compiled_graphs": 1, "graph_breaks": 0, "eager_calls": 0}
+    assert watch.finish() == ({**counted, **whole} if mode != "none" else counted)
 
 
 @pytest.mark.parametrize("overrides, starts", [
