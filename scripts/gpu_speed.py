@@ -358,6 +358,7 @@ def job_rows(out: Path, name: str) -> list[dict]:
                      "compile_time_s": m.get("compile_time_s"), "busy": m.get("gpu_busy_fraction"),
                      "acc": m.get("final_test_acc"), "ppl": m.get("final_valid_ppl"),
                      "compiled_graphs": m.get("compiled_graphs"),
+                     "graph_breaks": m.get("graph_breaks"),
                      "eager_calls": m.get("eager_calls"), "error": s.get("error")})
     return rows
 
@@ -387,15 +388,17 @@ def ratio(a, b) -> str:
 
 
 def graphs_said(named: dict) -> str:
-    """The compiled jobs (or cells) behind a ratio: each one's compiled_graphs and eager_calls, and
-    a warning where one ran calls eagerly (its time is partly an eager time, the ratio too). ""
+    """The compiled jobs (or cells) behind a ratio: each one's compiled_graphs, graph_breaks (when
+    any) and eager_calls, and a warning where one ran calls eagerly or in pieces between graph
+    breaks (its time is partly an eager time, the ratio too). ""
     when none of them was compiled. named: {label: a job row or table cell}."""
     compiled = {k: r for k, r in named.items() if r and r.get("compiled_graphs") is not None}
     if not compiled:
         return ""
-    said = "; ".join(f"{k} {r['compiled_graphs']} graphs, {r['eager_calls']} eager calls"
-                     for k, r in compiled.items())
-    eager = [k for k, r in compiled.items() if r.get("eager_calls")]
+    breaks = lambda r: f", {r['graph_breaks']} graph breaks" if r.get("graph_breaks") else ""  # noqa: E731
+    said = "; ".join(f"{k} {r['compiled_graphs']} graphs{breaks(r)}, {r['eager_calls']} eager "
+                     "calls" for k, r in compiled.items())
+    eager = [k for k, r in compiled.items() if r.get("eager_calls") or r.get("graph_breaks")]
     return (f" [{said}]" + (f" PARTLY EAGER ({', '.join(eager)}): this ratio mixes eager and "
                             "compiled time" if eager else ""))
 

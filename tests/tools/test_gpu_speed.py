@@ -266,3 +266,17 @@ def test_a_gpu_with_mxfp8_tensor_cores_is_asked_mxfp8_against_amp_bf16(tmp_path)
     assert line.endswith(gs.MX_NOT_ASKED) and "compute capability 10.0+" in line
     if not torch.cuda.is_available():
         assert not gs.native_mxfp8(False)
+
+
+def test_a_ratio_over_a_job_whose_graphs_broke_says_so(tmp_path):
+    """A compiled job that ran in pieces between graph breaks (graph_breaks, FSDP's BatchNorm units
+    once) is partly eager: its ratio says so, as for eager calls."""
+    gs = load_script("gpu_speed")
+    write_job(tmp_path / "fp8_wide" / "0", "amp_bf16", "default", 100.0, 2, 0)
+    write_job(tmp_path / "fp8_wide" / "1", "fp8", "default", 150.0, 9, 0)
+    summary = json.loads((tmp_path / "fp8_wide" / "1" / "summary.json").read_text())
+    summary["metrics"]["graph_breaks"] = 7
+    (tmp_path / "fp8_wide" / "1" / "summary.json").write_text(json.dumps(summary))
+    (line,) = [x for x in gs.answers(tmp_path, {}) if x.startswith("- fp8 / amp_bf16")]
+    assert "amp_bf16 2 graphs, 0 eager calls; fp8 9 graphs, 7 graph breaks, 0 eager calls" in line
+    assert "PARTLY EAGER (fp8)" in line
