@@ -296,7 +296,8 @@ def cell_parts(config: Config, base: torch.nn.Module, device: torch.device) -> t
     built = build_trained(copy.deepcopy(base), config, device, channels_last=tr.channels_last)
     model, policy, optimizer = built.model, built.policy, built.optimizer
     schedule = build_schedule(config.schedule, optimizer, tr.max_steps)
-    steps = CellSteps(compile_model(model, tr.compile), schedule, None)
+    steps = CellSteps(compile_model(model, tr.compile, options=policy.compile_options()),
+                      schedule, None)
     watch = GraphWatch(model, tr.compile, optimizer)   # the cell's graphs, eager calls
     loop = Loop(policy, optimizer, tr, tr.max_steps, progress=False, busy=busy.meter_for(device))
     return steps, loop, LoopState(), watch

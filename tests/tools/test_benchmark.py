@@ -384,10 +384,10 @@ def test_a_failing_cell_is_recorded_and_the_table_goes_on(bench, tmp_path, monke
             raise torch.OutOfMemoryError(OOM)
         return forward(model, x, policy)
 
-    def compile_error(model, mode):
+    def compile_error(model, mode, **options):
         if mode == "default":
             raise RuntimeError(COMPILE_ERROR)
-        return compile_model(model, mode)
+        return compile_model(model, mode, **options)
     monkeypatch.setattr(step, "forward", oom_at_fp32_batch_4)
     monkeypatch.setattr(bench, "compile_model", compile_error)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))

@@ -311,5 +311,5 @@ def compiled_note(m: dict) -> str:
         return ""
     breaks, eager = m.get("graph_breaks"), m.get("eager_calls")
     return (f" ({m['compiled_graphs']} graphs"
-            + (f"; {breaks} GRAPH BREAKS" if breaks else "")
+            + (f"; {breaks} GRAPH BREAK{'S' if breaks > 1 else ''}" if breaks else "")
             + (f"; {eager} calls ran EAGERLY after the warm-up)" if eager else ")"))

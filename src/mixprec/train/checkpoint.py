@@ -33,6 +33,7 @@ except a default batch that has moved since (keep_default_batch: the checkpoint'
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import json
 import logging
@@ -128,6 +129,17 @@ def reason(error: Exception) -> str:
     return (named or lines)[0].split(" was not an allowed global")[0][:200]
 
 
+def unexpected_class(why: str, optimizer: str | None) -> str:
+    """What to do about an intact checkpoint holding a class the unpickler was not told of: a
+    low-bit optimizer's state while the job's config names another optimizer (a changed config),
+    or a class whose package this Python lacks."""
+    if "torchao.optim" in why and importlib.util.find_spec("torchao") is not None:
+        return (f"it is intact, and holds a torchao low-bit optimizer's state while this job's "
+                f"config names optimizer={optimizer}: resume with the job's own overrides")
+    return ("it is intact: install the package that class comes from (torchao: pip install -e "
+            "\".[dev]\"), then resume")
+
+
 def read(out_dir: Path, config: dict, device_type: str, world: int = 1) -> dict | None:
     """The job's checkpoint (None when there is none), checked to belong to this config, kind of
     device and world size (`world` ranks), and, for a sharded job, to name a folder of shards that
@@ -140,9 +152,8 @@ def read(out_dir: Path, config: dict, device_type: str, world: int = 1) -> dict 
         ckpt = load(path, optimizer_name(config))
     except Exception as e:   # truncated, garbage, or not a torch file: the reason is one line
         why = reason(e)
-        if "Unsupported global" in why:   # intact, but of a class this Python cannot import
-            fix = (f"it is intact: install the package that class comes from (torchao: pip "
-                   f"install -e \".[dev]\"), then resume; or {fix}")
+        if "Unsupported global" in why:   # intact, but of a class this job does not expect
+            fix = f"{unexpected_class(why, optimizer_name(config))}; or {fix}"
         raise CheckpointError(f"{path}: not a readable checkpoint ({why}); {fix}") from None
     if (
         not isinstance(ckpt, dict)

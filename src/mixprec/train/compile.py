@@ -239,7 +239,8 @@ class GraphWatch:
                         "TORCH_LOGS=recompiles says why): this job's time is partly an eager time")
         if breaks:
             log.warning(f"mixprec: trainer.compile={self.mode}: dynamo broke the compiled graphs "
-                        f"{breaks} times (TORCH_LOGS=graph_breaks says where): the compiled "
+                        f"{breaks} time{'s' if breaks > 1 else ''} (TORCH_LOGS=graph_breaks says "
+                        "where): the compiled "
                         "modules ran in pieces, with eager code between them")
         graphs = dynamo_graphs() - self.graphs_at_start - self.optimizer_graphs
         return {"compiled_graphs": graphs, "graph_breaks": breaks, "eager_calls": eager,

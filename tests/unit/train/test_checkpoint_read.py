@@ -34,17 +34,28 @@ def test_a_low_bit_optimizers_checkpoint_loads_in_a_process_that_never_imported_
         checkpoint.load(path, "adamw")
 
 
+@pytest.mark.parametrize("installed", [True, False])
 def test_a_checkpoint_of_a_class_it_cannot_load_is_named_and_not_called_broken(
-    tmp_path, new_process_allow_list
+    tmp_path, new_process_allow_list, monkeypatch, installed
 ):
     """One line that names the class (not the unpickler's banner, nor its escape codes) and says
-    the file is intact: deleting it would lose a pre-empted run."""
+    the file is intact: deleting it would lose a pre-empted run. With torchao installed the class
+    is a low-bit optimizer's state under a config that names another optimizer (a changed
+    config); without it, torchao is missing."""
+    import importlib.util
+
     path = tmp_path / CHECKPOINT
     torch.save({"exp_avg": torchao_optim.subclass_8bit.OptimState8bit.zeros((4096,))}, path)
+    if not installed:
+        find = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: None if name == "torchao" else find(name, *a))
     with pytest.raises(CheckpointError) as e:
         checkpoint.read(tmp_path, {"optimizer": {"name": "adamw"}}, "cpu")
     line = str(e.value)
     assert "\n" not in line and "\x1b" not in line
     assert line.startswith(f"{path}: not a readable checkpoint (WeightsUnpickler error: "
                            "Unsupported global: GLOBAL torchao.optim.subclass_8bit.OptimState8bit)")
-    assert "it is intact: install the package that class comes from" in line
+    assert ("it is intact, and holds a torchao low-bit optimizer's state while this job's config "
+            "names optimizer=adamw: resume with the job's own overrides" in line) is installed
+    assert ("it is intact: install the package that class comes from" in line) is not installed
