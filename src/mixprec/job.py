@@ -538,6 +538,8 @@ def distributed_record(ctx: JobContext, policy: PrecisionPolicy,
         record.update(fsdp.dtypes(config.precision),
                       mesh=parallel.mesh_record(dist.mesh_shape(tr.replicate, ranks)),
                       held_bytes=ranks.gather(held.measure()))
+        if any(isinstance(m, fsdp.FP32Affine) for m in held.model.modules()):
+            record["batchnorm"] = fsdp.batchnorm_note(config.precision)
     return record
 
 

@@ -222,3 +222,14 @@ def test_a_low_bit_optimizers_state_is_held_at_its_quantized_size_under_fsdp(tmp
     ledger = s["memory"]["bytes"]["optimizer"]
     assert held["optimizer"] == pytest.approx(ledger, rel=1e-3)   # the ledger counts step scalars
     assert held["optimizer"] < 0.35 * 2 * held["params"]   # fp32 AdamW: 2 x the fp32 params
+
+
+def test_a_sharded_image_job_says_its_batchnorm_weights_are_gathered_rounded(tmp_path):
+    """FSDP's BatchNorms compute in fp32 but their weight and bias are gathered with their unit,
+    in its dtype (precision/fsdp.py): the record says so, where one process keeps them fp32."""
+    s = run_tiny(tmp_path, "trainer.strategy=fsdp", "precision=amp_bf16",
+                 "precision.emulate=false")
+    assert s["status"] == "completed", s.get("error")
+    assert s["distributed"]["batchnorm"] == (
+        "fp32 compute and running statistics; weight and bias gathered in bfloat16 with their "
+        "unit (rounded), then read in fp32")

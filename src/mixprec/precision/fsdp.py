@@ -80,6 +80,14 @@ def dtypes(cfg: PrecisionConfig) -> dict:
             "reduce_dtype": str(reduce_dtype(cfg)).removeprefix("torch.")}
 
 
+def batchnorm_note(cfg: PrecisionConfig) -> str:
+    """What a sharded job's summary says of its BatchNorms (FP32Affine): fp32 arithmetic, but
+    weight and bias are gathered with their unit, so rounded to its dtype (not so in one process)."""
+    dtype = str(param_dtype(cfg) or torch.float32).removeprefix("torch.")
+    return (f"fp32 compute and running statistics; weight and bias gathered in {dtype} with their "
+            "unit (rounded), then read in fp32")
+
+
 def mixed_precision(cfg: PrecisionConfig, root: bool = False) -> MixedPrecisionPolicy:
     """The MixedPrecisionPolicy of one FSDP unit; the root's returns fp32 outputs (the loss in
     fp32)."""
