@@ -82,7 +82,7 @@ def dtypes(cfg: PrecisionConfig) -> dict:
 
 def batchnorm_note(cfg: PrecisionConfig) -> str:
     """What a sharded job's summary says of its BatchNorms (FP32Affine): fp32 arithmetic, but
-    weight and bias are gathered with their unit, so rounded to its dtype (not so in one process)."""
+    weight and bias are gathered with their unit, so rounded to its dtype (one process: not)."""
     dtype = str(param_dtype(cfg) or torch.float32).removeprefix("torch.")
     return (f"fp32 compute and running statistics; weight and bias gathered in {dtype} with their "
             "unit (rounded), then read in fp32")
