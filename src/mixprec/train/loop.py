@@ -499,11 +499,14 @@ def train_one(steps, x, y, loop: Loop, state: LoopState) -> tuple:
     (this rank's), and whether it counts in the steady throughput: a step after the warm-up, a
     busy-sampled one too (only its spin is out of the clock), but not the memory ledger's measured
     step, which its saved-tensor hooks slow: it runs between two clock readings and its time leaves
-    the steady clock (it stays in the total); it is never the one busy samples."""
+    the steady clock (it stays in the total), unless it is the run's only steady step (a
+    calibration job's: a steady throughput with the hooks beats none); it is never the one busy
+    samples."""
     step = state.step + 1
     steady, measured = step > loop.warm_at, loop.memory.measures(loop, step)
     sampled = not measured and loop.busy is not None and loop.busy.wants(steady)
-    t0 = loop.clock.now() if measured and steady else None
+    out = measured and steady and loop.total_steps - loop.warm_at >= 2   # others stay steady
+    t0 = loop.clock.now() if out else None
     with loop.memory.around(loop, step):
         loss, correct, n = (loop.busy.sample(steps.step, (x, y, loop, state), loop.clock)
                             if sampled else steps.step(x, y, loop, state))
@@ -511,7 +514,7 @@ def train_one(steps, x, y, loop: Loop, state: LoopState) -> tuple:
     loop.memory.took(step, n)
     if t0 is not None:
         loop.clock.steady_out(loop.clock.now() - t0)
-    return loss, correct, n, steady and not measured
+    return loss, correct, n, steady and not out
 
 
 def end_epoch(steps, loop: Loop, state: LoopState) -> None:

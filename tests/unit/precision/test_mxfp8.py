@@ -170,8 +170,12 @@ def mxfp8_and_bf16(tmp_path_factory):
 
 @pytest.mark.slow
 def test_fifty_mxfp8_steps_fall_and_end_within_the_measured_tolerance_of_amp_bf16(mxfp8_and_bf16):
-    (mx, losses), (bf, _) = mxfp8_and_bf16["mxfp8"], mxfp8_and_bf16["amp_bf16"]
+    (mx, losses), (bf, bf_losses) = mxfp8_and_bf16["mxfp8"], mxfp8_and_bf16["amp_bf16"]
     assert mx["status"] == "completed" and mx["metrics"]["steps"] == 50 and len(losses) == 5
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.8
     gap = abs(mx["metrics"]["final_valid_loss"] - bf["metrics"]["final_valid_loss"])
-    assert MX_DIFFERS < gap < MX_VS_BF16_TOL, gap
+    assert gap < MX_VS_BF16_TOL, gap
+    # its block rounding took effect: the logged training losses differ from bf16's (the final
+    # gap alone measured 3.2e-5 on one 2-core machine with torch 2.14.1, 1.75e-4 with one thread,
+    # under the 1e-4 it was once bounded below by)
+    assert max(abs(a - b) for a, b in zip(losses, bf_losses)) > MX_DIFFERS, (losses, bf_losses)
