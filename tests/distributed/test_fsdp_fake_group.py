@@ -181,7 +181,11 @@ def collectives(monkeypatch) -> dict:
     buffer's bytes. Every all-gather's output is filled with this rank's shard, as if each rank
     held it (finite values for the forward, where the fake group leaves memory unwritten)."""
     seen = {"reduce_scatter": [], "all_gather": [], "all_gather_bytes": []}
-    reduce_scatter, all_gather = tdist.reduce_scatter_single, tdist.all_gather_single
+    # FSDP2's collectives by name: *_single from torch 2.14, *_tensor before (2.11, the oldest)
+    rs_name, ag_name = (("reduce_scatter_single", "all_gather_single")
+                        if hasattr(tdist, "reduce_scatter_single")
+                        else ("reduce_scatter_tensor", "all_gather_into_tensor"))
+    reduce_scatter, all_gather = getattr(tdist, rs_name), getattr(tdist, ag_name)
     gather_params = _fsdp_param_group.foreach_all_gather
 
     def spy_reduce_scatter(output, input, *args, **kwargs):
@@ -201,8 +205,8 @@ def collectives(monkeypatch) -> dict:
              in zip(fsdp_params, result.param_all_gather_input_dtypes, strict=True)})
         return result
 
-    monkeypatch.setattr(tdist, "reduce_scatter_single", spy_reduce_scatter)
-    monkeypatch.setattr(tdist, "all_gather_single", spy_all_gather)
+    monkeypatch.setattr(tdist, rs_name, spy_reduce_scatter)
+    monkeypatch.setattr(tdist, ag_name, spy_all_gather)
     monkeypatch.setattr(_fsdp_param_group, "foreach_all_gather", spy_gather_params)
     return seen
 
